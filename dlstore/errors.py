@@ -1,0 +1,58 @@
+"""The one family of errors dlstore raises.
+
+Callers catch `DlstoreError` for anything dlstore-specific, or one subclass to
+react to one kind of failure: only `TransientError` is worth retrying.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AuthError",
+    "ConfigError",
+    "CorruptSample",
+    "CorruptShard",
+    "DlstoreError",
+    "FormatError",
+    "NoSpace",
+    "NotFound",
+    "TransientError",
+]
+
+
+class DlstoreError(Exception):
+    """Base of every error dlstore raises on purpose."""
+
+
+class NotFound(DlstoreError):
+    """The object, container or bucket does not exist. Never retried."""
+
+
+class AuthError(DlstoreError):
+    """Credentials were missing, wrong, expired or revoked. Never retried."""
+
+
+class TransientError(DlstoreError):
+    """A failure that may pass: timeout, reset, 408/429/5xx, short read.
+
+    Raised to the caller only once the retry policy's attempts or deadline are spent.
+    """
+
+
+class CorruptShard(DlstoreError):
+    """A shard's bytes do not match its manifest (size or checksum), or its tar is malformed."""
+
+
+class CorruptSample(DlstoreError):
+    """One sample could not be decoded (bad image bytes, bad label)."""
+
+
+class FormatError(DlstoreError):
+    """Input does not have the expected layout (a source dataset, a manifest, an index)."""
+
+
+class ConfigError(DlstoreError):
+    """A setting is missing, contradictory or out of range."""
+
+
+class NoSpace(DlstoreError):
+    """The local disk (cache or destination) is full; nothing partial was left behind."""

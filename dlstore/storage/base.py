@@ -1,0 +1,209 @@
+"""The `Store` interface every backend implements, and its contract.
+
+Contract (every backend passes `tests/test_store_contract.py` unchanged):
+
+* A store is rooted at a URL `scheme://container/prefix`; keys are relative to that
+  root, use `/` as separator, and never start with `/`.
+* `list(prefix)` yields `ObjectInfo` in lexicographic key order, lazily, page by page,
+  for any number of objects (well past 10,000).
+* `get(key, start, end)` streams bytes; a read cut off mid-body resumes from the last
+  byte received, so the caller sees each byte once. `get_range` returns exactly the
+  bytes asked for.
+* `put(key, data)` takes bytes, a path, a binary file or an iterator of bytes and
+  streams it; objects larger than `segment_size` go as S3 multipart uploads or Swift
+  static large objects. A put is atomic: readers see the old object or the new one.
+* Errors are `NotFound`, `AuthError`, `TransientError` (retried here, with jittered
+  backoff and a deadline, then raised), `NoSpace`, or `DlstoreError`.
+* Credentials never appear in logs, errors or reprs.
+* Stores pickle: clients are made lazily and dropped in `__getstate__`, so a store
+  crosses into DataLoader workers and forked processes safely.
+
+Backends implement the underscore methods; the public methods add key checks, retries
+and resumption once, here.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO, Union
+
+from dlstore.config import StoreConfig
+from dlstore.errors import ConfigError, TransientError
+from dlstore.storage.retry import call_with_retry, retrying
+
+__all__ = ["ObjectInfo", "PutSource", "Store", "IterReader"]
+
+PutSource = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", BinaryIO, Iterable[bytes]]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One object: its key relative to the store root, its size, and an etag if the backend has one."""
+
+    key: str
+    size: int
+    etag: str | None = None
+    mtime: float | None = None
+
+
+class IterReader(io.RawIOBase):
+    """A read-only, non-seekable file over an iterator of byte chunks (no extra copies
+    when the caller reads whole chunks)."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks = iter(chunks)
+        self._buffer = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, out) -> int:  # type: ignore[override]
+        while not self._buffer:
+            try:
+                self._buffer = memoryview(next(self._chunks))
+            except StopIteration:
+                return 0
+        n = min(len(out), len(self._buffer))
+        out[:n] = self._buffer[:n]
+        self._buffer = self._buffer[n:]
+        return n
+
+
+def check_key(key: str) -> str:
+    if not key or key.startswith("/") or "//" in key or key.endswith("/"):
+        raise ConfigError(f"invalid object key {key!r}: keys are relative paths like 'train/shard-000000.tar'")
+    if any(part in (".", "..") for part in key.split("/")):
+        raise ConfigError(f"invalid object key {key!r}: '.' and '..' are not allowed")
+    return key
+
+
+class Store(ABC):
+    """A bucket/container (or directory) with a key prefix. See the module docstring for the contract.
+
+    >>> store = open_store("file:///tmp/data")          # doctest: +SKIP
+    >>> store.put("a/b.txt", b"hello"); store.get_bytes("a/b.txt")
+    b'hello'
+    """
+
+    scheme: str = ""
+
+    def __init__(self, url: str, config: StoreConfig | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.config = config or StoreConfig()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    # -- pickling: subclasses keep their clients in attributes starting with "_client"
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_client")}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    # -- public API -------------------------------------------------------------------
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Objects whose key starts with `prefix`, in key order, fetched page by page."""
+        return self._list(prefix)
+
+    def stat(self, key: str) -> ObjectInfo:
+        key = check_key(key)
+        return call_with_retry(self.config.retry, lambda: self._stat(key))
+
+    def exists(self, key: str) -> bool:
+        from dlstore.errors import NotFound
+
+        try:
+            self.stat(key)
+        except NotFound:
+            return False
+        return True
+
+    def get(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
+        """Stream bytes `[start, end)` of `key` (to the end when `end` is None).
+
+        A transient failure mid-stream re-opens the object at the next byte, so the
+        chunks are exactly the object's bytes, once.
+        """
+        key = check_key(key)
+        if start < 0 or (end is not None and end < start):
+            raise ConfigError(f"invalid byte range [{start}, {end}) for {key!r}")
+        position = start
+        for attempt in retrying(self.config.retry):
+            with attempt:
+                if end is not None and position >= end:
+                    return
+                for chunk in self._read(key, position, end):
+                    position += len(chunk)
+                    yield chunk
+                if end is not None and position < end:
+                    raise TransientError(f"short read of {key!r}: got bytes up to {position}, expected {end}")
+
+    def get_range(self, key: str, start: int, length: int) -> bytes:
+        """Exactly `length` bytes from offset `start` (fewer only if the object ends first)."""
+        if length <= 0:
+            return b""
+        return b"".join(self.get(key, start, start + length))
+
+    def get_bytes(self, key: str) -> bytes:
+        return b"".join(self.get(key))
+
+    def put(self, key: str, data: PutSource) -> None:
+        """Write `data` to `key`, streaming; large sources go in segments."""
+        key = check_key(key)
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            payload = bytes(data)
+            call_with_retry(self.config.retry, lambda: self._write(key, io.BytesIO(payload)))
+        elif isinstance(data, (str, os.PathLike)):
+            with open(data, "rb") as file:
+                self._put_seekable(key, file)
+        elif hasattr(data, "read"):
+            if getattr(data, "seekable", lambda: False)():
+                self._put_seekable(key, data)  # type: ignore[arg-type]
+            else:
+                self._write(key, data)  # type: ignore[arg-type]
+        else:
+            self._write(key, io.BufferedReader(IterReader(data), buffer_size=self.config.chunk_size))  # type: ignore[arg-type]
+
+    def _put_seekable(self, key: str, file: BinaryIO) -> None:
+        origin = file.tell()
+
+        def attempt() -> None:
+            file.seek(origin)
+            self._write(key, file)
+
+        call_with_retry(self.config.retry, attempt)
+
+    def delete(self, key: str) -> None:
+        """Remove `key` (and its segments); `NotFound` if it is not there."""
+        key = check_key(key)
+        call_with_retry(self.config.retry, lambda: self._delete(key))
+
+    def join(self, key: str) -> str:
+        """The full URL of `key`."""
+        return f"{self.url}/{key}"
+
+    # -- what backends implement --------------------------------------------------------
+    @abstractmethod
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Yield objects under `prefix` in key order; retry each page internally."""
+
+    @abstractmethod
+    def _stat(self, key: str) -> ObjectInfo: ...
+
+    @abstractmethod
+    def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        """Stream `[start, end)`. Raise `TransientError` if the body ends before the length
+        the server announced (a short read)."""
+
+    @abstractmethod
+    def _write(self, key: str, stream: BinaryIO) -> None:
+        """Write everything `stream.read()` yields. Called again from the start on a transient
+        error when the source is seekable; a backend that buffers segments may retry each."""
+
+    @abstractmethod
+    def _delete(self, key: str) -> None: ...

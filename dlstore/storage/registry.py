@@ -1,0 +1,71 @@
+"""URL scheme → backend class, resolved lazily so an unused backend's client library
+need not be installed."""
+
+from __future__ import annotations
+
+import importlib
+from urllib.parse import urlsplit
+
+from dlstore.config import StoreConfig
+from dlstore.errors import ConfigError
+from dlstore.storage.base import Store
+
+__all__ = ["known_backends", "open_object", "open_store", "split_object_url"]
+
+# scheme → ("module:Class", what to install when the import fails)
+known_backends: dict[str, tuple[str, str]] = {
+    "file": ("dlstore.storage.local:LocalStore", ""),
+    "s3": ("dlstore.storage.s3:S3Store", "pip install boto3"),
+    "swift": ("dlstore.storage.swift:SwiftStore", "pip install python-swiftclient keystoneauth1"),
+}
+_FSSPEC = ("dlstore.storage.fsspec_store:FsspecStore", "pip install fsspec (and the package for this scheme)")
+
+
+def _backend_class(scheme: str) -> type[Store]:
+    target, hint = known_backends.get(scheme, _FSSPEC)
+    module_name, class_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"the {scheme}:// backend needs a package that is missing ({exc.name}); {hint}") from exc
+    return getattr(module, class_name)
+
+
+def open_store(url: str, config: StoreConfig | None = None) -> Store:
+    """The store rooted at `url`: `file:///data`, a plain path, `s3://bucket/prefix`,
+    `swift://container/prefix`, or any fsspec URL (`memory://x`, `https://host/path`).
+
+    >>> open_store("/tmp/shards").url
+    'file:///tmp/shards'
+    """
+    if "://" not in url:
+        import os
+
+        url = "file://" + os.path.abspath(url)
+    scheme = urlsplit(url).scheme
+    if not scheme:
+        raise ConfigError(f"cannot tell the storage scheme of {url!r}")
+    return _backend_class(scheme)(url, config or StoreConfig.from_env())
+
+
+def split_object_url(url: str) -> tuple[str, str]:
+    """`("s3://bucket/a", "b.tar")` from `"s3://bucket/a/b.tar"`: the parent URL and the key."""
+    if "://" not in url:
+        import os
+
+        url = "file://" + os.path.abspath(url)
+    scheme, rest = url.split("://", 1)
+    rest = rest.rstrip("/")
+    if scheme == "file":
+        parent, _, name = rest.rpartition("/")
+        return f"file://{parent or '/'}", name
+    if "/" not in rest:
+        raise ConfigError(f"{url!r} names a container/bucket, not an object")
+    parent, _, name = rest.rpartition("/")
+    return f"{scheme}://{parent}", name
+
+
+def open_object(url: str, config: StoreConfig | None = None) -> tuple[Store, str]:
+    """The store holding the object at `url`, and the object's key in it."""
+    parent, key = split_object_url(url)
+    return open_store(parent, config), key
