@@ -17,6 +17,7 @@ __all__ = [
     "S3Config",
     "Secret",
     "StoreConfig",
+    "WorldInfo",
     "SwiftConfig",
     "parse_size",
 ]
@@ -255,3 +256,44 @@ class StoreConfig:
             s3=S3Config.from_env(env),
             swift=SwiftConfig.from_env(env),
         )
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    """Who this process is in a data-parallel job: global rank, world size, ranks per node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of the ranks per node ({self.local_world_size})"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorldInfo:
+        """From torch.distributed when it is initialised, else torchrun's variables
+        (`RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`), else Slurm's (`SLURM_PROCID`,
+        `SLURM_NTASKS`, `SLURM_NTASKS_PER_NODE`), else a single process."""
+        env = os.environ if env is None else env
+        try:
+            if "WORLD_SIZE" in env and "RANK" in env:
+                rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
+                local = int(env.get("LOCAL_WORLD_SIZE", size))
+                return cls(rank, size, local)
+            if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+                rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+                per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(size)
+                return cls(rank, size, int(per_node))
+        except ValueError as exc:
+            raise ConfigError(f"cannot read the distributed world from the environment: {exc}") from None
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            size = dist.get_world_size()
+            return cls(dist.get_rank(), size, int(env.get("LOCAL_WORLD_SIZE", size)))
+        return cls()

@@ -1,0 +1,239 @@
+"""The streaming dataset: manifest + plan + cache + reader + transforms, one batch at a time.
+
+`Dataset` is a map-style torch dataset whose items are whole batches: the loader's sampler
+(main process) walks this rank's epoch plan and hands a `BatchRequest` to a worker; the
+worker makes sure the batch's shards are in the node cache, reads the samples through the
+shard's sample index, decodes and augments them, and collates a uint8 NHWC batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlstore.cache import CacheConfig, ShardCache
+from dlstore.config import StoreConfig, WorldInfo, parse_size
+from dlstore.errors import ConfigError, CorruptSample
+from dlstore.manifest import Manifest
+from dlstore.plan import PlanConfig, RankPlan, World, locate, rank_plan
+from dlstore.shards import read_shard_index, read_sample_from_file
+from dlstore.storage import open_store
+from dlstore.transforms import TransformConfig, sample_rng, transform_image
+
+__all__ = ["BatchRequest", "Dataset", "DatasetConfig"]
+
+log = logging.getLogger(__name__)
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "bmp")
+
+
+def default_cache_dir(env: dict | None = None) -> str:
+    env = os.environ if env is None else env
+    return env.get("DLSTORE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dlstore", "shards")
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    url: str
+    cache_dir: str = ""
+    cache_limit: int = 50 * 10**9
+    transform: TransformConfig = field(default_factory=TransformConfig)
+    batch_size: int = 256
+    seed: int = 0
+    drop_last: bool = False
+    shuffle: bool = True
+    shuffle_window: int = 4
+    on_corrupt: str = "skip"  # or "raise"
+    return_keys: bool = False
+    prefetch_shards: int = 4
+
+    def __post_init__(self) -> None:
+        if self.on_corrupt not in ("skip", "raise"):
+            raise ConfigError("on_corrupt must be 'skip' or 'raise'")
+        if self.batch_size < 1:
+            raise ConfigError("batch_size must be at least 1")
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """What a worker needs to build one batch: the sample ids, the epoch (for augmentation
+    randomness) and the batch's position (for ordering and errors)."""
+
+    epoch: int
+    index: int
+    ids: np.ndarray
+    is_padding: np.ndarray
+
+
+class Dataset(torch.utils.data.Dataset):
+    """A sharded dataset in any store, read through the node-local cache.
+
+    >>> ds = Dataset("swift://imagenet/train", cache_dir="/mnt/ssd/dlstore", cache_limit="150GB",
+    ...              transform="train", image_size=224, batch_size=256, seed=0)   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cache_dir: str | None = None,
+        cache_limit: str | int = "50GB",
+        transform: str | TransformConfig = "train",
+        image_size: int = 224,
+        batch_size: int = 256,
+        seed: int = 0,
+        world: WorldInfo | None = None,
+        store_config: StoreConfig | None = None,
+        **options: Any,
+    ) -> None:
+        if isinstance(transform, str):
+            transform = TransformConfig(preset=transform, image_size=image_size)
+        self.cfg = DatasetConfig(
+            url=url,
+            cache_dir=cache_dir or default_cache_dir(),
+            cache_limit=parse_size(cache_limit),
+            transform=transform,
+            batch_size=batch_size,
+            seed=seed,
+            **options,
+        )
+        self.store = open_store(url, store_config)
+        self.manifest = Manifest.load(self.store)
+        info = world or WorldInfo.from_env()
+        self.world = World(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
+        self.shard_sizes = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
+        self.cache = ShardCache(CacheConfig(cache_dir=self.cfg.cache_dir, limit_bytes=self.cfg.cache_limit), self.store)
+        self.cache.check_fits(max((s.size for s in self.manifest.shards), default=0))
+        self.image_field = next((f for f in IMAGE_FIELDS if f in self.manifest.fields), None)
+        if self.image_field is None:
+            raise ConfigError(f"{url}: the manifest lists no image field (fields: {list(self.manifest.fields)})")
+        self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
+        self._indexes: OrderedDict[str, Any] = OrderedDict()
+        self.corrupt_samples = 0
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_plans"], state["_indexes"] = OrderedDict(), OrderedDict()
+        return state
+
+    # -- the plan (main process) --------------------------------------------------------
+    @property
+    def plan_config(self) -> PlanConfig:
+        c = self.cfg
+        return PlanConfig(
+            seed=c.seed, batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle, shuffle_window=c.shuffle_window
+        )
+
+    def plan(self, epoch: int, history: tuple = ()) -> RankPlan:
+        key = (epoch, history, self.cfg.batch_size)
+        if key not in self._plans:
+            self._plans[key] = rank_plan(self.shard_sizes, self.plan_config, epoch, self.world, history)
+            while len(self._plans) > 2:
+                self._plans.popitem(last=False)
+        return self._plans[key]
+
+    def start_batch(self, history: tuple) -> int:
+        """Where this rank resumes in `plan(epoch, history)`."""
+        from dlstore.plan import start_batch
+
+        return start_batch(history, self.world, self.cfg.batch_size)
+
+    def request(self, plan: RankPlan, epoch: int, index: int) -> BatchRequest:
+        ids, is_padding = plan.batch(index)
+        return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
+
+    def prefetch_after(self, plan: RankPlan, index: int) -> None:
+        """Ask the cache to fetch the shards of the next batches in the background."""
+        upcoming: list[int] = []
+        for j in range(index + 1, min(plan.num_batches, index + 1 + 8)):
+            for shard in np.unique(locate(plan.batch(j)[0], self.shard_sizes)[0]).tolist():
+                if shard not in upcoming:
+                    upcoming.append(shard)
+            if len(upcoming) >= self.cfg.prefetch_shards:
+                break
+        if upcoming:
+            self.cache.prefetch([self._shard_ref(s) for s in upcoming[: self.cfg.prefetch_shards]])
+
+    def _shard_ref(self, shard: int) -> tuple[str, int, str | None]:
+        info = self.manifest.shards[shard]
+        return info.name, info.size, info.checksum
+
+    # -- reading (workers) --------------------------------------------------------------
+    def _index(self, shard: int, path: str):
+        name = self.manifest.shards[shard].name
+        if name not in self._indexes:
+            self._indexes[name] = read_shard_index(path)
+            while len(self._indexes) > 64:
+                self._indexes.popitem(last=False)
+        return self._indexes[name]
+
+    def _read_raw(self, ids: np.ndarray) -> list[dict]:
+        """The raw samples of `ids`, in order; each shard is held once for all its samples."""
+        shards, offsets = locate(ids, self.shard_sizes)
+        samples: list[dict | None] = [None] * len(ids)
+        for shard in np.unique(shards).tolist():
+            name, size, checksum = self._shard_ref(shard)
+            with self.cache.hold(name, size, checksum) as path:
+                index = self._index(shard, path)
+                with open(path, "rb") as file:
+                    for position in np.flatnonzero(shards == shard).tolist():
+                        samples[position] = read_sample_from_file(file, index[int(offsets[position])])
+        return samples  # type: ignore[return-value]
+
+    def __getitem__(self, request: BatchRequest) -> dict:
+        cfg = self.cfg
+        raw = self._read_raw(request.ids)
+        images, labels, keys, padding = [], [], [], []
+        for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), raw):
+            try:
+                data = sample.get(self.image_field)
+                if data is None:
+                    raise CorruptSample(f"sample {sample.get('__key__')!r} has no {self.image_field!r} member")
+                label = _label(sample)
+                rng = sample_rng(cfg.seed, request.epoch, sample_id)
+                images.append(transform_image(data, cfg.transform, rng))
+            except CorruptSample as exc:
+                if cfg.on_corrupt == "raise":
+                    raise
+                self.corrupt_samples += 1
+                log.warning("skipping corrupt sample %s: %s", sample.get("__key__"), exc)
+                continue
+            labels.append(label)
+            keys.append(sample.get("__key__"))
+            padding.append(is_padding)
+        batch = {
+            "images": torch.from_numpy(np.stack(images)) if images else _empty(cfg.transform),
+            "labels": torch.tensor(labels, dtype=torch.int64),
+            "index": request.index,
+            "padding": torch.tensor(padding, dtype=torch.bool),
+        }
+        if cfg.return_keys:
+            batch["keys"] = keys
+        return batch
+
+    def with_transform(self, transform: TransformConfig) -> Dataset:
+        """The same data with another transform (e.g. a progressive-resizing step)."""
+        other = self.__new__(type(self))
+        other.__dict__.update(self.__getstate__())
+        other.cfg = replace(self.cfg, transform=transform)
+        return other
+
+
+def _label(sample: dict) -> int:
+    raw = sample.get("cls")
+    if raw is None:
+        raise CorruptSample(f"sample {sample.get('__key__')!r} has no .cls member")
+    try:
+        return int(raw.decode("ascii").strip())
+    except (UnicodeDecodeError, ValueError):
+        raise CorruptSample(f"sample {sample.get('__key__')!r} has a non-integer label") from None
+
+
+def _empty(transform: TransformConfig) -> torch.Tensor:
+    return torch.empty((0, transform.image_size, transform.image_size, 3), dtype=torch.uint8)

@@ -1,0 +1,204 @@
+"""From the dataset to the training loop: DataLoader workers, pinned memory, and a
+GPU prefetcher that copies batches ahead on a side CUDA stream.
+
+The main process owns the epoch plan: a sampler walks this rank's batches in order and
+hands each worker a whole batch request; persistent workers decode and collate; the
+DataLoader returns batches in plan order, so what the training loop sees does not depend
+on the number of workers. The loader counts batches *delivered to the loop* (not those
+fetched ahead), so `state_dict()` is the exact position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Sampler
+
+from dlstore.dataset import BatchRequest, Dataset
+from dlstore.errors import ConfigError
+from dlstore.plan import EpochState
+from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = ["GpuPrefetcher", "Loader", "LoaderConfig"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    num_workers: int = 8
+    device: str = "cuda"
+    # Batches decoded ahead per worker, and batches copied to the device ahead of the loop.
+    prefetch_factor: int = 2
+    device_lookahead: int = 2
+    dtype: str = "float32"  # or "bfloat16", "float16", "uint8" (no normalisation)
+    normalize: bool = True
+    channels_last: bool = True
+    gpu_decode: bool = False
+    timeout_s: float = 0.0
+
+
+class _PlanSampler(Sampler):
+    """Yields this rank's batch requests for the current epoch, from a start batch."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.epoch = 0
+        self.history: tuple = ()
+        self.start_batch = 0
+
+    def __len__(self) -> int:
+        return self.dataset.plan(self.epoch, self.history).num_batches - self.start_batch
+
+    def __iter__(self) -> Iterator[BatchRequest]:
+        plan = self.dataset.plan(self.epoch, self.history)
+        for index in range(self.start_batch, plan.num_batches):
+            yield self.dataset.request(plan, self.epoch, index)
+            self.dataset.prefetch_after(plan, index)
+
+
+class GpuPrefetcher:
+    """Copies the next `lookahead` batches to `device` on a side stream, then converts them
+    (uint8 NHWC → float NCHW channels_last, normalised) on the GPU.
+
+    Why a side stream: the host-to-device copy of batch k+1 overlaps the compute of batch k.
+    The consumer's stream waits on an event before it touches a batch, and the tensors are
+    marked with `record_stream` so the caching allocator does not reuse their memory early.
+    On a CPU device the same code runs without streams.
+    """
+
+    def __init__(self, batches: Iterator[dict], cfg: LoaderConfig, device: torch.device) -> None:
+        self.batches = batches
+        self.cfg = cfg
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        dtype = getattr(torch, cfg.dtype)
+        self.dtype = dtype
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+        self.pending: list[tuple[dict, Any]] = []
+
+    def _to_device(self, batch: dict) -> dict:
+        images = batch["images"].to(self.device, non_blocking=True)
+        labels = batch["labels"].to(self.device, non_blocking=True)
+        if self.cfg.gpu_decode and batch.get("encoded") is not None:
+            from dlstore.transforms_gpu import decode_batch_gpu
+
+            images = decode_batch_gpu(batch["encoded"], batch["boxes"], self.device)
+        # NHWC uint8 -> NCHW view with channels_last strides: no copy.
+        images = images.permute(0, 3, 1, 2)
+        if self.dtype != torch.uint8:
+            images = images.float()
+            if self.cfg.normalize:
+                images = (images - self.mean) / self.std
+            images = images.to(self.dtype)
+            if self.cfg.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            else:
+                images = images.contiguous()
+        out = dict(batch)
+        out["images"], out["labels"] = images, labels
+        return out
+
+    def _enqueue(self) -> bool:
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            return False
+        if self.cuda:
+            with torch.cuda.stream(self.stream):
+                ready = self._to_device(batch)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        else:
+            ready, event = self._to_device(batch), None
+        self.pending.append((ready, event))
+        return True
+
+    def __iter__(self) -> Iterator[dict]:
+        while len(self.pending) < max(1, self.cfg.device_lookahead) and self._enqueue():
+            pass
+        while self.pending:
+            batch, event = self.pending.pop(0)
+            if event is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(event)
+                for value in (batch["images"], batch["labels"]):
+                    value.record_stream(current)
+            self._enqueue()
+            yield batch
+
+
+class Loader:
+    """Batches of this rank, on the device, normalised, channels_last.
+
+    >>> ds = dlstore.Dataset("swift://imagenet/train", batch_size=256)     # doctest: +SKIP
+    >>> loader = dlstore.Loader(ds, num_workers=8, device="cuda")
+    >>> loader.set_epoch(0)
+    >>> for images, labels in loader: ...
+    """
+
+    def __init__(self, dataset: Dataset, num_workers: int = 8, device: str = "cuda", **options: Any) -> None:
+        self.cfg = LoaderConfig(num_workers=num_workers, device=device, **options)
+        if self.cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            log.warning("CUDA is not available: the loader delivers batches on the CPU")
+            self.cfg = LoaderConfig(**{**self.cfg.__dict__, "device": "cpu"})
+        self.device = torch.device(self.cfg.device)
+        self.dataset = dataset
+        self.sampler = _PlanSampler(dataset)
+        self.state = EpochState(epoch=0, history=())
+        self._consumed = 0  # batches handed to the loop in the current segment
+        workers = self.cfg.num_workers
+        self._dataloader = DataLoader(
+            dataset,
+            sampler=self.sampler,
+            batch_size=None,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            prefetch_factor=self.cfg.prefetch_factor if workers > 0 else None,
+            pin_memory=self.device.type == "cuda",
+            timeout=self.cfg.timeout_s,
+        )
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning, unless a loaded state resumes this very epoch."""
+        if epoch != self.state.epoch:
+            self.state = EpochState(epoch=epoch, history=())
+            self._consumed = 0
+
+    def __len__(self) -> int:
+        return self.dataset.plan(self.state.epoch, self.state.history).num_batches - self._start_batch()
+
+    def _start_batch(self) -> int:
+        return self.dataset.start_batch(self.state.history)
+
+    def __iter__(self) -> Iterator:
+        self.sampler.epoch = self.state.epoch
+        self.sampler.history = self.state.history
+        self.sampler.start_batch = self._start_batch()
+        prefetcher = GpuPrefetcher(iter(self._dataloader), self.cfg, self.device)
+        for batch in prefetcher:
+            self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
+            if self.dataset.cfg.return_keys:
+                yield batch["images"], batch["labels"], batch["keys"]
+            else:
+                yield batch["images"], batch["labels"]
+        # A finished epoch resumes at the next one.
+        self.state = EpochState(epoch=self.state.epoch + 1, history=())
+
+    def state_dict(self) -> dict:
+        """The exact position: epoch and the steps done in it (per world layout)."""
+        return {"version": 1, "seed": self.dataset.cfg.seed, **self.state.to_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ConfigError(f"unknown loader state version {state.get('version')!r}")
+        if state.get("seed") != self.dataset.cfg.seed:
+            raise ConfigError("loader state was saved with another seed; resuming would change the data order")
+        self.state = EpochState.from_dict(state)
+
