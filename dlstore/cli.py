@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -88,7 +89,252 @@ def _add_cp(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_cp)
 
 
+# -- cache ---------------------------------------------------------------------------------
+def _cmd_cache_stats(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from dlstore.cache import cache_report
+
+    report = cache_report(args.dir)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report), indent=2))
+        return 0
+    totals = report.totals
+    lookups = totals.hits + totals.misses
+    rows = [
+        ("cache", report.cache_dir),
+        ("shards", f"{report.files}"),
+        ("bytes", _human(report.bytes)),
+        ("limit", _human(report.limit_bytes) if report.limit_bytes else "unknown"),
+        ("in flight", f"{report.in_flight} downloads ({_human(report.in_flight_bytes)} reserved)"),
+        ("hits", f"{totals.hits}" + (f" ({totals.hits / lookups:.1%})" if lookups else "")),
+        ("misses", f"{totals.misses}"),
+        ("fetched", _human(totals.bytes_fetched)),
+        ("evictions", f"{totals.evictions}"),
+        ("corrupt replaced", f"{totals.corrupt_replaced}"),
+        ("wait", f"{totals.wait_time_s:.1f} s"),
+    ]
+    for label, value in rows:
+        print(f"{label:<18}{value}")
+    return 0
+
+
+def _cmd_cache_clear(args: argparse.Namespace) -> int:
+    from dlstore.cache import clear_cache
+
+    result = clear_cache(args.dir, reset_stats=args.reset_stats)
+    print(f"removed {result.removed} shards ({_human(result.removed_bytes)}) from {args.dir}")
+    if result.skipped_held:
+        print(
+            f"kept {result.skipped_held} shards ({_human(result.skipped_bytes)}) that readers hold; "
+            "run again once they finish",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _add_cache(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("cache", help="inspect or empty a node-local shard cache")
+    actions = p.add_subparsers(dest="cache_action", required=True, metavar="ACTION")
+    stats = actions.add_parser("stats", help="files, bytes, limit and counters summed over all processes")
+    stats.add_argument("dir", help="the cache directory (the dataset's cache_dir)")
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.set_defaults(func=_cmd_cache_stats)
+    clear = actions.add_parser("clear", help="remove every shard no reader holds (safe while in use)")
+    clear.add_argument("dir", help="the cache directory (the dataset's cache_dir)")
+    clear.add_argument("--reset-stats", action="store_true", help="also zero the counters")
+    clear.set_defaults(func=_cmd_cache_clear)
+
+
+# -- convert, verify, index ----------------------------------------------------------------
+def _cmd_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from tqdm import tqdm
+
+    from dlstore.config import parse_size
+    from dlstore.convert import ConvertOptions, ConvertProgress, convert
+
+    options = ConvertOptions(
+        split=args.split,
+        shard_size=parse_size(args.shard_size),
+        samples_per_shard=args.samples_per_shard,
+        resize_max_side=args.resize_max_side,
+        quality=args.quality,
+        image_format=args.image_format,
+        keep_format=args.keep_format,
+        val_labels=args.val_labels,
+        metadata=not args.no_json,
+        seed=args.seed,
+        shuffle=not args.no_shuffle,
+        strict=args.strict,
+        workers=args.workers,
+        prefix=args.prefix,
+        tmp_dir=args.tmp_dir,
+        overwrite=args.overwrite,
+        rehash_existing=args.rehash_existing,
+    )
+    started = time.monotonic()
+    with tqdm(desc="convert", unit=" img", disable=args.quiet, dynamic_ncols=True) as bar:
+
+        def on_progress(p: ConvertProgress) -> None:
+            bar.total = p.samples_total
+            bar.update(p.samples_done - bar.n)
+            rate = p.bytes_done / max(time.monotonic() - started, 1e-6) / 1e6
+            bar.set_postfix_str(f"{p.shards_done}/{p.shards_total} shards, {rate:.1f} MB/s", refresh=False)
+
+        summary = convert(args.source_format, args.src, args.dest, options, progress=on_progress)
+    print(summary.describe())
+    return 0
+
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("convert", help="convert ImageNet, ImageFolder, CIFAR-10 or MNIST into tar shards in a store")
+    p.add_argument(
+        "source_format",
+        metavar="FORMAT",
+        choices=["imagenet", "imagefolder", "cifar10", "mnist"],
+        help="imagenet, imagefolder, cifar10 or mnist",
+    )
+    p.add_argument("src", help="the source: a folder, or an ILSVRC2012 tar / cifar-10-python.tar.gz")
+    p.add_argument(
+        "dest", help="dataset URL to write, e.g. swift://imagenet/train, s3://bucket/cifar/train, file:///data/x"
+    )
+    p.add_argument(
+        "--split",
+        help="imagenet: train (default) or val; cifar10/mnist: train (default) or test; imagefolder: a sub-folder",
+    )
+    p.add_argument("--shard-size", default="256MB", help="target shard size (default 256MB)")
+    p.add_argument("--samples-per-shard", type=int, help="also cut shards at this many samples")
+    p.add_argument("--resize-max-side", type=int, metavar="N", help="store JPEGs whose longer side is at most N pixels")
+    p.add_argument("--quality", type=int, default=90, help="JPEG quality for re-encoded images (default 90)")
+    p.add_argument(
+        "--format",
+        dest="image_format",
+        choices=["png", "jpeg"],
+        default="png",
+        help="cifar10/mnist: how to store images (default png)",
+    )
+    p.add_argument(
+        "--keep-format",
+        action="store_true",
+        help="imagefolder: store PNG/WebP/... as they are instead of re-encoding as JPEG",
+    )
+    p.add_argument(
+        "--val-labels",
+        metavar="FILE",
+        help="imagenet: ground truth for flat val images (LOC_val_solution.csv or '<file> <wnid>' lines)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="processes encoding and writing shards (default: all CPUs)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the global shuffle before sharding (default 0)")
+    p.add_argument("--no-shuffle", action="store_true", help="keep the sorted input order")
+    p.add_argument("--no-json", action="store_true", help="no per-sample .json (source path and class name)")
+    p.add_argument("--strict", action="store_true", help="fail on the first unreadable image instead of skipping it")
+    p.add_argument("--prefix", default="shard", help="shard name prefix: PREFIX-000000.tar (default shard)")
+    p.add_argument(
+        "--tmp-dir", help="where workers stage shards (at most one shard per worker; default: the system temp dir)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset made with other options at DEST")
+    p.add_argument(
+        "--rehash-existing", action="store_true", help="when resuming, re-read kept shards and check their checksums"
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dlstore.convert import verify_dataset
+
+    with tqdm(desc="verify", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
+
+        def on_progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        report = verify_dataset(args.url, deep=args.deep, workers=args.workers, progress=on_progress)
+    for problem in report.problems:
+        print(problem)
+    what = "every sample decoded, labels and counts checked" if report.deep else "sizes and checksums"
+    if report.ok:
+        print(f"OK: {report.shards} shards, {report.samples:,} samples, {_human(report.bytes)} ({what})")
+        return 0
+    print(f"{report.url}: {len(report.problems)} problem(s)", file=sys.stderr)
+    return 1
+
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check a dataset's shards against its manifest (exit 1 on any mismatch)")
+    p.add_argument("url", help="dataset URL (where index.json is)")
+    p.add_argument("--deep", action="store_true", help="also decode every sample and check labels, counts and indexes")
+    p.add_argument("--workers", type=int, default=4, help="shards checked at once (default 4)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from dlstore.convert import index_dataset
+
+    with tqdm(desc="index", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
+
+        def on_progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        manifest = index_dataset(args.url, label_field=args.label_field, workers=args.workers, progress=on_progress)
+    print(
+        f"indexed {len(manifest.shards)} shards, {manifest.total_samples:,} samples, "
+        f"{manifest.num_classes} classes, fields {', '.join(manifest.fields)}; wrote index.json"
+    )
+    return 0
+
+
+def _add_index(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("index", help="write sample indexes and index.json for WebDataset shards made by other tools")
+    p.add_argument("url", help="URL of the folder/prefix holding the .tar shards")
+    p.add_argument("--label-field", default="cls", help="member holding the integer label (default cls)")
+    p.add_argument("--workers", type=int, default=4, help="shards indexed at once (default 4)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_index)
+
+
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ls, _add_cp]
+SUBCOMMANDS.append(_add_cache)
+SUBCOMMANDS += [_add_convert, _add_verify, _add_index]
+
+
+# -- train ---------------------------------------------------------------------------------
+def _cmd_train(args: argparse.Namespace) -> int:
+    from dlstore.train import main as train
+    from dlstore.train.config import config_from_args
+
+    if args.verbose == 0:
+        logging.getLogger("dlstore.train").setLevel(logging.INFO)  # checkpoints and eval results
+    return train(config_from_args(args))
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    from dlstore.train.config import add_train_arguments
+
+    p = sub.add_parser(
+        "train",
+        help="train a torchvision model from a dataset URL (DDP under torchrun or srun), checkpointing to a store URL",
+        description="Exit codes: 0 done, 75 stopped by SIGTERM/SIGUSR1 after a checkpoint (rerun with --resume auto).",
+    )
+    add_train_arguments(p)
+    p.set_defaults(func=_cmd_train)
+
+
+SUBCOMMANDS.append(_add_train)
 
 
 def build_parser() -> argparse.ArgumentParser:

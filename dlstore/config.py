@@ -157,10 +157,17 @@ class S3Config:
     ca_bundle: str | None = None
     multipart_chunk_size: int = 64 * 2**20
     multipart_threshold: int = 64 * 2**20
+    # Keys per list request. Swift's s3api asks the cluster for one more than this, so a
+    # cluster with a lowered `container_listing_limit` (L) needs at most L - 1 here.
+    list_page_size: int = 1000
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> S3Config:
         env = os.environ if env is None else env
+        try:
+            list_page_size = int(env.get("DLSTORE_S3_LIST_PAGE_SIZE") or 1000)
+        except ValueError:
+            raise ConfigError(f"DLSTORE_S3_LIST_PAGE_SIZE={env['DLSTORE_S3_LIST_PAGE_SIZE']!r} is not a number") from None
         return cls(
             endpoint_url=_first(env, "DLSTORE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
             region=_first(env, "AWS_REGION", "AWS_DEFAULT_REGION"),
@@ -172,6 +179,7 @@ class S3Config:
             ca_bundle=_first(env, "AWS_CA_BUNDLE"),
             multipart_chunk_size=parse_size(env.get("DLSTORE_SEGMENT_SIZE", 64 * 2**20)),
             multipart_threshold=parse_size(env.get("DLSTORE_SEGMENT_SIZE", 64 * 2**20)),
+            list_page_size=list_page_size,
         )
 
 

@@ -130,7 +130,9 @@ class KeystoneStandin:
 
         self._server = ThreadingHTTPServer(self._address, Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name="keystone-standin", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, args=(0.1,), name="keystone-standin", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -217,7 +219,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "keystone-standin/1"
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (stdlib signature)
+    def log_message(self, format: str, *args: object) -> None:
         sys.stderr.write(f"keystone-standin: {self.address_string()} {format % args}\n")
 
     def _send_json(self, status: int, body: dict, headers: Mapping[str, str] | None = None) -> None:
@@ -247,7 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
             "media-types": [{"base": "application/json", "type": "application/vnd.openstack.identity-v3+json"}],
         }
 
-    def do_GET(self) -> None:  # noqa: N802 (stdlib naming)
+    def do_GET(self) -> None:
         path = urllib.parse.urlsplit(self.path).path.rstrip("/")
         if path == "":
             self._send_json(300, {"versions": {"values": [self._version()]}})
@@ -268,7 +270,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     do_HEAD = do_GET
 
-    def do_POST(self) -> None:  # noqa: N802 (stdlib naming)
+    def do_POST(self) -> None:
         path = urllib.parse.urlsplit(self.path).path.rstrip("/")
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""

@@ -137,11 +137,11 @@ class Store(ABC):
             with attempt:
                 if end is not None and position >= end:
                     return
+                # `_read` compares what arrived with the length the server announced, so
+                # ending before `end` here means the object ended first, not a short read.
                 for chunk in self._read(key, position, end):
                     position += len(chunk)
                     yield chunk
-                if end is not None and position < end:
-                    raise TransientError(f"short read of {key!r}: got bytes up to {position}, expected {end}")
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Exactly `length` bytes from offset `start` (fewer only if the object ends first)."""

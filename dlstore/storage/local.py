@@ -18,7 +18,7 @@ __all__ = ["LocalStore"]
 
 
 def _os_error(exc: OSError, what: str) -> DlstoreError:
-    if isinstance(exc, FileNotFoundError):
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):  # "a/b" when "a" is a file: no such object
         return NotFound(f"{what}: no such file")
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return NoSpace(f"{what}: no space left on device")

@@ -1,0 +1,553 @@
+"""WebDataset-compatible tar shards: a deterministic writer and a safe, fast reader.
+
+A shard is a POSIX (ustar) tar in which the files of one sample are consecutive and share a
+basename: `00000042.jpg`, `00000042.cls`, `00000042.json`. The key/extension split is
+WebDataset's: the key is everything up to the first dot of the file's basename, the
+extension the rest, lowercased. GNU tar and the `webdataset` package read these shards as
+they are.
+
+Writer (`TarShardWriter`): every header field that could vary between runs is fixed
+(mtime 0, uid/gid 0, mode 0444, empty user/group names), so the same samples in the same
+order give byte-identical shards. It hashes (SHA-256) while writing and returns the
+shard's `SampleIndex`.
+
+Reader (`iter_samples`, `parse_samples`, `read_sample_from_file`): parses the 512-byte
+headers itself, which is several times faster per sample than `tarfile` and never touches
+the file system. It reads ustar, GNU (`L` long names, base-256 sizes) and pax (`x` path and
+size) headers, so shards from other tools work too, and it raises `CorruptShard` — never
+anything else — for what a shard must not hold: absolute or `..` names, links, devices,
+FIFOs, sparse or unknown member types, negative or oversized sizes, bad header checksums,
+truncated headers or data, a field twice in one sample.
+
+>>> import io
+>>> buffer = io.BytesIO()
+>>> writer = TarShardWriter(buffer)
+>>> writer.write("000000", {"jpg": b"...", "cls": b"3"})
+SampleSpan(offset=0, size=2048)
+>>> index = writer.close()
+>>> [s["cls"] for s in iter_samples(buffer.getvalue())]
+[b'3']
+>>> read_sample_from_file(io.BytesIO(buffer.getvalue()), index[0])["__key__"]
+'000000'
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import BinaryIO, NamedTuple
+
+from dlstore.errors import CorruptShard
+from dlstore.manifest import SampleIndex, SampleSpan
+
+__all__ = [
+    "MAX_MEMBER_SIZE",
+    "TarMember",
+    "TarShardWriter",
+    "iter_members",
+    "iter_samples",
+    "iter_samples_with_spans",
+    "parse_samples",
+    "read_sample",
+    "read_sample_from_file",
+    "read_shard_index",
+    "scan_shard",
+    "shard_name",
+    "split_member_name",
+]
+
+BLOCK = 512
+RECORD = 20 * BLOCK  # GNU tar and tarfile pad archives to 10 KiB records; so do we
+MAX_MEMBER_SIZE = 1 << 30  # a single member above 1 GiB is not an image sample: refuse it
+_MAX_EXTENDED_HEADER = 1 << 20
+_ZERO_BLOCK = bytes(BLOCK)
+_REGULAR = (b"0", b"\0", b"7")
+_EXTENDED = (b"x", b"g", b"L", b"K")
+_REJECTED = {
+    b"1": "a hard link",
+    b"2": "a symbolic link",
+    b"3": "a character device",
+    b"4": "a block device",
+    b"6": "a FIFO",
+    b"S": "a sparse file",
+    b"V": "a volume label",
+    b"M": "a multi-volume continuation",
+}
+_NAME_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext, exactly
+_META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset skips these members entirely
+
+Source = bytes | bytearray | memoryview | BinaryIO | Iterable[bytes]
+
+
+def shard_name(prefix: str, index: int) -> str:
+    """`shard-000012.tar` for `("shard", 12)`.
+
+    >>> shard_name("train", 3)
+    'train-000003.tar'
+    """
+    return f"{prefix}-{index:06d}.tar"
+
+
+def split_member_name(name: str) -> tuple[str, str] | None:
+    """`(key, extension)` of a member name as WebDataset splits it, or None without an extension.
+
+    >>> split_member_name("a/b/00042.seg.png")
+    ('a/b/00042', 'seg.png')
+    """
+    match = _NAME_RE.match(name)
+    if match is None:
+        return None
+    return match.group(1), match.group(2).lower()
+
+
+# -- writer --------------------------------------------------------------------------------
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
+
+
+class TarShardWriter:
+    """Writes one shard, sample by sample, to a binary file; byte-for-byte deterministic.
+
+    >>> with open("shard-000000.tar", "wb") as f:                       # doctest: +SKIP
+    ...     w = TarShardWriter(f)
+    ...     w.write("00000000", {"jpg": jpeg_bytes, "cls": b"7"})
+    ...     index = w.close(recipe=digest)
+    """
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        self._hash = hashlib.sha256()
+        self._offset = 0
+        self._offsets: list[int] = []
+        self._closed = False
+        self._end = 0
+
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self._offset
+
+    @property
+    def samples(self) -> int:
+        return len(self._offsets)
+
+    def _emit(self, data: bytes | memoryview) -> None:
+        self._file.write(data)
+        self._hash.update(data)
+        self._offset += len(data)
+
+    def write(self, key: str, fields: Mapping[str, bytes]) -> SampleSpan:
+        """Append one sample; `fields` maps extensions (`"jpg"`) to bytes, written in order."""
+        if self._closed:
+            raise ValueError("the shard is closed")
+        if not key or "." in key.rsplit("/", 1)[-1] or key.startswith("/") or ".." in key.split("/"):
+            raise ValueError(f"sample key {key!r} must be a relative name without a dot in its last part")
+        if not fields:
+            raise ValueError(f"sample {key!r} has no fields")
+        start = self._offset
+        for ext, data in fields.items():
+            if not ext or "/" in ext:
+                raise ValueError(f"field name {ext!r} of sample {key!r} is not a file extension")
+            self._write_member(f"{key}.{ext}", data)
+        self._offsets.append(start)
+        return SampleSpan(start, self._offset - start)
+
+    def _write_member(self, name: str, data: bytes | bytearray | memoryview) -> None:
+        encoded = name.encode("utf-8")
+        size = len(data)
+        if len(encoded) > 100 or size >= 8**11:
+            self._write_pax(name, size)
+        self._emit(_header(encoded[:100], size, b"0"))
+        self._emit(data)
+        pad = -size % BLOCK
+        if pad:
+            self._emit(_ZERO_BLOCK[:pad])
+
+    def _write_pax(self, name: str, size: int) -> None:
+        records = b"".join(_pax_record(k, v) for k, v in (("path", name), ("size", str(size))))
+        self._emit(_header(b"././@PaxHeader", len(records), b"x"))
+        self._emit(records)
+        pad = -len(records) % BLOCK
+        if pad:
+            self._emit(_ZERO_BLOCK[:pad])
+
+    def close(self, recipe: bytes = bytes(32)) -> SampleIndex:
+        """Write the end-of-archive blocks (padded to a 10 KiB record) and return the index."""
+        if not self._closed:
+            end = self._offset
+            self._emit(_ZERO_BLOCK * 2)
+            pad = -self._offset % RECORD
+            if pad:
+                self._emit(bytes(pad))
+            self._closed = True
+            self._end = end
+        return SampleIndex(self._offsets + [self._end], self._offset, self._hash.digest(), recipe)
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    body = f" {key}={value}\n".encode()
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length = len(str(length)) + len(body)
+    return str(length).encode() + body
+
+
+def _header(name: bytes, size: int, typeflag: bytes) -> bytes:
+    header = bytearray(BLOCK)
+    header[0 : len(name)] = name
+    header[100:108] = _octal(0o444, 8)  # mode
+    header[108:116] = _octal(0, 8)  # uid
+    header[116:124] = _octal(0, 8)  # gid
+    header[124:136] = _octal(min(size, 8**11 - 1), 12)  # size (a pax record carries bigger ones)
+    header[136:148] = _octal(0, 12)  # mtime: fixed, so shards are reproducible
+    header[148:156] = b"        "
+    header[156:157] = typeflag
+    header[257:265] = b"ustar\x0000"
+    header[329:337] = _octal(0, 8)  # devmajor
+    header[337:345] = _octal(0, 8)  # devminor
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
+# -- reader --------------------------------------------------------------------------------
+class TarMember(NamedTuple):
+    """A regular file in a tar: its name, where its first header starts, where its data starts, its size."""
+
+    name: str
+    offset: int
+    data_offset: int
+    size: int
+    data: bytes | None
+
+
+def _number(field: bytes, what: str, offset: int) -> int:
+    if field[:1] and field[0] & 0x80:  # GNU base-256
+        if field[0] == 0xFF:
+            raise CorruptShard(f"tar header at byte {offset}: negative {what}")
+        return int.from_bytes(bytes([field[0] & 0x7F]) + field[1:], "big")
+    text = field.split(b"\0", 1)[0].strip(b" ")
+    if not text:
+        return 0
+    if text.translate(None, b"01234567"):
+        raise CorruptShard(f"tar header at byte {offset}: {what} {text[:16]!r} is not an octal number")
+    return int(text, 8)
+
+
+def _check_header(block: bytes, offset: int) -> None:
+    stored = _number(block[148:156], "checksum", offset)
+    unsigned = sum(block) - sum(block[148:156]) + 8 * 32
+    if stored != unsigned:
+        signed = unsigned - 256 * sum(1 for i, b in enumerate(block) if b > 127 and not 148 <= i < 156)
+        if stored != signed:
+            raise CorruptShard(f"tar header at byte {offset}: bad checksum (not a tar, or a corrupt one)")
+
+
+def _decode_name(raw: bytes, offset: int) -> str:
+    try:
+        name = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorruptShard(f"tar member at byte {offset}: name {raw[:60]!r} is not UTF-8") from None
+    while name.startswith("./"):
+        name = name[2:]
+    if not name or name.startswith("/") or "\0" in name or ".." in name.replace("\\", "/").split("/"):
+        raise CorruptShard(f"tar member at byte {offset}: unsafe name {name[:100]!r}")
+    return name
+
+
+def _parse_pax(data: bytes, offset: int) -> dict[str, bytes]:
+    records: dict[str, bytes] = {}
+    pos = 0
+    while pos < len(data) and data[pos] != 0:
+        space = data.find(b" ", pos, pos + 24)
+        if space < 0:
+            raise CorruptShard(f"pax header at byte {offset}: malformed record")
+        length_text = data[pos:space]
+        if not length_text.isdigit() or int(length_text) < 5 or pos + int(length_text) > len(data):
+            raise CorruptShard(f"pax header at byte {offset}: malformed record length {length_text[:16]!r}")
+        end = pos + int(length_text)
+        record = data[space + 1 : end]
+        if not record.endswith(b"\n") or b"=" not in record:
+            raise CorruptShard(f"pax header at byte {offset}: malformed record")
+        key, _, value = record[:-1].partition(b"=")
+        records[key.decode("utf-8", "replace")] = value
+        pos = end
+    return records
+
+
+class _Reader:
+    """`read(n)` that returns exactly n bytes or raises `CorruptShard`, over a buffer or a file."""
+
+    __slots__ = ("read", "skip", "position")
+
+    def __init__(self, source: Source) -> None:
+        self.position = 0
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            self._init_buffer(memoryview(source).cast("B"))
+        else:
+            if not hasattr(source, "read"):
+                from dlstore.storage.base import IterReader
+
+                source = io.BufferedReader(IterReader(source), buffer_size=1 << 20)  # type: ignore[arg-type]
+            self._init_file(source)  # type: ignore[arg-type]
+
+    def _init_buffer(self, view: memoryview) -> None:
+        def read(n: int) -> bytes:
+            start = self.position
+            self.position = start + n
+            return view[start : start + n].tobytes()
+
+        def skip(n: int) -> None:
+            self.position += n
+
+        self.read, self.skip = read, skip
+
+    def _init_file(self, file: BinaryIO) -> None:
+        raw_read = file.read
+        seekable = False
+        try:
+            seekable = file.seekable()
+        except (AttributeError, OSError, ValueError):
+            pass
+
+        def read(n: int) -> bytes:
+            data = raw_read(n)
+            if data is None:
+                data = b""
+            while len(data) < n:  # unbuffered streams may return short reads before the end
+                more = raw_read(n - len(data))
+                if not more:
+                    break
+                data += more
+            self.position += len(data)
+            return data
+
+        def skip(n: int) -> None:
+            if seekable:
+                file.seek(n, os.SEEK_CUR)
+                self.position += n
+            else:
+                while n > 0:
+                    chunk = read(min(n, 1 << 20))
+                    if not chunk:
+                        return
+                    n -= len(chunk)
+
+        self.read, self.skip = read, skip
+
+
+def iter_members(
+    source: Source, *, data: bool = True, max_member_size: int = MAX_MEMBER_SIZE, base_offset: int = 0
+) -> Iterator[TarMember]:
+    """The regular files of a tar, in order, checked as the module docstring says.
+
+    `source` is a buffer, a binary file or an iterator of byte chunks. With `data=False`
+    the data is skipped (seeked over when the file can seek) and `TarMember.data` is None.
+    Directories and pax global headers are passed over; the walk ends at the first
+    all-zero block or, cleanly, at the end of the input on a block boundary.
+    """
+    reader = _Reader(source)
+    read, skip = reader.read, reader.skip
+    first_header: int | None = None
+    long_name: bytes | None = None
+    pax: dict[str, bytes] | None = None
+    while True:
+        offset = base_offset + reader.position
+        block = read(BLOCK)
+        if len(block) < BLOCK:
+            if block or first_header is not None:
+                raise CorruptShard(f"tar truncated at byte {offset + len(block)}: a header is cut off")
+            return
+        if block == _ZERO_BLOCK:
+            return
+        _check_header(block, offset)
+        typeflag = block[156:157]
+        size = _number(block[124:136], "size", offset)
+        if first_header is None:
+            first_header = offset
+        if typeflag in _EXTENDED:
+            if size > _MAX_EXTENDED_HEADER:
+                raise CorruptShard(f"tar header at byte {offset}: extended header of {size} bytes")
+            payload = read(size + (-size % BLOCK))
+            if len(payload) < size:
+                raise CorruptShard(f"tar truncated at byte {base_offset + reader.position}: extended header cut off")
+            if typeflag == b"L":
+                long_name = payload[:size].split(b"\0", 1)[0]
+            elif typeflag == b"x":
+                pax = _parse_pax(payload[:size], offset)
+            continue  # `g` (global) and `K` (long link name) change nothing we keep
+        raw_name = block[:100].split(b"\0", 1)[0]
+        if block[257:263] == b"ustar\x00" and block[345]:
+            raw_name = block[345:500].split(b"\0", 1)[0] + b"/" + raw_name
+        if long_name is not None:
+            raw_name = long_name
+        if pax is not None:
+            raw_name = pax.get("path", raw_name)
+            if "size" in pax:
+                if not pax["size"].isdigit():
+                    raise CorruptShard(f"pax header before byte {offset}: size {pax['size'][:16]!r}")
+                size = int(pax["size"])
+        name = _decode_name(raw_name, offset)
+        member_start, first_header, long_name, pax = first_header, None, None, None
+        if typeflag in _REJECTED:
+            raise CorruptShard(
+                f"tar member {name[:100]!r} at byte {member_start} is {_REJECTED[typeflag]}; shards hold regular files only"
+            )
+        if size > max_member_size:
+            raise CorruptShard(
+                f"tar member {name[:100]!r} at byte {member_start} claims {size} bytes (limit {max_member_size})"
+            )
+        pad = -size % BLOCK
+        data_offset = base_offset + reader.position
+        if typeflag == b"5":
+            skip(size + pad)
+            continue
+        if typeflag not in _REGULAR:
+            raise CorruptShard(f"tar member {name[:100]!r} at byte {member_start} has unknown type {typeflag!r}")
+        if data:
+            payload = read(size)
+            if len(payload) < size:
+                raise CorruptShard(f"tar truncated at byte {data_offset + len(payload)}: {name[:100]!r} is cut off")
+            skip(pad)
+            yield TarMember(name, member_start, data_offset, size, payload)
+        else:
+            skip(size + pad)
+            yield TarMember(name, member_start, data_offset, size, None)
+
+
+def iter_samples_with_spans(
+    source: Source, *, max_member_size: int = MAX_MEMBER_SIZE
+) -> Iterator[tuple[dict, SampleSpan]]:
+    """Samples grouped by key, each with the byte span it occupies in the tar."""
+    sample: dict = {}
+    key = None
+    start = end = 0
+    for member in iter_members(source, max_member_size=max_member_size):
+        if _META_RE.match(member.name):
+            continue
+        parts = split_member_name(member.name)
+        if parts is None:  # no extension: not part of any sample (webdataset skips it too)
+            continue
+        member_key, ext = parts
+        if member_key != key:
+            if sample:
+                yield sample, SampleSpan(start, end - start)
+            sample, key, start = {"__key__": member_key}, member_key, member.offset
+        elif ext in sample:
+            raise CorruptShard(f"sample {member_key!r} has two {ext!r} members (at byte {member.offset})")
+        sample[ext] = member.data
+        end = member.data_offset + member.size + (-member.size % BLOCK)
+    if sample:
+        yield sample, SampleSpan(start, end - start)
+
+
+def iter_samples(source: Source, *, max_member_size: int = MAX_MEMBER_SIZE) -> Iterator[dict]:
+    """Stream the samples of a shard: `{"__key__": "00000042", "jpg": b"...", "cls": b"7"}`.
+
+    `source` is the shard's bytes, a binary file, or an iterator of chunks such as
+    `store.get(key)`. Raises `CorruptShard` on anything unsafe or malformed.
+
+    >>> for sample in iter_samples(open("shard-000000.tar", "rb")):   # doctest: +SKIP
+    ...     image, label = sample["jpg"], int(sample["cls"])
+    """
+    for sample, _ in iter_samples_with_spans(source, max_member_size=max_member_size):
+        yield sample
+
+
+def parse_samples(buffer: bytes | bytearray | memoryview, *, max_member_size: int = MAX_MEMBER_SIZE) -> list[dict]:
+    """The samples in a buffer that holds whole samples: what a ranged GET of
+    `SampleIndex.run(i, j)` (or `index[i]`) returns."""
+    return list(iter_samples(buffer, max_member_size=max_member_size))
+
+
+def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None = None) -> dict:
+    """One sample: from a buffer holding exactly that sample (`span` None, e.g. the result of
+    `store.get_range(shard, span.offset, span.size)`), or from a whole shard's bytes and the
+    sample's `span`."""
+    if span is not None:
+        if span.offset < 0 or span.size <= 0 or span.end > len(buffer):
+            raise CorruptShard(f"sample span {span} lies outside a {len(buffer)}-byte shard")
+        buffer = memoryview(buffer)[span.offset : span.end]
+    samples = parse_samples(buffer)
+    if len(samples) != 1:
+        raise CorruptShard(f"expected one sample in the span, found {len(samples)}")
+    return samples[0]
+
+
+def read_sample_from_file(file: BinaryIO, span: SampleSpan) -> dict:
+    """One sample of a local shard file, read with one `pread` (thread- and fork-safe)."""
+    try:
+        data = os.pread(file.fileno(), span.size, span.offset)
+    except (AttributeError, io.UnsupportedOperation):
+        file.seek(span.offset)
+        data = file.read(span.size)
+    if len(data) != span.size:
+        raise CorruptShard(f"shard ends before sample span {span}")
+    return read_sample(data)
+
+
+def scan_shard(
+    source: Source, *, on_sample: Callable[[dict], None] | None = None, max_member_size: int = MAX_MEMBER_SIZE
+) -> SampleIndex:
+    """Walk a whole shard (a stream is fine) and build its `SampleIndex`, hashing it on the way.
+
+    `on_sample` sees each sample (e.g. to collect labels and fields, or to decode it).
+    """
+    digest = hashlib.sha256()
+    size = 0
+
+    def hashed(chunks: Iterable[bytes]) -> Iterator[bytes]:
+        nonlocal size
+        for chunk in chunks:
+            digest.update(chunk)
+            size += len(chunk)
+            yield chunk
+
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        stream: Iterator[bytes] = iter([bytes(source)])
+    elif hasattr(source, "read"):
+        stream = iter(lambda: source.read(1 << 20), b"")  # type: ignore[union-attr]
+    else:
+        stream = iter(source)  # type: ignore[arg-type]
+    chunks = hashed(stream)
+    offsets: list[int] = []
+    end = 0
+    for sample, span in iter_samples_with_spans(chunks, max_member_size=max_member_size):
+        offsets.append(span.offset)
+        end = span.end
+        if on_sample is not None:
+            on_sample(sample)
+    for _ in chunks:  # the end-of-archive blocks and record padding count towards the checksum
+        pass
+    return SampleIndex(offsets + [end], size, digest.digest())
+
+
+def read_shard_index(path: str | os.PathLike[str]) -> SampleIndex:
+    """The sample index of a local shard file: from `<shard>.idx` beside it when that exists
+    and matches the file's size, otherwise by walking the tar's headers (seeking over data).
+
+    The second way reads one 512-byte header per member: ~1 ms for a 256 MB shard of
+    ImageNet JPEGs from page cache. Such an index has no checksum (zeros)."""
+    path = os.fspath(path)
+    size = os.path.getsize(path)
+    beside = path[:-4] + ".idx" if path.endswith(".tar") else path + ".idx"
+    if os.path.exists(beside):
+        with open(beside, "rb") as file:
+            index = SampleIndex.from_bytes(file.read())
+        if index.shard_size == size:
+            return index
+    offsets: list[int] = []
+    key = None
+    end = 0
+    with open(path, "rb", buffering=0) as file:
+        for member in iter_members(file, data=False):
+            parts = None if _META_RE.match(member.name) else split_member_name(member.name)
+            if parts is None:
+                continue
+            if parts[0] != key:
+                offsets.append(member.offset)
+                key = parts[0]
+            end = member.data_offset + member.size + (-member.size % BLOCK)
+    return SampleIndex(offsets + [end], size)

@@ -1,0 +1,205 @@
+"""Any other fsspec URL: `memory://`, `https://` (read-only), `gcs://`, `abfs://`, ...
+
+The native backends (`file`, `s3`, `swift`) are faster and retry more precisely; this one
+exists so a dataset can live anywhere fsspec reaches.
+
+    >>> store = FsspecStore("memory://scratch")
+    >>> store.put("a.txt", b"hi"); store.get_bytes("a.txt")
+    b'hi'
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+
+from dlstore.config import StoreConfig
+from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
+from dlstore.storage.base import ObjectInfo, Store
+
+__all__ = ["FsspecStore"]
+
+_TEMP_PREFIX = ".dlstore-tmp-"
+
+
+def _map_error(exc: BaseException, what: str) -> DlstoreError:
+    if isinstance(exc, DlstoreError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return NotFound(f"{what}: not found")
+    if isinstance(exc, PermissionError):
+        return AuthError(f"{what}: permission denied")
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return TransientError(f"{what}: {type(exc).__name__}")
+    if isinstance(exc, NotImplementedError):
+        return DlstoreError(f"{what}: this file system does not support the operation (read-only?)")
+    transient = _transient_client_errors()
+    if transient and isinstance(exc, transient):
+        return TransientError(f"{what}: {type(exc).__name__}")
+    return DlstoreError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _transient_client_errors() -> tuple[type[BaseException], ...]:
+    """aiohttp's connection errors (fsspec's http, gcs, abfs) when aiohttp is installed."""
+    try:
+        import aiohttp
+    except ImportError:
+        return ()
+    return (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError)
+
+
+class FsspecStore(Store):
+    """Objects are files of an fsspec file system under a root path.
+
+    Puts write a temporary file beside the target and copy it into place, so readers never
+    see half an object (on object stores that costs a server-side copy: use the native
+    backends there).
+    """
+
+    def __init__(self, url: str, config: StoreConfig | None = None) -> None:
+        try:
+            import fsspec
+        except ImportError as exc:  # pragma: no cover - fsspec is a dependency
+            raise ConfigError("fsspec URLs need fsspec: pip install fsspec") from exc
+        super().__init__(url, config)
+        self.scheme = url.split("://", 1)[0]
+        try:
+            fs, root = fsspec.core.url_to_fs(self.url)
+        except (ImportError, ValueError) as exc:
+            raise ConfigError(f"cannot open {self.url!r} with fsspec: {exc}") from None
+        self.root = root.rstrip("/")
+        # `_client*` attributes are dropped when pickled and made again on first use.
+        self._client_fs = fs
+
+    @property
+    def fs(self) -> Any:
+        fs = getattr(self, "_client_fs", None)
+        if fs is None:
+            import fsspec
+
+            fs, _ = fsspec.core.url_to_fs(self.url)
+            self._client_fs = fs
+        return fs
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{key}" if self.root else key
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # `find` below the deepest directory the prefix names, then filter and sort:
+        # the whole subtree is listed at once, which is what fsspec offers.
+        base, _, _ = prefix.rpartition("/")
+        start = self._path(base) if base else self.root
+        try:
+            found = self.fs.find(start, detail=True)
+        except FileNotFoundError:
+            return
+        except Exception as exc:
+            raise _map_error(exc, self.url) from None
+        entries = []
+        for path, info in found.items():
+            if not path.startswith(self.root):
+                continue
+            key = path[len(self.root) :].lstrip("/")
+            if key.startswith(prefix) and not key.rpartition("/")[2].startswith(_TEMP_PREFIX):
+                entries.append((key, info))
+        for key, info in sorted(entries, key=lambda item: item[0]):
+            yield ObjectInfo(key=key, size=int(info.get("size") or 0), etag=_etag(info), mtime=_mtime(info))
+
+    def _stat(self, key: str) -> ObjectInfo:
+        try:
+            info = self.fs.info(self._path(key))
+        except Exception as exc:
+            raise _map_error(exc, self.join(key)) from None
+        if info.get("type") == "directory":
+            raise NotFound(f"{self.join(key)}: a directory, not an object")
+        return ObjectInfo(key=key, size=int(info.get("size") or 0), etag=_etag(info), mtime=_mtime(info))
+
+    def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        what = self.join(key)
+        path = self._path(key)
+        yielded = False
+        try:
+            try:
+                for chunk in self._read_file(path, start, end, self.config.chunk_size):
+                    yielded = True
+                    yield chunk
+            except ValueError:
+                if yielded:
+                    raise
+                # An HTTP server without range requests: fsspec can only stream from byte 0.
+                yield from self._read_file(path, start, end, 0)
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+
+    def _read_file(self, path: str, start: int, end: int | None, block_size: int) -> Iterator[bytes]:
+        chunk_size = self.config.chunk_size
+        with self.fs.open(path, "rb", block_size=block_size) as file:
+            if block_size:
+                file.seek(start)
+            else:
+                skip = start
+                while skip > 0:
+                    skipped = len(file.read(min(skip, chunk_size)))
+                    if not skipped:
+                        return
+                    skip -= skipped
+            remaining = None if end is None else end - start
+            while remaining is None or remaining > 0:
+                chunk = file.read(chunk_size if remaining is None else min(chunk_size, remaining))
+                if not chunk:
+                    return
+                if remaining is not None:
+                    remaining -= len(chunk)
+                yield chunk
+
+    def _write(self, key: str, stream: BinaryIO) -> None:
+        what = self.join(key)
+        path = self._path(key)
+        parent, _, name = path.rpartition("/")
+        temp = f"{parent}/{_TEMP_PREFIX}{secrets.token_hex(8)}-{name}" if parent else f"{_TEMP_PREFIX}{name}"
+        fs = self.fs
+        try:
+            if parent:
+                fs.makedirs(parent, exist_ok=True)
+            with fs.open(temp, "wb") as out:
+                while True:
+                    chunk = stream.read(self.config.chunk_size)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+            # cp_file + rm_file, not mv: mv and rm expand glob characters ("?", "[") in names.
+            fs.cp_file(temp, path)
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+        finally:
+            try:
+                fs.rm_file(temp)
+            except Exception:
+                pass
+
+    def _delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            if not self.fs.isfile(path):
+                raise NotFound(f"{self.join(key)}: not found")
+            self.fs.rm_file(path)
+        except Exception as exc:
+            raise _map_error(exc, self.join(key)) from None
+
+
+def _etag(info: dict) -> str | None:
+    value = info.get("ETag") or info.get("etag") or info.get("md5Hash")
+    return str(value).strip('"') if value else None
+
+
+def _mtime(info: dict) -> float | None:
+    value = info.get("mtime") or info.get("created") or info.get("LastModified") or info.get("last_modified")
+    if value is None:
+        return None
+    if hasattr(value, "timestamp"):
+        return value.timestamp()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

@@ -1,0 +1,352 @@
+"""`s3://bucket/prefix` store on boto3: AWS, Ceph RGW, MinIO, and OpenStack Swift's s3api.
+
+Only dlstore's retry policy retries: botocore's own retries are off (one attempt per
+call), so an auth failure comes back at once and a transient one is retried with
+jittered backoff and a deadline (`dlstore.storage.retry`).
+
+    >>> store = S3Store("s3://datasets/imagenet", StoreConfig(s3=S3Config(endpoint_url="http://127.0.0.1:8080")))
+    >>> store.put("train/shard-000000.tar", "/data/shard-000000.tar")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any, BinaryIO
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.config
+import botocore.exceptions
+import urllib3.exceptions
+
+from dlstore.config import S3Config, StoreConfig
+from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
+from dlstore.storage.base import ObjectInfo, Store
+from dlstore.storage.retry import call_with_retry
+
+__all__ = ["S3Store", "make_s3_client"]
+
+log = logging.getLogger(__name__)
+
+_NOT_FOUND_CODES = {"NoSuchKey", "NoSuchBucket", "NotFound", "404", "NoSuchUpload"}
+_AUTH_CODES = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "AuthorizationHeaderMalformed",
+    "403",
+    "401",
+}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "RequestTimeout",
+    "RequestTimeTooSkewed",
+    "InternalError",
+    "ServiceUnavailable",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "503",
+    "500",
+}
+# Failures of the connection itself, including a body cut off mid-stream (a short read).
+_TRANSIENT_EXCEPTIONS = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectionClosedError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.IncompleteReadError,
+    botocore.exceptions.ResponseStreamingError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.ReadTimeoutError,
+    ConnectionError,
+    TimeoutError,
+)
+# boto3 sessions are not thread-safe to create clients from; one lock for all stores.
+_client_creation_lock = threading.Lock()
+
+
+def _add_content_md5(request: Any, **_: Any) -> None:
+    """DeleteObjects needs Content-MD5 on Swift s3api 2.30, and boto3 >= 1.36 sends a CRC32
+    instead even with `when_required`."""
+    body = request.body or b""
+    body = body.encode() if isinstance(body, str) else body
+    request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
+
+
+def make_s3_client(config: S3Config, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0) -> Any:
+    """A boto3 S3 client for `config`, with botocore's retries off and path-style addressing.
+
+    >>> client = make_s3_client(S3Config(endpoint_url="http://127.0.0.1:8080"))   # doctest: +SKIP
+    """
+    options: dict[str, Any] = dict(
+        s3={"addressing_style": config.addressing_style},
+        retries={"total_max_attempts": 1, "mode": "standard"},
+        connect_timeout=connect_timeout_s,
+        read_timeout=read_timeout_s,
+        max_pool_connections=32,
+    )
+    if config.checksum_when_required:
+        options["request_checksum_calculation"] = "when_required"
+        options["response_checksum_validation"] = "when_required"
+    try:
+        with _client_creation_lock:
+            session = boto3.session.Session(
+                profile_name=config.profile,
+                aws_access_key_id=config.access_key_id,
+                aws_secret_access_key=config.secret_access_key.reveal() if config.secret_access_key else None,
+                aws_session_token=config.session_token.reveal() if config.session_token else None,
+                region_name=config.region,
+            )
+            client = session.client(
+                "s3",
+                endpoint_url=config.endpoint_url,
+                verify=config.ca_bundle if config.ca_bundle else None,
+                config=botocore.config.Config(**options),
+            )
+    except botocore.exceptions.ProfileNotFound:
+        raise ConfigError(f"AWS profile {config.profile!r} is not in the AWS config files") from None
+    except ValueError as exc:  # e.g. a malformed endpoint URL
+        raise ConfigError(f"cannot build an S3 client: {exc}") from None
+    client.meta.events.register("before-sign.s3.DeleteObjects", _add_content_md5)
+    return client
+
+
+def _map_error(exc: BaseException, what: str) -> DlstoreError:
+    """Our error for a boto3/botocore/urllib3 exception. Messages carry the object URL, the
+    S3 error code and message, never a credential (`str(ClientError)` holds neither)."""
+    if isinstance(exc, DlstoreError):
+        return exc
+    if isinstance(exc, botocore.exceptions.ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        text = f"{what}: {code or status} {error.get('Message') or ''}".rstrip()
+        if code in _NOT_FOUND_CODES or status == 404:
+            return NotFound(text)
+        if code in _AUTH_CODES or status in (401, 403):
+            return AuthError(text)
+        if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
+            return TransientError(text)
+        return DlstoreError(text)
+    if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
+        return AuthError(f"{what}: no usable S3 credentials ({type(exc).__name__})")
+    if isinstance(exc, botocore.exceptions.SSLError):
+        return DlstoreError(f"{what}: TLS failure (check AWS_CA_BUNDLE): {type(exc).__name__}")
+    if isinstance(exc, _TRANSIENT_EXCEPTIONS):
+        return TransientError(f"{what}: {type(exc).__name__}")
+    if isinstance(exc, botocore.exceptions.BotoCoreError):
+        return DlstoreError(f"{what}: {type(exc).__name__}: {exc}")
+    return DlstoreError(f"{what}: {type(exc).__name__}")
+
+
+def _read_block(stream: BinaryIO, size: int) -> bytes:
+    """Up to `size` bytes; fewer only at the end of the stream (a pipe may return short reads)."""
+    data = stream.read(size)
+    if not data or len(data) == size:
+        return data or b""
+    parts = [data]
+    got = len(data)
+    while got < size:
+        more = stream.read(size - got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def _remaining_size(stream: BinaryIO) -> int | None:
+    """Bytes left in a seekable stream, or None when it cannot tell."""
+    try:
+        if not stream.seekable():
+            return None
+        here = stream.tell()
+        end = stream.seek(0, os.SEEK_END)
+        stream.seek(here)
+        return end - here
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+class S3Store(Store):
+    """Objects in one bucket under a key prefix; large puts go as multipart uploads.
+
+    >>> store = S3Store("s3://bucket/train")      # endpoint and keys from the environment
+    >>> store.url
+    's3://bucket/train'
+    """
+
+    scheme = "s3"
+
+    def __init__(self, url: str, config: StoreConfig | None = None) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc:
+            raise ConfigError(f"{url!r} is not an s3://bucket/prefix URL")
+        self.bucket = parts.netloc
+        self.prefix = parts.path.strip("/")
+        super().__init__(f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}", config)
+        # Attributes named `_client*` are dropped when pickled (see `Store.__getstate__`).
+        self._client: Any = None
+        self._client_pid = 0
+
+    @property
+    def client(self) -> Any:
+        """The boto3 client, made on first use and again in a forked or unpickled process."""
+        client = getattr(self, "_client", None)
+        if client is None or getattr(self, "_client_pid", 0) != os.getpid():
+            retry = self.config.retry
+            client = make_s3_client(self.config.s3, retry.connect_timeout_s, retry.read_timeout_s)
+            self._client, self._client_pid = client, os.getpid()
+        return client
+
+    def _name(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, method: str, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+
+    # -- listing ----------------------------------------------------------------------
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        # list_objects_v2 by hand rather than through the paginator, so that each page is
+        # retried on its own and a failure on page 9 does not restart from page 1.
+        full_prefix = self._name(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Prefix": full_prefix, "MaxKeys": self.config.s3.list_page_size}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = call_with_retry(self.config.retry, lambda kw=kwargs: self._call(self.url, "list_objects_v2", **kw))
+            for item in page.get("Contents", ()):
+                yield ObjectInfo(
+                    key=item["Key"][strip:],
+                    size=item["Size"],
+                    etag=item.get("ETag", "").strip('"') or None,
+                    mtime=item["LastModified"].timestamp() if item.get("LastModified") else None,
+                )
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    def _stat(self, key: str) -> ObjectInfo:
+        head = self._call(self.join(key), "head_object", Key=self._name(key))
+        modified = head.get("LastModified")
+        return ObjectInfo(
+            key=key,
+            size=head["ContentLength"],
+            etag=head.get("ETag", "").strip('"') or None,
+            mtime=modified.timestamp() if modified else None,
+        )
+
+    # -- reading ----------------------------------------------------------------------
+    def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+        what = self.join(key)
+        kwargs: dict[str, Any] = {"Key": self._name(key)}
+        if start or end is not None:
+            kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        try:
+            response = self.client.get_object(Bucket=self.bucket, **kwargs)
+        except botocore.exceptions.ClientError as exc:
+            # 416: the range starts at or past the end (or the object is empty): no bytes.
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return
+            raise _map_error(exc, what) from None
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+        body = response["Body"]
+        expected = response.get("ContentLength")
+        received = 0
+        chunk_size = self.config.chunk_size
+        try:
+            # Body.read(n) hands back urllib3's own bytes object: no copy here, no hashing.
+            while True:
+                chunk = body.read(chunk_size)
+                if not chunk:
+                    break
+                received += len(chunk)
+                yield chunk
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+        finally:
+            body.close()
+        if expected is not None and received != expected:
+            raise TransientError(f"short read of {what}: {received} of {expected} bytes")
+
+    # -- writing ----------------------------------------------------------------------
+    def _write(self, key: str, stream: BinaryIO) -> None:
+        cfg = self.config.s3
+        what = self.join(key)
+        size = _remaining_size(stream)
+        if size is not None and size < cfg.multipart_threshold:
+            # Small and seekable: stream it in one PUT (the caller retries from the start).
+            self._call(what, "put_object", Key=self._name(key), Body=stream, ContentLength=size)
+            return
+        first = _read_block(stream, max(cfg.multipart_threshold, 1))
+        if len(first) < cfg.multipart_threshold:
+            call_with_retry(self.config.retry, lambda: self._call(what, "put_object", Key=self._name(key), Body=first))
+            return
+        self._multipart(key, first, stream)
+
+    def _multipart(self, key: str, first: bytes, stream: BinaryIO) -> None:
+        what = self.join(key)
+        name = self._name(key)
+        part_size = self.config.s3.multipart_chunk_size
+        retry = self.config.retry
+        upload = call_with_retry(retry, lambda: self._call(what, "create_multipart_upload", Key=name))
+        upload_id = upload["UploadId"]
+        parts: list[dict[str, Any]] = []
+        try:
+            pending = memoryview(first)
+            while True:
+                # Parts come from what was read to decide on multipart, then from the stream.
+                if len(pending) >= part_size:
+                    data, pending = bytes(pending[:part_size]), pending[part_size:]
+                else:
+                    data = bytes(pending) + _read_block(stream, part_size - len(pending))
+                    pending = memoryview(b"")
+                if not data and parts:
+                    break
+                number = len(parts) + 1
+                response = call_with_retry(
+                    retry,
+                    lambda d=data, n=number: self._call(
+                        what, "upload_part", Key=name, UploadId=upload_id, PartNumber=n, Body=d
+                    ),
+                )
+                parts.append({"PartNumber": number, "ETag": response["ETag"]})
+                if len(data) < part_size:
+                    break
+            call_with_retry(
+                retry,
+                lambda: self._call(
+                    what, "complete_multipart_upload", Key=name, UploadId=upload_id, MultipartUpload={"Parts": parts}
+                ),
+            )
+        except BaseException:
+            self._abort(what, name, upload_id)
+            raise
+
+    def _abort(self, what: str, name: str, upload_id: str) -> None:
+        try:
+            self._call(what, "abort_multipart_upload", Key=name, UploadId=upload_id)
+        except DlstoreError as exc:
+            log.warning(
+                "could not abort the multipart upload of %s (its parts stay until a lifecycle rule): %s", what, exc
+            )
+
+    def _delete(self, key: str) -> None:
+        # S3 answers 204 for a missing key; the contract wants NotFound, so look first.
+        self._stat(key)
+        self._call(self.join(key), "delete_object", Key=self._name(key))

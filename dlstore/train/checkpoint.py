@@ -1,0 +1,173 @@
+"""Training checkpoints in any store (`file://`, `swift://`, `s3://`, fsspec URLs).
+
+Layout under the checkpoint URL::
+
+    ckpt-000001200.pt     one complete checkpoint per save, named by the global step
+    ckpt-000001500.pt
+    latest                {"key": "ckpt-000001500.pt", "step": 1500, ...}: written last
+    config.json           the run's resolved config
+    metrics.jsonl         the metrics so far (a convenience copy; the checkpoint holds them too)
+
+Publication is atomic in two steps: a store `put` is atomic (readers see the whole object
+or none), and `latest` is written only after the checkpoint's put has returned, so the
+object it names is always complete. A crash between the two leaves a complete but
+unpublished checkpoint, which `latest_key` still finds (with a warning) when `latest` is
+missing. Pruning runs after publication and never deletes what `latest` names.
+
+A checkpoint is a plain `dict` of tensors, numbers, strings, lists and dicts saved with
+`torch.save`, so `torch.load(path, weights_only=True)` reads it with nothing from dlstore
+imported; every tensor is on the CPU.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from dlstore.errors import ConfigError, NotFound
+from dlstore.storage import Store, open_object, open_store
+
+__all__ = ["CHECKPOINT_FORMAT", "CheckpointStore", "checkpoint_key", "load_checkpoint_url", "to_cpu"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "dlstore.train.checkpoint/1"
+LATEST = "latest"
+_NAME = re.compile(r"^ckpt-(\d{9,})\.pt$")
+
+
+def checkpoint_key(step: int) -> str:
+    """`ckpt-000001200.pt`: zero-padded so key order is step order.
+
+    >>> checkpoint_key(1200)
+    'ckpt-000001200.pt'
+    """
+    return f"ckpt-{step:09d}.pt"
+
+
+def to_cpu(value: Any) -> Any:
+    """`value` with every tensor moved to the CPU (nested dicts, lists and tuples)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
+
+
+def _load_bytes(data: bytes) -> dict:
+    # weights_only: a checkpoint must never be able to run code when it is read.
+    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    found = state.get("format") if isinstance(state, dict) else type(state).__name__
+    if found != CHECKPOINT_FORMAT:
+        raise ConfigError(f"not a dlstore training checkpoint (format {found!r}, expected {CHECKPOINT_FORMAT!r})")
+    return state
+
+
+class CheckpointStore:
+    """Save, publish, find and prune checkpoints under one store URL.
+
+    >>> ckpts = CheckpointStore("swift://ckpt/run1", keep=3)      # doctest: +SKIP
+    >>> ckpts.save({"model": model.state_dict(), ...}, step=1200)
+    'ckpt-000001200.pt'
+    >>> ckpts.load(ckpts.latest_key())["step"]
+    1200
+    """
+
+    def __init__(self, target: str | Store, keep: int = 3, tmp_dir: str | None = None) -> None:
+        if keep < 1:
+            raise ConfigError("keep must be at least 1: the latest checkpoint is never pruned")
+        self.store = open_store(target) if isinstance(target, str) else target
+        self.keep = keep
+        self.tmp_dir = tmp_dir
+
+    def __repr__(self) -> str:
+        return f"CheckpointStore({self.store.url!r}, keep={self.keep})"
+
+    # -- writing ------------------------------------------------------------------------
+    def save(self, state: dict, step: int) -> str:
+        """Write `state` as `ckpt-{step}.pt`, then point `latest` at it, then prune.
+
+        The state is serialised to a temporary file first (not to memory), and the store
+        streams that file, in segments when it is large.
+        """
+        key = checkpoint_key(step)
+        state = {"format": CHECKPOINT_FORMAT, "step": step, **to_cpu(state)}
+        started = time.monotonic()
+        fd, path = tempfile.mkstemp(prefix="dlstore-ckpt-", suffix=".pt", dir=self.tmp_dir)
+        try:
+            with os.fdopen(fd, "wb") as file:
+                torch.save(state, file)
+            size = os.path.getsize(path)
+            self.store.put(key, path)
+        finally:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        # Only now, with the checkpoint complete in the store, is it published.
+        pointer = {"key": key, "step": step, "bytes": size, "saved_at": time.time()}
+        self.store.put(LATEST, json.dumps(pointer).encode())
+        log.info(
+            "checkpoint %s (%.1f MB) written in %.1f s", self.store.join(key), size / 1e6, time.monotonic() - started
+        )
+        self.prune(protect=key)
+        return key
+
+    def put_json(self, name: str, value: Any) -> None:
+        self.store.put(name, json.dumps(value, indent=1).encode())
+
+    def put_text(self, name: str, text: str) -> None:
+        self.store.put(name, text.encode())
+
+    def prune(self, protect: str | None = None) -> list[str]:
+        """Delete all but the newest `keep` checkpoints (never `protect`); returns what went."""
+        keys = self.keys()
+        doomed = [k for k in keys[: max(0, len(keys) - self.keep)] if k != protect]
+        for key in doomed:
+            try:
+                self.store.delete(key)
+            except NotFound:  # another process pruned it first
+                pass
+        return doomed
+
+    # -- reading ------------------------------------------------------------------------
+    def keys(self) -> list[str]:
+        """Checkpoint keys, oldest first."""
+        return sorted(info.key for info in self.store.list("ckpt-") if _NAME.match(info.key))
+
+    def latest_key(self) -> str | None:
+        """The published checkpoint (`latest`); failing that, the newest complete one listed."""
+        try:
+            pointer = json.loads(self.store.get_bytes(LATEST))
+            key = pointer["key"]
+            if self.store.exists(key):
+                return key
+            log.warning("%s names %s, which is missing; looking for another checkpoint", self.store.join(LATEST), key)
+        except NotFound:
+            pass
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("cannot read %s (%s); looking for another checkpoint", self.store.join(LATEST), exc)
+        keys = self.keys()
+        if keys:
+            log.warning("no usable 'latest' pointer; taking the newest checkpoint listed, %s", keys[-1])
+            return keys[-1]
+        return None
+
+    def load(self, key: str) -> dict:
+        return _load_bytes(self.store.get_bytes(key))
+
+
+def load_checkpoint_url(url: str) -> dict:
+    """Load one checkpoint by its full URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`."""
+    store, key = open_object(url)
+    return _load_bytes(store.get_bytes(key))

@@ -1,0 +1,216 @@
+"""The trainer's settings: one frozen dataclass, saved beside the outputs and in every checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dlstore.errors import ConfigError
+
+__all__ = ["TrainConfig", "add_train_arguments", "config_from_args", "image_size_for_epoch"]
+
+_AMP = ("auto", "bf16", "fp16", "none")
+_SCHEDULES = ("cosine", "step")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one training run needs; `dlstore train --help` documents each field.
+
+    >>> cfg = TrainConfig(train_url="swift://imagenet/train", val_url="swift://imagenet/val",
+    ...                   model="resnet50", epochs=90, batch_size=256)           # doctest: +SKIP
+    """
+
+    train_url: str
+    val_url: str | None = None
+    output_dir: str = "runs/train"
+
+    # model, device and precision
+    model: str = "resnet50"
+    device: str = "auto"  # "auto" = this rank's GPU when there is one, else CPU
+    amp: str = "auto"  # "auto" = bf16 on CUDA, none on CPU
+    channels_last: bool = True
+    compile: bool = False
+    sync_bn: bool = False
+
+    # data
+    batch_size: int = 256  # per rank
+    workers: int = 8
+    cache_dir: str | None = None
+    cache_limit: str = "50GB"
+    image_size: int = 224
+    eval_image_size: int | None = None  # default: image_size
+    # Progressive resizing (FFCV): image size ramps linearly from resize_min at
+    # resize_start_epoch to image_size at resize_end_epoch, in steps of resize_step pixels.
+    resize_min: int | None = None
+    resize_start_epoch: int = 0
+    resize_end_epoch: int = 0
+    resize_step: int = 32
+
+    # optimisation
+    epochs: int = 90
+    base_lr: float = 0.1  # per 256 images of global batch: lr = base_lr * global_batch / 256
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 5e-5
+    label_smoothing: float = 0.1
+    warmup_epochs: float = 5.0
+    warmup_start_factor: float = 0.1
+    schedule: str = "cosine"
+    min_lr_factor: float = 0.0  # cosine floor, as a fraction of the peak lr
+    step_milestones: tuple[int, ...] = (30, 60, 80)  # epochs, for schedule="step"
+    step_gamma: float = 0.1
+    max_steps: int | None = None  # stop after this many optimiser steps (smoke runs)
+
+    # checkpoints
+    checkpoint_url: str | None = None
+    checkpoint_every_steps: int = 0  # 0: off
+    checkpoint_every_minutes: float = 30.0  # 0: off
+    keep_checkpoints: int = 3
+    resume: str = "none"  # "none", "auto", or a checkpoint URL
+
+    # logging and reproducibility
+    log_every: int = 10
+    progress: bool = True
+    tensorboard: bool = True
+    seed: int = 0
+    deterministic: bool = False
+    dist_timeout_minutes: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {self.device!r}")
+        if self.amp not in _AMP:
+            raise ConfigError(f"amp must be one of {_AMP}, not {self.amp!r}")
+        if self.schedule not in _SCHEDULES:
+            raise ConfigError(f"schedule must be one of {_SCHEDULES}, not {self.schedule!r}")
+        for name in ("batch_size", "epochs", "image_size", "log_every", "keep_checkpoints", "resize_step"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.workers < 0 or self.checkpoint_every_steps < 0 or self.checkpoint_every_minutes < 0:
+            raise ConfigError("workers and checkpoint intervals must not be negative")
+        if self.resize_min is not None and not 0 < self.resize_min <= self.image_size:
+            raise ConfigError(f"resize_min must be in (0, image_size={self.image_size}], not {self.resize_min}")
+        if self.resize_min is not None and self.resize_end_epoch < self.resize_start_epoch:
+            raise ConfigError("resize_end_epoch must not come before resize_start_epoch")
+        if self.resume not in ("none", "auto") and "://" not in self.resume and not self.resume.endswith(".pt"):
+            raise ConfigError(f"resume must be 'none', 'auto' or a checkpoint URL, not {self.resume!r}")
+        if self.resume == "auto" and not self.checkpoint_url:
+            raise ConfigError("resume='auto' needs a checkpoint_url to look in")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError("max_steps must be at least 1")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able values (tuples become lists)."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
+        """The inverse of `to_dict`; unknown keys are an error, so a typo is not silently ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ConfigError(f"unknown TrainConfig fields: {sorted(unknown)}")
+        values = dict(data)
+        if "step_milestones" in values:
+            values["step_milestones"] = tuple(values["step_milestones"])
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def image_size_for_epoch(cfg: TrainConfig, epoch: int) -> int:
+    """The training resolution of `epoch` under progressive resizing (FFCV's linear ramp,
+    rounded to a multiple of `resize_step`), or `image_size` without it.
+
+    >>> cfg = TrainConfig("x", image_size=192, resize_min=128, resize_start_epoch=2, resize_end_epoch=6)
+    >>> [image_size_for_epoch(cfg, e) for e in range(8)]
+    [128, 128, 128, 128, 160, 192, 192, 192]
+    """
+    if cfg.resize_min is None:
+        return cfg.image_size
+    lo, hi = cfg.resize_min, cfg.image_size
+    if epoch <= cfg.resize_start_epoch:
+        return lo
+    if epoch >= cfg.resize_end_epoch:
+        return hi
+    fraction = (epoch - cfg.resize_start_epoch) / (cfg.resize_end_epoch - cfg.resize_start_epoch)
+    size = round((lo + fraction * (hi - lo)) / cfg.resize_step) * cfg.resize_step
+    return min(hi, max(lo, size))
+
+
+# -- the command line (`dlstore train`) ----------------------------------------------------
+# field -> (type, help). Booleans become --flag / --no-flag; the defaults come from TrainConfig.
+_CLI: dict[str, tuple[Any, str]] = {
+    "val_url": (str, "dataset URL of the validation split, evaluated after every epoch"),
+    "output_dir": (str, "where config.json, metrics.jsonl/.csv and TensorBoard events go (rank 0)"),
+    "model": (str, "torchvision classification model: resnet18, resnet50, ..."),
+    "device": (str, "auto (this rank's GPU if any), cuda or cpu"),
+    "amp": (str, "mixed precision: auto (bf16 on CUDA, none on CPU), bf16, fp16 or none"),
+    "channels_last": (bool, "NHWC memory layout for the model and the batches"),
+    "compile": (bool, "torch.compile the model"),
+    "sync_bn": (bool, "synchronise BatchNorm statistics across ranks"),
+    "batch_size": (int, "images per rank per step; the global batch is this times the world size"),
+    "workers": (int, "data-loading worker processes per rank"),
+    "cache_dir": (str, "node-local shard cache directory (shared by the ranks of a node)"),
+    "cache_limit": (str, "shard cache size limit, e.g. 150GB"),
+    "image_size": (int, "training resolution (the final one under progressive resizing)"),
+    "eval_image_size": (int, "evaluation resolution (default: --image-size)"),
+    "resize_min": (int, "progressive resizing: the starting resolution (off when not given)"),
+    "resize_start_epoch": (int, "progressive resizing: last epoch at --resize-min"),
+    "resize_end_epoch": (int, "progressive resizing: first epoch at --image-size"),
+    "resize_step": (int, "progressive resizing: resolutions are multiples of this"),
+    "epochs": (int, "epochs to train"),
+    "base_lr": (float, "learning rate per 256 images of global batch (scaled linearly)"),
+    "momentum": (float, "SGD momentum"),
+    "nesterov": (bool, "Nesterov momentum"),
+    "weight_decay": (float, "weight decay (never applied to BatchNorm parameters or biases)"),
+    "label_smoothing": (float, "label smoothing of the training loss"),
+    "warmup_epochs": (float, "linear warm-up length in epochs"),
+    "warmup_start_factor": (float, "warm-up starts at this fraction of the peak rate"),
+    "schedule": (str, "decay after warm-up: cosine or step"),
+    "min_lr_factor": (float, "cosine floor, as a fraction of the peak rate"),
+    "step_milestones": (int, "step decay: epochs at which the rate is multiplied by --step-gamma"),
+    "step_gamma": (float, "step decay factor"),
+    "max_steps": (int, "stop after this many optimiser steps (smoke tests)"),
+    "checkpoint_url": (str, "store URL for checkpoints, e.g. swift://ckpt/run1 or file:///scratch/run1"),
+    "checkpoint_every_steps": (int, "checkpoint every N steps (0: off)"),
+    "checkpoint_every_minutes": (float, "checkpoint every M minutes (0: off)"),
+    "keep_checkpoints": (int, "keep the newest N checkpoints"),
+    "resume": (str, "none, auto (the latest checkpoint under --checkpoint-url, if any) or a checkpoint URL"),
+    "log_every": (int, "steps per metrics record"),
+    "progress": (bool, "progress bar on rank 0"),
+    "tensorboard": (bool, "TensorBoard events on rank 0"),
+    "seed": (int, "seed for weights, data order and augmentation"),
+    "deterministic": (bool, "torch.use_deterministic_algorithms(True); bit-exact resume on the CPU"),
+    "dist_timeout_minutes": (float, "timeout of collective operations"),
+}
+
+
+def add_train_arguments(parser: Any) -> None:
+    """Add every `TrainConfig` field to an argparse parser (`train_url` positional)."""
+    import argparse
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    parser.add_argument("train_url", help="dataset URL of the training split, e.g. swift://imagenet/train")
+    for name, (kind, text) in _CLI.items():
+        flag = "--" + name.replace("_", "-")
+        default = defaults[name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif name == "step_milestones":
+            parser.add_argument(flag, type=int, nargs="+", default=list(default), metavar="EPOCH", help=text)
+        else:
+            shown = "" if default is None else f" (default: {default})"
+            parser.add_argument(flag, type=kind, default=default, help=text + shown)
+
+
+def config_from_args(args: Any) -> TrainConfig:
+    """The `TrainConfig` of parsed `dlstore train` arguments."""
+    values = {name: getattr(args, name) for name in ("train_url", *_CLI)}
+    values["step_milestones"] = tuple(values["step_milestones"])
+    return TrainConfig(**values)

@@ -1,0 +1,222 @@
+"""Process-group setup for torchrun, Slurm (`srun`) and single-process runs.
+
+DDP gradients go over NCCL on GPUs and gloo on CPUs. The trainer's own small control
+messages (the stop flag, "is a checkpoint due", RNG states for a checkpoint) go over a
+separate gloo group, so they never need a CUDA tensor and never make the host wait for
+the GPU's queue to drain.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dlstore.config import WorldInfo
+from dlstore.errors import ConfigError
+
+__all__ = ["DistContext", "LaunchEnv", "first_slurm_host", "setup_distributed"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process: its place in the world and where to rendezvous.
+
+    torchrun sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
+    `MASTER_PORT`; under `srun` they come from `SLURM_PROCID`, `SLURM_NTASKS`,
+    `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` and the first host of `SLURM_JOB_NODELIST`
+    (the port from `MASTER_PORT`, else derived from the job id so two jobs sharing a node
+    do not collide).
+    """
+
+    world: WorldInfo
+    local_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_PORT
+    launcher: str = "none"  # "torchrun", "slurm", "env" or "none"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchEnv:
+        env = os.environ if env is None else env
+        world = WorldInfo.from_env(env)
+        try:
+            if "RANK" in env and "WORLD_SIZE" in env:
+                launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+                local_rank = int(env.get("LOCAL_RANK", world.rank % world.local_world_size))
+                addr = env.get("MASTER_ADDR", "127.0.0.1")
+                port = int(env.get("MASTER_PORT", DEFAULT_PORT))
+            elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+                launcher = "slurm"
+                local_rank = int(env.get("SLURM_LOCALID", world.rank % world.local_world_size))
+                addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "")) or "127.0.0.1"
+                job = int(env.get("SLURM_JOB_ID", "0") or 0)
+                port = int(env.get("MASTER_PORT") or 20000 + job % 20000)
+            else:
+                return cls(world=world)
+        except ValueError as exc:
+            raise ConfigError(f"cannot read the launcher's variables: {exc}") from None
+        return cls(world=world, local_rank=local_rank, master_addr=addr, master_port=port, launcher=launcher)
+
+
+def first_slurm_host(nodelist: str) -> str | None:
+    """The first host of a Slurm hostlist expression, without calling `scontrol`.
+
+    >>> first_slurm_host("gpu[07-10,12],login1")
+    'gpu07'
+    >>> first_slurm_host("node3")
+    'node3'
+    """
+    nodelist = nodelist.strip()
+    if not nodelist:
+        return None
+    match = re.match(r"([^,\[]+)(?:\[([^\],\-]+))?", nodelist)
+    if not match:
+        return None
+    return match.group(1) + (match.group(2) or "")
+
+
+@dataclass
+class DistContext:
+    """This process's place in the job and the groups it talks over.
+
+    With `world_size == 1` no process group is created and every collective here is a no-op.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+    backend: str | None
+    control_group: Any = None
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def world(self) -> WorldInfo:
+        return WorldInfo(self.rank, self.world_size, self.local_world_size)
+
+    def any_flags(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over all ranks: a stop signal or a due checkpoint seen by one rank
+        is acted on by all, at the same step, or the ranks would deadlock in different
+        collectives."""
+        if not self.distributed:
+            return [bool(f) for f in flags]
+        values = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.control_group)
+        return [bool(v) for v in values.tolist()]
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """`obj` of every rank, in rank order (pickled over the gloo control group)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.control_group)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.control_group)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place, over the main (NCCL or gloo) group; `tensor` on `device`."""
+        if self.distributed:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's values of `tensors` on every rank, in place, over the main group."""
+        if self.distributed:
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0)
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self.owns_group = False
+
+
+def _pick_device(local_rank: int, want_cuda: bool) -> torch.device:
+    if want_cuda and torch.cuda.is_available():
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def setup_distributed(
+    launch: LaunchEnv | None = None, *, device: str = "auto", timeout_minutes: float = 30.0
+) -> DistContext:
+    """Join the job's process group (if there is more than one process) and pick the device.
+
+    `device`: "auto" (this rank's GPU when there is one, else CPU), "cuda" or "cpu".
+    The backend follows the device: NCCL for CUDA, gloo for CPU.
+
+    >>> ctx = setup_distributed()            # doctest: +SKIP
+    >>> ctx.rank, ctx.world_size, ctx.device
+    (0, 1, device(type='cuda', index=0))
+    """
+    launch = launch or LaunchEnv.from_env()
+    if device not in ("auto", "cuda", "cpu"):
+        raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for, but torch sees no CUDA device")
+    world = launch.world
+    dev = _pick_device(launch.local_rank, device != "cpu")
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    ctx = DistContext(world.rank, world.world_size, launch.local_rank, world.local_world_size, dev, None)
+    if world.world_size == 1:
+        return ctx
+    ctx.backend = backend
+    if dist.is_initialized():
+        # The caller made the group; use it as it is.
+        if dist.get_world_size() != world.world_size or dist.get_rank() != world.rank:
+            raise ConfigError("an existing process group disagrees with the launcher's rank/world size")
+    else:
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        # torchrun: env:// reuses the agent's store. srun / plain env: rendezvous at rank 0's host.
+        init = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
+        kwargs: dict[str, Any] = {}
+        if dev.type == "cuda":
+            kwargs["device_id"] = dev  # binds NCCL to this GPU now, not lazily at the first collective
+        dist.init_process_group(
+            backend, init_method=init, rank=world.rank, world_size=world.world_size, timeout=timeout, **kwargs
+        )
+        ctx.owns_group = True
+    ctx.control_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    log.info(
+        "rank %d/%d (local %d/%d) on %s, backend %s",
+        world.rank,
+        world.world_size,
+        launch.local_rank,
+        world.local_world_size,
+        dev,
+        backend,
+    )
+    return ctx

@@ -1,0 +1,554 @@
+"""The node-local shard cache against the four cache invariants of DESIGN.md:
+byte limit, atomic publish, one download per node, readers never lose a held shard.
+
+Everything runs on a local `file://` store in a temp directory; several tests fork real
+processes (the cache is shared through files and `flock` only, so that is the real thing).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import hashlib
+import json
+import multiprocessing
+import os
+import pickle
+import random
+import resource
+import signal
+import tempfile
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dlstore.cache import STATS_FILE_BYTES, CacheConfig, CacheFull, ShardCache, cache_report
+from dlstore.cli import main
+from dlstore.config import StoreConfig
+from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound
+from dlstore.storage.local import LocalStore
+
+FORK = multiprocessing.get_context("fork")
+
+
+class RecordingStore(LocalStore):
+    """A local store that appends the key of every download to `log_path` (one line each,
+    O_APPEND, so many processes can share it) and sleeps `delay_s` before each chunk."""
+
+    def __init__(self, url: str, log_path: str | None = None, delay_s: float = 0.0, chunk_size: int = 1024):
+        super().__init__(url, StoreConfig(chunk_size=chunk_size))
+        self.log_path = log_path
+        self.delay_s = delay_s
+
+    def _read(self, key, start, end):
+        if self.log_path:
+            with open(self.log_path, "a") as log:
+                log.write(key + "\n")
+        for chunk in super()._read(key, start, end):
+            if self.delay_s:
+                time.sleep(self.delay_s)
+            yield chunk
+
+    def downloads(self) -> collections.Counter:
+        if not self.log_path or not os.path.exists(self.log_path):
+            return collections.Counter()
+        with open(self.log_path) as log:
+            return collections.Counter(log.read().split())
+
+
+def make_remote(root, sizes, seed=0):
+    """Shards of the given sizes under `root`; returns [(name, size, checksum)] and their bytes."""
+    rng = random.Random(seed)
+    specs, contents = [], {}
+    for index, size in enumerate(sizes):
+        name = f"train/shard-{index:06d}.tar"
+        data = rng.randbytes(size)
+        path = os.path.join(root, "train", f"shard-{index:06d}.tar")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as file:
+            file.write(data)
+        specs.append((name, size, "sha256:" + hashlib.sha256(data).hexdigest()))
+        contents[name] = data
+    return specs, contents
+
+
+def disk_bytes(cache_dir) -> int:
+    """Bytes of every regular file in the cache directory (shards/ before tmp/, so a download
+    published during the walk is missed rather than counted twice)."""
+    total = 0
+    for sub in ("shards", "tmp", "locks", ""):
+        directory = os.path.join(cache_dir, sub)
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(directory):
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+class DiskSampler:
+    """Samples `disk_bytes` from a thread while the test runs, under the cache-wide lock so
+    that an eviction and the next reservation never land on either side of one walk."""
+
+    def __init__(self, cache_dir) -> None:
+        self.cache_dir = str(cache_dir)
+        self.max = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        lock_path = os.path.join(self.cache_dir, "cache.lock")
+        while not self._stop.is_set():
+            if os.path.exists(lock_path):
+                fd = os.open(lock_path, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    self.max = max(self.max, disk_bytes(self.cache_dir))
+                    self.samples += 1
+                finally:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    os.close(fd)
+            time.sleep(0.002)
+
+    def __enter__(self) -> DiskSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def cached_names(cache_dir) -> set[str]:
+    with contextlib.suppress(FileNotFoundError):
+        return {name.split("-", 1)[1].replace("%2F", "/") for name in os.listdir(os.path.join(cache_dir, "shards"))}
+    return set()
+
+
+@pytest.fixture
+def remote(tmp_path):
+    def build(sizes, **store_kwargs):
+        root = tmp_path / "remote"
+        specs, contents = make_remote(root, sizes)
+        store = RecordingStore(str(root), log_path=str(tmp_path / "gets.log"), **store_kwargs)
+        return store, specs, contents
+
+    return build
+
+
+def config(tmp_path, limit, **kwargs) -> CacheConfig:
+    kwargs.setdefault("prefetch", 0)
+    kwargs.setdefault("fsync", False)
+    return CacheConfig(str(tmp_path / "cache"), limit, **kwargs)
+
+
+def read(path) -> bytes:
+    with open(path, "rb") as file:
+        return file.read()
+
+
+# -- configuration ---------------------------------------------------------------------------------
+def test_config_reads_sizes_and_rejects_nonsense(tmp_path):
+    assert CacheConfig(tmp_path, "150GB").limit_bytes == 150 * 10**9
+    assert CacheConfig(tmp_path, "64MiB").cache_dir == str(tmp_path)
+    with pytest.raises(ConfigError):
+        CacheConfig(tmp_path, "lots")
+    with pytest.raises(ConfigError):
+        CacheConfig(tmp_path, 100)  # not even the stats file fits
+    with pytest.raises(ConfigError):
+        CacheConfig(tmp_path, "1GB", prefetch=-1)
+
+
+def test_limit_smaller_than_a_shard_is_a_config_error_at_once(tmp_path, remote):
+    store, specs, _ = remote([8000])
+    cache = ShardCache(config(tmp_path, 5000), store)
+    with pytest.raises(ConfigError, match="smaller than the largest shard"):
+        cache.check_fits(8000)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match="smaller than the largest shard"):
+        cache.fetch(*specs[0])
+    assert time.monotonic() - started < 1.0
+    cache.check_fits(5000 - STATS_FILE_BYTES)  # exactly fits
+
+
+# -- basics ----------------------------------------------------------------------------------------
+def test_fetch_downloads_once_then_hits(tmp_path, remote):
+    store, specs, contents = remote([3000, 0])
+    cache = ShardCache(config(tmp_path, 100_000, fsync=True), store)
+    for _ in range(3):
+        for name, size, checksum in specs:
+            with cache.hold(name, size, checksum) as path:
+                assert read(path) == contents[name]
+                assert path.endswith(".tar")
+    assert cache.stats.misses == 2 and cache.stats.hits == 4
+    assert cache.stats.bytes_fetched == 3000
+    assert store.downloads() == {specs[0][0]: 1, specs[1][0]: 1}
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+
+
+def test_size_unknown_is_asked_of_the_store(tmp_path, remote):
+    store, specs, contents = remote([2500])
+    cache = ShardCache(config(tmp_path, 100_000), store)
+    assert read(cache.fetch(specs[0][0])) == contents[specs[0][0]]
+
+
+def test_cache_pickles_without_runtime_state(tmp_path, remote):
+    store, specs, contents = remote([2000, 2000, 2000])
+    cache = ShardCache(config(tmp_path, 100_000, prefetch=2), store)
+    cache.prefetch(specs)  # a live thread and locks must not travel
+    clone = pickle.loads(pickle.dumps(cache))
+    assert read(clone.fetch(*specs[2])) == contents[specs[2][0]]
+    cache.close()
+    clone.close()
+
+
+# -- invariant 1 (limit) and 4 (held shards), as a property -------------------------------------------
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_limit_never_exceeded_and_held_shards_survive(data):
+    sizes = data.draw(st.lists(st.integers(0, 4000), min_size=1, max_size=6), label="sizes")
+    limit = STATS_FILE_BYTES + max(1, *sizes) + data.draw(st.integers(0, sum(sizes)), label="extra")
+    ops = data.draw(
+        st.lists(st.tuples(st.sampled_from(["fetch", "hold", "release"]), st.integers(0, 5)), max_size=20),
+        label="ops",
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        specs, contents = make_remote(os.path.join(tmp, "remote"), sizes)
+        store = RecordingStore(os.path.join(tmp, "remote"), chunk_size=512)
+        cache_dir = os.path.join(tmp, "cache")
+        cache = ShardCache(CacheConfig(cache_dir, limit, prefetch=0, fsync=False, wait_timeout_s=0.05), store)
+        held: list[tuple[int, str, contextlib.ExitStack]] = []
+        try:
+            with DiskSampler(cache_dir) as sampler:
+                for op, index in ops:
+                    index %= len(specs)
+                    name, size, _ = specs[index]
+                    if op == "release":
+                        if held:
+                            held.pop(index % len(held))[2].close()
+                        continue
+                    held_now = {i for i, _, _ in held}
+                    stack = contextlib.ExitStack()
+                    try:
+                        path = stack.enter_context(cache.hold(*specs[index]))
+                    except CacheFull:
+                        # Only when the shards held here leave no room for this one.
+                        assert index not in held_now
+                        assert sum(sizes[i] for i in held_now) + size > limit - STATS_FILE_BYTES
+                    else:
+                        assert read(path) == contents[name]
+                        if op == "hold":
+                            held.append((index, path, stack))
+                        else:
+                            stack.close()
+                    assert disk_bytes(cache_dir) <= limit
+                    for i, path, _ in held:
+                        assert read(path) == contents[specs[i][0]]
+            assert sampler.max <= limit
+        finally:
+            for _, _, stack in held:
+                stack.close()
+            cache.close()
+
+
+def _hold_until(cache, spec, ready, release):
+    with cache.hold(*spec):
+        ready.set()
+        release.wait(20)
+
+
+def test_shard_held_by_another_process_is_not_evicted(tmp_path, remote):
+    store, specs, contents = remote([5000] * 4)
+    limit = STATS_FILE_BYTES + 2 * 5000
+    cache = ShardCache(config(tmp_path, limit, wait_timeout_s=0.3), store)
+    ready, release = FORK.Event(), FORK.Event()
+    child = FORK.Process(target=_hold_until, args=(cache, specs[0], ready, release))
+    child.start()
+    try:
+        assert ready.wait(10)
+        for spec in specs[1:]:
+            cache.fetch(*spec)  # each evicts the one before, never the held shard 0
+        assert cached_names(tmp_path / "cache") == {specs[0][0], specs[3][0]}
+        assert read(cache.fetch(*specs[0])) == contents[specs[0][0]]
+        with cache.hold(*specs[3]), pytest.raises(CacheFull, match="is full"):
+            cache.fetch(*specs[1])  # both slots held: wait, then a clear error
+        assert disk_bytes(tmp_path / "cache") <= limit
+    finally:
+        release.set()
+        child.join(10)
+    assert child.exitcode == 0
+    cache.fetch(*specs[1])  # released: room again
+    assert cache.stats.wait_time_s > 0
+
+
+def test_a_smaller_limit_at_start_evicts_down_to_it(tmp_path, remote):
+    store, specs, _ = remote([3000] * 5)
+    big = ShardCache(config(tmp_path, 100_000), store)
+    for spec in specs:
+        big.fetch(*spec)
+    small = ShardCache(config(tmp_path, STATS_FILE_BYTES + 2 * 3000), store)
+    assert small.usage() <= STATS_FILE_BYTES + 2 * 3000
+    assert len(cached_names(tmp_path / "cache")) == 2
+
+
+# -- invariant 2: one download per node, many processes --------------------------------------------
+def _read_all(cache, specs, digests, seed, barrier):
+    order = list(specs)
+    random.Random(seed).shuffle(order)
+    barrier.wait(10)
+    for spec in order:
+        with cache.hold(*spec) as path:
+            assert hashlib.sha256(read(path)).hexdigest() == digests[spec[0]]
+    cache.close()
+
+
+def test_processes_share_one_download_per_shard(tmp_path, remote):
+    store, specs, contents = remote([8192] * 5, delay_s=0.01)  # 80 ms per shard: downloads overlap
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}
+    cache = ShardCache(config(tmp_path, 1_000_000), store)
+    cache.fetch(*specs[0])  # used before the fork: children must rebuild their own state
+    barrier = FORK.Barrier(6)
+    children = [FORK.Process(target=_read_all, args=(cache, specs, digests, i, barrier)) for i in range(6)]
+    with DiskSampler(tmp_path / "cache") as sampler:
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(30)
+    assert [c.exitcode for c in children] == [0] * 6
+    assert store.downloads() == {name: 1 for name, _, _ in specs}
+    cache.close()
+    totals = cache_report(tmp_path / "cache").totals
+    assert totals.misses == 5 and totals.bytes_fetched == 5 * 8192
+    assert totals.hits == 6 * 5 - 4
+    assert totals.wait_time_s > 0  # someone waited for someone else's download
+    assert sampler.max <= 1_000_000
+
+
+def _read_randomly(cache, specs, digests, seed, rounds):
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        spec = rng.choice(specs)
+        with cache.hold(*spec) as path:
+            time.sleep(rng.random() * 0.005)  # evictors run meanwhile; the file must stay whole
+            assert hashlib.sha256(read(path)).hexdigest() == digests[spec[0]]
+    cache.close()
+
+
+def test_processes_under_a_tight_limit(tmp_path, remote):
+    sizes = [random.Random(i).randint(2000, 6000) for i in range(8)]
+    store, specs, contents = remote(sizes, delay_s=0.001)
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}
+    limit = STATS_FILE_BYTES + 4 * max(sizes)  # four readers, each holding one shard
+    cache = ShardCache(config(tmp_path, limit, wait_timeout_s=20), store)
+    cache.check_fits(max(sizes), readers=4)
+    children = [FORK.Process(target=_read_randomly, args=(cache, specs, digests, i, 15)) for i in range(4)]
+    with DiskSampler(tmp_path / "cache") as sampler:
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(30)
+    assert [c.exitcode for c in children] == [0] * 4
+    assert sampler.samples > 0 and sampler.max <= limit
+    totals = cache_report(tmp_path / "cache").totals
+    assert totals.hits + totals.misses == 4 * 15
+    assert totals.evictions > 0
+
+
+# -- invariant 3: crashes ---------------------------------------------------------------------------
+def _fetch_forever(cache, spec):
+    cache.fetch(*spec)
+
+
+def test_killed_download_leaves_no_final_file_and_is_cleaned(tmp_path, remote):
+    store, specs, contents = remote([64 * 1024], delay_s=0.02)  # 64 chunks: ~1.3 s
+    cache = ShardCache(config(tmp_path, 1_000_000), store)
+    child = FORK.Process(target=_fetch_forever, args=(cache, specs[0]))
+    child.start()
+    tmp_dir = tmp_path / "cache" / "tmp"
+    wait_for(lambda: tmp_dir.exists() and os.listdir(tmp_dir))
+    time.sleep(0.2)  # some chunks written
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    assert cached_names(tmp_path / "cache") == set()
+    assert len(os.listdir(tmp_dir)) == 1  # the orphan, until someone looks
+
+    fresh = ShardCache(config(tmp_path, 1_000_000), RecordingStore(store.root))
+    assert fresh.usage() == STATS_FILE_BYTES  # start removed the dead process's temp file
+    assert os.listdir(tmp_dir) == []
+    assert read(fresh.fetch(*specs[0])) == contents[specs[0][0]]
+
+
+def test_killed_reader_releases_its_hold(tmp_path, remote):
+    store, specs, _ = remote([1000])
+    cache = ShardCache(config(tmp_path, 100_000), store)
+    ready, release = FORK.Event(), FORK.Event()
+    child = FORK.Process(target=_hold_until, args=(cache, specs[0], ready, release))
+    child.start()
+    assert ready.wait(10)
+    assert main(["cache", "clear", str(tmp_path / "cache")]) == 0
+    assert cached_names(tmp_path / "cache") == {specs[0][0]}  # held: kept
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(10)
+    assert main(["cache", "clear", str(tmp_path / "cache")]) == 0
+    assert cached_names(tmp_path / "cache") == set()
+
+
+def _fetch_under_file_size_limit(cache, spec, max_file_bytes, result_path):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+    try:
+        cache.fetch(*spec)
+        outcome = "fetched"
+    except NoSpace as exc:
+        outcome = f"NoSpace: {exc}"
+    except BaseException as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(result_path, "w") as file:
+        file.write(outcome[:200])
+
+
+@pytest.mark.parametrize("preallocate", [False, True])
+def test_full_disk_removes_the_temp_file_and_raises_no_space(tmp_path, remote, preallocate):
+    """A file-size rlimit makes the write (or the preallocation) fail the way a full disk does."""
+    store, specs, _ = remote([20_000])
+    cache = ShardCache(config(tmp_path, 1_000_000, preallocate=preallocate), store)
+    cache.usage()  # create the layout and stats file before the rlimit
+    child = FORK.Process(target=_fetch_under_file_size_limit, args=(cache, specs[0], 4096, tmp_path / "result"))
+    child.start()
+    child.join(20)
+    outcome = (tmp_path / "result").read_text()
+    assert outcome.startswith("NoSpace:") and "shard-000000.tar" in outcome, outcome
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+    assert cached_names(tmp_path / "cache") == set()
+
+
+# -- verification --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["checksum", "longer", "shorter"])
+def test_corrupt_remote_copy_raises_naming_the_shard(tmp_path, remote, damage):
+    store, specs, _ = remote([4000])
+    name, size, checksum = specs[0]
+    if damage == "checksum":
+        checksum = "sha256:" + "0" * 64
+    elif damage == "longer":
+        size -= 10  # the store has more bytes than the manifest says
+    else:
+        size += 10
+    cache = ShardCache(config(tmp_path, 100_000), store)
+    with pytest.raises(CorruptShard, match="shard-000000.tar"):
+        cache.fetch(name, size, checksum)
+    assert cached_names(tmp_path / "cache") == set()
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+
+
+def test_corrupt_cached_copy_is_replaced(tmp_path, remote):
+    store, specs, contents = remote([4000])
+    name = specs[0][0]
+    cache = ShardCache(config(tmp_path, 100_000), store)
+    path = cache.fetch(*specs[0])
+    with open(path, "ab") as file:
+        file.write(b"junk")  # wrong size: found on every access
+    assert read(cache.fetch(*specs[0])) == contents[name]
+    with open(path, "r+b") as file:
+        file.write(b"\0" * 16)  # same size: found when asked to recheck
+    assert read(cache.fetch(*specs[0], recheck=True)) == contents[name]
+    assert cache.stats.corrupt_replaced == 2
+    assert store.downloads()[name] == 3
+
+
+def test_unverified_checksum_format_is_a_config_error(tmp_path, remote):
+    store, specs, _ = remote([100])
+    cache = ShardCache(config(tmp_path, 100_000), store)
+    with pytest.raises(ConfigError, match="algo:hexdigest"):
+        cache.fetch(specs[0][0], 100, "deadbeef")
+    with pytest.raises(ConfigError, match="unknown hash"):
+        cache.fetch(specs[0][0], 100, "nosuchhash:00")
+
+
+# -- prefetch ------------------------------------------------------------------------------------------
+def test_prefetch_runs_ahead_within_the_limit(tmp_path, remote):
+    store, specs, contents = remote([6000] * 8, delay_s=0.003)  # ~20 ms per shard
+    limit = STATS_FILE_BYTES + 3 * 6000  # the shard being read + a window of 2
+    cache = ShardCache(config(tmp_path, limit, prefetch=2, wait_timeout_s=10), store)
+    with DiskSampler(tmp_path / "cache") as sampler:
+        cache.prefetch(specs)
+        wait_for(lambda: cached_names(tmp_path / "cache") == {specs[0][0], specs[1][0]})
+        time.sleep(0.1)
+        assert specs[2][0] not in cached_names(tmp_path / "cache")  # the window is 2 shards
+        for spec in specs:
+            with cache.hold(*spec) as path:
+                assert read(path) == contents[spec[0]]
+                time.sleep(0.08)  # "reading": the thread fetches the next ones meanwhile
+    cache.close()
+    assert sampler.max <= limit
+    assert store.downloads() == {name: 1 for name, _, _ in specs}
+    assert cache.stats.hits >= 5  # the reader found most shards already there
+
+
+def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, remote):
+    store, specs, contents = remote([1000])
+    cache = ShardCache(config(tmp_path, 100_000, prefetch=2), store)
+    cache.prefetch([("train/missing.tar", 1000, None), specs[0]])
+    wait_for(lambda: specs[0][0] in cached_names(tmp_path / "cache"))  # the thread went past the failure
+    with pytest.raises(NotFound):
+        cache.fetch("train/missing.tar", 1000)
+    assert store.downloads()["train/missing.tar"] == 1  # the prefetch's error, not a new attempt
+    assert read(cache.fetch(*specs[0])) == contents[specs[0][0]]
+    cache.close()
+
+
+def test_prefetch_of_a_corrupt_shard_is_raised_to_the_reader(tmp_path, remote):
+    store, specs, _ = remote([1000, 1000])
+    cache = ShardCache(config(tmp_path, 100_000, prefetch=2), store)
+    bad = (specs[0][0], specs[0][1], "sha256:" + "1" * 64)
+    cache.prefetch([bad, specs[1]])
+    wait_for(lambda: specs[1][0] in cached_names(tmp_path / "cache"))
+    with pytest.raises(CorruptShard, match="shard-000000.tar"), cache.hold(*bad):
+        pass
+    cache.close()
+
+
+# -- CLI -------------------------------------------------------------------------------------------
+def test_cli_stats_and_clear(tmp_path, remote, capsys):
+    store, specs, _ = remote([3000, 3000, 3000])
+    cache_dir = str(tmp_path / "cache")
+    cache = ShardCache(config(tmp_path, "1MB"), store)
+    for spec in specs + specs:
+        cache.fetch(*spec)
+    cache.flush_stats()
+
+    assert main(["cache", "stats", cache_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["files"] == 3 and report["limit_bytes"] == 10**6
+    assert report["bytes"] == 3 * 3000 + STATS_FILE_BYTES
+    assert report["totals"]["hits"] == 3 and report["totals"]["misses"] == 3
+    assert report["totals"]["bytes_fetched"] == 9000
+
+    assert main(["cache", "stats", cache_dir]) == 0
+    out = capsys.readouterr().out
+    assert "limit" in out and "1.0 MB" in out and "50.0%" in out
+
+    with cache.hold(*specs[1]):
+        assert main(["cache", "clear", cache_dir]) == 0
+        captured = capsys.readouterr()
+        assert "removed 2 shards" in captured.out and "kept 1 shards" in captured.err
+    assert cached_names(cache_dir) == {specs[1][0]}
+
+    assert main(["cache", "clear", cache_dir, "--reset-stats"]) == 0
+    capsys.readouterr()
+    assert cached_names(cache_dir) == set()
+    assert cache_report(cache_dir).totals.hits == 0
+
+    assert main(["cache", "stats", str(tmp_path / "nothing-here")]) == 2
+    assert "not a dlstore cache" in capsys.readouterr().err

@@ -1,0 +1,63 @@
+"""`dlstore ls` / `dlstore cp` on local stores, and the URL registry."""
+
+from __future__ import annotations
+
+import pytest
+
+from dlstore.cli import main
+from dlstore.config import WorldInfo
+from dlstore.errors import ConfigError
+from dlstore.storage import open_store, split_object_url
+
+
+def test_cp_round_trip_between_local_stores(tmp_path, capsys):
+    src = tmp_path / "src.bin"
+    payload = bytes(range(256)) * 5000
+    src.write_bytes(payload)
+    assert main(["cp", "-q", str(src), f"file://{tmp_path}/store/a/copy.bin"]) == 0
+    assert main(["cp", "-q", f"file://{tmp_path}/store/a/copy.bin", f"{tmp_path}/back/"]) == 0
+    assert (tmp_path / "back" / "copy.bin").read_bytes() == payload
+    assert main(["ls", "--long", f"file://{tmp_path}/store"]) == 0
+    out = capsys.readouterr()
+    assert f"{len(payload):>14}  a/copy.bin" in out.out
+    assert "1 objects" in out.err
+
+
+def test_cp_of_a_missing_object_is_a_clear_error(tmp_path, capsys):
+    assert main(["cp", "-q", f"{tmp_path}/nope.bin", f"{tmp_path}/out.bin"]) == 2
+    assert "NotFound" in capsys.readouterr().err
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_ls_with_prefix_streams_keys_in_order(tmp_path, capsys):
+    store = open_store(str(tmp_path))
+    for key in ["b/2", "a/1", "a/10", "a/2", "ab"]:
+        store.put(key, b"x")
+    assert main(["ls", str(tmp_path), "a"]) == 0
+    assert capsys.readouterr().out.split() == ["a/1", "a/10", "a/2", "ab"]
+
+
+def test_split_object_url():
+    assert split_object_url("s3://bucket/a/b.tar") == ("s3://bucket/a", "b.tar")
+    assert split_object_url("file:///x/y") == ("file:///x", "y")
+    with pytest.raises(ConfigError):
+        split_object_url("swift://container")
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, WorldInfo(0, 1, 1)),
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, WorldInfo(3, 8, 4)),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)"}, WorldInfo(5, 8, 4)),
+    ],
+)
+def test_world_from_env(env, expected):
+    assert WorldInfo.from_env(env) == expected
+
+
+def test_world_rejects_inconsistent_sizes():
+    with pytest.raises(ConfigError):
+        WorldInfo(rank=0, world_size=6, local_world_size=4)
+    with pytest.raises(ConfigError):
+        WorldInfo.from_env({"RANK": "9", "WORLD_SIZE": "4"})

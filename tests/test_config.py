@@ -1,0 +1,265 @@
+"""SwiftConfig / S3Config / StoreConfig from an environment mapping, Secret, parse_size."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import pytest
+
+from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig, parse_size
+from dlstore.errors import ConfigError
+
+OPENRC_V3_PASSWORD = {
+    "OS_AUTH_URL": "https://keystone.example.org:5000/v3",
+    "OS_IDENTITY_API_VERSION": "3",
+    "OS_USERNAME": "alice",
+    "OS_PASSWORD": "pw-7f3a9c",
+    "OS_PROJECT_NAME": "ml-team",
+    "OS_PROJECT_ID": "0123abcd",
+    "OS_USER_DOMAIN_NAME": "Users",
+    "OS_PROJECT_DOMAIN_NAME": "Projects",
+    "OS_REGION_NAME": "RegionTwo",
+    "OS_INTERFACE": "public",
+}
+
+OPENRC_APP_CRED = {
+    "OS_AUTH_TYPE": "v3applicationcredential",
+    "OS_AUTH_URL": "https://keystone.example.org:5000/v3",
+    "OS_IDENTITY_API_VERSION": "3",
+    "OS_APPLICATION_CREDENTIAL_ID": "6d8b1f0e",
+    "OS_APPLICATION_CREDENTIAL_SECRET": "appsecret-42e1",
+    "OS_REGION_NAME": "RegionOne",
+    "OS_INTERFACE": "public",
+}
+
+ST_ENV = {"ST_AUTH": "http://127.0.0.1:8080/auth/v1.0", "ST_USER": "test:tester", "ST_KEY": "st-key-9b2"}
+
+
+# -- SwiftConfig ---------------------------------------------------------------------------------
+def test_swift_v1_from_st_variables():
+    config = SwiftConfig.from_env(ST_ENV)
+    assert config.auth_url == ST_ENV["ST_AUTH"]
+    assert config.auth_version == "1.0"
+    assert config.user == "test:tester"
+    assert config.key == Secret("st-key-9b2")
+    assert config.application_credential_id is None
+
+
+def test_st_variables_win_over_an_openrc():
+    config = SwiftConfig.from_env({**OPENRC_V3_PASSWORD, **ST_ENV})
+    assert (config.auth_url, config.auth_version, config.user) == (ST_ENV["ST_AUTH"], "1.0", "test:tester")
+    assert config.key.reveal() == "st-key-9b2"
+    assert config.project_name is None
+
+
+def test_swift_v3_password_from_an_openrc():
+    config = SwiftConfig.from_env(OPENRC_V3_PASSWORD)
+    assert config.auth_url == OPENRC_V3_PASSWORD["OS_AUTH_URL"]
+    assert config.auth_version == "3"
+    assert (config.user, config.key.reveal()) == ("alice", "pw-7f3a9c")
+    assert (config.project_name, config.project_id) == ("ml-team", "0123abcd")
+    assert (config.user_domain_name, config.project_domain_name) == ("Users", "Projects")
+    assert (config.region_name, config.interface) == ("RegionTwo", "public")
+
+
+def test_openrc_defaults_and_legacy_names():
+    env = {
+        "OS_AUTH_URL": "https://keystone.example.org:5000/v3",
+        "OS_USERNAME": "bob",
+        "OS_PASSWORD": "pw",
+        "OS_TENANT_NAME": "legacy-project",
+        "OS_ENDPOINT_TYPE": "internalURL",
+    }
+    config = SwiftConfig.from_env(env)
+    assert config.auth_version == "3"  # OS_AUTH_URL without OS_IDENTITY_API_VERSION
+    assert config.project_name == "legacy-project"
+    assert config.interface == "internalURL"
+    assert (config.user_domain_name, config.project_domain_name) == ("Default", "Default")
+
+
+def test_swift_v3_application_credential_from_an_openrc():
+    config = SwiftConfig.from_env(OPENRC_APP_CRED)
+    assert config.auth_version == "3"
+    assert config.application_credential_id == "6d8b1f0e"
+    assert config.application_credential_secret.reveal() == "appsecret-42e1"
+    assert config.user is None and config.key is None
+    # Domains belong to users and projects; an application credential has them built in.
+    assert config.user_domain_name is None and config.project_domain_name is None
+
+
+def test_swift_preauthenticated_and_tls_settings():
+    env = {
+        "OS_STORAGE_URL": "https://swift.example.org/v1/AUTH_abc",
+        "OS_AUTH_TOKEN": "gAAAAtoken",
+        "OS_CACERT": "/etc/ssl/site-ca.pem",
+        "SWIFTCLIENT_INSECURE": "true",
+        "DLSTORE_SEGMENT_SIZE": "256MiB",
+    }
+    config = SwiftConfig.from_env(env)
+    assert config.storage_url == "https://swift.example.org/v1/AUTH_abc"
+    assert config.auth_token.reveal() == "gAAAAtoken"
+    assert config.cacert == "/etc/ssl/site-ca.pem"
+    assert config.insecure is True
+    assert config.segment_size == 256 * 2**20
+
+
+def test_swift_empty_environment():
+    config = SwiftConfig.from_env({})
+    assert config.auth_url is None and config.key is None and config.storage_url is None
+    assert config.auth_version == "1.0"
+    assert config.segment_size == 64 * 2**20
+    assert config.segment_container_suffix == "_segments"
+
+
+def test_an_explicit_mapping_ignores_the_process_environment(monkeypatch):
+    monkeypatch.setenv("ST_AUTH", "http://elsewhere/auth/v1.0")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://elsewhere:9000")
+    config = StoreConfig.from_env(OPENRC_APP_CRED)
+    assert config.swift.auth_url == OPENRC_APP_CRED["OS_AUTH_URL"]
+    assert config.s3.endpoint_url is None
+
+
+def test_a_swift_store_without_credentials_is_a_config_error():
+    from dlstore.storage.swift import SwiftStore
+
+    with pytest.raises(ConfigError, match="ST_AUTH"):
+        SwiftStore("swift://container/prefix", StoreConfig(swift=SwiftConfig.from_env({})))
+
+
+# -- S3Config ------------------------------------------------------------------------------------
+def test_s3_from_aws_variables():
+    env = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:8080",
+        "AWS_ACCESS_KEY_ID": "test:tester",
+        "AWS_SECRET_ACCESS_KEY": "aws-secret-1c9",
+        "AWS_SESSION_TOKEN": "session-tok",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_PROFILE": "training",
+        "AWS_CA_BUNDLE": "/etc/ssl/ca.pem",
+        "DLSTORE_SEGMENT_SIZE": "5MB",
+        "DLSTORE_S3_LIST_PAGE_SIZE": "99",
+    }
+    config = S3Config.from_env(env)
+    assert config.endpoint_url == "http://127.0.0.1:8080"
+    assert config.access_key_id == "test:tester"
+    assert config.secret_access_key.reveal() == "aws-secret-1c9"
+    assert config.session_token.reveal() == "session-tok"
+    assert (config.region, config.profile, config.ca_bundle) == ("us-east-1", "training", "/etc/ssl/ca.pem")
+    assert config.multipart_chunk_size == config.multipart_threshold == 5_000_000
+    assert config.list_page_size == 99
+    assert config.addressing_style == "path"
+    assert config.checksum_when_required is True
+
+
+def test_s3_endpoint_and_region_precedence():
+    env = {
+        "AWS_ENDPOINT_URL": "http://generic:1",
+        "AWS_ENDPOINT_URL_S3": "http://s3-specific:2",
+        "AWS_REGION": "eu-west-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    assert S3Config.from_env(env).endpoint_url == "http://s3-specific:2"
+    assert S3Config.from_env(env).region == "eu-west-1"
+    assert S3Config.from_env({**env, "DLSTORE_S3_ENDPOINT_URL": "http://ours:3"}).endpoint_url == "http://ours:3"
+
+
+def test_s3_empty_environment_leaves_boto3_its_own_chain():
+    config = S3Config.from_env({})
+    assert config.endpoint_url is None and config.access_key_id is None and config.secret_access_key is None
+    assert config.list_page_size == 1000
+
+
+def test_s3_bad_page_size_is_a_config_error():
+    with pytest.raises(ConfigError, match="DLSTORE_S3_LIST_PAGE_SIZE"):
+        S3Config.from_env({"DLSTORE_S3_LIST_PAGE_SIZE": "many"})
+
+
+def test_retry_from_env():
+    config = RetryConfig.from_env({"DLSTORE_RETRY_ATTEMPTS": "3", "DLSTORE_RETRY_DEADLINE": "7.5"})
+    assert (config.max_attempts, config.deadline_s) == (3, 7.5)
+    with pytest.raises(ConfigError):
+        RetryConfig.from_env({"DLSTORE_RETRY_ATTEMPTS": "three"})
+
+
+# -- Secret --------------------------------------------------------------------------------------
+SECRET_TEXT = "s3cr3t-do-not-print"
+
+
+def test_secret_never_shows_itself(caplog):
+    secret = Secret(SECRET_TEXT)
+    shown = [
+        repr(secret),
+        str(secret),
+        f"{secret}",
+        f"{secret!r}",
+        f"{secret:>30}",
+        "%s %r" % (secret, secret),  # noqa: UP031 - the old formatting is what logging uses
+        "{}".format(secret),  # noqa: UP032
+        repr([secret]),
+        repr({"key": secret}),
+    ]
+    for text in shown:
+        assert SECRET_TEXT not in text
+    with caplog.at_level(logging.DEBUG):
+        logging.getLogger("dlstore.test").warning("key=%s token=%r", secret, secret)
+    assert SECRET_TEXT not in caplog.text
+    assert secret.reveal() == SECRET_TEXT
+
+
+def test_secret_hidden_in_config_reprs():
+    store = StoreConfig(
+        s3=S3Config(secret_access_key=Secret(SECRET_TEXT), session_token=Secret(SECRET_TEXT)),
+        swift=SwiftConfig(
+            key=Secret(SECRET_TEXT),
+            application_credential_secret=Secret(SECRET_TEXT),
+            auth_token=Secret(SECRET_TEXT),
+        ),
+    )
+    for text in (repr(store), str(store), repr(store.swift), repr(store.s3), f"{store}"):
+        assert SECRET_TEXT not in text
+    for env in (ST_ENV, OPENRC_V3_PASSWORD, OPENRC_APP_CRED):
+        config = StoreConfig.from_env({**env, "AWS_SECRET_ACCESS_KEY": SECRET_TEXT})
+        text = repr(config)
+        for name in ("ST_KEY", "OS_PASSWORD", "OS_APPLICATION_CREDENTIAL_SECRET"):
+            if name in env:
+                assert env[name] not in text
+        assert SECRET_TEXT not in text
+
+
+def test_secret_equality_truthiness_and_pickle():
+    assert Secret("a") == Secret("a")
+    assert Secret("a") != Secret("b")
+    assert Secret("a") != "a"
+    assert not Secret("")
+    assert Secret("x")
+    assert pickle.loads(pickle.dumps(Secret(SECRET_TEXT))).reveal() == SECRET_TEXT
+    assert len({Secret("a"), Secret("a")}) == 1
+
+
+# -- parse_size ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("150GB", 150 * 10**9),
+        ("64MiB", 64 * 2**20),
+        ("64mib", 64 * 2**20),
+        ("5M", 5 * 2**20),
+        ("5MB", 5 * 10**6),
+        ("1.5KB", 1500),
+        ("2KiB", 2048),
+        ("1T", 2**40),
+        (" 10 MB ", 10**7),
+        ("1048576", 1048576),
+        ("100B", 100),
+        (1048576, 1048576),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "MB", "5XB", "1.2.3MB", "5 PB"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ConfigError, match="size"):
+        parse_size(text)

@@ -1,0 +1,475 @@
+"""Converters end to end: real on-disk formats (made by dlstore.datagen) into file://, Swift and S3
+stores; every input exactly once with its label, reproducible bytes, resume, verify, index."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dlstore.cli import main as cli
+from dlstore.config import StoreConfig
+from dlstore.convert import (
+    ConvertOptions,
+    convert,
+    index_dataset,
+    list_source,
+    verify_dataset,
+)
+from dlstore.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
+from dlstore.errors import ConfigError, CorruptSample, FormatError
+from dlstore.manifest import MANIFEST_NAME, Manifest, load_sample_index
+from dlstore.shards import iter_samples, read_sample
+from dlstore.storage import open_store
+
+SMALL = (48, 40)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Small datasets in every real layout, made once for the module."""
+    root = tmp_path_factory.mktemp("sources")
+    made = {
+        "imagenet": make_imagenet(
+            root / "imagenet", num_classes=4, train_per_class=6, val_per_class=3, image_size=SMALL, corrupt=2
+        ),
+        "imagenet_tars": make_imagenet(
+            root / "imagenet_tars",
+            num_classes=4,
+            train_per_class=6,
+            val_per_class=3,
+            image_size=SMALL,
+            corrupt=2,
+            layout="tars",
+        ),
+        "imagenet_txt": make_imagenet(
+            root / "imagenet_txt", num_classes=3, train_per_class=1, val_per_class=3, image_size=SMALL, val_layout="txt"
+        ),
+        "imagenet_valdirs": make_imagenet(
+            root / "imagenet_valdirs",
+            num_classes=3,
+            train_per_class=1,
+            val_per_class=3,
+            image_size=SMALL,
+            val_layout="folders",
+        ),
+        "imagefolder": make_imagefolder(root / "imagefolder", formats=("jpg", "png", "webp", "bmp", "JPEG"), corrupt=2),
+        "cifar10": make_cifar10(root / "cifar10", per_batch=8, test=10),
+        "cifar10_tgz": make_cifar10(root / "cifar10_tgz", per_batch=8, test=10, archive=True),
+        "mnist": make_mnist(root / "mnist", train=30, test=12),
+        "mnist_raw": make_mnist(root / "mnist_raw", train=30, test=12, gz=False),
+    }
+    return made
+
+
+def read_dataset(url: str, config: StoreConfig | None = None) -> tuple[Manifest, list[dict]]:
+    """The manifest and every sample of a dataset, read shard by shard through the streaming reader."""
+    store = open_store(url, config)
+    manifest = Manifest.load(store)
+    samples = []
+    for shard in manifest.shards:
+        got = list(iter_samples(store.get(shard.name)))
+        assert len(got) == shard.samples
+        for sample in got:
+            sample["__shard__"] = shard.name
+        samples += got
+    return manifest, samples
+
+
+def check_exactly_once(url: str, expected: list[tuple[str, int]], config: StoreConfig | None = None) -> list[dict]:
+    manifest, samples = read_dataset(url, config)
+    seen = [(json.loads(s["json"])["source"], int(s["cls"])) for s in samples]
+    assert Counter(source for source, _ in seen).most_common(1)[0][1] == 1, "an input appears twice"
+    assert sorted(seen) == sorted(expected)
+    for sample in samples:
+        meta = json.loads(sample["json"])
+        assert manifest.classes[int(sample["cls"])] == meta["class"]
+    assert manifest.total_samples == len(expected)
+    return samples
+
+
+def files_of(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+OPTS = ConvertOptions(samples_per_shard=7, workers=1)
+
+
+# -- every format, every layout -----------------------------------------------------------------
+def test_imagenet_folders_train(data, tmp_path):
+    made = data["imagenet"]
+    summary = convert("imagenet", made.root, f"file://{tmp_path}/train", OPTS)
+    assert sorted(s.id for s in summary.skipped) == sorted(made.corrupt["train"])
+    samples = check_exactly_once(f"file://{tmp_path}/train", made.samples["train"])
+    manifest = summary.manifest
+    assert list(manifest.classes) == made.classes and manifest.fields == ("cls", "jpg", "json")
+    assert manifest.label_field == "cls" and manifest.created.source_format == "imagenet"
+    # 26 inputs cut into shards of 7, 7, 7, 5 before the 2 corrupt ones were skipped.
+    assert summary.shards == 4 and sum(s.samples for s in manifest.shards) == 24
+    # The global shuffle mixes classes: no shard holds a single class.
+    by_shard: dict[str, set[int]] = {}
+    for s in samples:
+        by_shard.setdefault(s["__shard__"], set()).add(int(s["cls"]))
+    assert all(len(classes) > 1 for classes in by_shard.values())
+    # JPEGs are stored as they were.
+    first = next(s for s in samples if json.loads(s["json"])["source"] == made.samples["train"][0][0])
+    assert first["jpg"] == (made.root / "train" / made.samples["train"][0][0]).read_bytes()
+    assert verify_dataset(f"file://{tmp_path}/train", deep=True).ok
+
+
+def test_imagenet_tars_give_the_same_shards_as_folders(data, tmp_path):
+    for split in ("train", "val"):
+        options = dataclasses.replace(OPTS, split=split)
+        convert("imagenet", data["imagenet"].root, f"file://{tmp_path}/folders-{split}", options)
+        summary = convert("imagenet", data["imagenet_tars"].root, f"file://{tmp_path}/tars-{split}", options)
+        check_exactly_once(f"file://{tmp_path}/tars-{split}", data["imagenet_tars"].samples[split])
+        folders, tars = files_of(tmp_path / f"folders-{split}"), files_of(tmp_path / f"tars-{split}")
+        assert {k: v for k, v in folders.items() if k.endswith((".tar", ".idx"))} == {
+            k: v for k, v in tars.items() if k.endswith((".tar", ".idx"))
+        }
+        assert summary.manifest.created.source == f"ILSVRC2012_img_{split}.tar"
+    # The tar itself can be the source, too.
+    convert("imagenet", data["imagenet_tars"].root / "ILSVRC2012_img_train.tar", f"file://{tmp_path}/direct", OPTS)
+    assert files_of(tmp_path / "direct").keys() == files_of(tmp_path / "tars-train").keys()
+
+
+@pytest.mark.parametrize("layout", ["imagenet", "imagenet_txt", "imagenet_valdirs"])
+def test_imagenet_val_layouts(data, tmp_path, layout):
+    made = data[layout]
+    convert("imagenet", made.root, f"file://{tmp_path}/val", dataclasses.replace(OPTS, split="val"))
+    check_exactly_once(f"file://{tmp_path}/val", made.samples["val"])
+
+
+def test_imagenet_val_labels_option_and_missing_ground_truth(data, tmp_path):
+    made = data["imagenet_txt"]
+    flat = tmp_path / "flat"
+    shutil.copytree(made.root / "val", flat)
+    with pytest.raises(FormatError, match="need their ground truth"):
+        list_source("imagenet", flat, ConvertOptions(split="val"))
+    options = dataclasses.replace(OPTS, split="val", val_labels=str(made.root / "val_labels.txt"))
+    convert("imagenet", flat, f"file://{tmp_path}/out", options)
+    check_exactly_once(f"file://{tmp_path}/out", made.samples["val"])
+
+
+def test_imagefolder_reencodes_or_keeps_formats_and_skips_bad_files(data, tmp_path):
+    made = data["imagefolder"]
+    summary = convert("imagefolder", made.root, f"file://{tmp_path}/a", OPTS)
+    skipped = {s.id: s.reason for s in summary.skipped}
+    assert set(skipped) == set(made.corrupt[""]) | {"class_00/README.txt"}
+    samples = check_exactly_once(f"file://{tmp_path}/a", made.samples[""])
+    assert all(Image.open(io.BytesIO(s["jpg"])).format == "JPEG" for s in samples)
+
+    summary = convert("imagefolder", made.root, f"file://{tmp_path}/b", dataclasses.replace(OPTS, keep_format=True))
+    samples = check_exactly_once(f"file://{tmp_path}/b", made.samples[""])
+    for s in samples:
+        source = json.loads(s["json"])["source"]
+        (field,) = [k for k in s if k in ("jpg", "png", "webp", "bmp")]
+        assert s[field] == (made.root / source).read_bytes()
+    assert {"png", "webp", "bmp", "jpg"} <= set(summary.manifest.fields)
+
+    with pytest.raises(CorruptSample, match="broken_"):
+        convert("imagefolder", made.root, f"file://{tmp_path}/c", dataclasses.replace(OPTS, strict=True))
+    assert not (tmp_path / "c" / MANIFEST_NAME).exists()
+
+
+@pytest.mark.parametrize("layout", ["cifar10", "cifar10_tgz"])
+@pytest.mark.parametrize("fmt", ["png", "jpeg"])
+def test_cifar10(data, tmp_path, layout, fmt):
+    made = data[layout]
+    options = dataclasses.replace(OPTS, image_format=fmt, samples_per_shard=None, shard_size=40_000)
+    summary = convert("cifar10", made.root, f"file://{tmp_path}/train", options)
+    assert summary.shards > 1 and all(s.size <= 40_000 + 10240 for s in summary.manifest.shards)
+    samples = check_exactly_once(f"file://{tmp_path}/train", made.samples["train"])
+    assert summary.manifest.classes[:2] == ("airplane", "automobile")
+    if fmt == "png":  # lossless: the pixels are the source's
+        from dlstore.convert import SourceItem, _ArrayReader
+
+        source = list_source("cifar10", made.root)
+        reader: _ArrayReader = source.reader
+        for s in samples[:5]:
+            batch, i = json.loads(s["json"])["source"].split("/")
+            pixels = np.asarray(Image.open(io.BytesIO(s["png"])))
+            assert np.array_equal(pixels, reader.read(SourceItem(f"{batch}/{i}", 0, 0, int(i))))
+    convert("cifar10", made.root, f"file://{tmp_path}/test", dataclasses.replace(options, split="test"))
+    check_exactly_once(f"file://{tmp_path}/test", made.samples["test"])
+
+
+@pytest.mark.parametrize("layout", ["mnist", "mnist_raw"])
+def test_mnist(data, tmp_path, layout):
+    made = data[layout]
+    for split in ("train", "test"):
+        convert("mnist", made.root, f"file://{tmp_path}/{split}", dataclasses.replace(OPTS, split=split))
+        samples = check_exactly_once(f"file://{tmp_path}/{split}", made.samples[split])
+        image = Image.open(io.BytesIO(samples[0]["png"]))
+        assert image.mode == "L" and image.size == (28, 28)
+
+
+def test_resize_max_side(data, tmp_path):
+    made = data["imagenet"]
+    options = dataclasses.replace(OPTS, resize_max_side=24, quality=80)
+    summary = convert("imagenet", made.root, f"file://{tmp_path}/small", options)
+    samples = check_exactly_once(f"file://{tmp_path}/small", made.samples["train"])
+    sizes = {Image.open(io.BytesIO(s["jpg"])).size for s in samples}
+    assert sizes == {(24, 20)}  # 48x40 scaled so the longer side is 24
+    assert summary.manifest.created.options["resize_max_side"] == 24
+
+
+# -- bad sources ----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "fmt, source, message",
+    [
+        ("imagenet", "cifar10", "expected an ImageNet"),
+        ("imagenet", "imagefolder", "expected an ImageNet.*use the imagefolder format"),
+        ("cifar10", "imagenet", "expected cifar-10-batches-py"),
+        ("mnist", "cifar10", "expected MNIST idx files"),
+        ("imagefolder", "mnist", "expected class sub-folders"),
+    ],
+)
+def test_a_source_of_another_format_says_what_was_expected_and_found(data, fmt, source, message):
+    with pytest.raises(FormatError, match=message) as info:
+        list_source(fmt, data[source].root)
+    assert "found" in str(info.value)
+
+
+def test_corrupt_source_files_are_format_errors(tmp_path):
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(b"\x00\x00\x08\x03" + b"\x00" * 20)
+    (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"junk")
+    with pytest.raises(FormatError):
+        list_source("mnist", tmp_path)
+    batches = tmp_path / "cifar" / "cifar-10-batches-py"
+    batches.mkdir(parents=True)
+    import pickle
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    (batches / "batches.meta").write_bytes(pickle.dumps({"label_names": Evil()}))
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        (batches / name).write_bytes(b"not a pickle")
+    with pytest.raises(FormatError, match="posix.system|os.system|refers to"):
+        list_source("cifar10", tmp_path / "cifar")
+    (tmp_path / "ILSVRC2012_img_train.tar").write_bytes(b"not a tar at all" * 64)
+    with pytest.raises(FormatError, match="not a readable tar"):
+        list_source("imagenet", tmp_path / "ILSVRC2012_img_train.tar")
+
+
+# -- reproducibility, workers, resume ------------------------------------------------------------
+def test_same_seed_same_bytes_other_seed_other_order_and_workers_do_not_matter(data, tmp_path):
+    made = data["imagenet"]
+    convert("imagenet", made.root, f"file://{tmp_path}/a", OPTS)
+    convert("imagenet", made.root, f"file://{tmp_path}/b", dataclasses.replace(OPTS, workers=2))
+    assert files_of(tmp_path / "a") == files_of(tmp_path / "b")
+    convert("imagenet", made.root, f"file://{tmp_path}/c", dataclasses.replace(OPTS, seed=1))
+    assert files_of(tmp_path / "a")["shard-000000.tar"] != files_of(tmp_path / "c")["shard-000000.tar"]
+    check_exactly_once(f"file://{tmp_path}/c", made.samples["train"])
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resume_after_a_failure_midway_gives_the_same_dataset(data, tmp_path, workers):
+    made = data["imagenet"]
+    options = dataclasses.replace(OPTS, samples_per_shard=3, workers=workers)
+    convert("imagenet", made.root, f"file://{tmp_path}/ref", options)
+
+    def fail_after_two_shards(progress):
+        if progress.shards_done >= 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        convert("imagenet", made.root, f"file://{tmp_path}/out", options, progress=fail_after_two_shards)
+    partial = files_of(tmp_path / "out")
+    assert MANIFEST_NAME not in partial and sum(k.endswith(".idx") for k in partial) >= 2
+    if workers == 1:  # in a pool, the tiny shards may all be done before the callback runs
+        assert sum(k.endswith(".idx") for k in partial) == 2
+    summary = convert("imagenet", made.root, f"file://{tmp_path}/out", options)
+    assert summary.shards_reused >= 2 and summary.shards_written == summary.shards - summary.shards_reused
+    assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")
+    again = convert("imagenet", made.root, f"file://{tmp_path}/out", dataclasses.replace(options, rehash_existing=True))
+    assert again.shards_written == 0 and files_of(tmp_path / "out") == files_of(tmp_path / "ref")
+
+
+def test_resume_after_the_process_is_killed(data, tmp_path):
+    made = data["imagenet_tars"]
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "dlstore", "convert", "imagenet", str(made.root), f"file://{out}"]
+    command += ["--samples-per-shard", "1", "--workers", "1", "-q"]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        if out.is_dir() and any(p.suffix == ".idx" for p in out.iterdir()):
+            process.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    process.wait(timeout=60)
+    if process.returncode == -signal.SIGKILL:
+        assert not (out / MANIFEST_NAME).exists()
+    assert (
+        cli(
+            ["convert", "imagenet", str(made.root), f"file://{out}", "--samples-per-shard", "1", "--workers", "1", "-q"]
+        )
+        == 0
+    )
+    convert("imagenet", made.root, f"file://{tmp_path}/ref", ConvertOptions(samples_per_shard=1))
+    assert files_of(out) == files_of(tmp_path / "ref")
+
+
+def test_refuses_to_overwrite_another_dataset(data, tmp_path):
+    made = data["mnist"]
+    convert("mnist", made.root, f"file://{tmp_path}/d", OPTS)
+    with pytest.raises(ConfigError, match="already holds a dataset"):
+        convert("mnist", made.root, f"file://{tmp_path}/d", dataclasses.replace(OPTS, seed=5))
+    assert Manifest.load(open_store(f"file://{tmp_path}/d")).created.seed == 0  # untouched
+    summary = convert("mnist", made.root, f"file://{tmp_path}/d", dataclasses.replace(OPTS, seed=5, overwrite=True))
+    assert summary.manifest.created.seed == 5
+
+
+# -- verify ---------------------------------------------------------------------------------------
+def test_verify_catches_a_flipped_byte_and_a_missing_shard(data, tmp_path, capsys):
+    made = data["cifar10"]
+    url = f"file://{tmp_path}/d"
+    convert("cifar10", made.root, url, OPTS)
+    assert cli(["verify", url, "-q"]) == 0 and cli(["verify", url, "--deep", "-q"]) == 0
+    assert "OK: 6 shards, 40 samples" in capsys.readouterr().out
+
+    shard = tmp_path / "d" / "shard-000001.tar"
+    original = shard.read_bytes()
+    flipped = bytearray(original)
+    flipped[1500] ^= 0x01
+    shard.write_bytes(bytes(flipped))
+    report = verify_dataset(url)
+    assert not report.ok and report.problems == ("shard-000001.tar: checksum differs from the manifest",)
+    assert not verify_dataset(url, deep=True).ok
+    assert cli(["verify", url, "-q"]) == 1
+    assert "shard-000001.tar: checksum differs" in capsys.readouterr().out
+
+    shard.write_bytes(original)
+    (tmp_path / "d" / "shard-000003.tar").unlink()
+    report = verify_dataset(url, deep=True)
+    assert report.problems == ("shard-000003.tar: missing",)
+    assert cli(["verify", url, "-q"]) == 1
+
+    (tmp_path / "d" / MANIFEST_NAME).write_text("{}")
+    assert cli(["verify", url, "-q"]) == 1
+
+
+def test_deep_verify_catches_labels_out_of_range_and_undecodable_images(tmp_path):
+    from dlstore.manifest import CreationInfo, ShardInfo, checksum_of, index_name
+    from dlstore.shards import TarShardWriter
+
+    store = open_store(f"file://{tmp_path}")
+    buffer = io.BytesIO()
+    writer = TarShardWriter(buffer)
+    good = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(good, "PNG")
+    writer.write("a", {"png": good.getvalue(), "cls": b"0"})
+    writer.write("b", {"png": b"not a png", "cls": b"1"})
+    writer.write("c", {"png": good.getvalue(), "cls": b"9"})
+    index = writer.close()
+    store.put("s-000000.tar", buffer.getvalue())
+    store.put(index_name("s-000000.tar"), index.to_bytes())
+    shard = ShardInfo(
+        "s-000000.tar", index.shard_size, 3, index.checksum, "s-000000.idx", 112, checksum_of(index.to_bytes())
+    )
+    Manifest((shard,), ("x", "y"), ("cls", "png"), "cls", CreationInfo()).save(store)
+    assert verify_dataset(store).ok
+    problems = verify_dataset(store, deep=True).problems
+    assert len(problems) == 2 and "'b': png does not decode" in problems[0] and "'c': label b'9'" in problems[1]
+
+
+# -- compatibility with webdataset ----------------------------------------------------------------
+def test_webdataset_and_gnu_tar_read_converted_shards(data, tmp_path):
+    import webdataset as wds
+
+    made = data["imagenet"]
+    convert("imagenet", made.root, f"file://{tmp_path}", OPTS)
+    manifest = Manifest.load(open_store(f"file://{tmp_path}"))
+    urls = [str(tmp_path / s.name) for s in manifest.shards]
+    samples = list(wds.WebDataset(urls, shardshuffle=False).decode("pil").to_tuple("jpg", "cls", "json"))
+    assert len(samples) == manifest.total_samples
+    expected = dict(made.samples["train"])
+    assert all(expected[meta["source"]] == label and image.size == SMALL for image, label, meta in samples)
+    if shutil.which("tar"):
+        names = subprocess.run(["tar", "-tf", urls[0]], capture_output=True, text=True, check=True).stdout.split()
+        assert len(names) == 3 * manifest.shards[0].samples and names[0].endswith(".jpg")
+
+
+def test_index_shards_written_by_webdataset(tmp_path):
+    import webdataset as wds
+
+    rng = np.random.default_rng(0)
+    written = []
+    with wds.ShardWriter(str(tmp_path / "part-%04d.tar"), maxcount=7) as sink:
+        for i in range(20):
+            image = io.BytesIO()
+            Image.fromarray(rng.integers(0, 255, (10, 12, 3), dtype=np.uint8)).save(image, "JPEG")
+            sample = {"__key__": f"img{i:04d}", "jpg": image.getvalue(), "cls": i % 5}
+            sink.write(sample)
+            written.append(sample)
+    assert cli(["index", f"file://{tmp_path}", "-q"]) == 0
+    store = open_store(f"file://{tmp_path}")
+    manifest = Manifest.load(store)
+    assert [s.name for s in manifest.shards] == ["part-0000.tar", "part-0001.tar", "part-0002.tar"]
+    assert manifest.total_samples == 20 and manifest.classes == ("0", "1", "2", "3", "4")
+    assert manifest.label_field == "cls" and manifest.created.tool == "dlstore index"
+    got = []
+    for shard in manifest.shards:
+        index = load_sample_index(store, shard)
+        for i in range(len(index)):
+            span = index[i]
+            got.append(read_sample(store.get_range(shard.name, span.offset, span.size)))
+    assert [g["__key__"] for g in got] == [w["__key__"] for w in written]
+    assert all(g["jpg"] == w["jpg"] and int(g["cls"]) == w["cls"] for g, w in zip(got, written, strict=True))
+    assert verify_dataset(store, deep=True).ok
+
+
+def test_index_refuses_a_place_without_shards(tmp_path):
+    with pytest.raises(FormatError, match="found none"):
+        index_dataset(f"file://{tmp_path}")
+
+
+# -- the real Swift server, over the Swift and S3 APIs --------------------------------------------
+def _swift_config(server, which: str) -> StoreConfig:
+    env = server.swift_env() if which == "swift" else server.s3_env()
+    config = StoreConfig.from_env(env)
+    return dataclasses.replace(config, swift=dataclasses.replace(config.swift, segment_size=64 * 1024))
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_convert_into_swift_over_both_apis(data, tmp_path, request, api, swift_server):
+    name = request.getfixturevalue("swift_container" if api == "swift" else "s3_bucket")
+    config = _swift_config(swift_server, api)
+    url = f"{api}://{name}/train"
+    made = data["imagenet"]
+    options = dataclasses.replace(OPTS, samples_per_shard=None, shard_size=100_000)
+    summary = convert("imagenet", made.root, url, options, config=config)
+    assert summary.shards >= 2
+    check_exactly_once(url, made.samples["train"], config)
+    report = verify_dataset(url, deep=True, config=config)
+    assert report.ok, report.problems
+    # One ranged GET per sample through the sample index.
+    store = open_store(url, config)
+    shard = summary.manifest.shards[1]
+    index = load_sample_index(store, shard)
+    span = index[len(index) - 1]
+    assert read_sample(store.get_range(shard.name, span.offset, span.size))["cls"].isdigit()
+    # Same bytes as a local conversion; a re-run keeps every shard.
+    convert("imagenet", made.root, f"file://{tmp_path}/ref", options)
+    for info in summary.manifest.shards:
+        assert store.get_bytes(info.name) == (tmp_path / "ref" / info.name).read_bytes()
+    assert convert("imagenet", made.root, url, options, config=config).shards_reused == summary.shards

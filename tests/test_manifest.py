@@ -1,0 +1,234 @@
+"""The manifest (`index.json`) and the per-shard sample index: round trips and strict validation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dlstore.errors import FormatError
+from dlstore.manifest import (
+    MANIFEST_NAME,
+    CreationInfo,
+    Manifest,
+    SampleIndex,
+    ShardInfo,
+    checksum_of,
+    describe_dataset,
+    index_name,
+    load_sample_index,
+)
+from dlstore.storage import open_store
+
+
+def example_manifest(shards: int = 3) -> Manifest:
+    return Manifest(
+        shards=tuple(
+            ShardInfo(
+                f"shard-{i:06d}.tar",
+                10240 * (i + 1),
+                5 + i,
+                checksum_of(b"%d" % i),
+                f"shard-{i:06d}.idx",
+                136,
+                checksum_of(b"i"),
+            )
+            for i in range(shards)
+        ),
+        classes=("n01440764", "n01443537"),
+        fields=("jpg", "cls", "json"),
+        label_field="cls",
+        created=CreationInfo("dlstore convert", "0.1.0", "imagenet", "train", "train", 7, {"shard_size": 1000}),
+    )
+
+
+def test_round_trip_and_store(tmp_path):
+    manifest = example_manifest()
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    assert manifest.total_samples == 5 + 6 + 7 and manifest.total_size == 10240 * 6
+    assert manifest.fields == ("cls", "jpg", "json")
+    raw = json.loads(manifest.to_json())
+    assert raw["total_samples"] == 18 and raw["checksum_algorithm"] == "sha256" and raw["format_version"] == 1
+    store = open_store(f"file://{tmp_path}")
+    manifest.save(store)
+    assert (tmp_path / MANIFEST_NAME).exists()
+    assert Manifest.load(store) == manifest
+    assert manifest.to_json() == Manifest.load(store).to_json()  # stable bytes
+
+
+def test_describe_dataset(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    example_manifest().save(store)
+    text = describe_dataset(store)
+    assert "18 in 3 shards" in text and "classes  2: n01440764, n01443537" in text
+    assert "shard-000000.tar … shard-000002.tar" in text and "seed 7" in text
+
+
+def valid_dict() -> dict:
+    return json.loads(example_manifest().to_json())
+
+
+def mutate(path: str, value=..., delete: bool = False):
+    def apply(raw: dict) -> dict:
+        target = raw
+        parts = path.split(".")
+        for part in parts[:-1]:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        last = parts[-1]
+        if delete:
+            del target[last]
+        elif isinstance(target, list):
+            target[int(last)] = value
+        else:
+            target[last] = value
+        return raw
+
+    return apply
+
+
+BAD = {
+    "not an object": (lambda raw: [raw], "expected a JSON object"),
+    "missing shards": (mutate("shards", delete=True), "missing shards"),
+    "unknown field": (mutate("shardz", []), "unknown field"),
+    "wrong format": (mutate("format", "webdataset"), "expected 'dlstore-dataset'"),
+    "newer version": (mutate("format_version", 2), "newer dlstore"),
+    "bool version": (mutate("format_version", True), "expected an integer"),
+    "md5": (mutate("checksum_algorithm", "md5"), "not supported"),
+    "shards not a list": (mutate("shards", {}), "expected a list"),
+    "size a string": (mutate("shards.0.size", "10"), "shards[0].size: expected an integer"),
+    "negative samples": (mutate("shards.1.samples", -1), "shards[1].samples"),
+    "float size": (mutate("shards.0.size", 1.5), "expected an integer"),
+    "huge size": (mutate("shards.0.size", 2**70), "out of range"),
+    "bad checksum": (mutate("shards.0.checksum", "sha256:xyz"), "64 lowercase hex"),
+    "upper checksum": (mutate("shards.0.checksum", "sha256:" + "A" * 64), "64 lowercase hex"),
+    "escaping name": (mutate("shards.0.name", "../other/shard.tar"), "not a relative object key"),
+    "absolute name": (mutate("shards.0.name", "/etc/passwd"), "not a relative object key"),
+    "duplicate names": (mutate("shards.1.name", "shard-000000.tar"), "share a name"),
+    "shard unknown field": (mutate("shards.0.extra", 1), "unknown field"),
+    "classes with a number": (mutate("classes.0", 3), "classes[0]: expected a string"),
+    "duplicate classes": (mutate("classes", ["a", "a"]), "duplicates"),
+    "bad field name": (mutate("fields", ["cls", "../jpg"]), "not a member extension"),
+    "label field missing": (mutate("label_field", "label"), "not one of the fields"),
+    "total mismatch": (mutate("total_samples", 3), "add up to 18"),
+    "created seed string": (mutate("created.seed", "7"), "created.seed"),
+    "created options list": (mutate("created.options", []), "created.options"),
+    "extra not object": (mutate("extra", 3), "extra: expected an object"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_invalid_manifests_give_clear_format_errors(case):
+    change, message = BAD[case]
+    raw = change(valid_dict())
+    with pytest.raises(FormatError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        Manifest.from_json(json.dumps(raw))
+
+
+@pytest.mark.parametrize("text", [b"", b"{", b"\xff\xfe", b"[" * 100000 + b"]" * 100000, b'{"a": NaN}', b"null"])
+def test_garbage_is_a_format_error(text):
+    with pytest.raises(FormatError):
+        Manifest.from_json(text)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=10),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(json_values)
+def test_any_json_gives_a_manifest_or_a_format_error(value):
+    try:
+        Manifest.from_json(json.dumps(value))
+    except FormatError:
+        pass
+
+
+def _leaves(value, path=()):
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _leaves(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _leaves(v, path + (i,))
+    yield path
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_mutated_manifests_give_a_manifest_or_a_format_error(data):
+    raw = valid_dict()
+    paths = [p for p in _leaves(raw) if p]
+    for _ in range(data.draw(st.integers(1, 3))):
+        path = data.draw(st.sampled_from(paths))
+        target = raw
+        try:
+            for part in path[:-1]:
+                target = target[part]
+            target[path[-1]] = data.draw(json_values)
+        except (KeyError, IndexError, TypeError):
+            continue  # an earlier mutation replaced a parent
+    try:
+        manifest = Manifest.from_json(json.dumps(raw))
+    except FormatError:
+        return
+    assert Manifest.from_json(manifest.to_json()) == manifest
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=400))
+def test_manifest_from_random_bytes(blob):
+    try:
+        Manifest.from_json(blob)
+    except FormatError:
+        pass
+
+
+# -- sample index ----------------------------------------------------------------------------
+def test_sample_index_round_trip_and_spans():
+    index = SampleIndex([0, 1536, 4096, 5120], shard_size=15360, sha256=b"s" * 32, recipe=b"r" * 32)
+    again = SampleIndex.from_bytes(index.to_bytes())
+    assert again == index and len(again) == 3 and len(index.to_bytes()) == 88 + 8 * 4
+    assert (again[1].offset, again[1].size) == (1536, 2560)
+    assert (again.run(1, 3).offset, again.run(1, 3).end) == (1536, 5120)
+    assert again.checksum == "sha256:" + (b"s" * 32).hex()
+    assert not again.offsets.flags.writeable
+    empty = SampleIndex([0], shard_size=10240)
+    assert len(SampleIndex.from_bytes(empty.to_bytes())) == 0
+    assert index_name("a/shard-000001.tar") == "a/shard-000001.idx"
+
+
+@pytest.mark.parametrize(
+    "offsets, size",
+    [([0, 100], 1024), ([512, 512], 1024), ([1024, 512], 2048), ([0, 4096], 1024), ([], 0)],
+)
+def test_sample_index_validation(offsets, size):
+    with pytest.raises(FormatError):
+        SampleIndex(offsets, size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(0, 200))
+def test_sample_index_from_garbage(blob, keep):
+    good = SampleIndex(np.arange(0, 5120, 512), 10240).to_bytes()
+    for data in (blob, good[:keep] + blob, SampleIndex.MAGIC + blob):
+        try:
+            SampleIndex.from_bytes(data)
+        except FormatError:
+            pass
+
+
+def test_load_sample_index_checks_it_matches_the_manifest(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    index = SampleIndex([0, 1024, 2048], 10240, sha256=b"\x01" * 32)
+    store.put("shard-000000.idx", index.to_bytes())
+    shard = ShardInfo("shard-000000.tar", 10240, 2, index.checksum, "shard-000000.idx")
+    assert load_sample_index(store, shard) == index
+    with pytest.raises(FormatError, match="describes a shard"):
+        load_sample_index(store, dataclasses.replace(shard, samples=3))

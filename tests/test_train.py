@@ -1,0 +1,358 @@
+"""The bundled trainer (`dlstore.train`), on the CPU with gloo, through the real Dataset and
+Loader on data made by `dlstore.datagen` and `dlstore.convert`.
+
+The end-to-end tests launch `dlstore train` as separate processes (one per rank), exactly
+as torchrun or srun would, so signals, exit codes and process groups are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dlstore.cli import build_parser
+from dlstore.convert import ConvertOptions, convert
+from dlstore.datagen import make_cifar10
+from dlstore.errors import ConfigError
+from dlstore.storage.local import LocalStore
+from dlstore.train import CheckpointStore, TrainConfig, image_size_for_epoch, lr_factor, read_metrics
+from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_url
+from dlstore.train.config import config_from_args
+from dlstore.train.dist import LaunchEnv, first_slurm_host
+from dlstore.train.loop import EXIT_PREEMPTED
+
+REPO = Path(__file__).resolve().parents[1]
+# What is compared between an interrupted and an uninterrupted run (not the timings).
+DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "top5", "lr", "image_size", "samples")
+
+
+# -- helpers --------------------------------------------------------------------------------
+def make_dataset(workdir: Path, url: str, *, per_batch: int, test: int) -> None:
+    """A small learnable CIFAR-10-like dataset (32x32, 10 classes) converted to `url`/train and /val."""
+    source = workdir / "cifar-source"
+    make_cifar10(source, per_batch=per_batch, test=test, seed=0)
+    convert("cifar10", source, f"{url}/train", ConvertOptions(split="train", samples_per_shard=64))
+    convert("cifar10", source, f"{url}/val", ConvertOptions(split="test", samples_per_shard=32))
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without any launcher's variables, one thread per process."""
+    launcher = (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+    )
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("SLURM_")}
+    # One intra-op thread: no oversubscription on small CI machines, and bit-exact CPU kernels.
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_ranks(args: list[str], world: int, log_dir: Path, env: dict[str, str]) -> list[subprocess.Popen]:
+    """`dlstore train ARGS` as `world` processes with torchrun's variables (what srun/torchrun set)."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world):
+        rank_env = {
+            **env,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        with open(log_dir / f"rank{rank}.log", "ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dlstore", "train", *args],
+                    cwd=REPO,
+                    env=rank_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], log_dir: Path, timeout: float = 150) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        pytest.fail(f"training did not finish in {timeout} s:\n{logs(log_dir)}")
+
+
+def logs(log_dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(log_dir.glob("*.log")))
+
+
+def train_records(path: Path) -> list[dict]:
+    return [{k: r.get(k) for k in DETERMINISTIC_FIELDS} for r in read_metrics(str(path))]
+
+
+# -- end to end -----------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_rank_ddp_training_from_swift_learns(tmp_path, swift_server, swift_container, monkeypatch):
+    """2-process gloo DDP (launched by torchrun) reading from the real Swift server learns the
+    generated classes far above chance; eval counts every val sample exactly once."""
+    for name, value in swift_server.swift_env().items():
+        monkeypatch.setenv(name, value)
+    data = f"swift://{swift_container}/cifar"
+    make_dataset(tmp_path, data, per_batch=64, test=80)  # 320 train, 80 val samples
+    out = tmp_path / "out"
+    ckpt_url = f"swift://{swift_container}/checkpoints/run1"
+    args = [
+        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"),
+        *("-m", "dlstore", "train", f"{data}/train", "--val-url", f"{data}/val"),
+        *("--model", "resnet18", "--image-size", "32", "--batch-size", "16", "--epochs", "4"),
+        *("--base-lr", "0.4", "--warmup-epochs", "0.5", "--workers", "1", "--log-every", "5"),
+        *("--cache-dir", str(tmp_path / "cache"), "--cache-limit", "1GB", "--output-dir", str(out)),
+        *("--checkpoint-url", ckpt_url, "--checkpoint-every-steps", "15", "--keep-checkpoints", "2"),
+        "--no-progress",
+    ]
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    with open(log_dir / "torchrun.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, *args], cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT
+        )
+    assert wait_all([proc], log_dir) == [0], logs(log_dir)
+
+    records = read_metrics(str(out / "metrics.jsonl"))
+    val = [r for r in records if r["split"] == "val"]
+    train = [r for r in records if r["split"] == "train"]
+    assert [r["epoch"] for r in val] == [0, 1, 2, 3]
+    assert all(r["samples"] == 80 for r in val), val  # padding excluded, nothing counted twice
+    assert val[-1]["top1"] >= 0.5, val  # 10 classes: chance is 0.1
+    assert [r["step"] for r in train] == [5, 10, 15, 20, 25, 30, 35, 40]
+    assert all(r["samples"] == 5 * 32 for r in train)  # 5 steps x 16 per rank x 2 ranks
+    assert all(0 <= r["data_wait_pct"] <= 100 and r["img_per_s"] > 0 for r in train)
+    resolved = json.loads((out / "config.json").read_text())
+    assert resolved["resolved"]["world_size"] == 2 and resolved["resolved"]["global_batch"] == 32
+    assert resolved["resolved"]["peak_lr"] == pytest.approx(0.4 * 32 / 256)
+    assert any("tfevents" in p.name for p in (out / "tensorboard").iterdir())
+    assert (out / "metrics.csv").read_text().count("\n") == len(records) + 1
+
+    ckpts = CheckpointStore(ckpt_url)
+    assert ckpts.keys() == [checkpoint_key(30), checkpoint_key(40)]  # 15, 30, 40 (final); keep 2
+    final = ckpts.load(ckpts.latest_key())
+    assert final["finished"] and final["step"] == 40 and final["world_size"] == 2
+    assert final["metrics"] == records
+
+
+@pytest.mark.slow
+def test_sigterm_mid_epoch_then_resume_auto_matches_uninterrupted_run(tmp_path):
+    """A 2-rank run that gets SIGTERM (on one rank only) mid-epoch checkpoints at the same step
+    on both ranks, exits with EXIT_PREEMPTED, and, restarted with `--resume auto`, logs the same
+    metrics step by step and ends with the same weights as a run that never stopped."""
+    data = f"file://{tmp_path}/data"
+    make_dataset(tmp_path, data, per_batch=32, test=40)  # 160 train: 10 steps per epoch at 2 x 8
+    steps_per_epoch = 10
+
+    def args(run: str) -> list[str]:
+        return [
+            *(f"{data}/train", "--val-url", f"{data}/val", "--model", "resnet18", "--epochs", "2"),
+            *("--batch-size", "8", "--workers", "1", "--log-every", "1", "--seed", "3", "--deterministic"),
+            # Progressive resizing: epoch 0 at 32 px, epoch 1 at 40 px (the resume crosses it).
+            *("--image-size", "40", "--resize-min", "32", "--resize-step", "8", "--resize-end-epoch", "1"),
+            *("--base-lr", "0.2", "--warmup-epochs", "0.5", "--checkpoint-every-minutes", "0"),
+            *("--cache-dir", str(tmp_path / "cache"), "--cache-limit", "1GB"),
+            *("--output-dir", str(tmp_path / run / "out"), "--checkpoint-url", f"file://{tmp_path}/{run}/ckpt"),
+            *("--resume", "auto", "--no-progress", "--no-tensorboard"),
+        ]
+
+    env = child_env()
+    # The reference: uninterrupted.
+    assert wait_all(launch_ranks(args("a"), 2, tmp_path / "a", env), tmp_path / "a") == [0, 0], logs(tmp_path / "a")
+
+    # The same run, sent SIGTERM in its second epoch, on rank 1 only.
+    procs = launch_ranks(args("b"), 2, tmp_path / "b", env)
+    metrics = tmp_path / "b" / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if metrics.exists() and any(r["step"] >= steps_per_epoch + 2 for r in read_metrics(str(metrics))):
+            break
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    assert wait_all(procs, tmp_path / "b") == [EXIT_PREEMPTED, EXIT_PREEMPTED], logs(tmp_path / "b")
+    ckpts = CheckpointStore(f"file://{tmp_path}/b/ckpt")
+    stopped = ckpts.load(ckpts.latest_key())
+    assert steps_per_epoch < stopped["step"] < 2 * steps_per_epoch, "the stop should fall mid-epoch"
+    assert not stopped["finished"] and stopped["epoch"] == 1
+    assert stopped["loader"]["epoch"] == 1
+    assert sum(s["steps"] for s in stopped["loader"]["history"]) == stopped["step"] - steps_per_epoch
+
+    # Restarted with the same command line: it resumes from that checkpoint.
+    assert wait_all(launch_ranks(args("b"), 2, tmp_path / "b", env), tmp_path / "b") == [0, 0], logs(tmp_path / "b")
+    assert "resumed from" in (tmp_path / "b" / "rank0.log").read_text()
+
+    reference = train_records(tmp_path / "a" / "out" / "metrics.jsonl")
+    resumed = train_records(metrics)
+    assert [r["step"] for r in reference if r["split"] == "train"] == list(range(1, 2 * steps_per_epoch + 1))
+    assert [r["image_size"] for r in reference if r["step"] in (1, 11) and r["split"] == "train"] == [32, 40]
+    assert resumed == reference
+
+    # The final checkpoints: same weights, bit for bit, readable with plain torch.load.
+    final_a = torch.load(tmp_path / "a" / "ckpt" / checkpoint_key(20), weights_only=True)
+    final_b = torch.load(tmp_path / "b" / "ckpt" / checkpoint_key(20), weights_only=True)
+    assert final_a["finished"] and final_b["finished"]
+    assert final_a["model"].keys() == final_b["model"].keys()
+    for name, tensor in final_a["model"].items():
+        assert torch.equal(tensor, final_b["model"][name]), name
+    for state in (final_a["optimizer"]["state"], final_b["optimizer"]["state"]):
+        assert state, "momentum buffers are saved"
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+class RecordingStore(LocalStore):
+    """A local store that records the order of its writes and deletes."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.events: list[tuple[str, str]] = []
+
+    def put(self, key, data):
+        super().put(key, data)
+        self.events.append(("put", key))
+
+    def delete(self, key):
+        super().delete(key)
+        self.events.append(("delete", key))
+
+
+def test_checkpoint_published_after_it_is_complete_and_pruned_keep_n(tmp_path):
+    store = RecordingStore(f"file://{tmp_path}")
+    ckpts = CheckpointStore(store, keep=2)
+    for step in (100, 200, 300):
+        ckpts.save({"model": {"w": torch.full((3,), float(step))}, "metrics": [{"step": step}]}, step)
+    names = [checkpoint_key(s) for s in (100, 200, 300)]
+    assert store.events == [
+        ("put", names[0]),
+        ("put", "latest"),
+        ("put", names[1]),
+        ("put", "latest"),
+        ("put", names[2]),
+        ("put", "latest"),
+        ("delete", names[0]),  # pruned only after the newer one is published
+    ]
+    assert ckpts.keys() == names[1:]
+    assert json.loads((tmp_path / "latest").read_bytes())["key"] == names[2]
+    # Plain torch.load, nothing from dlstore needed, weights_only.
+    state = torch.load(tmp_path / names[2], weights_only=True)
+    assert state["step"] == 300 and torch.equal(state["model"]["w"], torch.full((3,), 300.0))
+    assert load_checkpoint_url(f"file://{tmp_path}/{names[1]}")["step"] == 200
+
+
+def test_latest_key_without_pointer_takes_newest_complete_checkpoint(tmp_path):
+    ckpts = CheckpointStore(f"file://{tmp_path}", keep=5)
+    assert ckpts.latest_key() is None
+    for step in (7, 8):
+        ckpts.save({"x": torch.zeros(1)}, step)
+    assert ckpts.latest_key() == checkpoint_key(8)
+    (tmp_path / "latest").unlink()  # a crash between the checkpoint and its pointer
+    assert ckpts.latest_key() == checkpoint_key(8)
+    (tmp_path / "latest").write_text(json.dumps({"key": checkpoint_key(99)}))  # names a missing one
+    assert ckpts.latest_key() == checkpoint_key(8)
+
+
+def test_a_foreign_file_is_not_taken_for_a_checkpoint(tmp_path):
+    torch.save({"model": {}}, tmp_path / checkpoint_key(1))
+    with pytest.raises(ConfigError, match="not a dlstore training checkpoint"):
+        CheckpointStore(f"file://{tmp_path}").load(checkpoint_key(1))
+
+
+# -- configuration, schedule, launch environment -------------------------------------------
+def test_lr_schedule_warmup_then_cosine_or_step():
+    cfg = TrainConfig("x", epochs=10, warmup_epochs=2, warmup_start_factor=0.1)
+    assert lr_factor(0, cfg, 10, 100) == pytest.approx(0.1)
+    assert lr_factor(10, cfg, 10, 100) == pytest.approx(0.55)
+    assert lr_factor(20, cfg, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(60, cfg, 10, 100) == pytest.approx(0.5)
+    assert lr_factor(100, cfg, 10, 100) == pytest.approx(0.0)
+    step = cfg.replace(schedule="step", warmup_epochs=0, step_milestones=(3, 6), step_gamma=0.1)
+    assert [lr_factor(s, step, 10, 100) for s in (0, 29, 30, 59, 60, 99)] == pytest.approx([1, 1, 0.1, 0.1, 0.01, 0.01])
+
+
+def test_progressive_resizing_schedule():
+    cfg = TrainConfig("x", image_size=224, resize_min=160, resize_start_epoch=10, resize_end_epoch=20)
+    sizes = [image_size_for_epoch(cfg, e) for e in range(25)]
+    assert sizes[:11] == [160] * 11 and sizes[20:] == [224] * 5
+    assert sizes == sorted(sizes) and all(s % 32 == 0 for s in sizes)
+    assert image_size_for_epoch(TrainConfig("x", image_size=64), 7) == 64
+
+
+def test_cli_arguments_build_the_config():
+    args = build_parser().parse_args(
+        [
+            *("train", "swift://imagenet/train", "--val-url", "swift://imagenet/val", "--model", "resnet18"),
+            *("--checkpoint-url", "swift://ckpt/run1", "--resume", "auto", "--no-channels-last", "--compile"),
+            *("--step-milestones", "2", "4", "--batch-size", "64", "--base-lr", "0.2"),
+        ]
+    )
+    cfg = config_from_args(args)
+    assert cfg == TrainConfig(
+        train_url="swift://imagenet/train",
+        val_url="swift://imagenet/val",
+        model="resnet18",
+        checkpoint_url="swift://ckpt/run1",
+        resume="auto",
+        channels_last=False,
+        compile=True,
+        step_milestones=(2, 4),
+        batch_size=64,
+        base_lr=0.2,
+    )
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_config_rejects_contradictions():
+    with pytest.raises(ConfigError, match="checkpoint_url"):
+        TrainConfig("x", resume="auto")
+    with pytest.raises(ConfigError, match="amp"):
+        TrainConfig("x", amp="fp8")
+    with pytest.raises(ConfigError, match="resize_min"):
+        TrainConfig("x", image_size=64, resize_min=128)
+    with pytest.raises(ConfigError, match="unknown"):
+        TrainConfig.from_dict({"train_url": "x", "lr": 1})
+
+
+def test_launch_env_from_torchrun_and_slurm():
+    torchrun = LaunchEnv.from_env(
+        {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n1",
+         "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"}
+    )  # fmt: skip
+    assert (torchrun.world.rank, torchrun.world.world_size, torchrun.local_rank) == (5, 8, 1)
+    assert (torchrun.master_addr, torchrun.master_port, torchrun.launcher) == ("n1", 1234, "torchrun")
+    slurm = LaunchEnv.from_env(
+        {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)",
+         "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
+    )  # fmt: skip
+    assert (slurm.world.rank, slurm.world.world_size, slurm.world.local_world_size) == (3, 4, 2)
+    assert (slurm.local_rank, slurm.master_addr, slurm.launcher) == (1, "gpu07", "slurm")
+    assert slurm.master_port == 20000 + 4242
+    assert LaunchEnv.from_env({}).world.world_size == 1
+    assert first_slurm_host("a-1,b-2") == "a-1"

@@ -1,0 +1,168 @@
+"""Benchmark `dlstore convert` on a generated ImageNet-like dataset.
+
+Measures, on one machine and one disk:
+
+1. conversion without resize (JPEGs stored as they are) against `tar cf` of the same files to
+   the same disk — the goal is a ratio of at least 0.8;
+2. conversion with `--resize-max-side` (decode, shrink, re-encode): images per second, per
+   worker, and how the rate scales from 1 to N worker processes.
+
+Both sides read the source from page cache (it is read once before timing) and write into
+the same directory; each timing ends with `os.sync()` so that written bytes count, and
+the best of `--repeat` runs is kept (the machine is shared; the best run is the least
+disturbed one).
+
+    python tools/bench_convert.py                       # 600 images of ~100 KB, workers 1,2
+    python tools/bench_convert.py --images 300 --workers 1,2,4 --json bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from dlstore.convert import ConvertOptions, convert
+from dlstore.datagen import make_imagenet
+
+
+def _read_all(root: Path) -> int:
+    total = 0
+    for path in root.rglob("*"):
+        if path.is_file():
+            total += len(path.read_bytes())
+    return total
+
+
+def _timed(fn) -> float:
+    started = time.perf_counter()
+    fn()
+    os.sync()
+    return time.perf_counter() - started
+
+
+def _best(fn, repeat: int, before=None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        times.append(_timed(fn))
+    return min(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=600, help="train images to generate (default 600)")
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--size", default="400x350", help="image size WIDTHxHEIGHT (default 400x350: ~100 KB JPEGs)")
+    parser.add_argument("--workers", default="1,2", help="worker counts to try (default 1,2)")
+    parser.add_argument("--resize-max-side", type=int, default=256, help="resize target for part 2 (default 256)")
+    parser.add_argument("--quality", type=int, default=90)
+    parser.add_argument(
+        "--shard-size", default="8MB", help="shard size (default 8MB, so that several workers have shards)"
+    )
+    parser.add_argument("--repeat", type=int, default=3, help="runs per measurement; the best is kept (default 3)")
+    parser.add_argument("--workdir", help="where to put source and output (default: a temp dir); one disk for both")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args(argv)
+
+    from dlstore.config import parse_size
+
+    workers = [int(w) for w in args.workers.split(",")]
+    width, _, height = args.size.partition("x")
+    base = Path(tempfile.mkdtemp(prefix="dlstore-bench-", dir=args.workdir))
+    try:
+        src = base / "src"
+        t0 = time.perf_counter()
+        made = make_imagenet(
+            src,
+            num_classes=args.classes,
+            train_per_class=max(1, args.images // args.classes),
+            val_per_class=1,
+            image_size=(int(width), int(height)),
+            seed=0,
+        )
+        count = len(made.samples["train"])
+        source_bytes = _read_all(src / "train")  # warms the page cache, too
+        print(
+            f"generated {count} JPEGs, {source_bytes / 1e6:.1f} MB ({source_bytes / count / 1e3:.0f} KB each) "
+            f"in {time.perf_counter() - t0:.1f} s under {base}"
+        )
+        out = base / "out"
+        out.mkdir()
+        results: dict = {
+            "machine": {
+                "cpus": os.cpu_count(),
+                "cpu": platform.processor() or platform.machine(),
+                "python": sys.version.split()[0],
+            },
+            "images": count,
+            "source_bytes": source_bytes,
+            "shard_size": parse_size(args.shard_size),
+        }
+
+        def clean() -> None:
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+
+        tar_s = _best(
+            lambda: subprocess.run(["tar", "cf", str(out / "all.tar"), "-C", str(src), "train"], check=True),
+            args.repeat,
+            clean,
+        )
+        results["tar_cf"] = {"seconds": tar_s, "images_per_s": count / tar_s, "mb_per_s": source_bytes / tar_s / 1e6}
+        print(f"tar cf:                     {count / tar_s:8.0f} img/s  {source_bytes / tar_s / 1e6:7.1f} MB/s")
+
+        def run(options: ConvertOptions) -> float:
+            return _best(lambda: convert("imagenet", src, f"file://{out}/ds", options), args.repeat, clean)
+
+        common = dict(shard_size=parse_size(args.shard_size), quality=args.quality, tmp_dir=str(base))
+        results["convert"] = []
+        for n in workers:
+            seconds = run(ConvertOptions(workers=n, **common))
+            row = {
+                "workers": n,
+                "resize": None,
+                "seconds": seconds,
+                "images_per_s": count / seconds,
+                "vs_tar_cf": tar_s / seconds,
+            }
+            results["convert"].append(row)
+            print(
+                f"convert, no resize, {n} worker(s): {count / seconds:8.0f} img/s  {source_bytes / seconds / 1e6:7.1f} MB/s"
+                f"  = {tar_s / seconds:.2f} x tar cf"
+            )
+        single = None
+        for n in workers:
+            seconds = run(ConvertOptions(workers=n, resize_max_side=args.resize_max_side, **common))
+            rate = count / seconds
+            single = single or rate
+            row = {
+                "workers": n,
+                "resize": args.resize_max_side,
+                "seconds": seconds,
+                "images_per_s": rate,
+                "per_worker": rate / n,
+                "scaling_efficiency": rate / (single * n),
+            }
+            results["convert"].append(row)
+            print(
+                f"convert, resize {args.resize_max_side}, {n} worker(s): {rate:8.0f} img/s  {rate / n:6.0f} per worker"
+                f"  scaling {rate / (single * n):.2f}"
+            )
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
