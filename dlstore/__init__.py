@@ -19,13 +19,27 @@ from dlstore.storage import ObjectInfo, Store, open_object, open_store
 
 __version__ = "0.1.0"
 
+# Dataset and Loader pull in torch; import them on first use so `dlstore ls` stays quick.
+_LAZY = {"Dataset": "dlstore.dataset", "Loader": "dlstore.loader"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dlstore' has no attribute {name!r}")
+
+
 __all__ = [
     "AuthError",
     "ConfigError",
     "CorruptSample",
     "CorruptShard",
+    "Dataset",
     "DlstoreError",
     "FormatError",
+    "Loader",
     "NoSpace",
     "NotFound",
     "ObjectInfo",

@@ -46,10 +46,12 @@ import os
 import pickle
 import re
 import shutil
+import signal
 import struct
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -710,6 +712,42 @@ def _shrink(image, max_side: int):
     return image
 
 
+_SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_header(data: bytes) -> tuple[int, int, int] | None:
+    """(width, height, components) from a JPEG's frame header, walking its marker segments
+    (~100x cheaper than `PIL.Image.open`), or None when this is not a well-formed JPEG start.
+
+    >>> jpeg_header(b"\\xff\\xd8\\xff\\xc0\\x00\\x11\\x08\\x01\\x5e\\x01\\x90\\x03" + bytes(9))
+    (400, 350, 3)
+    """
+    if data[:2] != b"\xff\xd8":
+        return None
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # markers without a length
+            pos += 2
+            continue
+        length = (data[pos + 2] << 8) | data[pos + 3]
+        if marker in _SOF_MARKERS:
+            if length < 8 or pos + 10 > end:
+                return None
+            height = (data[pos + 5] << 8) | data[pos + 6]
+            width = (data[pos + 7] << 8) | data[pos + 8]
+            return (width, height, data[pos + 9]) if width and height else None
+        if marker == 0xDA or length < 2:  # scan data before any frame header: malformed
+            return None
+        pos += 2 + length
+    return None
+
+
 def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str, bytes]:
     """(field, bytes) to store for one input; `CorruptSample` if it is not a usable image."""
     from PIL import Image, UnidentifiedImageError
@@ -723,6 +761,15 @@ def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str,
         out = io.BytesIO()
         image.save(out, "PNG")
         return "png", out.getvalue()
+    # The common case: a complete grey or colour JPEG that need not shrink is stored as it is.
+    header = jpeg_header(raw)
+    if (
+        header is not None
+        and header[2] in (1, 3)
+        and (not options.resize_max_side or max(header[:2]) <= options.resize_max_side)
+        and raw.rfind(b"\xff\xd9", max(0, len(raw) - 4096)) >= 0
+    ):
+        return "jpg", raw
     try:
         image = Image.open(io.BytesIO(raw))
         fmt = image.format
@@ -840,7 +887,6 @@ class _BuildContext:
 class _Built:
     number: int
     info: ShardInfo
-    fields: frozenset[str]
     skipped: tuple[SkippedInput, ...]
     reused: bool = False
 
@@ -882,38 +928,64 @@ def _init_worker(context: _BuildContext, shared: tuple | None) -> _Counters:
     return _worker_counters
 
 
+def _init_pool_worker(context: _BuildContext, shared: tuple | None) -> None:
+    # Pool.terminate() sends SIGTERM; exiting through SystemExit runs the `finally` blocks that
+    # remove a half-written object (the default action would leave it behind).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    _init_worker(context, shared)
+
+
+def _shard_chunks(task: _ShardTask, context: _BuildContext, counters: _Counters, out: dict) -> Iterator[bytes]:
+    """The shard's bytes, one sample at a time; `out` receives the index and the skipped inputs."""
+    source, options = context.source, context.options
+    buffer = io.BytesIO()
+    writer = TarShardWriter(buffer)
+    skipped: list[SkippedInput] = []
+    for position in task.positions:
+        item = source.items[position]
+        try:
+            ext, data = encode_input(source.reader.read(item), options)
+        except (CorruptSample, OSError) as exc:
+            if options.strict:
+                raise CorruptSample(f"{item.id}: {exc}") from None
+            skipped.append(SkippedInput(item.id, str(exc)))
+            counters.add(1, 0)
+            continue
+        sample = {ext: data, "cls": str(item.label).encode()}
+        if options.metadata:
+            sample["json"] = _metadata(item, source.classes)
+        writer.write(sample_key(position), sample)
+        chunk = buffer.getvalue()
+        buffer.seek(0)
+        buffer.truncate()
+        counters.add(1, len(chunk))
+        yield chunk
+    out["index"] = writer.close(recipe=task.recipe)
+    out["skipped"] = tuple(skipped)
+    yield buffer.getvalue()
+
+
 def _build_shard(task: _ShardTask) -> _Built:
     context, counters = _worker_context, _worker_counters
     if context is None or counters is None:
         raise DlstoreError("shard builder used before _init_worker")
-    source, options = context.source, context.options
-    skipped: list[SkippedInput] = []
-    fields: set[str] = set()
-    with tempfile.NamedTemporaryFile(dir=context.tmp_dir, prefix="shard-", suffix=".tar") as tmp:
-        writer = TarShardWriter(tmp)
-        for position in task.positions:
-            item = source.items[position]
-            try:
-                ext, data = encode_input(source.reader.read(item), options)
-            except (CorruptSample, OSError) as exc:
-                if options.strict:
-                    raise CorruptSample(f"{item.id}: {exc}") from None
-                skipped.append(SkippedInput(item.id, str(exc)))
-                counters.add(1, 0)
-                continue
-            sample = {ext: data, "cls": str(item.label).encode()}
-            if options.metadata:
-                sample["json"] = _metadata(item, source.classes)
-            before = writer.size
-            writer.write(sample_key(position), sample)
-            fields.update(sample)
-            counters.add(1, writer.size - before)
-        index = writer.close(recipe=task.recipe)
-        tmp.flush()
-        index_bytes = index.to_bytes()
-        # The tar first, then its index: an index in the store means its tar is complete.
-        context.store.put(task.name, tmp.name)
-        context.store.put(index_name(task.name), index_bytes)
+    out: dict[str, Any] = {}
+    chunks = _shard_chunks(task, context, counters, out)
+    if context.store.scheme == "file":
+        # A local store writes beside the target and renames: streaming into it is one write
+        # of the data and no temp space.
+        context.store.put(task.name, chunks)
+    else:
+        # Remote stores get a seekable file, so that a failed upload is retried from its start.
+        with tempfile.NamedTemporaryFile(dir=context.tmp_dir, prefix="shard-", suffix=".tar") as tmp:
+            for chunk in chunks:
+                tmp.write(chunk)
+            tmp.flush()
+            context.store.put(task.name, tmp.name)
+    index: SampleIndex = out["index"]
+    index_bytes = index.to_bytes()
+    # The tar first, then its index: an index in the store means its tar is complete.
+    context.store.put(index_name(task.name), index_bytes)
     info = ShardInfo(
         task.name,
         index.shard_size,
@@ -923,7 +995,7 @@ def _build_shard(task: _ShardTask) -> _Built:
         len(index_bytes),
         checksum_of(index_bytes),
     )
-    return _Built(task.number, info, frozenset(fields), tuple(skipped))
+    return _Built(task.number, info, out["skipped"])
 
 
 def _existing_shard(store: Store, task: _ShardTask, sizes: dict[str, int], rehash: bool) -> _Built | None:
@@ -953,7 +1025,7 @@ def _existing_shard(store: Store, task: _ShardTask, sizes: dict[str, int], rehas
         len(index_bytes),
         checksum_of(index_bytes),
     )
-    return _Built(task.number, info, frozenset(), (), reused=True)
+    return _Built(task.number, info, (), reused=True)
 
 
 # -- the conversion ------------------------------------------------------------------------
@@ -1120,7 +1192,7 @@ def _build_in_pool(context: _BuildContext, todo: list[_ShardTask], built: dict[i
     shared = (ctx.Value("q", 0), ctx.Value("q", 0))
     counters = _Counters(shared)
     workers = min(context.options.workers, len(todo))
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(context, shared)) as pool:
+    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(context, shared)) as pool:
         pending = [pool.apply_async(_build_shard, (task,)) for task in todo]
         while pending:
             pending[0].wait(0.25)

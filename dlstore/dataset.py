@@ -108,7 +108,10 @@ class Dataset(torch.utils.data.Dataset):
         info = world or WorldInfo.from_env()
         self.world = World(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
         self.shard_sizes = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
-        self.cache = ShardCache(CacheConfig(cache_dir=self.cfg.cache_dir, limit_bytes=self.cfg.cache_limit), self.store)
+        self.cache = ShardCache(
+            CacheConfig(cache_dir=self.cfg.cache_dir, limit_bytes=self.cfg.cache_limit, prefetch=self.cfg.prefetch_shards),
+            self.store,
+        )
         self.cache.check_fits(max((s.size for s in self.manifest.shards), default=0))
         self.image_field = next((f for f in IMAGE_FIELDS if f in self.manifest.fields), None)
         if self.image_field is None:
@@ -138,27 +141,22 @@ class Dataset(torch.utils.data.Dataset):
                 self._plans.popitem(last=False)
         return self._plans[key]
 
-    def start_batch(self, history: tuple) -> int:
-        """Where this rank resumes in `plan(epoch, history)`."""
-        from dlstore.plan import start_batch
-
-        return start_batch(history, self.world, self.cfg.batch_size)
-
     def request(self, plan: RankPlan, epoch: int, index: int) -> BatchRequest:
         ids, is_padding = plan.batch(index)
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
         """Ask the cache to fetch the shards of the next batches in the background."""
+        if index % 4:  # the list changes slowly; refresh it every few batches
+            return
         upcoming: list[int] = []
-        for j in range(index + 1, min(plan.num_batches, index + 1 + 8)):
-            for shard in np.unique(locate(plan.batch(j)[0], self.shard_sizes)[0]).tolist():
+        for j in range(index + 1, plan.num_batches):
+            for shard in plan.batch_shards(j).tolist():
                 if shard not in upcoming:
                     upcoming.append(shard)
             if len(upcoming) >= self.cfg.prefetch_shards:
                 break
-        if upcoming:
-            self.cache.prefetch([self._shard_ref(s) for s in upcoming[: self.cfg.prefetch_shards]])
+        self.cache.prefetch([self._shard_ref(s) for s in upcoming[: self.cfg.prefetch_shards]])
 
     def _shard_ref(self, shard: int) -> tuple[str, int, str | None]:
         info = self.manifest.shards[shard]

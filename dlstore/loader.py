@@ -49,14 +49,14 @@ class _PlanSampler(Sampler):
         self.dataset = dataset
         self.epoch = 0
         self.history: tuple = ()
-        self.start_batch = 0
 
     def __len__(self) -> int:
-        return self.dataset.plan(self.epoch, self.history).num_batches - self.start_batch
+        return self.dataset.plan(self.epoch, self.history).num_batches
 
     def __iter__(self) -> Iterator[BatchRequest]:
+        # The plan of what this epoch has left after `history`: it starts at its batch 0.
         plan = self.dataset.plan(self.epoch, self.history)
-        for index in range(self.start_batch, plan.num_batches):
+        for index in range(plan.num_batches):
             yield self.dataset.request(plan, self.epoch, index)
             self.dataset.prefetch_after(plan, index)
 
@@ -141,6 +141,10 @@ class Loader:
     >>> loader = dlstore.Loader(ds, num_workers=8, device="cuda")
     >>> loader.set_epoch(0)
     >>> for images, labels in loader: ...
+
+    With `Dataset(..., return_keys=True)` each batch comes as `(images, labels, meta)`, where
+    `meta["keys"]` are the samples' keys and `meta["padding"]` marks the samples that repeat
+    one already delivered this epoch to keep the ranks equal (count them out of evaluation).
     """
 
     def __init__(self, dataset: Dataset, num_workers: int = 8, device: str = "cuda", **options: Any) -> None:
@@ -152,7 +156,6 @@ class Loader:
         self.dataset = dataset
         self.sampler = _PlanSampler(dataset)
         self.state = EpochState(epoch=0, history=())
-        self._consumed = 0  # batches handed to the loop in the current segment
         workers = self.cfg.num_workers
         self._dataloader = DataLoader(
             dataset,
@@ -169,23 +172,19 @@ class Loader:
         """Start `epoch` from its beginning, unless a loaded state resumes this very epoch."""
         if epoch != self.state.epoch:
             self.state = EpochState(epoch=epoch, history=())
-            self._consumed = 0
 
     def __len__(self) -> int:
-        return self.dataset.plan(self.state.epoch, self.state.history).num_batches - self._start_batch()
-
-    def _start_batch(self) -> int:
-        return self.dataset.start_batch(self.state.history)
+        """Batches this rank has left in the current epoch (the same on every rank)."""
+        return self.dataset.plan(self.state.epoch, self.state.history).num_batches
 
     def __iter__(self) -> Iterator:
         self.sampler.epoch = self.state.epoch
         self.sampler.history = self.state.history
-        self.sampler.start_batch = self._start_batch()
         prefetcher = GpuPrefetcher(iter(self._dataloader), self.cfg, self.device)
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
             if self.dataset.cfg.return_keys:
-                yield batch["images"], batch["labels"], batch["keys"]
+                yield batch["images"], batch["labels"], {"keys": batch["keys"], "padding": batch["padding"]}
             else:
                 yield batch["images"], batch["labels"]
         # A finished epoch resumes at the next one.

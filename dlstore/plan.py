@@ -52,8 +52,10 @@ The trade-off (DESIGN: "Invariants 4 and 5 pull against each other")
 Ownership of whole shards by nodes gives full locality in the steady state, with plain
 whole-shard reads and no fixed partition count, but it costs:
 
-* balance at shard granularity: the padding bound above grows with shard size / local ranks
-  (on equal-sized shards, such as ImageNet's, the actual padding is about one batch);
+* balance at shard granularity: node totals can differ by a whole shard, so padding (or
+  dropping) is a fraction of about 1 / (shards per node) of the epoch. ImageNet in 1000 shards
+  on 8 nodes x 8 GPUs, batch 256: 1.0% padding (0.25% dropped with drop_last); on 64 nodes x 1
+  GPU: 3.6% (4.1%). Keep shards per node in the hundreds, or shards smaller, on large jobs;
 * the epoch's order depends on the number of nodes: a run restarted at a new epoch on another
   node count sees a different (equally valid) order, not just a different partition;
 * after a mid-epoch change of node count, each cut between pieces can split one window, so up
@@ -107,6 +109,12 @@ def _check_int(name: str, value: object, minimum: int | None = None) -> int:
     return int(value)
 
 
+def _set_ints(obj: object, **minimums: int | None) -> None:
+    """Validate a frozen dataclass's integer fields and store them as plain ints (JSON-able)."""
+    for name, minimum in minimums.items():
+        object.__setattr__(obj, name, _check_int(name, getattr(obj, name), minimum))
+
+
 def _check_world(world_size: int, local_world_size: int) -> None:
     _check_int("world_size", world_size, 1)
     _check_int("local_world_size", local_world_size, 1)
@@ -147,9 +155,7 @@ class PlanConfig:
     shuffle_window: int = 4
 
     def __post_init__(self) -> None:
-        _check_int("seed", self.seed)
-        _check_int("batch_size", self.batch_size, 1)
-        _check_int("shuffle_window", self.shuffle_window, 1)
+        _set_ints(self, seed=None, batch_size=1, shuffle_window=1)
         if not isinstance(self.drop_last, bool) or not isinstance(self.shuffle, bool):
             raise ConfigError("drop_last and shuffle must be bools")
 
@@ -168,8 +174,8 @@ class World:
     local_world_size: int
 
     def __post_init__(self) -> None:
+        _set_ints(self, rank=0, world_size=1, local_world_size=1)
         _check_world(self.world_size, self.local_world_size)
-        _check_int("rank", self.rank, 0)
         if self.rank >= self.world_size:
             raise ConfigError(f"rank {self.rank} is not below world_size {self.world_size}")
 
@@ -200,11 +206,11 @@ class Segment:
     steps: int
 
     def __post_init__(self) -> None:
+        _set_ints(self, world_size=1, local_world_size=1, batch_size=1, steps=0)
         _check_world(self.world_size, self.local_world_size)
-        _check_int("batch_size", self.batch_size, 1)
-        _check_int("steps", self.steps, 0)
 
     def same_world(self, world_size: int, local_world_size: int, batch_size: int) -> bool:
+        """Whether a run with these settings simply continues this segment (batch size included)."""
         return (self.world_size, self.local_world_size, self.batch_size) == (world_size, local_world_size, batch_size)
 
 
@@ -229,7 +235,7 @@ class EpochState:
     history: tuple[Segment, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_int("epoch", self.epoch, 0)
+        _set_ints(self, epoch=0)
         if not isinstance(self.history, tuple) or not all(isinstance(s, Segment) for s in self.history):
             raise ConfigError("history must be a tuple of Segment")
 
@@ -286,8 +292,8 @@ class RankPlan:
     `ids` are global sample ids (see `locate`), `num_batches * batch_size` of them; batch j
     is ``ids[j * batch_size:(j + 1) * batch_size]``. Batch 0 is the epoch's global step
     `first_step` (non-zero after a resume). `shards[i]` is the shard of `ids[i]`. `dropped`
-    holds the samples of this rank's share that `drop_last` left out of the epoch. The arrays
-    are read-only.
+    holds the samples of this rank's share that `drop_last` left out of the epoch (empty after
+    a re-deal, which never drops). The arrays are read-only.
 
     >>> p = rank_plan([3, 3], PlanConfig(seed=0, batch_size=2, shuffle=False), 0, World(0, 1, 1))
     >>> p.num_batches, p.batch(2)
@@ -383,7 +389,7 @@ def _mix64(x: int) -> int:
 def _stream_key(*parts: int) -> int:
     key = 0
     for part in parts:
-        key = _mix64(key ^ _mix64(part + _GOLDEN))
+        key = _mix64(key ^ _mix64(int(part) + _GOLDEN))
     return key
 
 
@@ -401,7 +407,9 @@ def _hash(key: int, values: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- the fresh plan
 
 
-def assign_shards(shard_sizes: Sequence[int] | np.ndarray, num_nodes: int, *, seed: int, shuffle: bool = True) -> np.ndarray:
+def assign_shards(
+    shard_sizes: Sequence[int] | np.ndarray, num_nodes: int, *, seed: int, shuffle: bool = True
+) -> np.ndarray:
     """The node that owns each shard, for every epoch of a job with `num_nodes` nodes.
 
     Greedy and balanced: shards in a seeded random order (index order without `shuffle`),
@@ -420,7 +428,7 @@ def assign_shards(shard_sizes: Sequence[int] | np.ndarray, num_nodes: int, *, se
         order = np.argsort(-sizes, kind="stable")
     node_of = np.empty(sizes.size, dtype=np.int64)
     loads = [(0, node) for node in range(num_nodes)]  # already a heap
-    for shard, size in zip(order.tolist(), sizes[order].tolist()):
+    for shard, size in zip(order.tolist(), sizes[order].tolist(), strict=True):
         load, node = heapq.heappop(loads)
         node_of[shard] = node
         heapq.heappush(loads, (load + size, node))
@@ -493,8 +501,8 @@ def _deal(streams: list[np.ndarray], local_world_size: int, batch_size: int, dro
             if everything is None:
                 everything = np.concatenate(streams)
             source = everything
-        ids[r, row.size :] = np.resize(source, length - row.size)
-        pad[r, row.size :] = True
+        ids[r, real:] = np.resize(source, length - real)
+        pad[r, real:] = True
     return _Plan(local_world_size, batch_size, ids, pad, tuple(dropped))
 
 
@@ -566,10 +574,10 @@ def _replay(
     plan = _fresh_plan(sizes, cfg, epoch, first.world_size, first.local_world_size, first.batch_size)
     current = Segment(world_size, local_world_size, cfg.batch_size, 0)
     step = 0
-    for seg, nxt in zip(segments, segments[1:] + [current]):
+    for seg, nxt in zip(segments, segments[1:] + [current], strict=True):
         if seg.steps > plan.num_batches:
             raise ConfigError(f"{seg} ran more steps than its plan has ({plan.num_batches}): wrong dataset or config?")
-        if (seg.world_size, seg.local_world_size) == (nxt.world_size, nxt.local_world_size):
+        if seg.same_world(nxt.world_size, nxt.local_world_size, nxt.batch_size):
             plan = _continue(plan, seg.steps)
         else:
             plan = _redeal(plan, seg.steps, nxt.world_size, nxt.local_world_size, nxt.batch_size)

@@ -22,7 +22,7 @@ import pytest
 
 from dlstore.cli import main as cli_main
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
-from dlstore.errors import AuthError, NotFound
+from dlstore.errors import AuthError, ConfigError, NotFound
 from dlstore.storage import open_store
 
 try:  # tests/ as a package
@@ -295,13 +295,17 @@ def test_keystone_v3_reads_and_writes(swift_server, swift_container, method):
 def test_keystone_wrong_secret_is_auth_error(swift_server, swift_container, caplog):
     caplog.set_level(logging.DEBUG)
     wrong = f"wrong-secret-{uuid.uuid4().hex}"
-    swift = SwiftConfig.from_env(_app_cred_env(swift_server, wrong))
-    config = StoreConfig(retry=SLOW_RETRY, swift=swift)
-    store = open_store(f"swift://{swift_container}/ks", config)
-    started = time.monotonic()
-    with pytest.raises(AuthError) as caught:
-        store.get_bytes("x")
-    assert time.monotonic() - started < 5
+    keystone = urlsplit(swift_server.keystone_url)
+    with TcpProxy(keystone.port) as proxy:
+        env = {**_app_cred_env(swift_server, wrong), "OS_AUTH_URL": f"{proxy.url}{keystone.path}"}
+        swift = SwiftConfig.from_env(env)
+        config = StoreConfig(retry=SLOW_RETRY, swift=swift)
+        store = open_store(f"swift://{swift_container}/ks", config)
+        started = time.monotonic()
+        with pytest.raises(AuthError) as caught:
+            store.get_bytes("x")
+        assert time.monotonic() - started < 5
+        assert proxy.requests == 1  # one POST /v3/auth/tokens
     _assert_secret_hidden(wrong, caught.value, store, config, swift, log_text=caplog.text)
 
 
@@ -400,3 +404,26 @@ def test_a_failed_large_upload_leaves_nothing_behind(swift_server, swift_contain
     else:
         uploads = swift_server.s3_client().list_multipart_uploads(Bucket=swift_container)
         assert uploads.get("Uploads", []) == []
+
+
+# -- AWS profiles -------------------------------------------------------------------------------------
+def test_s3_credentials_from_a_profile(swift_server, swift_container, tmp_path, monkeypatch):
+    credentials = tmp_path / "credentials"
+    credentials.write_text(
+        "[dlstore-test]\n"
+        f"aws_access_key_id = {swift_server.s3_access_key}\n"
+        f"aws_secret_access_key = {swift_server.s3_secret_key}\n"
+    )
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    base = swift_store_config(swift_server)
+    s3 = dataclasses.replace(base.s3, access_key_id=None, secret_access_key=None, profile="dlstore-test")
+    store = open_store(f"s3://{swift_container}/profile", dataclasses.replace(base, s3=s3))
+    store.put("obj", b"via a profile")
+    assert store.get_bytes("obj") == b"via a profile"
+
+    missing = dataclasses.replace(s3, profile="no-such-profile")
+    with pytest.raises(ConfigError, match="no-such-profile"):
+        open_store(f"s3://{swift_container}/profile", dataclasses.replace(base, s3=missing)).get_bytes("obj")

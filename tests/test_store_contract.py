@@ -16,13 +16,14 @@ import pickle
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
-from dlstore.errors import ConfigError, NotFound
+from dlstore.errors import ConfigError, DlstoreError, NotFound
 from dlstore.storage import Store, open_store
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -471,3 +472,41 @@ def test_config_secrets_survive_pickling():
     clone = pickle.loads(pickle.dumps(config))
     assert clone.swift.key.reveal() == "k"
     assert clone.s3.secret_access_key.reveal() == "s"
+
+
+# -- fsspec over plain HTTP (read-only, no range requests) -------------------------------------------
+@pytest.fixture
+def http_root(tmp_path) -> Iterator[str]:
+    import functools
+    import http.server
+    import threading
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_fsspec_http_is_readable(tmp_path, http_root):
+    pytest.importorskip("aiohttp")
+    data = payload(3 * 2**20 + 11)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "obj.bin").write_bytes(data)
+    store = open_store(f"{http_root}/d", StoreConfig(retry=TEST_RETRY))
+    assert store.get_bytes("obj.bin") == data
+    # Python's http.server ignores Range: the store streams from byte 0 and skips ahead.
+    assert store.get_range("obj.bin", 2**20 - 5, 10) == data[2**20 - 5 : 2**20 + 5]
+    assert store.stat("obj.bin").size == len(data)
+    with pytest.raises(NotFound):
+        store.get_bytes("absent.bin")
+    with pytest.raises(DlstoreError):
+        store.put("new.bin", b"read-only")

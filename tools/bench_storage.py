@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paths", default="swift,s3,curl,file,curl-file", help="which paths to time")
     parser.add_argument("--env-file", help="env.sh from tools/swift_server.py (default: the environment)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout only)")
+    parser.add_argument("--chunk-size", default="1MiB", help="dlstore's read chunk size (default 1MiB)")
     parser.add_argument("--keep", action="store_true", help="leave the object in the container")
     args = parser.parse_args(argv)
 
@@ -127,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
 
     config = StoreConfig.from_env(env)
     # One plain object (no segments), so that curl and the clients read exactly the same thing.
-    config = dataclasses.replace(config, swift=dataclasses.replace(config.swift, segment_size=size + 1))
+    config = dataclasses.replace(
+        config,
+        chunk_size=parse_size(args.chunk_size),
+        swift=dataclasses.replace(config.swift, segment_size=size + 1),
+    )
     swift_store = open_store(f"swift://{CONTAINER}", config)
     s3_store = open_store(f"s3://{CONTAINER}", config)
 

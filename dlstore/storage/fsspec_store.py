@@ -118,17 +118,16 @@ class FsspecStore(Store):
     def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
         what = self.join(key)
         path = self._path(key)
-        yielded = False
+        position = start
         try:
             try:
                 for chunk in self._read_file(path, start, end, self.config.chunk_size):
-                    yielded = True
+                    position += len(chunk)
                     yield chunk
             except ValueError:
-                if yielded:
-                    raise
-                # An HTTP server without range requests: fsspec can only stream from byte 0.
-                yield from self._read_file(path, start, end, 0)
+                # An HTTP server without range requests (fsspec finds out on the first read
+                # past its first block): stream from byte 0 and skip what was delivered.
+                yield from self._read_file(path, position, end, 0)
         except Exception as exc:
             raise _map_error(exc, what) from None
 

@@ -146,7 +146,10 @@ def image_size_for_epoch(cfg: TrainConfig, epoch: int) -> int:
 # -- the command line (`dlstore train`) ----------------------------------------------------
 # field -> (type, help). Booleans become --flag / --no-flag; the defaults come from TrainConfig.
 _CLI: dict[str, tuple[Any, str]] = {
-    "val_url": (str, "dataset URL of the validation split, evaluated after every epoch"),
+    "val_url": (
+        str,
+        "dataset URL of the val split, evaluated after every epoch (default: the 'val' beside a '.../train' URL, if there is one)",
+    ),
     "output_dir": (str, "where config.json, metrics.jsonl/.csv and TensorBoard events go (rank 0)"),
     "model": (str, "torchvision classification model: resnet18, resnet50, ..."),
     "device": (str, "auto (this rank's GPU if any), cuda or cpu"),

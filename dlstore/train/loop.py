@@ -119,12 +119,12 @@ def _amp_dtype(amp: str, cuda: bool) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
 
 
-def _rng_state(cuda: bool) -> dict:
+def _rng_state(device: torch.device) -> dict:
     """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
     _, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if cuda else [],
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
         "numpy": {
             "keys": torch.from_numpy(keys.astype(np.int64)),
             "pos": int(pos),
@@ -135,14 +135,28 @@ def _rng_state(cuda: bool) -> dict:
     }
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
-    if state.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("cuda") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
     n = state["numpy"]
     np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
+def _sibling_val_url(train_url: str) -> str | None:
+    """`.../val` beside a train URL ending in `/train`, when a dataset is there."""
+    from dlstore.manifest import MANIFEST_NAME
+    from dlstore.storage import open_store
+
+    if not train_url.rstrip("/").endswith("/train"):
+        return None
+    candidate = train_url.rstrip("/")[: -len("train")] + "val"
+    if not open_store(candidate).exists(MANIFEST_NAME):
+        return None
+    log.info("evaluating on %s (the val split beside the train split)", candidate)
+    return candidate
 
 
 def _seed_everything(seed: int) -> None:
@@ -159,6 +173,8 @@ def _set_determinism(deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
     else:
         torch.backends.cudnn.benchmark = True  # fixed input sizes: let cuDNN pick the fastest kernels
+        torch.backends.cuda.matmul.allow_tf32 = True  # what is left in float32 under AMP
+        torch.backends.cudnn.allow_tf32 = True
 
 
 class _Window:
@@ -227,8 +243,9 @@ class Trainer:
             raise ConfigError(f"{cfg.train_url}: the manifest lists {len(self.classes)} classes; training needs labels")
         self.train_loader = self._loader(self.train_set)
         self.val_set = self.val_loader = None
-        if cfg.val_url:
-            self.val_set = self._dataset(cfg.val_url, "eval", cfg.eval_image_size or cfg.image_size, shuffle=False)
+        self.val_url = cfg.val_url or _sibling_val_url(cfg.train_url)
+        if self.val_url:
+            self.val_set = self._dataset(self.val_url, "eval", cfg.eval_image_size or cfg.image_size, shuffle=False)
             self.val_loader = self._loader(self.val_set)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
@@ -571,6 +588,7 @@ class Trainer:
                 "total_steps": self.total_steps,
                 "num_classes": len(self.classes),
                 "train_samples": self.train_set.manifest.total_samples,
+                "val_url": self.val_url,
                 "val_samples": self.val_set.manifest.total_samples if self.val_set else None,
                 "torch": str(torch.__version__),
             },
@@ -612,7 +630,7 @@ class Trainer:
         evaluation deterministically."""
         if self.ckpts is None or (self.step == self._saved_step and not force):
             return
-        mine = {"rng": _rng_state(self.cuda), "window": self.window.state()}
+        mine = {"rng": _rng_state(self.device), "window": self.window.state()}
         ranks = self.ctx.gather_objects(mine)
         if self.ctx.is_main:
             state = {
@@ -673,7 +691,7 @@ class Trainer:
         ranks = state["ranks"]
         if len(ranks) == self.ctx.world_size:
             mine = ranks[self.ctx.rank]
-            _set_rng_state(mine["rng"])
+            _set_rng_state(mine["rng"], self.device)
             self.window.load(mine["window"])
         else:
             # Another world size: the data position carries over exactly (the plan re-deals
