@@ -368,6 +368,7 @@ _IMAGENET_EXPECTED = (
     "ILSVRC2012_img_val.tar, or one of those tars itself"
 )
 _VAL_LABEL_FILES = ("LOC_val_solution.csv", "val_labels.csv", "val_labels.txt", "val.txt")
+_DEVKIT_GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 
 
 def _imagenet_source(src: Path, options: ConvertOptions) -> Source:
@@ -467,40 +468,44 @@ class _FileWindow:
 
 
 def _val_labels(options: ConvertOptions, search: list[Path]) -> tuple[dict[str, str], list[str], str]:
-    """Ground truth for flat validation images: {image stem: wnid}, sorted wnids, the file's name."""
+    """Ground truth for flat validation images: {image stem: wnid}, sorted wnids, the file's name.
+
+    Looked for in `search` (and their `ILSVRC2012_devkit_t12/data/`): LOC_val_solution.csv,
+    a `<filename> <wnid>` list, or the devkit's ILSVRC2012_validation_ground_truth.txt with
+    its meta.mat."""
     if options.val_labels:
         candidates = [Path(options.val_labels)]
     else:
-        candidates = [d / name for d in search for name in _VAL_LABEL_FILES]
+        folders = [f for d in dict.fromkeys(search) for f in (d, d / "ILSVRC2012_devkit_t12" / "data")]
+        candidates = [d / name for d in folders for name in (*_VAL_LABEL_FILES, _DEVKIT_GROUND_TRUTH)]
     for path in candidates:
         if path.is_file():
-            labels = _parse_val_labels(path)
+            labels = _parse_devkit(path) if path.name == _DEVKIT_GROUND_TRUTH else _parse_val_labels(path)
             return labels, sorted(set(labels.values())), path.name
     if options.val_labels:
         raise FormatError(f"{options.val_labels}: no such ground-truth file")
     raise FormatError(
-        f"flat ImageNet validation images need their ground truth: expected one of {', '.join(_VAL_LABEL_FILES)} "
-        f"in {', '.join(str(d) for d in dict.fromkeys(search))} (or pass val_labels / --val-labels)"
+        "flat ImageNet validation images need their ground truth: expected one of "
+        f"{', '.join(_VAL_LABEL_FILES + (_DEVKIT_GROUND_TRUTH,))} in "
+        f"{', '.join(str(d) for d in dict.fromkeys(search))} (or pass val_labels / --val-labels)"
     )
 
 
 def _parse_val_labels(path: Path) -> dict[str, str]:
     """`LOC_val_solution.csv` (`ImageId,PredictionString` whose first token is the wnid) or
     lines of `<filename> <wnid>`."""
-    labels: dict[str, str] = {}
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path}: cannot read the ground truth ({exc})") from None
     if text.startswith("ImageId,"):
-        rows = list(csv.reader(io.StringIO(text)))[1:]
-        pairs = [(row[0], row[1].split()[0] if len(row) > 1 and row[1].split() else "") for row in rows if row]
+        rows = [row + ["", ""] for row in csv.reader(io.StringIO(text)) if row][1:]
+        pairs = [(row[0], (row[1].split() or [""])[0]) for row in rows]
     else:
         pairs = [
-            tuple(line.split()[:2]) if len(line.split()) >= 2 else (line, "")
-            for line in text.splitlines()
-            if line.strip()
-        ]  # type: ignore[misc]
+            ((line.split() + ["", ""])[0], (line.split() + ["", ""])[1]) for line in text.splitlines() if line.strip()
+        ]
+    labels: dict[str, str] = {}
     for number, (name, wnid) in enumerate(pairs, 1):
         if not _WNID_RE.match(wnid):
             raise FormatError(
@@ -511,6 +516,29 @@ def _parse_val_labels(path: Path) -> dict[str, str]:
     if not labels:
         raise FormatError(f"{path}: the ground-truth file is empty")
     return labels
+
+
+def _parse_devkit(path: Path) -> dict[str, str]:
+    """The ILSVRC2012 devkit: line i of the ground truth is the ILSVRC2012_ID of
+    ILSVRC2012_val_<i>, and meta.mat maps IDs of leaf synsets to wnids."""
+    meta = path.with_name("meta.mat")
+    try:
+        from scipy.io import loadmat
+    except ImportError:
+        raise FormatError(
+            f"reading the devkit's {meta.name} needs scipy (pip install scipy); or pass --val-labels "
+            "with LOC_val_solution.csv or a '<filename> <wnid>' list"
+        ) from None
+    try:
+        synsets = loadmat(str(meta), squeeze_me=True)["synsets"]
+        wnid_of = {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets if int(s["num_children"]) == 0}
+        ids = [int(line) for line in path.read_text(encoding="ascii").split()]
+    except Exception as exc:  # scipy and the parsing raise many types for a bad file
+        raise FormatError(f"{meta} / {path.name}: not the ILSVRC2012 devkit ({type(exc).__name__}: {exc})") from None
+    unknown = sorted(set(ids) - set(wnid_of))
+    if unknown or not ids:
+        raise FormatError(f"{path}: ILSVRC2012_IDs {unknown[:5]} are not leaf synsets in {meta.name}")
+    return {f"ILSVRC2012_val_{i:08d}": wnid_of[n] for i, n in enumerate(ids, 1)}
 
 
 def _label_flat(

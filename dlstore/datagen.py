@@ -153,12 +153,13 @@ def make_imagenet(
 
     `layout`: "folders" (`train/`, `val/`) or "tars" (`ILSVRC2012_img_train.tar`,
     `ILSVRC2012_img_val.tar`). `val_layout`: "folders" (`val/<wnid>/`), "csv" (flat, with
-    `LOC_val_solution.csv` beside), or "txt" (flat, with `val_labels.txt`:
-    `<filename> <wnid>` lines). `corrupt` broken JPEGs are added to train.
+    `LOC_val_solution.csv` beside), "txt" (flat, with `val_labels.txt`: `<filename> <wnid>`
+    lines), or "devkit" (flat, with `ILSVRC2012_devkit_t12/data/` holding
+    `ILSVRC2012_validation_ground_truth.txt` and `meta.mat`; needs scipy). `corrupt` broken JPEGs are added to train.
     Source ids: train `<wnid>/<file>`, val `<file>` (flat) or `<wnid>/<file>`.
     """
-    if layout not in ("folders", "tars") or val_layout not in ("folders", "csv", "txt"):
-        raise ValueError("layout is 'folders' or 'tars'; val_layout 'folders', 'csv' or 'txt'")
+    if layout not in ("folders", "tars") or val_layout not in ("folders", "csv", "txt", "devkit"):
+        raise ValueError("layout is 'folders' or 'tars'; val_layout 'folders', 'csv', 'txt' or 'devkit'")
     root = Path(root)
     rng = np.random.default_rng(seed)
     classes = wnids(num_classes)
@@ -197,7 +198,9 @@ def make_imagenet(
         _write(root / "ILSVRC2012_img_train.tar", _tar_bytes(outer))
         _write(root / "ILSVRC2012_img_val.tar", _tar_bytes([(name, data) for name, _, data in val]))
     if flat:
-        if val_layout == "txt":
+        if val_layout == "devkit":
+            _write_devkit(root / "ILSVRC2012_devkit_t12" / "data", classes, [label for _, label, _ in val], rng)
+        elif val_layout == "txt":
             lines = [f"{name} {classes[label]}\n" for name, label, _ in val]
             _write(root / "val_labels.txt", "".join(lines).encode())
         else:
@@ -207,6 +210,31 @@ def make_imagenet(
             ]
             _write(root / "LOC_val_solution.csv", "".join(lines).encode())
     return result
+
+
+def _write_devkit(folder: Path, classes: list[str], labels: list[int], rng: np.random.Generator) -> None:
+    """The devkit's ground truth: ILSVRC2012_IDs in an order unrelated to the sorted wnids (as in
+    the real meta.mat), plus a non-leaf synset, which a reader must ignore."""
+    from scipy.io import savemat
+
+    ids = rng.permutation(len(classes)) + 1  # ILSVRC2012_ID of classes[i]
+    fields = [
+        "ILSVRC2012_ID",
+        "WNID",
+        "words",
+        "gloss",
+        "num_children",
+        "children",
+        "wordnet_height",
+        "num_train_images",
+    ]
+    synsets = np.zeros((len(classes) + 1,), dtype=[(f, "O") for f in fields])
+    for i, wnid in enumerate(classes):
+        synsets[i] = (int(ids[i]), wnid, f"thing {i}", "a synthetic class", 0, np.zeros(0), 0, 1300)
+    synsets[-1] = (len(classes) + 1, "n00001740", "entity", "the root", 2, np.array([1, 2]), 19, 0)
+    folder.mkdir(parents=True, exist_ok=True)
+    savemat(str(folder / "meta.mat"), {"synsets": synsets})
+    _write(folder / "ILSVRC2012_validation_ground_truth.txt", "".join(f"{ids[label]}\n" for label in labels).encode())
 
 
 # -- ImageFolder ---------------------------------------------------------------------------
@@ -321,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--per-class", type=int, default=20, help="imagefolder: images per class")
     parser.add_argument("--size", default="400x350", help="imagenet, imagefolder: WIDTHxHEIGHT")
     parser.add_argument("--layout", choices=["folders", "tars"], default="folders", help="imagenet")
-    parser.add_argument("--val-layout", choices=["folders", "csv", "txt"], default="csv", help="imagenet")
+    parser.add_argument("--val-layout", choices=["folders", "csv", "txt", "devkit"], default="csv", help="imagenet")
     parser.add_argument("--samples", type=int, default=1000, help="cifar10: images per batch; mnist: train images")
     parser.add_argument("--archive", action="store_true", help="cifar10: write cifar-10-python.tar.gz; mnist: gzip")
     parser.add_argument("--corrupt", type=int, default=0, help="broken images to add")

@@ -140,15 +140,17 @@ class TarShardWriter:
         self._offset += len(data)
 
     def write(self, key: str, fields: Mapping[str, bytes]) -> SampleSpan:
-        """Append one sample; `fields` maps extensions (`"jpg"`) to bytes, written in order."""
+        """Append one sample; `fields` maps extensions (`"jpg"`) to bytes, written in order.
+        Entries whose name starts with `__` (`__key__`, as in a sample read back) are left out."""
         if self._closed:
             raise ValueError("the shard is closed")
         if not key or "." in key.rsplit("/", 1)[-1] or key.startswith("/") or ".." in key.split("/"):
             raise ValueError(f"sample key {key!r} must be a relative name without a dot in its last part")
-        if not fields:
+        members = [(ext, data) for ext, data in fields.items() if not ext.startswith("__")]
+        if not members:
             raise ValueError(f"sample {key!r} has no fields")
         start = self._offset
-        for ext, data in fields.items():
+        for ext, data in members:
             if not ext or "/" in ext:
                 raise ValueError(f"field name {ext!r} of sample {key!r} is not a file extension")
             self._write_member(f"{key}.{ext}", data)
@@ -278,7 +280,7 @@ def _parse_pax(data: bytes, offset: int) -> dict[str, bytes]:
 
 
 class _Reader:
-    """`read(n)` that returns exactly n bytes or raises `CorruptShard`, over a buffer or a file."""
+    """`read(n)` (n bytes, fewer only at the end) and `skip(n)` over a buffer, a file or a chunk iterator."""
 
     __slots__ = ("read", "skip", "position")
 

@@ -46,7 +46,7 @@ def write_shard(samples: list[dict]) -> tuple[bytes, SampleIndex]:
     buffer = io.BytesIO()
     writer = TarShardWriter(buffer)
     for sample in samples:
-        writer.write(sample["__key__"], {k: v for k, v in sample.items() if k != "__key__"})
+        writer.write(sample["__key__"], sample)
     index = writer.close(recipe=b"r" * 32)
     return buffer.getvalue(), index
 

@@ -24,7 +24,15 @@ from dlstore.convert import ConvertOptions, convert
 from dlstore.datagen import make_cifar10
 from dlstore.errors import ConfigError
 from dlstore.storage.local import LocalStore
-from dlstore.train import CheckpointStore, TrainConfig, image_size_for_epoch, lr_factor, read_metrics
+from dlstore.train import (
+    CheckpointStore,
+    MetricsLog,
+    TrainConfig,
+    image_size_for_epoch,
+    lr_factor,
+    measure_training_rate,
+    read_metrics,
+)
 from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_url
 from dlstore.train.config import config_from_args
 from dlstore.train.dist import LaunchEnv, first_slurm_host
@@ -170,8 +178,7 @@ def test_sigterm_mid_epoch_then_resume_auto_matches_uninterrupted_run(tmp_path):
     on both ranks, exits with EXIT_PREEMPTED, and, restarted with `--resume auto`, logs the same
     metrics step by step and ends with the same weights as a run that never stopped."""
     data = f"file://{tmp_path}/data"
-    make_dataset(tmp_path, data, per_batch=32, test=40)  # 160 train: 10 steps per epoch at 2 x 8
-    steps_per_epoch = 10
+    make_dataset(tmp_path, data, per_batch=25, test=40)  # 125 train: 8 steps per epoch at 2 ranks x 8, padded
 
     def args(run: str) -> list[str]:
         return [
@@ -188,6 +195,8 @@ def test_sigterm_mid_epoch_then_resume_auto_matches_uninterrupted_run(tmp_path):
     env = child_env()
     # The reference: uninterrupted.
     assert wait_all(launch_ranks(args("a"), 2, tmp_path / "a", env), tmp_path / "a") == [0, 0], logs(tmp_path / "a")
+    steps_per_epoch = json.loads((tmp_path / "a" / "out" / "config.json").read_text())["resolved"]["steps_per_epoch"]
+    assert steps_per_epoch == 8
 
     # The same run, sent SIGTERM in its second epoch, on rank 1 only.
     procs = launch_ranks(args("b"), 2, tmp_path / "b", env)
@@ -213,12 +222,13 @@ def test_sigterm_mid_epoch_then_resume_auto_matches_uninterrupted_run(tmp_path):
     reference = train_records(tmp_path / "a" / "out" / "metrics.jsonl")
     resumed = train_records(metrics)
     assert [r["step"] for r in reference if r["split"] == "train"] == list(range(1, 2 * steps_per_epoch + 1))
-    assert [r["image_size"] for r in reference if r["step"] in (1, 11) and r["split"] == "train"] == [32, 40]
+    first_of_epoch = (1, steps_per_epoch + 1)
+    assert [r["image_size"] for r in reference if r["step"] in first_of_epoch and r["split"] == "train"] == [32, 40]
     assert resumed == reference
 
     # The final checkpoints: same weights, bit for bit, readable with plain torch.load.
-    final_a = torch.load(tmp_path / "a" / "ckpt" / checkpoint_key(20), weights_only=True)
-    final_b = torch.load(tmp_path / "b" / "ckpt" / checkpoint_key(20), weights_only=True)
+    final_a = torch.load(tmp_path / "a" / "ckpt" / checkpoint_key(2 * steps_per_epoch), weights_only=True)
+    final_b = torch.load(tmp_path / "b" / "ckpt" / checkpoint_key(2 * steps_per_epoch), weights_only=True)
     assert final_a["finished"] and final_b["finished"]
     assert final_a["model"].keys() == final_b["model"].keys()
     for name, tensor in final_a["model"].items():
@@ -356,3 +366,32 @@ def test_launch_env_from_torchrun_and_slurm():
     assert slurm.master_port == 20000 + 4242
     assert LaunchEnv.from_env({}).world.world_size == 1
     assert first_slurm_host("a-1,b-2") == "a-1"
+
+
+def test_metrics_files_are_rebuilt_from_the_checkpoint_records(tmp_path):
+    first = MetricsLog(str(tmp_path), tensorboard=True)
+    first.start()
+    for step in range(1, 6):
+        first.write({"split": "train", "step": step, "epoch": 0, "loss": 1.0 / step})
+    kept = first.records[:3]  # what a checkpoint at step 3 holds; steps 4 and 5 are lost
+    first.close()
+    again = MetricsLog(str(tmp_path), tensorboard=True)
+    again.start(kept, resume_step=3)
+    again.write({"split": "train", "step": 4, "epoch": 0, "loss": 0.2})
+    again.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [
+        (1, 1.0),
+        (2, 0.5),
+        (3, 1 / 3),
+        (4, 0.2),
+    ]
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("split,step,epoch,loss") and len(rows) == 5
+
+
+def test_measure_training_rate_times_the_training_step_on_cpu():
+    result = measure_training_rate(
+        "resnet18", batch_size=4, image_size=32, num_classes=10, device="cpu", warmup_steps=1, steps=2
+    )
+    assert result.device == "cpu" and result.precision == "float32" and result.steps == 2
+    assert result.images_per_s == pytest.approx(4 * 2 / result.seconds)

@@ -52,15 +52,6 @@ def _timed(fn) -> float:
     return time.perf_counter() - started
 
 
-def _best(fn, repeat: int, before=None) -> float:
-    times = []
-    for _ in range(repeat):
-        if before is not None:
-            before()
-        times.append(_timed(fn))
-    return min(times)
-
-
 def _spin(seconds: float) -> float:
     """Pure-Python work for about `seconds` on an idle core; returns the loop count per second."""
     n, started = 0, time.perf_counter()
@@ -141,21 +132,32 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(out, ignore_errors=True)
             out.mkdir()
 
-        tar_s = _best(
-            lambda: subprocess.run(["tar", "cf", str(out / "all.tar"), "-C", str(src), "train"], check=True),
-            args.repeat,
-            clean,
-        )
-        results["tar_cf"] = {"seconds": tar_s, "images_per_s": count / tar_s, "mb_per_s": source_bytes / tar_s / 1e6}
-        print(f"tar cf:                     {count / tar_s:8.0f} img/s  {source_bytes / tar_s / 1e6:7.1f} MB/s")
-
-        def run(options: ConvertOptions) -> float:
-            return _best(lambda: convert("imagenet", src, f"file://{out}/ds", options), args.repeat, clean)
+        def tar_cf() -> None:
+            subprocess.run(["tar", "cf", str(out / "all.tar"), "-C", str(src), "train"], check=True)
 
         common = dict(shard_size=parse_size(args.shard_size), quality=args.quality, tmp_dir=str(base))
+        plain = {n: ConvertOptions(workers=n, **common) for n in workers}
+        resized = {n: ConvertOptions(workers=n, resize_max_side=args.resize_max_side, **common) for n in workers}
+
+        def converter(options: ConvertOptions):
+            return lambda: convert("imagenet", src, f"file://{out}/ds", options)
+
+        # Runs alternate (tar, convert with 1 worker, with 2, ...; then again), so that a change
+        # in the machine's load hits every configuration alike; the best of each is kept.
+        plain_runs = {"tar": tar_cf} | {n: converter(o) for n, o in plain.items()}
+        best: dict = {}
+        for _ in range(args.repeat):
+            for name, fn in plain_runs.items():
+                clean()
+                best[name] = min(best.get(name, float("inf")), _timed(fn))
+        tar_s = best["tar"]
+        results["tar_cf"] = {"seconds": tar_s, "images_per_s": count / tar_s, "mb_per_s": source_bytes / tar_s / 1e6}
+        print(
+            f"tar cf:                              {count / tar_s:6.0f} img/s  {source_bytes / tar_s / 1e6:6.1f} MB/s"
+        )
         results["convert"] = []
         for n in workers:
-            seconds = run(ConvertOptions(workers=n, **common))
+            seconds = best[n]
             row = {
                 "workers": n,
                 "resize": None,
@@ -165,19 +167,23 @@ def main(argv: list[str] | None = None) -> int:
             }
             results["convert"].append(row)
             print(
-                f"convert, no resize, {n} worker(s): {count / seconds:8.0f} img/s  {source_bytes / seconds / 1e6:7.1f} MB/s"
+                f"convert, no resize, {n} worker(s):     {count / seconds:6.0f} img/s  {source_bytes / seconds / 1e6:6.1f} MB/s"
                 f"  = {tar_s / seconds:.2f} x tar cf"
             )
-        single = None
+
+        resized_best: dict = {}
+        for _ in range(max(1, args.repeat - 1)):
+            for n, options in resized.items():
+                clean()
+                resized_best[n] = min(resized_best.get(n, float("inf")), _timed(converter(options)))
+        single = count / resized_best[workers[0]] / workers[0]  # images/s of one worker
         for n in workers:
-            seconds = run(ConvertOptions(workers=n, resize_max_side=args.resize_max_side, **common))
-            rate = count / seconds
-            single = single or rate
+            rate = count / resized_best[n]
             capacity = _parallel_capacity(n) if n > 1 else 1.0
             row = {
                 "workers": n,
                 "resize": args.resize_max_side,
-                "seconds": seconds,
+                "seconds": resized_best[n],
                 "images_per_s": rate,
                 "per_worker": rate / n,
                 "speedup": rate / single,
@@ -186,9 +192,11 @@ def main(argv: list[str] | None = None) -> int:
             }
             results["convert"].append(row)
             print(
-                f"convert, resize {args.resize_max_side}, {n} worker(s): {rate:8.0f} img/s  {rate / n:6.0f} per worker"
+                f"convert, resize {args.resize_max_side}, {n} worker(s):  {rate:6.0f} img/s  {rate / n:5.0f} per worker"
                 f"  speed-up {rate / single:.2f} (the machine offers {capacity:.2f} now: efficiency {row['scaling_efficiency']:.2f})"
             )
+        results["load_average"] = os.getloadavg()
+        print(f"load average during the run: {' '.join(f'{x:.1f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     finally:

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from typing import BinaryIO, Union
 
 from dlstore.config import StoreConfig
-from dlstore.errors import ConfigError, TransientError
+from dlstore.errors import ConfigError
 from dlstore.storage.retry import call_with_retry, retrying
 
-__all__ = ["ObjectInfo", "PutSource", "Store", "IterReader"]
+__all__ = ["ObjectInfo", "PutSource", "Store", "IterReader", "read_block", "remaining_size"]
 
 PutSource = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", BinaryIO, Iterable[bytes]]
 
@@ -71,6 +71,35 @@ class IterReader(io.RawIOBase):
         out[:n] = self._buffer[:n]
         self._buffer = self._buffer[n:]
         return n
+
+
+def read_block(stream: BinaryIO, size: int) -> bytes:
+    """Up to `size` bytes; fewer only at the end of the stream (a pipe may return short reads)."""
+    data = stream.read(size)
+    if not data or len(data) == size:
+        return data or b""
+    parts = [data]
+    got = len(data)
+    while got < size:
+        more = stream.read(size - got)
+        if not more:
+            break
+        parts.append(more)
+        got += len(more)
+    return b"".join(parts)
+
+
+def remaining_size(stream: BinaryIO) -> int | None:
+    """Bytes left in a seekable stream, or None when it cannot tell."""
+    try:
+        if not stream.seekable():
+            return None
+        here = stream.tell()
+        end = stream.seek(0, os.SEEK_END)
+        stream.seek(here)
+        return end - here
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def check_key(key: str) -> str:

@@ -26,7 +26,7 @@ import urllib3.exceptions
 
 from dlstore.config import S3Config, StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store
+from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["S3Store", "make_s3_client"]
@@ -70,8 +70,19 @@ _TRANSIENT_EXCEPTIONS = (
     ConnectionError,
     TimeoutError,
 )
+_MIN_PART = 5 * 2**20
+_MAX_PARTS = 10_000
 # boto3 sessions are not thread-safe to create clients from; one lock for all stores.
 _client_creation_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    # A thread of the parent may have held the lock at fork time; the child has no such thread.
+    global _client_creation_lock
+    _client_creation_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _add_content_md5(request: Any, **_: Any) -> None:
@@ -148,35 +159,6 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     return DlstoreError(f"{what}: {type(exc).__name__}")
 
 
-def _read_block(stream: BinaryIO, size: int) -> bytes:
-    """Up to `size` bytes; fewer only at the end of the stream (a pipe may return short reads)."""
-    data = stream.read(size)
-    if not data or len(data) == size:
-        return data or b""
-    parts = [data]
-    got = len(data)
-    while got < size:
-        more = stream.read(size - got)
-        if not more:
-            break
-        parts.append(more)
-        got += len(more)
-    return b"".join(parts)
-
-
-def _remaining_size(stream: BinaryIO) -> int | None:
-    """Bytes left in a seekable stream, or None when it cannot tell."""
-    try:
-        if not stream.seekable():
-            return None
-        here = stream.tell()
-        end = stream.seek(0, os.SEEK_END)
-        stream.seek(here)
-        return end - here
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
 class S3Store(Store):
     """Objects in one bucket under a key prefix; large puts go as multipart uploads.
 
@@ -228,7 +210,7 @@ class S3Store(Store):
             kwargs: dict[str, Any] = {"Prefix": full_prefix, "MaxKeys": self.config.s3.list_page_size}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = call_with_retry(self.config.retry, lambda kw=kwargs: self._call(self.url, "list_objects_v2", **kw))
+            page = call_with_retry(self.config.retry, lambda kw=kwargs: self._list_page(kw))
             for item in page.get("Contents", ()):
                 yield ObjectInfo(
                     key=item["Key"][strip:],
@@ -239,6 +221,21 @@ class S3Store(Store):
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return
+
+    def _list_page(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return self.client.list_objects_v2(Bucket=self.bucket, **kwargs)
+        except botocore.exceptions.ClientError as exc:
+            error = exc.response.get("Error", {})
+            if error.get("Code") == "InternalError" and "412" in str(error.get("Message")):
+                # Swift's s3api asked the cluster for more names than its container_listing_limit.
+                raise ConfigError(
+                    f"{self.url}: the cluster lists fewer than {kwargs['MaxKeys'] + 1} names per request; "
+                    "set DLSTORE_S3_LIST_PAGE_SIZE below its container_listing_limit"
+                ) from None
+            raise _map_error(exc, self.url) from None
+        except Exception as exc:
+            raise _map_error(exc, self.url) from None
 
     def _stat(self, key: str) -> ObjectInfo:
         head = self._call(self.join(key), "head_object", Key=self._name(key))
@@ -288,21 +285,24 @@ class S3Store(Store):
     def _write(self, key: str, stream: BinaryIO) -> None:
         cfg = self.config.s3
         what = self.join(key)
-        size = _remaining_size(stream)
-        if size is not None and size < cfg.multipart_threshold:
+        size = remaining_size(stream)
+        threshold = max(cfg.multipart_threshold, 1)
+        if size is not None and size < threshold:
             # Small and seekable: stream it in one PUT (the caller retries from the start).
             self._call(what, "put_object", Key=self._name(key), Body=stream, ContentLength=size)
             return
-        first = _read_block(stream, max(cfg.multipart_threshold, 1))
-        if len(first) < cfg.multipart_threshold:
+        first = read_block(stream, threshold)
+        if len(first) < threshold:
             call_with_retry(self.config.retry, lambda: self._call(what, "put_object", Key=self._name(key), Body=first))
             return
-        self._multipart(key, first, stream)
+        # S3 wants parts of at least 5 MiB (but the last) and at most 10,000 of them; when
+        # the size is known, grow the part size to fit.
+        part_size = max(cfg.multipart_chunk_size, _MIN_PART, -(-(size or 0) // _MAX_PARTS))
+        self._multipart(key, first, stream, part_size)
 
-    def _multipart(self, key: str, first: bytes, stream: BinaryIO) -> None:
+    def _multipart(self, key: str, first: bytes, stream: BinaryIO, part_size: int) -> None:
         what = self.join(key)
         name = self._name(key)
-        part_size = self.config.s3.multipart_chunk_size
         retry = self.config.retry
         upload = call_with_retry(retry, lambda: self._call(what, "create_multipart_upload", Key=name))
         upload_id = upload["UploadId"]
@@ -314,7 +314,7 @@ class S3Store(Store):
                 if len(pending) >= part_size:
                     data, pending = bytes(pending[:part_size]), pending[part_size:]
                 else:
-                    data = bytes(pending) + _read_block(stream, part_size - len(pending))
+                    data = bytes(pending) + read_block(stream, part_size - len(pending))
                     pending = memoryview(b"")
                 if not data and parts:
                     break

@@ -49,15 +49,15 @@ from swiftclient.exceptions import ClientException
 
 from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store
+from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size
 from dlstore.storage.retry import call_with_retry
-from dlstore.storage.s3 import _read_block, _remaining_size
 
 __all__ = ["SwiftStore"]
 
 log = logging.getLogger(__name__)
 
 _V1 = ("1", "1.0")
+_MAX_SEGMENTS = 1000
 _TRANSIENT_STATUS = {408, 429, 498, 499}
 _TRANSIENT_EXCEPTIONS = (
     requests.exceptions.ConnectionError,
@@ -70,6 +70,15 @@ _TRANSIENT_EXCEPTIONS = (
     TimeoutError,
 )
 _auth_lock = threading.Lock()
+
+
+def _new_lock_after_fork() -> None:
+    # A thread of the parent may have held the lock at fork time; the child has no such thread.
+    global _auth_lock
+    _auth_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 class _RangeNotSatisfiable(DlstoreError):
@@ -333,10 +342,11 @@ class SwiftStore(Store):
         except ClientException as exc:
             if exc.http_status == 401:
                 self._on_unauthorized(token, what)
-            conn.close()
+            if exc.http_status is None or exc.http_status in (408, 499):
+                conn.close()  # a server timeout leaves the request framing in doubt
             raise _map_error(exc, what) from None
         except Exception as exc:
-            conn.close()  # a half-read or broken response must not be reused
+            conn.close()  # a broken connection must not be reused
             raise _map_error(exc, what) from None
         token.proven = True
         return result
@@ -428,30 +438,31 @@ class SwiftStore(Store):
     def _write(self, key: str, stream: BinaryIO) -> None:
         what = self.join(key)
         name = self._name(key)
-        segment_size = max(self.config.swift.segment_size, 1)
+        size = remaining_size(stream)
+        # An SLO manifest holds at most 1,000 segments (Swift's default max_manifest_segments):
+        # when the size is known, grow the segment size to fit.
+        segment_size = max(self.config.swift.segment_size, 1, -(-(size or 0) // _MAX_SEGMENTS))
         old_segments = call_with_retry(self.config.retry, lambda: self._segments_of(key))
-        size = _remaining_size(stream)
         if size is not None and size < segment_size:
             # Small and seekable: stream it in one PUT (base.put retries from the start).
             self._call(
                 what, "put_object", self.container, name, stream, content_length=size, chunk_size=self.config.chunk_size
             )
         else:
-            first = _read_block(stream, segment_size)
+            first = read_block(stream, segment_size)
             if len(first) < segment_size:
                 call_with_retry(self.config.retry, lambda: self._put_bytes(what, self.container, name, first))
             else:
-                self._put_slo(key, first, stream)
+                self._put_slo(key, first, stream, segment_size)
         self._delete_segments(what, old_segments)
 
     def _put_bytes(self, what: str, container: str, name: str, data: bytes, **kwargs: Any) -> str:
         # A file object, not bytes: swiftclient treats bytes as not replayable.
         return self._call(what, "put_object", container, name, io.BytesIO(data), content_length=len(data), **kwargs)
 
-    def _put_slo(self, key: str, first: bytes, stream: BinaryIO) -> None:
+    def _put_slo(self, key: str, first: bytes, stream: BinaryIO, segment_size: int) -> None:
         what = self.join(key)
         retry = self.config.retry
-        segment_size = max(self.config.swift.segment_size, 1)
         self._ensure_segment_container()
         upload = f"{time.time():.6f}-{secrets.token_hex(4)}"
         segment_prefix = f"{self._name(key)}/slo/{upload}/"
@@ -468,7 +479,7 @@ class SwiftStore(Store):
                 )
                 if len(data) < segment_size:
                     break
-                data = _read_block(stream, segment_size)
+                data = read_block(stream, segment_size)
             body = json.dumps(manifest)
             call_with_retry(
                 retry,

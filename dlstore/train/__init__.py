@@ -19,6 +19,7 @@ from typing import Any
 _EXPORTS = {
     "EXIT_PREEMPTED": "loop",
     "CheckpointStore": "checkpoint",
+    "DemandResult": "demand",
     "DistContext": "dist",
     "LaunchEnv": "dist",
     "MetricsLog": "metrics",
@@ -29,6 +30,7 @@ _EXPORTS = {
     "load_checkpoint_url": "checkpoint",
     "lr_factor": "loop",
     "main": "loop",
+    "measure_training_rate": "demand",
     "read_metrics": "metrics",
     "setup_distributed": "dist",
 }

@@ -40,7 +40,17 @@ from dlstore.train.config import TrainConfig, image_size_for_epoch
 from dlstore.train.dist import DistContext, setup_distributed
 from dlstore.train.metrics import MetricsLog
 
-__all__ = ["EXIT_PREEMPTED", "Trainer", "build_model", "lr_factor", "main"]
+__all__ = [
+    "EXIT_PREEMPTED",
+    "Trainer",
+    "amp_dtype_for",
+    "autocast",
+    "build_model",
+    "lr_factor",
+    "main",
+    "param_groups",
+    "training_step",
+]
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +113,8 @@ def build_model(name: str, num_classes: int) -> nn.Module:
         raise ConfigError(f"unknown model {name!r} ({exc}); e.g. {choices}, ...") from None
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """SGD parameter groups: `weight_decay` on weight matrices and kernels, none on 1-d ones."""
     # No weight decay on BatchNorm weights and biases (all 1-d parameters): decaying them
     # only fights the normalisation and costs accuracy (Goyal et al. 2017, FFCV, timm).
     decay, no_decay = [], []
@@ -113,9 +124,39 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _amp_dtype(amp: str, cuda: bool) -> torch.dtype | None:
+def autocast(device: torch.device, amp_dtype: torch.dtype | None):
+    """Autocast to `amp_dtype` on `device`, or nothing when it is None."""
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp_dtype)
+
+
+def training_step(
+    model: nn.Module,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    amp_dtype: torch.dtype | None,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step (forward under autocast, backward, step); returns (loss, logits).
+    No host sync: the caller decides when to look at the numbers. `dlstore.train.demand`
+    times this same function on synthetic data."""
+    with autocast(images.device, amp_dtype):
+        logits = model(images)
+        loss = criterion(logits, labels)
+    optimizer.zero_grad(set_to_none=True)
+    scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+    scaler.step(optimizer)
+    scaler.update()
+    return loss, logits
+
+
+def amp_dtype_for(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype that `amp` ("auto", "bf16", "fp16", "none") means on `device`."""
     if amp == "auto":
-        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else None
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
 
 
@@ -231,7 +272,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.device = ctx.device
         self.cuda = self.device.type == "cuda"
-        self.amp_dtype = _amp_dtype(cfg.amp, self.cuda)
+        self.amp_dtype = amp_dtype_for(cfg.amp, self.device)
         if self.amp_dtype is not None and not self.cuda:
             log.warning("AMP %s on the CPU is slow on most CPUs; use --amp none there", self.amp_dtype)
         _set_determinism(cfg.deterministic)
@@ -245,7 +286,11 @@ class Trainer:
         self.val_set = self.val_loader = None
         self.val_url = cfg.val_url or _sibling_val_url(cfg.train_url)
         if self.val_url:
-            self.val_set = self._dataset(self.val_url, "eval", cfg.eval_image_size or cfg.image_size, shuffle=False)
+            # return_keys: the loader then says which samples are padding (repeats that keep
+            # the ranks equal), so evaluation can count each real sample exactly once.
+            self.val_set = self._dataset(
+                self.val_url, "eval", cfg.eval_image_size or cfg.image_size, shuffle=False, return_keys=True
+            )
             self.val_loader = self._loader(self.val_set)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
@@ -259,7 +304,7 @@ class Trainer:
         self.global_batch = cfg.batch_size * ctx.world_size
         self.peak_lr = cfg.base_lr * self.global_batch / 256
         self.optimizer = torch.optim.SGD(
-            _param_groups(self.module, cfg.weight_decay),
+            param_groups(self.module, cfg.weight_decay),
             lr=self.peak_lr,
             momentum=cfg.momentum,
             nesterov=cfg.nesterov and cfg.momentum > 0,
@@ -281,7 +326,6 @@ class Trainer:
         self._last_checkpoint = time.monotonic()
         self._saved_step: int | None = None  # the step of the last checkpoint this process wrote or loaded
         self._started = time.monotonic()
-        self._padding_warned = False
 
     # -- construction -------------------------------------------------------------------
     def _dataset(self, url: str, preset: str, image_size: int, **options: Any):
@@ -435,18 +479,12 @@ class Trainer:
         return None
 
     def _autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        return autocast(self.device, self.amp_dtype)
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        with self._autocast():
-            logits = self.train_model(images)
-            loss = self.criterion(logits, labels)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        loss, logits = training_step(
+            self.train_model, self.criterion, self.optimizer, self.scaler, self.amp_dtype, images, labels
+        )
         self.window.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.scheduler.step()
         self.window.add(loss, logits, labels)
@@ -512,7 +550,6 @@ class Trainer:
             return None
         loader, dataset = self.val_loader, self.val_set
         loader.set_epoch(epoch)
-        plan = dataset.plan(epoch)
         k = min(5, len(self.classes))
         sums = torch.zeros(4, dtype=torch.float64, device=self.device)  # loss, top1, top5, samples
         # Each rank's BatchNorm statistics were last updated by its own batch; evaluate (and
@@ -520,10 +557,9 @@ class Trainer:
         self.ctx.broadcast_tensors(list(self.module.buffers()))
         self.eval_model.eval()
         with torch.no_grad(), self._autocast():
-            for j, batch in enumerate(loader):
-                images, labels = batch[0], batch[1]
+            for images, labels, meta in loader:
                 logits = self.eval_model(images).float()
-                real = self._real_samples(plan, j, labels).double()
+                real = (~meta["padding"]).to(labels.device, torch.float64)
                 loss = F.cross_entropy(logits, labels, reduction="none")
                 top = logits.topk(k, dim=1).indices
                 hit1 = (top[:, 0] == labels).double()
@@ -553,23 +589,6 @@ class Trainer:
                 record["top5"],
             )
         return record
-
-    def _real_samples(self, plan: Any, j: int, labels: torch.Tensor) -> torch.Tensor:
-        # The plan knows which of batch j's samples are padding. If the dataset skipped a
-        # corrupt sample the batch is shorter than planned and positions no longer line up:
-        # then count everything (padding included) rather than mask the wrong samples.
-        _, is_padding = plan.batch(j)
-        if len(is_padding) != labels.numel():
-            if not self._padding_warned:
-                log.warning(
-                    "val batch %d has %d samples, the plan %d: padding is counted in eval",
-                    j,
-                    labels.numel(),
-                    len(is_padding),
-                )
-                self._padding_warned = True
-            return torch.ones(labels.numel(), device=labels.device)
-        return torch.from_numpy(~np.asarray(is_padding, dtype=bool)).to(labels.device)
 
     def _write_config(self) -> None:
         if not self.ctx.is_main:

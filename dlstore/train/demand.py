@@ -1,0 +1,118 @@
+"""What the accelerator demands: the trainer's own training step, timed on synthetic data.
+
+The loader-vs-GPU benchmark compares this rate (images/s the model can consume) with what
+the data path delivers; the ratio is the expected data stall. The step is exactly the one
+`dlstore train` runs (`loop.training_step`: the same model, optimiser, AMP, memory format
+and optional `torch.compile`), on one batch made once on the device, so no data loading
+or host-to-device copy is in the number.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from dlstore.errors import ConfigError
+
+__all__ = ["DemandResult", "measure_training_rate"]
+
+
+@dataclass(frozen=True)
+class DemandResult:
+    """One measurement: `images_per_s` = batch_size * steps / seconds on `device`."""
+
+    model: str
+    batch_size: int
+    image_size: int
+    device: str
+    precision: str
+    channels_last: bool
+    compiled: bool
+    steps: int
+    seconds: float
+    images_per_s: float
+    step_ms: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_training_rate(
+    model: str = "resnet50",
+    *,
+    batch_size: int = 256,
+    image_size: int = 224,
+    num_classes: int = 1000,
+    device: str = "auto",
+    amp: str = "auto",
+    channels_last: bool = True,
+    compile: bool = False,
+    warmup_steps: int = 5,
+    steps: int = 20,
+    seed: int = 0,
+) -> DemandResult:
+    """Time `steps` training steps (after `warmup_steps` untimed ones) of `model` on one
+    synthetic batch kept on the device.
+
+    >>> r = measure_training_rate("resnet50", batch_size=256, device="cuda")   # doctest: +SKIP
+    >>> round(r.images_per_s)
+    3000
+    """
+    from dlstore.train.loop import amp_dtype_for, build_model, param_groups, training_step
+
+    if steps < 1 or warmup_steps < 0 or batch_size < 1:
+        raise ConfigError("steps and batch_size must be at least 1, warmup_steps not negative")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device")
+    amp_dtype = amp_dtype_for(amp, dev)
+    torch.manual_seed(seed)
+    if dev.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # as the trainer does without --deterministic
+
+    net: nn.Module = build_model(model, num_classes).to(dev)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    net.to(memory_format=memory_format)
+    step_model = torch.compile(net) if compile else net
+    optimizer = torch.optim.SGD(param_groups(net, 5e-5), lr=0.01, momentum=0.9, nesterov=True)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16 and dev.type == "cuda")
+    criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+    # What the loader hands the trainer: normalised images in the AMP dtype, channels_last.
+    image_dtype = torch.bfloat16 if amp_dtype == torch.bfloat16 else torch.float32
+    images = torch.randn(batch_size, 3, image_size, image_size, device=dev, dtype=image_dtype)
+    images = images.contiguous(memory_format=memory_format)
+    labels = torch.randint(0, num_classes, (batch_size,), device=dev)
+    net.train()
+
+    for _ in range(warmup_steps):  # cuDNN autotuning, compilation, allocator warm-up
+        training_step(step_model, criterion, optimizer, scaler, amp_dtype, images, labels)
+    _sync(dev)
+    started = time.perf_counter()
+    for _ in range(steps):
+        training_step(step_model, criterion, optimizer, scaler, amp_dtype, images, labels)
+    _sync(dev)
+    seconds = time.perf_counter() - started
+    precision = str(amp_dtype).replace("torch.", "") if amp_dtype is not None else "float32"
+    return DemandResult(
+        model=model,
+        batch_size=batch_size,
+        image_size=image_size,
+        device=str(dev),
+        precision=precision,
+        channels_last=channels_last,
+        compiled=compile,
+        steps=steps,
+        seconds=seconds,
+        images_per_s=batch_size * steps / seconds,
+        step_ms=1000.0 * seconds / steps,
+    )

@@ -1,0 +1,98 @@
+"""Small datasets with uneven shards, and the per-rank program the loader tests spawn."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+from PIL import Image
+
+from dlstore.manifest import Manifest, ShardInfo, index_name
+from dlstore.shards import TarShardWriter, shard_name
+from dlstore.storage import Store
+
+NUM_CLASSES = 5
+
+
+def tiny_jpeg(label: int, seed: int, px: int = 16) -> bytes:
+    rng = np.random.default_rng(seed)
+    pixels = np.full((px, px, 3), label * 50, dtype=np.uint8) + rng.integers(0, 10, (px, px, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=80)
+    return out.getvalue()
+
+
+def write_dataset(store: Store, sizes: list[int], corrupt_keys: frozenset[str] = frozenset()) -> list[str]:
+    """Shards of the given sample counts; returns every key. Keys are unique across shards."""
+    shards, keys, serial = [], [], 0
+    for number, count in enumerate(sizes):
+        buffer = io.BytesIO()
+        writer = TarShardWriter(buffer)
+        for _ in range(count):
+            key = f"s{serial:06d}"
+            label = serial % NUM_CLASSES
+            jpeg = b"\xff\xd8 not a jpeg" if key in corrupt_keys else tiny_jpeg(label, serial)
+            writer.write(key, {"cls": str(label).encode(), "jpg": jpeg})
+            keys.append(key)
+            serial += 1
+        index = writer.close()
+        name = shard_name("shard", number)
+        store.put(name, buffer.getvalue())
+        index_bytes = index.to_bytes()
+        store.put(index_name(name), index_bytes)
+        shards.append(ShardInfo(name=name, size=index.shard_size, samples=count, checksum=index.checksum))
+    classes = tuple(f"class{i}" for i in range(NUM_CLASSES))
+    Manifest(shards=tuple(shards), classes=classes, fields=("cls", "jpg"), label_field="cls").save(store)
+    return keys
+
+
+def run_rank(rank: int, spec: dict) -> None:
+    """One DDP rank: read `spec["epochs"]` epochs (or stop after `stop_after` batches of the
+    first), and write what it delivered to `spec["out"]/rank-N.json`."""
+    import torch.distributed as dist
+
+    import dlstore
+    from dlstore.config import StoreConfig, WorldInfo
+
+    os.environ.update(spec.get("env", {}))
+    world = WorldInfo(rank, spec["world_size"], spec["local_world_size"])
+    dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world.world_size)
+    try:
+        config = StoreConfig.from_env(spec.get("env") or None)
+        ds = dlstore.Dataset(
+            spec["url"],
+            cache_dir=spec["cache_dir"],
+            cache_limit=spec["cache_limit"],
+            transform="eval",
+            image_size=8,
+            batch_size=spec["batch_size"],
+            seed=spec["seed"],
+            world=world,
+            store_config=config,
+            return_keys=True,
+        )
+        loader = dlstore.Loader(ds, num_workers=spec["workers"], device="cpu")
+        if spec.get("state"):
+            loader.load_state_dict(spec["state"])
+        record = {"epochs": {}, "state": None, "lengths": {}}
+        start_epoch = loader.state_dict()["epoch"]
+        for epoch in range(start_epoch, start_epoch + spec["epochs"]):
+            loader.set_epoch(epoch)
+            record["lengths"][epoch] = len(loader)
+            delivered = record["epochs"].setdefault(epoch, [])
+            for step, (images, labels, meta) in enumerate(loader):
+                assert images.shape[0] == labels.shape[0] == len(meta["keys"])
+                delivered.append([[k, bool(p)] for k, p in zip(meta["keys"], meta["padding"].tolist())])
+                # Every rank stops at the same step, as DDP would after an all-reduced signal.
+                if spec.get("stop_after") is not None and step + 1 == spec["stop_after"]:
+                    record["state"] = loader.state_dict()
+                    break
+            if record["state"] is not None:
+                break
+        with open(os.path.join(spec["out"], f"rank-{rank}.json"), "w") as out:
+            json.dump(record, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,225 @@
+"""The streaming dataset and loader: coverage, equal ranks, exact resume, errors reach the loop."""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as tmp
+
+import dlstore
+from dlstore.cache import cache_report
+from dlstore.config import StoreConfig, WorldInfo
+from dlstore.errors import CorruptSample
+from dlstore.manifest import Manifest
+from dlstore.storage import open_store
+from loader_support import run_rank, write_dataset
+
+UNEVEN = [3, 17, 8, 1, 12, 25, 5, 9, 14, 2, 20, 7, 11, 4, 16, 6, 10, 13, 3, 19,
+          8, 2, 15, 9, 5, 12, 18, 1, 7, 11, 6, 14, 9, 4, 22, 3, 10, 8, 13, 5]  # 40 shards, 410 samples
+
+
+def _dataset(url, tmp_path, **kw):
+    options = dict(cache_dir=str(tmp_path / "cache"), cache_limit="50MB", transform="eval", image_size=8,
+                   batch_size=4, seed=1, world=WorldInfo(0, 1, 1), return_keys=True)
+    options.update(kw)
+    return dlstore.Dataset(url, **options)
+
+
+def _epoch(loader):
+    return [(k, bool(p)) for _, _, meta in loader for k, p in zip(meta["keys"], meta["padding"].tolist())]
+
+
+@pytest.fixture
+def local_dataset(tmp_path):
+    url = f"file://{tmp_path}/data"
+    keys = write_dataset(open_store(url), [5, 9, 2, 7])
+    return url, keys
+
+
+def test_one_rank_reads_every_sample_once_per_epoch_on_the_device(local_dataset, tmp_path):
+    url, keys = local_dataset
+    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu")
+    orders = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        assert len(loader) == 6
+        delivered = _epoch(loader)
+        real = [k for k, padding in delivered if not padding]
+        assert sorted(real) == sorted(keys)
+        assert len(delivered) == 24 and sum(p for _, p in delivered) == 1
+        orders.append(real)
+    assert orders[0] != orders[1]
+    images, labels, _ = next(iter(loader))
+    assert images.dtype == torch.float32 and images.shape == (4, 3, 8, 8)
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    assert labels.dtype == torch.int64
+
+
+def test_order_does_not_depend_on_the_number_of_workers(local_dataset, tmp_path):
+    url, _ = local_dataset
+    runs = []
+    for workers in (0, 1, 3):
+        loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=workers, device="cpu")
+        loader.set_epoch(3)
+        runs.append(_epoch(loader))
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_labels_and_pixels_match_the_stored_samples(local_dataset, tmp_path):
+    url, _ = local_dataset
+    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu", normalize=False)
+    for images, labels, meta in loader:
+        for image, label, key in zip(images, labels.tolist(), meta["keys"]):
+            assert label == int(key[1:]) % 5
+            assert abs(float(image.mean()) - label * 50) < 12  # the generator's grey level
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_path, workers):
+    url, _ = local_dataset
+    full = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu")
+    full.set_epoch(5)
+    expected = _epoch(full)
+
+    first = dlstore.Loader(_dataset(url, tmp_path), num_workers=workers, device="cpu")
+    first.set_epoch(5)
+    seen = []
+    for step, (_, _, meta) in enumerate(first):
+        seen += list(zip(meta["keys"], meta["padding"].tolist()))
+        if step == 2:
+            break
+    state = json.loads(json.dumps(first.state_dict()))
+
+    second = dlstore.Loader(_dataset(url, tmp_path), num_workers=3 - workers, device="cpu")
+    second.load_state_dict(state)
+    second.set_epoch(5)
+    assert len(second) == 3
+    assert seen + _epoch(second) == expected
+    assert second.state_dict()["epoch"] == 6
+
+
+def test_corrupt_samples_are_skipped_and_counted(tmp_path):
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000003"}))
+    ds = _dataset(url, tmp_path)
+    loader = dlstore.Loader(ds, num_workers=0, device="cpu")
+    real = [k for k, p in _epoch(loader) if not p]
+    assert sorted(real) == [f"s{i:06d}" for i in range(12) if i != 3]
+    assert ds.corrupt_samples == 1
+
+
+def test_a_worker_error_is_raised_in_the_training_loop_without_hanging(tmp_path):
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000007"}))
+    loader = dlstore.Loader(_dataset(url, tmp_path, on_corrupt="raise"), num_workers=2, device="cpu")
+    result = {}
+
+    def consume():
+        try:
+            for _ in loader:
+                pass
+        except Exception as exc:  # what the loop sees
+            result["error"] = exc
+
+    thread = threading.Thread(target=consume, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the loader hung after a worker error"
+    assert isinstance(result.get("error"), CorruptSample) or "CorruptSample" in repr(result.get("error"))
+
+
+def test_a_cache_smaller_than_a_shard_is_a_clear_error(local_dataset, tmp_path):
+    url, _ = local_dataset
+    with pytest.raises(dlstore.ConfigError):
+        _dataset(url, tmp_path, cache_limit="10KB")
+
+
+# -- the distributed test against the real Swift server -------------------------------------------
+def _spawn(spec: dict, nprocs: int) -> list[dict]:
+    tmp.start_processes(run_rank, args=(spec,), nprocs=nprocs, start_method="spawn")
+    records = []
+    for rank in range(nprocs):
+        with open(f"{spec['out']}/rank-{rank}.json") as file:
+            records.append(json.load(file))
+    return records
+
+
+class _CacheSampler:
+    """Samples the cache's bytes on disk (under its lock) while the ranks run."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir, self.max, self.samples = cache_dir, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.max = max(self.max, cache_report(self.cache_dir).bytes)
+                self.samples += 1
+            except Exception:  # the directory appears when the first rank starts
+                pass
+            time.sleep(0.01)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.swift
+@pytest.mark.slow
+def test_four_ranks_two_workers_from_swift_then_resume_on_two_ranks(swift_server, swift_container, tmp_path):
+    env = swift_server.swift_env()
+    url = f"swift://{swift_container}/uneven"
+    store = open_store(url, StoreConfig.from_env(env))
+    keys = write_dataset(store, UNEVEN)
+    total_bytes = Manifest.load(store).total_size
+    limit = total_bytes // 4
+    cache_dir = str(tmp_path / "cache")
+    spec = dict(url=url, env=env, cache_dir=cache_dir, cache_limit=limit, batch_size=4, seed=7, world_size=4,
+                local_world_size=4, workers=2, epochs=2, out=str(tmp_path), init=f"file://{tmp_path}/rdv1")
+
+    with _CacheSampler(cache_dir) as sampler:
+        records = _spawn(spec, 4)
+    assert sampler.samples > 0 and sampler.max <= limit
+
+    for epoch in ("0", "1"):
+        batches = [len(r["epochs"][epoch]) for r in records]
+        assert len(set(batches)) == 1 and batches[0] == records[0]["lengths"][epoch]
+        delivered = [tuple(s) for r in records for batch in r["epochs"][epoch] for s in batch]
+        real = collections.Counter(k for k, padding in delivered if not padding)
+        assert sorted(real) == sorted(keys) and set(real.values()) == {1}
+        padding = [k for k, p in delivered if p]
+        assert len(padding) < 4 * 4 + 25  # the plan's bound: batch + largest shard, per rank
+        assert set(padding) <= set(keys)
+
+    # Every download beyond the first of a shard followed an eviction of it: never fetched twice while cached.
+    totals = cache_report(cache_dir).totals
+    assert totals.misses <= len(UNEVEN) + totals.evictions
+    assert totals.misses >= len(UNEVEN)
+
+    # Stop after 5 steps of epoch 2 on 4 ranks, then resume on 2 ranks with 3 workers each.
+    spec.update(epochs=1, stop_after=5, init=f"file://{tmp_path}/rdv2", state={"version": 1, "seed": 7, "epoch": 2, "history": []})
+    records = _spawn({**spec}, 4)
+    states = [r["state"] for r in records]
+    assert all(s == states[0] for s in states) and states[0]["epoch"] == 2
+    first = [tuple(s) for r in records for batch in r["epochs"]["2"] for s in batch]
+
+    spec.update(world_size=2, local_world_size=2, workers=3, stop_after=None, state=states[0],
+                init=f"file://{tmp_path}/rdv3")
+    records = _spawn(spec, 2)
+    assert len({len(r["epochs"]["2"]) for r in records}) == 1
+    rest = [tuple(s) for r in records for batch in r["epochs"]["2"] for s in batch]
+    real = collections.Counter(k for k, padding in first + rest if not padding)
+    assert sorted(real) == sorted(keys) and set(real.values()) == {1}
+    assert np.sum([p for _, p in rest]) <= 2 * 4  # a re-deal pads at most one batch per rank
