@@ -337,6 +337,27 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 SUBCOMMANDS.append(_add_train)
 
 
+# -- demo ----------------------------------------------------------------------------------
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from dlstore.demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(workdir=args.workdir or "", store_url=args.store or "", epochs=args.epochs,
+                        train=not args.no_train))
+    return 0
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the main job on generated data in a local store: convert, verify, load, train")
+    p.add_argument("--workdir", help="keep everything here (default: a temporary folder, removed afterwards)")
+    p.add_argument("--store", help="store URL for the shards (default: file://WORKDIR/store)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--no-train", action="store_true", help="stop after the loader")
+    p.set_defaults(func=_cmd_demo)
+
+
+SUBCOMMANDS.append(_add_demo)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlstore", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")

@@ -9,8 +9,12 @@
 # same command later resumes where they stopped (--resume auto). --shutdown-timeout is how
 # long torchrun waits for that checkpoint before it kills the workers.
 set -euo pipefail
-: "${HEAD:?set HEAD to the first node's address}"
+: "${HEAD:?set HEAD to the address of the first node}"
 source "${OPENRC:-$HOME/openrc.sh}"   # OS_* (Keystone) or ST_* (tempauth) credentials
+
+# Nodes with several network interfaces: name the one the ranks should use, e.g.
+# export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0   (gloo carries the trainer's control messages)
+export OMP_NUM_THREADS=4
 
 torchrun \
     --nnodes 2 --nproc-per-node 8 \

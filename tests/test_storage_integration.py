@@ -444,14 +444,3 @@ def test_s3_delete_objects_carries_content_md5(swift_server, swift_container):
     store.client.delete_objects(Bucket=swift_container, Delete={"Objects": [{"Key": "multi/a"}, {"Key": "multi/b"}]})
     assert "Content-MD5" in seen
     assert [info.key for info in store.list()] == []
-
-
-def test_s3_page_size_above_the_cluster_listing_limit_is_a_config_error(swift_server, swift_container):
-    if swift_server.listing_limit > 1000:
-        pytest.skip("the server lists 1,000 names per request or more")
-    config = swift_store_config(swift_server)
-    config = dataclasses.replace(config, s3=dataclasses.replace(config.s3, list_page_size=1000))
-    started = time.monotonic()
-    with pytest.raises(ConfigError, match="DLSTORE_S3_LIST_PAGE_SIZE"):
-        list(open_store(f"s3://{swift_container}/p", config).list())
-    assert time.monotonic() - started < 5  # not retried as if it were transient

@@ -510,3 +510,46 @@ def test_fsspec_http_is_readable(tmp_path, http_root):
         store.get_bytes("absent.bin")
     with pytest.raises(DlstoreError):
         store.put("new.bin", b"read-only")
+
+
+# -- S3 error mapping, without a server (botocore's Stubber answers) ---------------------------------
+@pytest.fixture
+def stubbed_s3():
+    from botocore.stub import Stubber
+
+    config = StoreConfig(
+        retry=RetryConfig(max_attempts=3, initial_backoff_s=0.01, max_backoff_s=0.02, deadline_s=5),
+        s3=S3Config(endpoint_url="http://127.0.0.1:9", access_key_id="id", secret_access_key=Secret("secret")),
+    )
+    store = open_store("s3://bucket/p", config)
+    with Stubber(store.client) as stubber:
+        yield store, stubber
+
+
+def test_s3_errors_map_to_the_contract(stubbed_s3):
+    from dlstore.errors import AuthError, TransientError
+
+    store, stubber = stubbed_s3
+    stubber.add_client_error("head_object", "403", "Forbidden", 403)
+    with pytest.raises(AuthError):
+        store.stat("k")
+    for _ in range(3):  # every attempt of the policy, then the error
+        stubber.add_client_error("head_object", "SlowDown", "Reduce your request rate", 503)
+    with pytest.raises(TransientError, match="SlowDown"):
+        store.stat("k")
+    stubber.add_client_error("head_object", "InternalError", "oops", 500)
+    stubber.add_response("head_object", {"ContentLength": 7, "ETag": '"abc"'})
+    assert store.stat("k").size == 7  # a 5xx is retried
+    stubber.add_client_error("list_objects_v2", "NoSuchBucket", "no bucket", 404)
+    with pytest.raises(NotFound):
+        list(store.list())
+    stubber.assert_no_pending_responses()
+
+
+def test_s3_listing_limit_hint(stubbed_s3):
+    # Swift's s3api asks the cluster for MaxKeys + 1 names; a cluster whose
+    # container_listing_limit is lower answers 412, which s3api reports as InternalError.
+    store, stubber = stubbed_s3
+    stubber.add_client_error("list_objects_v2", "InternalError", "unexpected status code 412", 500)
+    with pytest.raises(ConfigError, match="DLSTORE_S3_LIST_PAGE_SIZE"):
+        list(store.list())

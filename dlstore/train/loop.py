@@ -218,6 +218,25 @@ def _set_determinism(deterministic: bool) -> None:
         torch.backends.cudnn.allow_tf32 = True
 
 
+# Settings whose change on resume makes the result differ from one uninterrupted run.
+_RESULT_SHAPING = (
+    "model",
+    "batch_size",
+    "image_size",
+    "resize_min",
+    "epochs",
+    "base_lr",
+    "momentum",
+    "weight_decay",
+    "label_smoothing",
+    "warmup_epochs",
+    "schedule",
+    "step_milestones",
+    "seed",
+    "amp",
+)
+
+
 class _Window:
     """Sums over the steps since the last log line, on the device (no host sync per step)."""
 
@@ -699,6 +718,14 @@ class Trainer:
     def _load_state(self, state: dict) -> None:
         if list(state["classes"]) != self.classes:
             raise ConfigError("the checkpoint was trained on other classes than this dataset's")
+        saved = state.get("config", {})
+        changed = sorted(k for k, v in self.cfg.to_dict().items() if k in _RESULT_SHAPING and saved.get(k) != v)
+        if changed and self.ctx.is_main:
+            # Allowed (e.g. more epochs), but the curves will not be those of one run.
+            log.warning(
+                "resuming with changed settings: %s",
+                ", ".join(f"{k} {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in changed),
+            )
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
