@@ -341,8 +341,9 @@ SUBCOMMANDS.append(_add_train)
 def _cmd_demo(args: argparse.Namespace) -> int:
     from dlstore.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(workdir=args.workdir or "", store_url=args.store or "", epochs=args.epochs,
-                        train=not args.no_train))
+    run_demo(
+        DemoConfig(workdir=args.workdir or "", store_url=args.store or "", epochs=args.epochs, train=not args.no_train)
+    )
     return 0
 
 

@@ -78,10 +78,20 @@ def _first(env: Mapping[str, str], *names: str) -> str | None:
 
 
 _SIZE_UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 
 
@@ -95,7 +105,7 @@ def parse_size(text: str | int) -> int:
         return text
     raw = text.strip().upper().replace(" ", "")
     number = raw.rstrip("KMGTIB")
-    unit = raw[len(number):]
+    unit = raw[len(number) :]
     if unit not in _SIZE_UNITS or not number:
         raise ConfigError(f"cannot read {text!r} as a size; use e.g. 500MB, 64MiB or 1048576")
     try:
@@ -167,7 +177,9 @@ class S3Config:
         try:
             list_page_size = int(env.get("DLSTORE_S3_LIST_PAGE_SIZE") or 1000)
         except ValueError:
-            raise ConfigError(f"DLSTORE_S3_LIST_PAGE_SIZE={env['DLSTORE_S3_LIST_PAGE_SIZE']!r} is not a number") from None
+            raise ConfigError(
+                f"DLSTORE_S3_LIST_PAGE_SIZE={env['DLSTORE_S3_LIST_PAGE_SIZE']!r} is not a number"
+            ) from None
         return cls(
             endpoint_url=_first(env, "DLSTORE_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
             region=_first(env, "AWS_REGION", "AWS_DEFAULT_REGION"),

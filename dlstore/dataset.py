@@ -109,7 +109,9 @@ class Dataset(torch.utils.data.Dataset):
         self.world = World(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
         self.shard_sizes = np.array([s.samples for s in self.manifest.shards], dtype=np.int64)
         self.cache = ShardCache(
-            CacheConfig(cache_dir=self.cfg.cache_dir, limit_bytes=self.cfg.cache_limit, prefetch=self.cfg.prefetch_shards),
+            CacheConfig(
+                cache_dir=self.cfg.cache_dir, limit_bytes=self.cfg.cache_limit, prefetch=self.cfg.prefetch_shards
+            ),
             self.store,
         )
         self.cache.check_fits(max((s.size for s in self.manifest.shards), default=0))
@@ -130,7 +132,11 @@ class Dataset(torch.utils.data.Dataset):
     def plan_config(self) -> PlanConfig:
         c = self.cfg
         return PlanConfig(
-            seed=c.seed, batch_size=c.batch_size, drop_last=c.drop_last, shuffle=c.shuffle, shuffle_window=c.shuffle_window
+            seed=c.seed,
+            batch_size=c.batch_size,
+            drop_last=c.drop_last,
+            shuffle=c.shuffle,
+            shuffle_window=c.shuffle_window,
         )
 
     def plan(self, epoch: int, history: tuple = ()) -> RankPlan:

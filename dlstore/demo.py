@@ -58,13 +58,20 @@ def run_demo(cfg: DemoConfig) -> dict:
     try:
         started = time.perf_counter()
         source = os.path.join(workdir, "source")
-        make_imagenet(source, num_classes=cfg.num_classes, train_per_class=cfg.train_per_class,
-                      val_per_class=cfg.val_per_class, image_size=cfg.image_px, val_layout="folders")
+        make_imagenet(
+            source,
+            num_classes=cfg.num_classes,
+            train_per_class=cfg.train_per_class,
+            val_per_class=cfg.val_per_class,
+            image_size=cfg.image_px,
+            val_layout="folders",
+        )
         _say(f"generated {cfg.num_classes * (cfg.train_per_class + cfg.val_per_class)} JPEGs in {source}")
 
         for split in ("train", "val"):
-            summary = convert("imagenet", source, f"{store_url}/{split}",
-                              ConvertOptions(split=split, samples_per_shard=48, seed=0))
+            summary = convert(
+                "imagenet", source, f"{store_url}/{split}", ConvertOptions(split=split, samples_per_shard=48, seed=0)
+            )
             report = verify_dataset(f"{store_url}/{split}", deep=True)
             if not report.ok:
                 raise RuntimeError(f"verify failed: {report.problems[:3]}")
@@ -101,9 +108,15 @@ def _loader_rate(cfg: DemoConfig, store_url: str, workdir: str) -> float:
     import dlstore
     from dlstore.config import WorldInfo
 
-    ds = dlstore.Dataset(f"{store_url}/train", cache_dir=os.path.join(workdir, "cache"), cache_limit="1GB",
-                         transform="train", image_size=cfg.image_size, batch_size=cfg.batch_size,
-                         world=WorldInfo())
+    ds = dlstore.Dataset(
+        f"{store_url}/train",
+        cache_dir=os.path.join(workdir, "cache"),
+        cache_limit="1GB",
+        transform="train",
+        image_size=cfg.image_size,
+        batch_size=cfg.batch_size,
+        world=WorldInfo(),
+    )
     loader = dlstore.Loader(ds, num_workers=cfg.workers, device="cpu")
     count, started = 0, time.perf_counter()
     for images, _ in loader:

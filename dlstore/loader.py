@@ -200,4 +200,3 @@ class Loader:
         if state.get("seed") != self.dataset.cfg.seed:
             raise ConfigError("loader state was saved with another seed; resuming would change the data order")
         self.state = EpochState.from_dict(state)
-

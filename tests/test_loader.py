@@ -20,13 +20,61 @@ from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from loader_support import run_rank, write_dataset
 
-UNEVEN = [3, 17, 8, 1, 12, 25, 5, 9, 14, 2, 20, 7, 11, 4, 16, 6, 10, 13, 3, 19,
-          8, 2, 15, 9, 5, 12, 18, 1, 7, 11, 6, 14, 9, 4, 22, 3, 10, 8, 13, 5]  # 40 shards, 410 samples
+UNEVEN = [
+    3,
+    17,
+    8,
+    1,
+    12,
+    25,
+    5,
+    9,
+    14,
+    2,
+    20,
+    7,
+    11,
+    4,
+    16,
+    6,
+    10,
+    13,
+    3,
+    19,
+    8,
+    2,
+    15,
+    9,
+    5,
+    12,
+    18,
+    1,
+    7,
+    11,
+    6,
+    14,
+    9,
+    4,
+    22,
+    3,
+    10,
+    8,
+    13,
+    5,
+]  # 40 shards, 410 samples
 
 
 def _dataset(url, tmp_path, **kw):
-    options = dict(cache_dir=str(tmp_path / "cache"), cache_limit="50MB", transform="eval", image_size=8,
-                   batch_size=4, seed=1, world=WorldInfo(0, 1, 1), return_keys=True)
+    options = dict(
+        cache_dir=str(tmp_path / "cache"),
+        cache_limit="50MB",
+        transform="eval",
+        image_size=8,
+        batch_size=4,
+        seed=1,
+        world=WorldInfo(0, 1, 1),
+        return_keys=True,
+    )
     options.update(kw)
     return dlstore.Dataset(url, **options)
 
@@ -186,8 +234,20 @@ def test_four_ranks_two_workers_from_swift_then_resume_on_two_ranks(swift_server
     total_bytes = Manifest.load(store).total_size
     limit = total_bytes // 4
     cache_dir = str(tmp_path / "cache")
-    spec = dict(url=url, env=env, cache_dir=cache_dir, cache_limit=limit, batch_size=4, seed=7, world_size=4,
-                local_world_size=4, workers=2, epochs=2, out=str(tmp_path), init=f"file://{tmp_path}/rdv1")
+    spec = dict(
+        url=url,
+        env=env,
+        cache_dir=cache_dir,
+        cache_limit=limit,
+        batch_size=4,
+        seed=7,
+        world_size=4,
+        local_world_size=4,
+        workers=2,
+        epochs=2,
+        out=str(tmp_path),
+        init=f"file://{tmp_path}/rdv1",
+    )
 
     with _CacheSampler(cache_dir) as sampler:
         records = _spawn(spec, 4)
@@ -209,14 +269,20 @@ def test_four_ranks_two_workers_from_swift_then_resume_on_two_ranks(swift_server
     assert totals.misses >= len(UNEVEN)
 
     # Stop after 5 steps of epoch 2 on 4 ranks, then resume on 2 ranks with 3 workers each.
-    spec.update(epochs=1, stop_after=5, init=f"file://{tmp_path}/rdv2", state={"version": 1, "seed": 7, "epoch": 2, "history": []})
+    spec.update(
+        epochs=1,
+        stop_after=5,
+        init=f"file://{tmp_path}/rdv2",
+        state={"version": 1, "seed": 7, "epoch": 2, "history": []},
+    )
     records = _spawn({**spec}, 4)
     states = [r["state"] for r in records]
     assert all(s == states[0] for s in states) and states[0]["epoch"] == 2
     first = [tuple(s) for r in records for batch in r["epochs"]["2"] for s in batch]
 
-    spec.update(world_size=2, local_world_size=2, workers=3, stop_after=None, state=states[0],
-                init=f"file://{tmp_path}/rdv3")
+    spec.update(
+        world_size=2, local_world_size=2, workers=3, stop_after=None, state=states[0], init=f"file://{tmp_path}/rdv3"
+    )
     records = _spawn(spec, 2)
     assert len({len(r["epochs"]["2"]) for r in records}) == 1
     rest = [tuple(s) for r in records for batch in r["epochs"]["2"] for s in batch]

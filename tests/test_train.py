@@ -182,7 +182,7 @@ def test_sigterm_mid_epoch_then_resume_auto_matches_uninterrupted_run(tmp_path):
 
     def args(run: str) -> list[str]:
         return [
-            *(f"{data}/train", "--val-url", f"{data}/val", "--model", "resnet18", "--epochs", "2"),
+            *(f"{data}/train", "--val-url", f"{data}/val", "--model", "mobilenet_v3_small", "--epochs", "2"),
             *("--batch-size", "8", "--workers", "1", "--log-every", "1", "--seed", "3", "--deterministic"),
             # Progressive resizing: epoch 0 at 32 px, epoch 1 at 40 px (the resume crosses it).
             *("--image-size", "40", "--resize-min", "32", "--resize-step", "8", "--resize-end-epoch", "1"),

@@ -178,8 +178,8 @@ def setup_distributed(
     `device`: "auto" (this rank's GPU when there is one, else CPU), "cuda" or "cpu".
     The backend follows the device: NCCL for CUDA, gloo for CPU.
 
-    >>> ctx = setup_distributed()            # doctest: +SKIP
-    >>> ctx.rank, ctx.world_size, ctx.device
+    >>> ctx = setup_distributed()                          # doctest: +SKIP
+    >>> ctx.rank, ctx.world_size, ctx.device               # doctest: +SKIP
     (0, 1, device(type='cuda', index=0))
     """
     launch = launch or LaunchEnv.from_env()

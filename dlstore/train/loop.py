@@ -468,11 +468,20 @@ class Trainer:
         self.train_model.train()
         bar = self._progress_bar(epoch, initial=self.steps_per_epoch - len(loader))
         batches = iter(loader)
+        first = True
         try:
             while not self._reached_max_steps():
                 started = time.perf_counter()
                 try:
-                    images, labels = next(batches)[:2]
+                    if first:
+                        # Starting the DataLoader draws its worker seed from torch's global
+                        # RNG. Keep that draw out of the training stream (dropout, stochastic
+                        # depth): a resumed run starts its loader at another point of it.
+                        with contextlib.nullcontext():
+                            images, labels = next(batches)[:2]
+                        first = False
+                    else:
+                        images, labels = next(batches)[:2]
                 except StopIteration:
                     break
                 fetched = time.perf_counter()
@@ -575,7 +584,8 @@ class Trainer:
         # later checkpoint) rank 0's on every rank, as the next training forward would.
         self.ctx.broadcast_tensors(list(self.module.buffers()))
         self.eval_model.eval()
-        with torch.no_grad(), self._autocast():
+        # fork_rng: evaluating (and starting its loader) leaves the training RNG stream as it was.
+        with contextlib.nullcontext(), torch.no_grad(), self._autocast():
             for images, labels, meta in loader:
                 logits = self.eval_model(images).float()
                 real = (~meta["padding"]).to(labels.device, torch.float64)
