@@ -966,8 +966,12 @@ def _init_pool_worker(context: _BuildContext, shared: tuple | None) -> None:
 def _shard_chunks(task: _ShardTask, context: _BuildContext, counters: _Counters, out: dict) -> Iterator[bytes]:
     """The shard's bytes, one sample at a time; `out` receives the index and the skipped inputs."""
     source, options = context.source, context.options
-    buffer = io.BytesIO()
-    writer = TarShardWriter(buffer)
+    parts: list[bytes] = []  # what the writer emitted since the last yield, without copying it
+
+    class Sink:
+        write = parts.append
+
+    writer = TarShardWriter(Sink)  # type: ignore[arg-type]
     skipped: list[SkippedInput] = []
     for position in task.positions:
         item = source.items[position]
@@ -982,15 +986,13 @@ def _shard_chunks(task: _ShardTask, context: _BuildContext, counters: _Counters,
         sample = {ext: data, "cls": str(item.label).encode()}
         if options.metadata:
             sample["json"] = _metadata(item, source.classes)
-        writer.write(sample_key(position), sample)
-        chunk = buffer.getvalue()
-        buffer.seek(0)
-        buffer.truncate()
-        counters.add(1, len(chunk))
-        yield chunk
+        span = writer.write(sample_key(position), sample)
+        counters.add(1, span.size)
+        yield from parts
+        parts.clear()
     out["index"] = writer.close(recipe=task.recipe)
     out["skipped"] = tuple(skipped)
-    yield buffer.getvalue()
+    yield from parts
 
 
 def _build_shard(task: _ShardTask) -> _Built:

@@ -22,7 +22,7 @@ from dlstore.config import StoreConfig, WorldInfo, parse_size
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, World, locate, rank_plan
-from dlstore.shards import read_shard_index, read_sample_from_file
+from dlstore.shards import read_sample_from_file, read_shard_index
 from dlstore.storage import open_store
 from dlstore.transforms import TransformConfig, sample_rng, transform_image
 

@@ -197,19 +197,27 @@ def _pax_record(key: str, value: str) -> bytes:
     return str(length).encode() + body
 
 
-def _header(name: bytes, size: int, typeflag: bytes) -> bytes:
+def _header_template() -> bytes:
     header = bytearray(BLOCK)
-    header[0 : len(name)] = name
     header[100:108] = _octal(0o444, 8)  # mode
     header[108:116] = _octal(0, 8)  # uid
     header[116:124] = _octal(0, 8)  # gid
-    header[124:136] = _octal(min(size, 8**11 - 1), 12)  # size (a pax record carries bigger ones)
-    header[136:148] = _octal(0, 12)  # mtime: fixed, so shards are reproducible
-    header[148:156] = b"        "
-    header[156:157] = typeflag
+    header[136:148] = _octal(0, 12)  # mtime: fixed, so that shards are reproducible
+    header[148:156] = b"        "  # the checksum counts its own field as spaces
     header[257:265] = b"ustar\x0000"
     header[329:337] = _octal(0, 8)  # devmajor
     header[337:345] = _octal(0, 8)  # devminor
+    return bytes(header)
+
+
+_TEMPLATE = _header_template()
+
+
+def _header(name: bytes, size: int, typeflag: bytes) -> bytes:
+    header = bytearray(_TEMPLATE)
+    header[0 : len(name)] = name
+    header[124:136] = _octal(min(size, 8**11 - 1), 12)  # size (a pax record carries bigger ones)
+    header[156:157] = typeflag
     header[148:156] = b"%06o\0 " % sum(header)
     return bytes(header)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as tmp
+from loader_support import run_rank, write_dataset
 
 import dlstore
 from dlstore.cache import cache_report
@@ -18,7 +19,6 @@ from dlstore.config import StoreConfig, WorldInfo
 from dlstore.errors import CorruptSample
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
-from loader_support import run_rank, write_dataset
 
 UNEVEN = [
     3,
