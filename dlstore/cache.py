@@ -24,11 +24,15 @@ Invariants (DESIGN.md, "Cache invariants") and how they hold:
   (creating its temp file, whose name carries the size) after evicting least recently used
   shards that no reader holds; if they cannot make room it waits, and raises `CacheFull`
   after `wait_timeout_s`. So the directory never exceeds the limit, not even by the shard
-  being fetched. A scan counts `tmp/` before `shards/`, so a download published mid-scan is
-  counted twice (safe), never zero times.
+  being fetched. Every scan holds the cache-wide lock, and a download moves from `tmp/` to
+  `shards/` only under that lock too, so a scan counts it exactly once: were the rename
+  free to land between a scan's pass over `tmp/` and its pass over `shards/`, the scan
+  would count the shard twice and a reservation or `cache_report` would see the directory
+  over the limit when it is not. A failed download gives up its temp file's lock before
+  unlinking it, so no scan misses bytes still allocated to an open, unlinked file.
 * **Atomic publish.** A shard is streamed into its temp file, hashed while written, its size
-  and checksum verified, fsynced, then `os.replace`d to its final name: a name under
-  `shards/` always holds a complete, verified file.
+  and checksum verified, fsynced, then `os.replace`d to its final name (under the cache-wide
+  lock, see above): a name under `shards/` always holds a complete, verified file.
 * **One download per node.** The downloader holds the shard's lock exclusively; other
   processes poll it (shared, non-blocking) and find the published file when it is released.
 * **Crash safety.** `flock`s die with their process. A temp file whose lock can be taken
@@ -40,8 +44,9 @@ Invariants (DESIGN.md, "Cache invariants") and how they hold:
   readers. Locks are released explicitly (`LOCK_UN`) because a forked child shares open file
   descriptions: closing alone would leave the lock held by the child's copy.
 
-Locking order: a thread holding the cache-wide lock only ever *tries* shard locks (never
-blocks on them), so shard holders may take the cache-wide lock without deadlock.
+Locking order: a thread holding the cache-wide lock only ever *tries* shard and temp-file
+locks (never blocks on them), so their holders may take the cache-wide lock without
+deadlock (a downloader does, to publish).
 
 The directory must be on a local file system: over NFS `flock` becomes a POSIX lock with
 per-process semantics and the in-process guarantees above no longer hold.
@@ -296,8 +301,9 @@ class _CacheDir:
 
     # -- under the cache-wide lock -----------------------------------------------------------------
     def scan(self) -> _Usage:
-        """Bytes on disk, removing temp files of dead processes. `tmp/` first: a download
-        published during the scan is then counted twice rather than missed."""
+        """Bytes on disk, removing temp files of dead processes. Exact because downloads
+        publish (move from `tmp/` to `shards/`) only under the cache-wide lock, which the
+        caller holds: a scan never sees a download in both places, nor in neither."""
         in_flight = in_flight_bytes = stale = 0
         for entry in os.scandir(self.tmp):
             if self._temp_owner_dead(entry.path):
@@ -759,7 +765,10 @@ class ShardCache:
         started = time.monotonic()
         try:
             self._write_verified(fd, spec, size)
-            os.replace(temp, path)
+            # Under the cache-wide lock: a scan (which holds it) must not see the bytes leave
+            # tmp/ after it counted them there and then find them again under shards/.
+            with self._dir.locked():
+                os.replace(temp, path)
             temp = None
         except OSError as exc:
             if exc.errno in _NO_SPACE_ERRNOS:
@@ -769,9 +778,12 @@ class ShardCache:
                 ) from exc
             raise
         finally:
+            # Unlock before unlinking: bytes still allocated to an open, unlinked file would
+            # be on disk yet counted by no scan; a scan that finds this file unlocked first
+            # removes it itself.
+            _release(fd)
             if temp is not None:
                 _unlink_quietly(temp)
-            _release(fd)
         log.info(
             "fetched shard %r (%d bytes, %.2fs)%s",
             spec.name,

@@ -115,8 +115,9 @@ class Dataset(torch.utils.data.Dataset):
             self.store,
         )
         self.cache.check_fits(max((s.size for s in self.manifest.shards), default=0))
-        self.image_field = next((f for f in IMAGE_FIELDS if f in self.manifest.fields), None)
-        if self.image_field is None:
+        # Datasets converted with --keep-format mix image types; each sample names its own.
+        self.image_fields = tuple(f for f in IMAGE_FIELDS if f in self.manifest.fields)
+        if not self.image_fields:
             raise ConfigError(f"{url}: the manifest lists no image field (fields: {list(self.manifest.fields)})")
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self._indexes: OrderedDict[str, Any] = OrderedDict()
@@ -196,9 +197,9 @@ class Dataset(torch.utils.data.Dataset):
         images, labels, keys, padding = [], [], [], []
         for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), raw):
             try:
-                data = sample.get(self.image_field)
+                data = next((sample[f] for f in self.image_fields if f in sample), None)
                 if data is None:
-                    raise CorruptSample(f"sample {sample.get('__key__')!r} has no {self.image_field!r} member")
+                    raise CorruptSample(f"sample {sample.get('__key__')!r} has no image member")
                 label = _label(sample)
                 rng = sample_rng(cfg.seed, request.epoch, sample_id)
                 images.append(transform_image(data, cfg.transform, rng))

@@ -42,6 +42,16 @@ class LoaderConfig:
     timeout_s: float = 0.0
 
 
+def _ignore_stop_signals(_worker_id: int) -> None:
+    """Workers leave SIGUSR1 (Slurm's pre-emption warning, `--signal=USR1@180`) to the
+    training process, which checkpoints and then stops them. SIGTERM keeps its default:
+    multiprocessing ends workers with it when the process exits, and a worker that ignored
+    it would hang that exit."""
+    import signal
+
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 class _PlanSampler(Sampler):
     """Yields this rank's batch requests for the current epoch, from a start batch."""
 
@@ -166,6 +176,9 @@ class Loader:
             prefetch_factor=self.cfg.prefetch_factor if workers > 0 else None,
             pin_memory=self.device.type == "cuda",
             timeout=self.cfg.timeout_s,
+            worker_init_fn=_ignore_stop_signals,
+            # Its own generator: starting workers must not draw from the training loop's RNG.
+            generator=torch.Generator().manual_seed(dataset.cfg.seed),
         )
 
     def set_epoch(self, epoch: int) -> None:

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlstore.cache import STATS_FILE_BYTES, CacheConfig, CacheFull, ShardCache, cache_report
+from dlstore.cache import STATS_FILE_BYTES, CacheConfig, CacheFull, ShardCache, _CacheDir, cache_report
 from dlstore.cli import main
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound
@@ -364,6 +364,94 @@ def test_processes_under_a_tight_limit(tmp_path, remote):
     totals = cache_report(tmp_path / "cache").totals
     assert totals.hits + totals.misses == 4 * 15
     assert totals.evictions > 0
+
+
+class GatedStore(RecordingStore):
+    """Downloads wait for `gate` before their first chunk (a thread, not a process, opens it)."""
+
+    def __init__(self, url: str, **kwargs):
+        super().__init__(url, **kwargs)
+        self.gate = threading.Event()
+
+    def _read(self, key, start, end):
+        assert self.gate.wait(10)
+        yield from super()._read(key, start, end)
+
+
+def test_a_download_published_during_a_scan_is_counted_once(tmp_path, monkeypatch):
+    """`cache_report` (and every reservation) scans tmp/ then shards/ under the cache-wide
+    lock; a download must not move from one to the other in between, or the scan counts it
+    twice and reports the cache over its limit."""
+    specs, contents = make_remote(tmp_path / "remote", [8000])
+    store = GatedStore(str(tmp_path / "remote"))
+    limit = STATS_FILE_BYTES + 12_000  # room for the shard once, not twice
+    cache_dir = tmp_path / "cache"
+    cache = ShardCache(config(tmp_path, limit), store)
+    cache.usage()  # create the directory
+    fetched = {}
+    downloader = threading.Thread(target=lambda: fetched.setdefault("path", cache.fetch(*specs[0])))
+    downloader.start()
+    wait_for(lambda: os.listdir(cache_dir / "tmp"))  # reserved; waiting at the gate
+
+    original = _CacheDir._temp_owner_dead
+
+    def slow_check(path):  # mid-scan: past tmp/, before shards/; the download finishes now
+        dead = original(path)
+        store.gate.set()
+        downloader.join(0.5)
+        return dead
+
+    monkeypatch.setattr(_CacheDir, "_temp_owner_dead", staticmethod(slow_check))
+    report = cache_report(cache_dir)
+    monkeypatch.undo()
+    downloader.join(10)
+    assert read(fetched["path"]) == contents[specs[0][0]]
+    assert report.bytes == STATS_FILE_BYTES + 8000 <= limit
+    assert report.in_flight + report.files == 1
+    assert cache_report(cache_dir).bytes == STATS_FILE_BYTES + 8000
+    cache.close()
+
+
+def _read_with_prefetch(cache, specs, seed, rounds):
+    rng = random.Random(seed)
+    order = [rng.choice(specs) for _ in range(rounds)]
+    cache.prefetch(order)  # the background thread downloads ahead, as in every rank's main process
+    for spec in order:
+        with cache.hold(*spec) as path:
+            assert os.path.getsize(path) == spec[1]
+            time.sleep(rng.random() * 0.002)
+    cache.close()
+
+
+def test_processes_with_prefetch_threads_never_report_more_than_the_limit(tmp_path, remote):
+    """Ranks and their prefetch threads downloading into one tight cache while a monitor polls
+    `cache_report` (the loader test's sampler): no report may exceed the limit."""
+    sizes = [random.Random(i).randint(1000, 6000) for i in range(24)]
+    store, specs, _ = remote(sizes, delay_s=0.0005)
+    limit = STATS_FILE_BYTES + 4 * max(sizes) + 2000
+    cache = ShardCache(config(tmp_path, limit, prefetch=2, wait_timeout_s=20), store)
+    cache.usage()  # create the directory before the monitor starts
+    children = [FORK.Process(target=_read_with_prefetch, args=(cache, specs, i, 25)) for i in range(4)]
+    reports, stop = [], threading.Event()
+
+    def monitor():
+        while not stop.is_set():
+            reports.append(cache_report(tmp_path / "cache").bytes)
+
+    thread = threading.Thread(target=monitor, daemon=True)
+    thread.start()
+    try:
+        for child in children:
+            child.start()
+        for child in children:
+            child.join(60)
+    finally:
+        stop.set()
+        thread.join()
+    assert [c.exitcode for c in children] == [0] * 4
+    assert reports and max(reports) <= limit, f"{max(reports) - limit} bytes over the limit"
+    totals = cache_report(tmp_path / "cache").totals
+    assert totals.evictions > 0 and totals.misses > len(specs)
 
 
 # -- invariant 3: crashes ---------------------------------------------------------------------------

@@ -8,7 +8,8 @@ Measures, on one machine and one disk:
    worker, and how the rate scales from 1 to N worker processes.
 
 Both sides read the source from page cache (it is read once before timing) and write into
-the same directory; each timing ends with `os.sync()` so that written bytes count, and
+the same directory; each timing ends with an fsync of every file written, so that written
+bytes count, and
 the best of `--repeat` runs is kept (the machine is shared; the best run is the least
 disturbed one).
 
@@ -26,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -45,10 +47,28 @@ def _read_all(root: Path) -> int:
     return total
 
 
-def _timed(fn) -> float:
-    started = time.perf_counter()
+def _fsync_tree(root: Path) -> None:
+    """Flush what a run wrote (and only that: `os.sync()` would also flush other jobs' writes)."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its finished children (tar, pool workers)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _timed(fn, out: Path, cpu: dict, name) -> float:
+    started, cpu_started = time.perf_counter(), _cpu_seconds()
     fn()
-    os.sync()
+    _fsync_tree(out)
+    cpu[name] = min(cpu.get(name, float("inf")), _cpu_seconds() - cpu_started)
     return time.perf_counter() - started
 
 
@@ -63,7 +83,8 @@ def _spin(seconds: float) -> float:
 
 def _parallel_capacity(workers: int) -> float:
     """How much faster `workers` processes compute than one, right now: 2.0 on two idle cores,
-    less when other jobs share the machine. Conversion scaling is judged against this."""
+    less when other jobs share the machine. Conversion scaling is judged against this
+    (roughly: the load changes from second to second)."""
     import multiprocessing
 
     one = _spin(0.5)
@@ -146,14 +167,21 @@ def main(argv: list[str] | None = None) -> int:
         # in the machine's load hits every configuration alike; the best of each is kept.
         plain_runs = {"tar": tar_cf} | {n: converter(o) for n, o in plain.items()}
         best: dict = {}
+        cpu: dict = {}
         for _ in range(args.repeat):
             for name, fn in plain_runs.items():
                 clean()
-                best[name] = min(best.get(name, float("inf")), _timed(fn))
+                best[name] = min(best.get(name, float("inf")), _timed(fn, out, cpu, name))
         tar_s = best["tar"]
-        results["tar_cf"] = {"seconds": tar_s, "images_per_s": count / tar_s, "mb_per_s": source_bytes / tar_s / 1e6}
+        results["tar_cf"] = {
+            "seconds": tar_s,
+            "images_per_s": count / tar_s,
+            "mb_per_s": source_bytes / tar_s / 1e6,
+            "cpu_us_per_image": cpu["tar"] / count * 1e6,
+        }
         print(
             f"tar cf:                              {count / tar_s:6.0f} img/s  {source_bytes / tar_s / 1e6:6.1f} MB/s"
+            f"  {cpu['tar'] / count * 1e6:5.0f} us CPU/img"
         )
         results["convert"] = []
         for n in workers:
@@ -164,22 +192,28 @@ def main(argv: list[str] | None = None) -> int:
                 "seconds": seconds,
                 "images_per_s": count / seconds,
                 "vs_tar_cf": tar_s / seconds,
+                "cpu_us_per_image": cpu[n] / count * 1e6,
             }
             results["convert"].append(row)
             print(
                 f"convert, no resize, {n} worker(s):     {count / seconds:6.0f} img/s  {source_bytes / seconds / 1e6:6.1f} MB/s"
-                f"  = {tar_s / seconds:.2f} x tar cf"
+                f"  {cpu[n] / count * 1e6:5.0f} us CPU/img  = {tar_s / seconds:.2f} x tar cf"
             )
 
         resized_best: dict = {}
+        capacities: dict = {1: 1.0}
         for _ in range(max(1, args.repeat - 1)):
             for n, options in resized.items():
+                if n > 1:  # measured next to the run it judges, the best seen kept
+                    capacities[n] = max(capacities.get(n, 0.0), _parallel_capacity(n))
                 clean()
-                resized_best[n] = min(resized_best.get(n, float("inf")), _timed(converter(options)))
+                resized_best[n] = min(
+                    resized_best.get(n, float("inf")), _timed(converter(options), out, cpu, ("resize", n))
+                )
         single = count / resized_best[workers[0]] / workers[0]  # images/s of one worker
         for n in workers:
             rate = count / resized_best[n]
-            capacity = _parallel_capacity(n) if n > 1 else 1.0
+            capacity = capacities[n]
             row = {
                 "workers": n,
                 "resize": args.resize_max_side,
@@ -189,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                 "speedup": rate / single,
                 "machine_capacity": capacity,
                 "scaling_efficiency": rate / single / capacity,
+                "cpu_us_per_image": cpu[("resize", n)] / count * 1e6,
             }
             results["convert"].append(row)
             print(

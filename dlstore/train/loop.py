@@ -477,7 +477,7 @@ class Trainer:
                         # Starting the DataLoader draws its worker seed from torch's global
                         # RNG. Keep that draw out of the training stream (dropout, stochastic
                         # depth): a resumed run starts its loader at another point of it.
-                        with contextlib.nullcontext():
+                        with torch.random.fork_rng(devices=[]):
                             images, labels = next(batches)[:2]
                         first = False
                     else:
@@ -585,7 +585,7 @@ class Trainer:
         self.ctx.broadcast_tensors(list(self.module.buffers()))
         self.eval_model.eval()
         # fork_rng: evaluating (and starting its loader) leaves the training RNG stream as it was.
-        with contextlib.nullcontext(), torch.no_grad(), self._autocast():
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), self._autocast():
             for images, labels, meta in loader:
                 logits = self.eval_model(images).float()
                 real = (~meta["padding"]).to(labels.device, torch.float64)
@@ -709,6 +709,12 @@ class Trainer:
         """Load the checkpoint `cfg.resume` names; returns its metrics, or None for a fresh start."""
         cfg = self.cfg
         if cfg.resume == "none":
+            if self.ckpts is not None and self.ctx.is_main and self.ckpts.keys():
+                log.warning(
+                    "%s already holds checkpoints; this fresh run will write beside them and move 'latest' "
+                    "(use --resume auto to continue, or another --checkpoint-url)",
+                    cfg.checkpoint_url,
+                )
             return None
         if cfg.resume == "auto":
             # Rank 0 chooses, so a checkpoint published meanwhile cannot split the ranks.

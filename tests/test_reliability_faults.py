@@ -1,0 +1,296 @@
+"""Reliability under injected faults, against the real Swift server (issue 6, cases 1 and 2).
+
+* Every fault of `fault_proxy.FaultProxy`, once, on each API: the read returns exactly the
+  object's bytes, with one extra request (a ranged one from the next byte after a cut body).
+* Case 1: 10% of GETs faulted in every way during 2 epochs on 2 gloo ranks: the keys each
+  rank delivers are exactly those of a fault-free run.
+* Case 2: the Swift server (a dedicated instance, not the session's) stopped mid-epoch and
+  started again: the loader waits within its retry deadline and loses nothing; kept down
+  past the deadline, it stops with a `TransientError`, not a hang.
+
+Times are never asserted except as generous upper bounds that prove "no hang"; the
+measured detection times are printed (run with `-s` to see them).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import swiftclient
+import torch.multiprocessing as tmp
+from fault_proxy import ALL_FAULTS, FaultProxy
+from loader_support import run_rank, write_dataset
+
+import dlstore
+from dlstore.config import RetryConfig, StoreConfig, WorldInfo
+from dlstore.errors import TransientError
+from dlstore.storage import open_store
+
+pytestmark = pytest.mark.swift
+
+REPO = Path(__file__).resolve().parents[1]
+SWIFT_SERVER = REPO / "tools" / "swift_server.py"
+# Short timeouts and backoff: a stall is noticed after READ_TIMEOUT_S, a retry waits ~0.05 s.
+READ_TIMEOUT_S = 1.0
+STALL_S = 2.5
+FAST_RETRY = RetryConfig(
+    max_attempts=10, initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=60, read_timeout_s=READ_TIMEOUT_S
+)
+
+
+def report(case: str, **fields: object) -> None:
+    """One line for the closing table (visible with `pytest -s`)."""
+    print(f"\nRELIABILITY {case}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+
+
+def server_port(server) -> int:
+    return urlsplit(server.storage_url).port
+
+
+def proxied_env(server, proxy: FaultProxy, api: str) -> dict[str, str]:
+    """Credentials that reach the server only through `proxy` (tempauth then hands out the
+    proxy's own storage URL, since it follows the Host header)."""
+    if api == "swift":
+        return {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": server.user, "ST_KEY": server.key}
+    return {**server.s3_env(), "AWS_ENDPOINT_URL": proxy.url}
+
+
+def retry_env(policy: RetryConfig) -> dict[str, str]:
+    return {
+        "DLSTORE_RETRY_ATTEMPTS": str(policy.max_attempts),
+        "DLSTORE_RETRY_DEADLINE": str(policy.deadline_s),
+        "DLSTORE_RETRY_BACKOFF": str(policy.initial_backoff_s),
+        "DLSTORE_READ_TIMEOUT": str(policy.read_timeout_s),
+    }
+
+
+def config_for(env: dict[str, str], retry: RetryConfig = FAST_RETRY) -> StoreConfig:
+    return dataclasses.replace(StoreConfig.from_env(env), retry=retry)
+
+
+# -- every fault, once, on both APIs --------------------------------------------------------------
+OBJECT = bytes(range(256)) * 1200  # 300 KiB: several chunks, so a cut lands mid-body
+
+
+@pytest.mark.parametrize("kind", ALL_FAULTS)
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_each_fault_is_retried_and_the_bytes_are_exact(swift_server, swift_container, api, kind):
+    with FaultProxy(server_port(swift_server), stall_s=STALL_S) as proxy:
+        env = proxied_env(swift_server, proxy, api)
+        store = open_store(f"{api}://{swift_container}/matrix", config_for(env))
+        store.put("obj", OBJECT)
+        assert store.get_bytes("obj") == OBJECT  # authenticated, connection warm
+        before = proxy.count("GET", r"/obj$")
+        proxy.add_rule(kind, method="GET", path=r"/matrix/obj(\?|$)")
+        started = time.monotonic()
+        assert store.get_bytes("obj") == OBJECT
+        took = time.monotonic() - started
+        assert proxy.injected_kinds() == {kind: 1}
+        # One faulted GET and one more: the whole object again, or the rest from the next byte.
+        assert proxy.count("GET", r"/obj$") - before == 2
+        assert store.get_range("obj", 1000, 5000) == OBJECT[1000:6000]
+        assert took < 30  # no hang (a stall is given up after the read timeout)
+    report(f"fault {kind} ({api})", detected_and_recovered_s=f"{took:.2f}")
+
+
+# -- case 1: 10% of GETs faulted during 2 epochs on 2 gloo ranks ----------------------------------
+# 72 samples in 30 small shards, and a cache of 3 of them: about 150 GETs in the run.
+SHARDS = [2, 3, 1, 4, 2, 3, 2, 1, 3, 2, 4, 2, 3, 1, 2, 3, 2, 4, 1, 3, 2, 2, 3, 1, 4, 2, 3, 2, 1, 3]
+
+
+def _fault_free_run(url: str, env: dict[str, str], world: int, cache_dir: str, spec: dict) -> list[dict]:
+    """What each rank delivers without faults, read in this process straight from the server."""
+    records = []
+    for rank in range(world):
+        ds = dlstore.Dataset(
+            url,
+            cache_dir=cache_dir,
+            cache_limit=spec["cache_limit"],
+            transform="eval",
+            image_size=8,
+            batch_size=spec["batch_size"],
+            seed=spec["seed"],
+            world=WorldInfo(rank, world, world),
+            store_config=config_for(env),
+            return_keys=True,
+        )
+        loader = dlstore.Loader(ds, num_workers=0, device="cpu")
+        epochs = {}
+        for epoch in range(spec["epochs"]):
+            loader.set_epoch(epoch)
+            epochs[str(epoch)] = [
+                [[k, bool(p)] for k, p in zip(meta["keys"], meta["padding"].tolist())] for _, _, meta in loader
+            ]
+        records.append(epochs)
+    return records
+
+
+def _spawn(spec: dict, nprocs: int) -> list[dict]:
+    tmp.start_processes(run_rank, args=(spec,), nprocs=nprocs, start_method="spawn")
+    records = []
+    for rank in range(nprocs):
+        with open(f"{spec['out']}/rank-{rank}.json") as file:
+            records.append(json.load(file))
+    return records
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_ten_percent_of_gets_faulted_two_ranks_two_epochs(swift_server, swift_container, tmp_path, api):
+    direct = swift_server.swift_env() if api == "swift" else swift_server.s3_env()
+    url = f"{api}://{swift_container}/faulty"
+    store = open_store(url, config_for(direct))
+    keys = write_dataset(store, SHARDS)
+    shard_bytes = max(info.size for info in store.list() if info.key.endswith(".tar"))
+    spec = dict(
+        url=url,
+        cache_limit=3 * shard_bytes + 4096,  # a tenth of the data: shards are fetched again and again
+        batch_size=4,
+        seed=11,
+        world_size=2,
+        local_world_size=2,
+        workers=1,
+        epochs=2,
+        out=str(tmp_path),
+    )
+    expected = _fault_free_run(url, direct, 2, str(tmp_path / "cache-reference"), spec)
+
+    with FaultProxy(server_port(swift_server), seed=46, stall_s=STALL_S) as proxy:
+        proxy.set_rate(0.1, kinds=ALL_FAULTS, method="GET", cycle=True)
+        env = {**proxied_env(swift_server, proxy, api), **retry_env(FAST_RETRY)}
+        spec.update(env=env, cache_dir=str(tmp_path / "cache"), init=f"file://{tmp_path}/rdv")
+        started = time.monotonic()
+        records = _spawn(spec, 2)
+        took = time.monotonic() - started
+        injected = proxy.injected_kinds()
+        gets = proxy.count("GET")
+
+    for rank, record in enumerate(records):
+        assert record["epochs"] == expected[rank], f"rank {rank} delivered other samples than the fault-free run"
+    for epoch in ("0", "1"):
+        delivered = collections.Counter(
+            k for r in records for batch in r["epochs"][epoch] for k, padding in batch if not padding
+        )
+        assert sorted(delivered) == sorted(keys) and set(delivered.values()) == {1}
+    # Seeded draws: the same requests are faulted on every run, and they show every kind.
+    assert set(injected) == set(ALL_FAULTS), injected
+    report(f"case 1 ({api})", gets=gets, faults=dict(injected), run_s=f"{took:.1f}", lost=0, repeated=0)
+
+
+# -- case 2: the Swift server stopped mid-epoch, then started again -------------------------------
+def _swift_tool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(SWIFT_SERVER), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _read_env(path: Path) -> dict[str, str]:
+    import shlex
+
+    env = {}
+    for line in path.read_text().splitlines():
+        words = shlex.split(line)
+        if words and words[0] == "export":
+            name, _, value = words[1].partition("=")
+            env[name] = value
+    return env
+
+
+@pytest.fixture
+def own_swift_server():
+    """A second Swift server in its own data dir, so stopping it leaves the session's alone.
+    Yields (start, stop, env); `start()` brings it back on the same proxy port."""
+    data_dir = Path(tempfile.mkdtemp(prefix="dlstore-outage-"))
+    started = _swift_tool("start", "--data-dir", str(data_dir), "--stop-with-pid", str(os.getpid()))
+    if started.returncode != 0:
+        pytest.fail(f"could not start a second Swift server:\n{started.stderr[-3000:]}")
+    env = _read_env(data_dir / "env.sh")
+    port = str(urlsplit(env["ST_AUTH"]).port)
+
+    def start() -> float:
+        t0 = time.monotonic()
+        again = _swift_tool("start", "--data-dir", str(data_dir), "--port", port, "--stop-with-pid", str(os.getpid()))
+        assert again.returncode == 0, again.stderr[-3000:]
+        return time.monotonic() - t0
+
+    def stop() -> None:
+        stopped = _swift_tool("stop", "--data-dir", str(data_dir))
+        assert stopped.returncode == 0, stopped.stderr[-3000:]
+
+    try:
+        yield start, stop, env
+    finally:
+        _swift_tool("stop", "--data-dir", str(data_dir))
+        subprocess.run(["rm", "-rf", str(data_dir)], check=False)
+
+
+OUTAGE_S = 10.0
+
+
+@pytest.mark.slow
+def test_swift_stopped_mid_epoch_then_restarted(own_swift_server, tmp_path):
+    start, stop, env = own_swift_server
+    swift_env = {k: env[k] for k in ("ST_AUTH", "ST_USER", "ST_KEY")}
+    # The default attempt count: the deadline, not a number of tries, decides how long to wait.
+    patient = RetryConfig(initial_backoff_s=0.05, max_backoff_s=1.0, deadline_s=60, read_timeout_s=5)
+    config = config_for(swift_env, patient)
+    swiftclient.Connection(authurl=env["ST_AUTH"], user=env["ST_USER"], key=env["ST_KEY"]).put_container("outage")
+    url = "swift://outage/data"
+    keys = write_dataset(open_store(url, config), [5] * 10)
+
+    def dataset(cache: str, retry: RetryConfig) -> dlstore.Dataset:
+        return dlstore.Dataset(
+            url,
+            cache_dir=str(tmp_path / cache),
+            cache_limit="60KB",  # about 3 shards: the rest are fetched as the epoch goes
+            transform="eval",
+            image_size=8,
+            batch_size=5,
+            seed=2,
+            world=WorldInfo(0, 1, 1),
+            store_config=config_for(swift_env, retry),
+            return_keys=True,
+            prefetch_shards=1,
+            shuffle_window=1,
+        )
+
+    # Within the deadline: stopped after the third batch for OUTAGE_S, then started again.
+    loader = dlstore.Loader(dataset("cache-a", patient), num_workers=1, device="cpu")
+    delivered: list[str] = []
+    outage: dict[str, float] = {}
+    for step, (_, _, meta) in enumerate(loader):
+        delivered += [k for k, p in zip(meta["keys"], meta["padding"].tolist()) if not p]
+        if step == 2:
+            stop()
+            outage["stopped"] = time.monotonic()
+            timer = threading.Timer(OUTAGE_S, lambda: outage.setdefault("restart_s", start()))
+            timer.start()
+    timer.join()
+    waited = time.monotonic() - outage["stopped"]
+    assert sorted(delivered) == sorted(keys) and len(delivered) == len(keys)
+    assert waited >= OUTAGE_S  # the loader did wait for the server
+    report("case 2 (within deadline)", outage_s=OUTAGE_S, restart_s=f"{outage['restart_s']:.1f}", lost=0, repeated=0)
+
+    # Past the deadline: a clear TransientError, not a hang.
+    short = RetryConfig(initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=4, read_timeout_s=2)
+    loader = dlstore.Loader(dataset("cache-b", short), num_workers=1, device="cpu")  # manifest read while up
+    stop()
+    started = time.monotonic()
+    with pytest.raises(TransientError) as caught:
+        for _ in loader:
+            pass
+    detected = time.monotonic() - started
+    assert detected < 60  # the deadline is 4 s; the worker and the prefetch thread may each spend it
+    assert "outage" in str(caught.value) or "swift://" in str(caught.value)
+    report("case 2 (past deadline)", deadline_s=short.deadline_s, detected_s=f"{detected:.1f}")
