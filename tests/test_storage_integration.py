@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import pytest
+from swiftclient.exceptions import ClientException
 
 from dlstore.cli import main as cli_main
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
@@ -63,7 +64,16 @@ def listing_container(swift_server) -> str:
         # one per PUT would authenticate every time.
         if not hasattr(local, "conn"):
             local.conn = swift_server.swift_connection(retries=5)
-        local.conn.put_object(LISTING_CONTAINER, f"{LISTING_PREFIX}/{i}.bin", b"x" * _listing_size(i))
+        # swiftclient cannot rewind a bytes body after a failed attempt ("no ability to reset
+        # contents"), so a busy server's 503 or a reset is retried here, with fresh bytes.
+        for attempt in range(6):
+            try:
+                local.conn.put_object(LISTING_CONTAINER, f"{LISTING_PREFIX}/{i}.bin", b"x" * _listing_size(i))
+                return
+            except ClientException:
+                if attempt == 5:
+                    raise
+                time.sleep(0.2 * 2**attempt)
 
     started = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
