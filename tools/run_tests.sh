@@ -1,13 +1,36 @@
 #!/usr/bin/env bash
 # Start the local Swift server (Swift API + S3 API), run the whole test suite, stop the server.
+# Then, unless DLSTORE_COMPAT_PASS=0, run the storage and conversion tests once more against
+# Debian's older Swift 2.30 (what many testbeds run; its s3api differs: see README).
 #   bash tools/run_tests.sh [pytest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-data_dir=$(mktemp -d -t dlstore-swift-XXXXXX)
-cleanup() { "$PYTHON" tools/swift_server.py stop --data-dir "$data_dir" >/dev/null 2>&1 || true; rm -rf "$data_dir"; }
+data_dirs=()
+cleanup() {
+    for d in "${data_dirs[@]}"; do
+        "$PYTHON" tools/swift_server.py stop --data-dir "$d" >/dev/null 2>&1 || true
+        rm -rf "$d"
+    done
+}
 trap cleanup EXIT
-"$PYTHON" tools/swift_server.py start --data-dir "$data_dir" --listing-limit 100 >/dev/null
-export DLSTORE_SWIFT_ENV="$data_dir/env.sh"
+
+start_swift() {  # flavor -> sets env_file (not in a $(...) subshell: data_dirs must reach the trap)
+    local d
+    d=$(mktemp -d -t dlstore-swift-XXXXXX)
+    data_dirs+=("$d")
+    "$PYTHON" tools/swift_server.py start --flavor "$1" --data-dir "$d" --listing-limit 100 >/dev/null
+    env_file="$d/env.sh"
+}
+
 "$PYTHON" -m ruff check dlstore tests tools
-"$PYTHON" -m pytest "$@"
+
+start_swift "${DLSTORE_SWIFT_FLAVOR:-pypi}"
+DLSTORE_SWIFT_ENV=$env_file "$PYTHON" -m pytest "$@"
+
+if [[ "${DLSTORE_COMPAT_PASS:-1}" != "0" && "${DLSTORE_SWIFT_FLAVOR:-pypi}" != "debian" ]]; then
+    echo "== storage and conversion tests against Debian's Swift 2.30"
+    start_swift debian
+    DLSTORE_SWIFT_ENV=$env_file "$PYTHON" -m pytest -q -m "not slow" \
+        tests/test_store_contract.py tests/test_storage_integration.py tests/test_convert.py tests/test_swift_server.py
+fi

@@ -18,4 +18,5 @@ fi
 if [[ "${1:-}" == "--test" ]]; then
     "$PYTHON" -m pip install --quiet -e ".[train,fast,test]"
     "$PYTHON" tools/swift_server.py install
+    "$PYTHON" tools/swift_server.py install --flavor debian
 fi
