@@ -650,6 +650,8 @@ class ShardCache:
             rt.last_flush = time.monotonic()
         if pending.is_zero():
             return
+        if not os.path.isdir(self._dir.root):  # the cache was removed (a temporary one): nothing to record
+            return
         try:
             with self._dir.locked():
                 self._dir.add_stats(pending)
