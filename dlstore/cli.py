@@ -359,6 +359,79 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
 SUBCOMMANDS.append(_add_demo)
 
 
+# -- bench ---------------------------------------------------------------------------------
+def _cmd_bench(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from dlstore.bench import BenchConfig, format_report, parse_int_list, plot_report, run_bench, size_or_auto
+    from dlstore.config import StoreConfig
+
+    changes: dict = {"store_config": StoreConfig.from_env()}
+    for name, parse in (("batch_sizes", parse_int_list), ("workers", parse_int_list), ("procs", parse_int_list)):
+        if getattr(args, name) is not None:
+            changes[name] = parse(getattr(args, name))
+    for name in ("image_size", "transform", "batches", "stage_batches", "model", "device", "amp", "demand_steps"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.cache_limit is not None:
+        changes["cache_limit"] = size_or_auto(args.cache_limit)
+    changes.update(
+        channels_last=not args.no_channels_last,
+        compile=args.compile,
+        demand=not args.no_demand,
+        cache_dir=args.cache_dir or "",
+    )
+    config = BenchConfig.quick(args.url) if args.quick else BenchConfig(args.url)
+    config = dataclasses.replace(config, **changes)
+    if not args.quiet:
+        logging.getLogger("dlstore.bench").setLevel(logging.INFO)  # what is being measured, as it goes
+    report = run_bench(config)
+    print(format_report(report))
+    if args.json:
+        report.write_json(args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="can the data path feed the GPU? loader img/s (cold/warm, by stage) vs the model's training rate",
+        description="Loader img/s and MB/s from a cold and a warm cache with the time split by stage, the "
+        "model's training-step rate on synthetic data, and the verdict: delivered / demanded, the data stall "
+        "to expect, and what would help. Example: dlstore bench swift://imagenet/train --batch-sizes 128,256 "
+        "--workers 4,8 --json bench.json --plot bench.png",
+    )
+    p.add_argument("url", help="dataset URL (where index.json is)")
+    p.add_argument("--quick", action="store_true", help="a few seconds: batch 32, 64 px, resnet18, 6 batches per pass")
+    p.add_argument("--batch-sizes", metavar="N,N", help="batch sizes to sweep (default 256; --quick 32)")
+    p.add_argument("--workers", metavar="N,N", help="worker counts to sweep (default: one per core)")
+    p.add_argument("--procs", metavar="N,N", help="process counts for a scaling table, e.g. 1,2,4 (default: none)")
+    p.add_argument("--image-size", type=int, help="training resolution (default 224; --quick 64)")
+    p.add_argument("--transform", choices=["train", "eval"], help="augmentation preset (default train)")
+    p.add_argument("--batches", type=int, help="batches per timed loader pass (default 20; --quick 4)")
+    p.add_argument("--stage-batches", type=int, help="batches of the per-stage timing pass (default 2)")
+    p.add_argument("--model", help="torchvision model for the demand side (default resnet50; --quick resnet18)")
+    p.add_argument("--device", help="auto (default), cuda, cuda:N or cpu")
+    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], help="precision (default auto: bf16 on GPUs)")
+    p.add_argument("--no-channels-last", action="store_true", help="NCHW-contiguous model and images")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model for the demand side")
+    p.add_argument("--demand-steps", type=int, help="timed training steps (default 20 on a GPU, 3 on a CPU)")
+    p.add_argument("--no-demand", action="store_true", help="measure the loader only")
+    p.add_argument("--cache-dir", help="where the bench's temporary cache goes (default: the system temp dir)")
+    p.add_argument("--cache-limit", help="its size limit (default: enough for the dataset)")
+    p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="plot img/s vs workers/batch size with the demand line")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    p.set_defaults(func=_cmd_bench)
+
+
+SUBCOMMANDS.append(_add_bench)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlstore", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")

@@ -116,9 +116,16 @@ def parse_size(text: str | int) -> int:
 
 @dataclass(frozen=True)
 class RetryConfig:
-    """Retry policy for transient storage failures: jittered exponential backoff with a deadline."""
+    """Retry policy for transient storage failures: jittered exponential backoff with a deadline.
 
-    max_attempts: int = 8
+    The deadline is what ends retrying: a server restart or a network blip shorter than
+    `deadline_s` is ridden out. `max_attempts` only caps a loop of fast failures; its default
+    is high enough that, with the default backoff (on average half of `max_backoff_s` per
+    wait once it has grown), the deadline comes first. (With 8 attempts the waits added up
+    to about 16 s, so a 20 s outage failed a run long before its 120 s deadline.)
+    """
+
+    max_attempts: int = 100
     initial_backoff_s: float = 0.2
     max_backoff_s: float = 10.0
     deadline_s: float = 120.0

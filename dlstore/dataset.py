@@ -19,7 +19,7 @@ import torch
 
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import StoreConfig, WorldInfo, parse_size
-from dlstore.errors import ConfigError, CorruptSample
+from dlstore.errors import ConfigError, CorruptSample, CorruptShard
 from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, World, locate, rank_plan
 from dlstore.shards import read_sample_from_file, read_shard_index
@@ -121,11 +121,14 @@ class Dataset(torch.utils.data.Dataset):
             raise ConfigError(f"{url}: the manifest lists no image field (fields: {list(self.manifest.fields)})")
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self._indexes: OrderedDict[str, Any] = OrderedDict()
+        # Shards whose cached copy this process has checked against the manifest's checksum
+        # after a read failed (see `_recheck`): a second failure is the shard's own.
+        self._rechecked: set[str] = set()
         self.corrupt_samples = 0
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_plans"], state["_indexes"] = OrderedDict(), OrderedDict()
+        state["_plans"], state["_indexes"], state["_rechecked"] = OrderedDict(), OrderedDict(), set()
         return state
 
     # -- the plan (main process) --------------------------------------------------------
@@ -183,13 +186,63 @@ class Dataset(torch.utils.data.Dataset):
         shards, offsets = locate(ids, self.shard_sizes)
         samples: list[dict | None] = [None] * len(ids)
         for shard in np.unique(shards).tolist():
-            name, size, checksum = self._shard_ref(shard)
-            with self.cache.hold(name, size, checksum) as path:
+            positions = np.flatnonzero(shards == shard).tolist()
+            error = self._read_from_shard(shard, positions, offsets, samples)
+            if error is not None and self._recheck(shard):
+                error = self._read_from_shard(shard, positions, offsets, samples)
+            if error is not None:
+                name = self.manifest.shards[shard].name
+                raise CorruptShard(f"shard {name!r} of {self.store.url}: {error}") from None
+        return samples  # type: ignore[return-value]
+
+    def _read_from_shard(
+        self, shard: int, positions: list[int], offsets: np.ndarray, samples: list[dict | None]
+    ) -> CorruptShard | None:
+        """Read the samples at `positions` from the cached `shard` into `samples`; the tar
+        reader's error if the cached file is malformed (errors of the cache itself propagate)."""
+        name, size, checksum = self._shard_ref(shard)
+        with self.cache.hold(name, size, checksum) as path:
+            try:
                 index = self._index(shard, path)
                 with open(path, "rb") as file:
-                    for position in np.flatnonzero(shards == shard).tolist():
+                    for position in positions:
                         samples[position] = read_sample_from_file(file, index[int(offsets[position])])
-        return samples  # type: ignore[return-value]
+            except CorruptShard as exc:
+                return exc
+        return None
+
+    def _recheck(self, shard: int) -> bool:
+        """After a read of `shard` failed: check its cached copy against the manifest's checksum,
+        which replaces a damaged copy (a bad disk, a stray write after it was verified) with a
+        fresh download. Once per shard and process, outside any hold (a hold of our own would
+        keep the cache from replacing the file); False when done already, or impossible.
+
+        The check costs a hash of the shard, so it runs only after a failure, never per read."""
+        name, size, checksum = self._shard_ref(shard)
+        if checksum is None or name in self._rechecked:
+            return False
+        self._rechecked.add(name)
+        self._indexes.pop(name, None)  # built from the damaged file, maybe
+        self.cache.fetch(name, size, checksum, recheck=True)
+        return True
+
+    def _decode(self, sample: dict, epoch: int, sample_id: int) -> tuple[np.ndarray, int]:
+        data = next((sample[f] for f in self.image_fields if f in sample), None)
+        if data is None:
+            raise CorruptSample(f"sample {sample.get('__key__')!r} has no image member")
+        label = _label(sample, len(self.manifest.classes))
+        rng = sample_rng(self.cfg.seed, epoch, sample_id)
+        return transform_image(data, self.cfg.transform, rng), label
+
+    def _decode_rechecked(self, sample: dict, epoch: int, sample_id: int) -> tuple[np.ndarray, int]:
+        """`_decode`, and when that fails, once more from a rechecked cached copy of the shard."""
+        try:
+            return self._decode(sample, epoch, sample_id)
+        except CorruptSample:
+            shard = int(locate([sample_id], self.shard_sizes)[0][0])
+            if not self._recheck(shard):
+                raise
+        return self._decode(self._read_raw(np.array([sample_id]))[0], epoch, sample_id)
 
     def __getitem__(self, request: BatchRequest) -> dict:
         cfg = self.cfg
@@ -197,12 +250,8 @@ class Dataset(torch.utils.data.Dataset):
         images, labels, keys, padding = [], [], [], []
         for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), raw):
             try:
-                data = next((sample[f] for f in self.image_fields if f in sample), None)
-                if data is None:
-                    raise CorruptSample(f"sample {sample.get('__key__')!r} has no image member")
-                label = _label(sample)
-                rng = sample_rng(cfg.seed, request.epoch, sample_id)
-                images.append(transform_image(data, cfg.transform, rng))
+                image, label = self._decode_rechecked(sample, request.epoch, sample_id)
+                images.append(image)
             except CorruptSample as exc:
                 if cfg.on_corrupt == "raise":
                     raise
@@ -220,6 +269,9 @@ class Dataset(torch.utils.data.Dataset):
         }
         if cfg.return_keys:
             batch["keys"] = keys
+        # Counted in `self.corrupt_samples` too, which is this process's copy: the loader adds
+        # this to the main process's when the batch comes from a worker.
+        batch["corrupt"] = len(request.ids) - len(keys)
         return batch
 
     def with_transform(self, transform: TransformConfig) -> Dataset:
@@ -230,14 +282,19 @@ class Dataset(torch.utils.data.Dataset):
         return other
 
 
-def _label(sample: dict) -> int:
+def _label(sample: dict, num_classes: int) -> int:
+    """The sample's class index; it must name one of the manifest's `num_classes` classes
+    (any non-negative index when the manifest lists none)."""
     raw = sample.get("cls")
     if raw is None:
         raise CorruptSample(f"sample {sample.get('__key__')!r} has no .cls member")
     try:
-        return int(raw.decode("ascii").strip())
+        label = int(raw.decode("ascii").strip())
     except (UnicodeDecodeError, ValueError):
         raise CorruptSample(f"sample {sample.get('__key__')!r} has a non-integer label") from None
+    if label < 0 or (num_classes and label >= num_classes):
+        raise CorruptSample(f"sample {sample.get('__key__')!r} has label {label}, not one of {num_classes} classes")
+    return label
 
 
 def _empty(transform: TransformConfig) -> torch.Tensor:

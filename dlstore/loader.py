@@ -91,6 +91,9 @@ class GpuPrefetcher:
         self.dtype = dtype
         self.mean = torch.tensor(IMAGENET_MEAN, device=device, dtype=torch.float32).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+        # (x - mean) / std, written as x * scale + shift so that it can run in place.
+        self.scale = 1.0 / self.std
+        self.shift = -self.mean / self.std
         self.pending: list[tuple[dict, Any]] = []
 
     def _to_device(self, batch: dict) -> dict:
@@ -103,9 +106,12 @@ class GpuPrefetcher:
         # NHWC uint8 -> NCHW view with channels_last strides: no copy.
         images = images.permute(0, 3, 1, 2)
         if self.dtype != torch.uint8:
-            images = images.float()
+            # One float copy (it keeps the channels_last strides), then scale and shift in place:
+            # `(images - mean) / std` made two more batch-sized temporaries, and on a CPU device,
+            # where this runs in the training process, took 2.7x as long (the loader's bottleneck).
+            images = images.to(torch.float32, copy=True)
             if self.cfg.normalize:
-                images = (images - self.mean) / self.std
+                images.mul_(self.scale).add_(self.shift)
             images = images.to(self.dtype)
             if self.cfg.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)
@@ -196,6 +202,9 @@ class Loader:
         prefetcher = GpuPrefetcher(iter(self._dataloader), self.cfg, self.device)
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
+            if self.cfg.num_workers > 0:
+                # Skipped samples were counted in a worker's copy of the dataset; count them here.
+                self.dataset.corrupt_samples += batch.get("corrupt", 0)
             if self.dataset.cfg.return_keys:
                 yield batch["images"], batch["labels"], {"keys": batch["keys"], "padding": batch["padding"]}
             else:

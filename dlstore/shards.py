@@ -288,12 +288,15 @@ def _parse_pax(data: bytes, offset: int) -> dict[str, bytes]:
 
 
 class _Reader:
-    """`read(n)` (n bytes, fewer only at the end) and `skip(n)` over a buffer, a file or a chunk iterator."""
+    """`read(n)` (n bytes, fewer only at the end) and `skip(n)` over a buffer, a file or a chunk
+    iterator; `length` is how many bytes there are when that is known (a buffer, a seekable
+    file), so that a member running past the end is found even when its data is skipped."""
 
-    __slots__ = ("read", "skip", "position")
+    __slots__ = ("read", "skip", "position", "length")
 
     def __init__(self, source: Source) -> None:
         self.position = 0
+        self.length: int | None = None
         if isinstance(source, (bytes, bytearray, memoryview)):
             self._init_buffer(memoryview(source).cast("B"))
         else:
@@ -304,6 +307,8 @@ class _Reader:
             self._init_file(source)  # type: ignore[arg-type]
 
     def _init_buffer(self, view: memoryview) -> None:
+        self.length = len(view)
+
         def read(n: int) -> bytes:
             start = self.position
             self.position = start + n
@@ -319,8 +324,12 @@ class _Reader:
         seekable = False
         try:
             seekable = file.seekable()
+            if seekable:
+                here = file.tell()
+                self.length = file.seek(0, os.SEEK_END) - here
+                file.seek(here)
         except (AttributeError, OSError, ValueError):
-            pass
+            seekable, self.length = False, None
 
         def read(n: int) -> bytes:
             data = raw_read(n)
@@ -411,6 +420,9 @@ def iter_members(
             )
         pad = -size % BLOCK
         data_offset = base_offset + reader.position
+        if reader.length is not None and reader.position + size + pad > reader.length:
+            # Skipped data (a seek) would not notice the end; the known length does.
+            raise CorruptShard(f"tar truncated at byte {base_offset + reader.length}: {name[:100]!r} is cut off")
         if typeflag == b"5":
             skip(size + pad)
             continue
@@ -418,9 +430,8 @@ def iter_members(
             raise CorruptShard(f"tar member {name[:100]!r} at byte {member_start} has unknown type {typeflag!r}")
         if data:
             payload = read(size)
-            if len(payload) < size:
-                raise CorruptShard(f"tar truncated at byte {data_offset + len(payload)}: {name[:100]!r} is cut off")
-            skip(pad)
+            if len(payload) < size or len(read(pad)) < pad:
+                raise CorruptShard(f"tar truncated after byte {data_offset + len(payload)}: {name[:100]!r} is cut off")
             yield TarMember(name, member_start, data_offset, size, payload)
         else:
             skip(size + pad)

@@ -27,7 +27,8 @@ How a request is chosen:
   concurrent processes ask for different objects, and whatever the container is called.
 
 Counters: `count(method, path_regex)` and `requests` (a Counter of (method, object path));
-`injected` lists every fault as (method, object path, kind).
+`log` lists every request as (method, object path, Range header); `injected` every fault as
+(method, object path, kind).
 
 Example::
 
@@ -103,6 +104,7 @@ class _Request:
     head: bytes
     length: int | None  # request body length; None: chunked
     expect_continue: bool
+    range: str | None  # the Range header, e.g. "bytes=150000-"
 
 
 class _Closed(Exception):
@@ -134,6 +136,7 @@ def _parse_request(head: bytes) -> _Request:
         head=head,
         length=length,
         expect_continue=headers.get("expect", "").lower() == "100-continue",
+        range=headers.get("range"),
     )
 
 
@@ -199,6 +202,7 @@ class FaultProxy:
         self.ssl_context = ssl_context
         self.port = 0
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
+        self.log: list[tuple[str, str, str | None]] = []  # (method, object path, Range header), in order
         self.injected: list[Injection] = []
         self.connections = 0
         self._rules: list[Rule] = []
@@ -264,6 +268,7 @@ class FaultProxy:
     def reset_counts(self) -> None:
         with self._lock:
             self.requests.clear()
+            self.log.clear()
             self.injected.clear()
 
     def count(self, method: str | None = None, path: str | None = None) -> int:
@@ -278,11 +283,7 @@ class FaultProxy:
     def per_object(self, method: str = "GET", path: str | None = None) -> dict[str, int]:
         """{object path: requests} for `method`, restricted to paths matching `path`."""
         with self._lock:
-            return {
-                p: n
-                for (m, p), n in self.requests.items()
-                if m == method and (path is None or re.search(path, p))
-            }
+            return {p: n for (m, p), n in self.requests.items() if m == method and (path is None or re.search(path, p))}
 
     def injected_kinds(self) -> collections.Counter[str]:
         with self._lock:
@@ -351,6 +352,7 @@ class FaultProxy:
         with self._lock:
             attempt = self.requests[(req.method, req.path)]
             self.requests[(req.method, req.path)] += 1
+            self.log.append((req.method, req.path, req.range))
             fault = None
             for rule in self._rules:
                 if rule.matches(req.method, req.target):
@@ -358,20 +360,22 @@ class FaultProxy:
                         rule.times -= 1
                     fault = rule
                     break
-            if fault is None and self._rate > 0:
-                if (self._rate_method is None or self._rate_method == req.method) and (
-                    self._rate_path is None or re.search(self._rate_path, req.target)
-                ):
-                    # By the object's name, not its full path: the container differs between runs.
-                    name = req.path.rstrip("/").rsplit("/", 1)[-1]
-                    draw = random.Random(f"{self.seed}|{req.method}|{name}|{attempt}")
-                    if draw.random() < self._rate:
-                        if self._rate_cycle:
-                            kind = self._rate_kinds[self._rate_faults % len(self._rate_kinds)]
-                        else:
-                            kind = draw.choice(self._rate_kinds)
-                        self._rate_faults += 1
-                        fault = Rule(kind)
+            if (
+                fault is None
+                and self._rate > 0
+                and (self._rate_method is None or self._rate_method == req.method)
+                and (self._rate_path is None or re.search(self._rate_path, req.target))
+            ):
+                # By the object's name, not its full path: the container differs between runs.
+                name = req.path.rstrip("/").rsplit("/", 1)[-1]
+                draw = random.Random(f"{self.seed}|{req.method}|{name}|{attempt}")
+                if draw.random() < self._rate:
+                    if self._rate_cycle:
+                        kind = self._rate_kinds[self._rate_faults % len(self._rate_kinds)]
+                    else:
+                        kind = draw.choice(self._rate_kinds)
+                    self._rate_faults += 1
+                    fault = Rule(kind)
             if fault is not None:
                 self.injected.append(Injection(req.method, req.path, fault.kind))
             return fault

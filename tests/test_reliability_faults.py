@@ -4,9 +4,10 @@
   object's bytes, with one extra request (a ranged one from the next byte after a cut body).
 * Case 1: 10% of GETs faulted in every way during 2 epochs on 2 gloo ranks: the keys each
   rank delivers are exactly those of a fault-free run.
-* Case 2: the Swift server (a dedicated instance, not the session's) stopped mid-epoch and
-  started again: the loader waits within its retry deadline and loses nothing; kept down
-  past the deadline, it stops with a `TransientError`, not a hang.
+* Case 2: the Swift server (a dedicated instance, not the session's: all its processes,
+  memcached and so its tokens included) stopped for 20 s mid-epoch and started again on the
+  same port: the loader waits within its retry deadline and loses nothing; kept down past
+  the deadline, it stops with a `TransientError`, not a hang.
 
 Times are never asserted except as generous upper bounds that prove "no hang"; the
 measured detection times are printed (run with `-s` to see them).
@@ -31,6 +32,7 @@ import swiftclient
 import torch.multiprocessing as tmp
 from fault_proxy import ALL_FAULTS, FaultProxy
 from loader_support import run_rank, write_dataset
+from test_loader import _CacheSampler
 
 import dlstore
 from dlstore.config import RetryConfig, StoreConfig, WorldInfo
@@ -41,12 +43,27 @@ pytestmark = pytest.mark.swift
 
 REPO = Path(__file__).resolve().parents[1]
 SWIFT_SERVER = REPO / "tools" / "swift_server.py"
-# Short timeouts and backoff: a stall is noticed after READ_TIMEOUT_S, a retry waits ~0.05 s.
+# Short timeouts and backoff: a stall is noticed after the read timeout, a retry waits ~0.05 s.
 READ_TIMEOUT_S = 1.0
 STALL_S = 2.5
-FAST_RETRY = RetryConfig(
-    max_attempts=10, initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=60, read_timeout_s=READ_TIMEOUT_S
-)
+FAST_RETRY = RetryConfig(initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=60, read_timeout_s=READ_TIMEOUT_S)
+# Where one request more or less is asserted: a read timeout that a busy machine cannot trip.
+PATIENT_READS = RetryConfig(initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=60, read_timeout_s=2.0)
+
+
+def loader_error(loader, kind: type[BaseException]) -> BaseException:
+    """The error a pass over `loader` ends with, which must be a `kind`.
+
+    A DataLoader iterator freed by the garbage collector (not by its reference count) waits
+    5 s per worker to shut down, so the error comes back without its traceback, which would
+    tie the loader into reference cycles (as `pytest.raises` would, through the test's frame)."""
+    try:
+        for _ in loader:
+            pass
+    except Exception as exc:
+        assert isinstance(exc, kind), f"expected {kind.__name__}, got {exc!r}"
+        return exc.with_traceback(None)
+    raise AssertionError(f"the loader finished without raising {kind.__name__}")
 
 
 def report(case: str, **fields: object) -> None:
@@ -86,9 +103,9 @@ OBJECT = bytes(range(256)) * 1200  # 300 KiB: several chunks, so a cut lands mid
 @pytest.mark.parametrize("kind", ALL_FAULTS)
 @pytest.mark.parametrize("api", ["swift", "s3"])
 def test_each_fault_is_retried_and_the_bytes_are_exact(swift_server, swift_container, api, kind):
-    with FaultProxy(server_port(swift_server), stall_s=STALL_S) as proxy:
+    with FaultProxy(server_port(swift_server), stall_s=4.0) as proxy:
         env = proxied_env(swift_server, proxy, api)
-        store = open_store(f"{api}://{swift_container}/matrix", config_for(env))
+        store = open_store(f"{api}://{swift_container}/matrix", config_for(env, PATIENT_READS))
         store.put("obj", OBJECT)
         assert store.get_bytes("obj") == OBJECT  # authenticated, connection warm
         before = proxy.count("GET", r"/obj$")
@@ -99,6 +116,13 @@ def test_each_fault_is_retried_and_the_bytes_are_exact(swift_server, swift_conta
         assert proxy.injected_kinds() == {kind: 1}
         # One faulted GET and one more: the whole object again, or the rest from the next byte.
         assert proxy.count("GET", r"/obj$") - before == 2
+        retry_range = [r for m, p, r in proxy.log if m == "GET" and p.endswith("/obj")][-1]
+        if kind == "short_body":  # half the body, then a clean end: the rest is asked for
+            assert retry_range == f"bytes={len(OBJECT) // 2}-"
+        elif kind in ("reset_body", "stall_body"):  # the bytes of a read that failed come again
+            assert retry_range is None or 0 < int(retry_range[6:-1]) <= len(OBJECT) // 2
+        else:
+            assert retry_range is None
         assert store.get_range("obj", 1000, 5000) == OBJECT[1000:6000]
         assert took < 30  # no hang (a stall is given up after the read timeout)
     report(f"fault {kind} ({api})", detected_and_recovered_s=f"{took:.2f}")
@@ -171,7 +195,8 @@ def test_ten_percent_of_gets_faulted_two_ranks_two_epochs(swift_server, swift_co
         env = {**proxied_env(swift_server, proxy, api), **retry_env(FAST_RETRY)}
         spec.update(env=env, cache_dir=str(tmp_path / "cache"), init=f"file://{tmp_path}/rdv")
         started = time.monotonic()
-        records = _spawn(spec, 2)
+        with _CacheSampler(spec["cache_dir"]) as sampler:
+            records = _spawn(spec, 2)
         took = time.monotonic() - started
         injected = proxy.injected_kinds()
         gets = proxy.count("GET")
@@ -185,6 +210,9 @@ def test_ten_percent_of_gets_faulted_two_ranks_two_epochs(swift_server, swift_co
         assert sorted(delivered) == sorted(keys) and set(delivered.values()) == {1}
     # Seeded draws: the same requests are faulted on every run, and they show every kind.
     assert set(injected) == set(ALL_FAULTS), injected
+    # Downloads cut off and retried never took the cache past its limit. (`cache_report` may
+    # count one shard twice: one published, by a rename outside the cache lock, while it scans.)
+    assert sampler.samples > 0 and sampler.max <= spec["cache_limit"] + shard_bytes, sampler.max
     report(f"case 1 ({api})", gets=gets, faults=dict(injected), run_s=f"{took:.1f}", lost=0, repeated=0)
 
 
@@ -235,15 +263,16 @@ def own_swift_server():
         subprocess.run(["rm", "-rf", str(data_dir)], check=False)
 
 
-OUTAGE_S = 10.0
+OUTAGE_S = 20.0  # the issue's 20 s
 
 
 @pytest.mark.slow
 def test_swift_stopped_mid_epoch_then_restarted(own_swift_server, tmp_path):
     start, stop, env = own_swift_server
     swift_env = {k: env[k] for k in ("ST_AUTH", "ST_USER", "ST_KEY")}
-    # The default attempt count: the deadline, not a number of tries, decides how long to wait.
-    patient = RetryConfig(initial_backoff_s=0.05, max_backoff_s=1.0, deadline_s=60, read_timeout_s=5)
+    # The default attempt count: the deadline, not a number of tries, decides how long to wait
+    # (with the old default of 8 attempts this run gave up after a few seconds of the outage).
+    patient = RetryConfig(initial_backoff_s=0.05, max_backoff_s=2.0, deadline_s=60, read_timeout_s=5)
     config = config_for(swift_env, patient)
     swiftclient.Connection(authurl=env["ST_AUTH"], user=env["ST_USER"], key=env["ST_KEY"]).put_container("outage")
     url = "swift://outage/data"
@@ -269,7 +298,9 @@ def test_swift_stopped_mid_epoch_then_restarted(own_swift_server, tmp_path):
     loader = dlstore.Loader(dataset("cache-a", patient), num_workers=1, device="cpu")
     delivered: list[str] = []
     outage: dict[str, float] = {}
+    longest, last = 0.0, time.monotonic()
     for step, (_, _, meta) in enumerate(loader):
+        longest, last = max(longest, time.monotonic() - last), time.monotonic()
         delivered += [k for k, p in zip(meta["keys"], meta["padding"].tolist()) if not p]
         if step == 2:
             stop()
@@ -280,17 +311,22 @@ def test_swift_stopped_mid_epoch_then_restarted(own_swift_server, tmp_path):
     waited = time.monotonic() - outage["stopped"]
     assert sorted(delivered) == sorted(keys) and len(delivered) == len(keys)
     assert waited >= OUTAGE_S  # the loader did wait for the server
-    report("case 2 (within deadline)", outage_s=OUTAGE_S, restart_s=f"{outage['restart_s']:.1f}", lost=0, repeated=0)
+    report(
+        "case 2 (within deadline)",
+        outage_s=OUTAGE_S,
+        restart_s=f"{outage['restart_s']:.1f}",
+        longest_wait_for_a_batch_s=f"{longest:.1f}",
+        lost=0,
+        repeated=0,
+    )
 
     # Past the deadline: a clear TransientError, not a hang.
     short = RetryConfig(initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=4, read_timeout_s=2)
     loader = dlstore.Loader(dataset("cache-b", short), num_workers=1, device="cpu")  # manifest read while up
     stop()
     started = time.monotonic()
-    with pytest.raises(TransientError) as caught:
-        for _ in loader:
-            pass
+    error = loader_error(loader, TransientError)
     detected = time.monotonic() - started
     assert detected < 60  # the deadline is 4 s; the worker and the prefetch thread may each spend it
-    assert "outage" in str(caught.value) or "swift://" in str(caught.value)
+    assert "swift://outage/data" in str(error)  # names what it could not reach (a shard, or the login)
     report("case 2 (past deadline)", deadline_s=short.deadline_s, detected_s=f"{detected:.1f}")

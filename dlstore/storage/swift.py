@@ -10,10 +10,12 @@ Who retries what:
   never retries or re-authenticates on its own (it would sleep, and it cannot
   replay a streamed PUT).
 * This module authenticates once per store and process, and shares the token among
-  the per-thread connections. A 401 on a token that has worked before (or was handed
-  in pre-authenticated) drops the token and raises `TransientError`, so the retry
-  policy re-authenticates once; a 401 on a token fresh from the identity service
-  is an `AuthError` at once.
+  the per-thread connections. A 401 drops the token and raises `TransientError`, so
+  the retry policy authenticates again: once after a token that has worked (or was
+  handed in pre-authenticated) expired, and once after a token fresh from the identity
+  service was refused (the server may have lost it: a proxy or memcached restart, an
+  eviction). A renewed token that is refused too is an `AuthError`: the credentials
+  themselves are refused.
 * `dlstore.storage.retry` retries everything transient, with backoff and a deadline.
 
 Objects of `segment_size` bytes or more go as static large objects (SLO): segments
@@ -165,7 +167,7 @@ def _map_keystone_error(exc: BaseException, what: str) -> DlstoreError | None:
     if isinstance(exc, ks.MissingRequiredOptions):
         return ConfigError(f"{what}: incomplete Keystone credentials ({name})")
     if isinstance(exc, ks.SSLError):
-        return DlstoreError(f"{what}: TLS failure talking to the identity service")
+        return DlstoreError(f"{what}: TLS failure talking to the identity service (check OS_CACERT)")
     if isinstance(exc, (ks.ConnectFailure, ks.ConnectTimeout, ks.UnknownConnectionError)):
         return TransientError(f"{what}: identity service unreachable ({name})")
     status = getattr(exc, "http_status", None)
@@ -180,8 +182,10 @@ class _Token:
     storage_url: str
     token: str
     # A token from the identity service that has never worked is not "expired" on a 401:
-    # it is refused, and that is an AuthError, not a reason to authenticate again.
+    # it was refused, or lost by the server before its first use. One more login tells.
     proven: bool
+    # Issued because the fresh token before it was refused: a 401 on this one is an AuthError.
+    renewal: bool = False
 
 
 def _keystone_session(cfg: SwiftConfig, timeout: float) -> Any:
@@ -264,6 +268,8 @@ class SwiftStore(Store):
             self._client_segments_ready = False
             # A token handed in (`swift auth`) is tried first, once per process.
             self._client_preauth_unused = True
+            # A fresh token was refused: the next one is the last try (see `_on_unauthorized`).
+            self._client_fresh_refused = False
             self._client_pid = os.getpid()
         _install_log_filter()
 
@@ -311,7 +317,8 @@ class SwiftStore(Store):
             raise _map_error(exc, what) from None
         if not url or not token:
             raise AuthError(f"{what}: the identity service returned no storage URL or token")
-        return _Token(cfg.storage_url or url, token, proven=False)
+        renewal, self._client_fresh_refused = self._client_fresh_refused, False
+        return _Token(cfg.storage_url or url, token, proven=False, renewal=renewal)
 
     def _connection(self) -> tuple[swiftclient.Connection, _Token]:
         token = self._token()
@@ -352,16 +359,22 @@ class SwiftStore(Store):
         return result
 
     def _on_unauthorized(self, token: _Token, what: str) -> None:
-        """401: an expired token is dropped and the failure is transient (the retry
-        re-authenticates); a token that never worked means the credentials are refused."""
+        """401: the token is dropped and the failure is transient (the retry authenticates
+        again) when it had worked (it expired), or when it was fresh and not itself a renewal
+        (the server may have lost it); a renewal refused too means the credentials are."""
         can_reauthenticate = bool(self.config.swift.auth_url)
         with _auth_lock:
             if self._client_token is token:
                 self._client_token = None
                 if self._client_session is not None:
                     self._client_session.invalidate()
-        if token.proven and can_reauthenticate:
+            fresh_once = not token.proven and not token.renewal
+            if fresh_once:
+                self._client_fresh_refused = True
+        if can_reauthenticate and token.proven:
             raise TransientError(f"{what}: token expired or revoked; authenticating again")
+        if can_reauthenticate and fresh_once:
+            raise TransientError(f"{what}: a new token was refused; authenticating once more")
         raise AuthError(f"{what}: HTTP 401 Unauthorized (credentials refused)")
 
     def _name(self, key: str) -> str:
