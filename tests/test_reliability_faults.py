@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -210,8 +209,8 @@ def test_ten_percent_of_gets_faulted_two_ranks_two_epochs(swift_server, swift_co
         assert sorted(delivered) == sorted(keys) and set(delivered.values()) == {1}
     # Seeded draws: the same requests are faulted on every run, and they show every kind.
     assert set(injected) == set(ALL_FAULTS), injected
-    # Downloads cut off and retried never took the cache past its limit. (`cache_report` may
-    # count one shard twice: one published, by a rename outside the cache lock, while it scans.)
+    # Downloads cut off and retried kept the cache within its limit (DESIGN allows one shard
+    # more per download in flight; the cache aims at none, and this allows one).
     assert sampler.samples > 0 and sampler.max <= spec["cache_limit"] + shard_bytes, sampler.max
     report(f"case 1 ({api})", gets=gets, faults=dict(injected), run_s=f"{took:.1f}", lost=0, repeated=0)
 
@@ -236,10 +235,10 @@ def _read_env(path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def own_swift_server():
+def own_swift_server(tmp_path_factory):
     """A second Swift server in its own data dir, so stopping it leaves the session's alone.
     Yields (start, stop, env); `start()` brings it back on the same proxy port."""
-    data_dir = Path(tempfile.mkdtemp(prefix="dlstore-outage-"))
+    data_dir = tmp_path_factory.mktemp("outage-swift")
     started = _swift_tool("start", "--data-dir", str(data_dir), "--stop-with-pid", str(os.getpid()))
     if started.returncode != 0:
         pytest.fail(f"could not start a second Swift server:\n{started.stderr[-3000:]}")
@@ -260,7 +259,6 @@ def own_swift_server():
         yield start, stop, env
     finally:
         _swift_tool("stop", "--data-dir", str(data_dir))
-        subprocess.run(["rm", "-rf", str(data_dir)], check=False)
 
 
 OUTAGE_S = 20.0  # the issue's 20 s
