@@ -1040,6 +1040,7 @@ def plot_report(report: BenchReport, path: str) -> None:
         ax2.set_xlabel(f"processes ({report.scaling[0].backend})")
         ax2.set_ylabel("images/s (all processes)")
         ax2.set_xticks(procs)
+        ax2.set_ylim(bottom=0)
         ax2.set_title("scaling over processes")
         ax2.grid(True, alpha=0.3)
         ax2.legend(fontsize="small")

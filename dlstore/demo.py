@@ -7,7 +7,7 @@
 3. copies a shard out and back through `dlstore cp` (the storage round trip);
 4. streams the shards through the node cache and loader, and reports img/s;
 5. trains a ResNet-18 at low resolution for a short run from those shards, and
-6. prints the loader-vs-GPU-demand verdict.
+6. prints the loader-vs-GPU-demand verdict (`dlstore bench --quick`).
 The same flow works against Swift or S3: give `--store swift://container/demo`.
 """
 
@@ -96,6 +96,13 @@ def run_demo(cfg: DemoConfig) -> dict:
 
         if cfg.train:
             results.update(_train(cfg, store_url, workdir))
+
+        from dlstore.bench import BenchConfig, format_report, run_bench
+
+        report = run_bench(BenchConfig.quick(f"{store_url}/train", image_size=cfg.image_size))
+        print(format_report(report), flush=True)
+        if report.verdict is not None:
+            results["bench_ratio"] = report.verdict.ratio
         results["seconds"] = time.perf_counter() - started
         _say(f"done in {results['seconds']:.0f} s")
         return results

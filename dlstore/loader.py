@@ -38,7 +38,6 @@ class LoaderConfig:
     dtype: str = "float32"  # or "bfloat16", "float16", "uint8" (no normalisation)
     normalize: bool = True
     channels_last: bool = True
-    gpu_decode: bool = False
     timeout_s: float = 0.0
 
 
@@ -99,10 +98,6 @@ class GpuPrefetcher:
     def _to_device(self, batch: dict) -> dict:
         images = batch["images"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
-        if self.cfg.gpu_decode and batch.get("encoded") is not None:
-            from dlstore.transforms_gpu import decode_batch_gpu
-
-            images = decode_batch_gpu(batch["encoded"], batch["boxes"], self.device)
         # NHWC uint8 -> NCHW view with channels_last strides: no copy.
         images = images.permute(0, 3, 1, 2)
         if self.dtype != torch.uint8:
