@@ -24,7 +24,7 @@ from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, World, locate, rank_plan
 from dlstore.shards import read_sample_from_file, read_shard_index
 from dlstore.storage import open_store
-from dlstore.transforms import TransformConfig, sample_rng, transform_image
+from dlstore.transforms import TransformConfig, crop_plan, jpeg_size, sample_rng, transform_image
 
 __all__ = ["BatchRequest", "Dataset", "DatasetConfig"]
 
@@ -50,6 +50,9 @@ class DatasetConfig:
     shuffle: bool = True
     shuffle_window: int = 4
     on_corrupt: str = "skip"  # or "raise"
+    # "worker": decode and augment in the DataLoader workers; "device": the workers only read
+    # JPEG headers and draw the crops, the loader decodes on the device (nvJPEG on a GPU).
+    decode_on: str = "worker"
     return_keys: bool = False
     prefetch_shards: int = 4
 
@@ -244,13 +247,27 @@ class Dataset(torch.utils.data.Dataset):
                 raise
         return self._decode(self._read_raw(np.array([sample_id]))[0], epoch, sample_id)
 
+    def _plan_on_device(self, sample: dict, epoch: int, sample_id: int) -> tuple[tuple, int]:
+        """For `decode_on="device"`: the JPEG bytes and the crop row, without decoding."""
+        data = next((sample[f] for f in self.image_fields if f in sample), None)
+        if data is None:
+            raise CorruptSample(f"sample {sample.get('__key__')!r} has no image member")
+        label = _label(sample, len(self.manifest.classes))
+        width, height = jpeg_size(data)
+        box, flip = crop_plan(width, height, self.cfg.transform, sample_rng(self.cfg.seed, epoch, sample_id))
+        return (data, (*box, float(flip))), label
+
     def __getitem__(self, request: BatchRequest) -> dict:
         cfg = self.cfg
         raw = self._read_raw(request.ids)
+        on_device = cfg.decode_on == "device"
         images, labels, keys, padding = [], [], [], []
         for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), raw):
             try:
-                image, label = self._decode_rechecked(sample, request.epoch, sample_id)
+                if on_device:
+                    image, label = self._plan_on_device(sample, request.epoch, sample_id)
+                else:
+                    image, label = self._decode_rechecked(sample, request.epoch, sample_id)
                 images.append(image)
             except CorruptSample as exc:
                 if cfg.on_corrupt == "raise":
@@ -261,12 +278,18 @@ class Dataset(torch.utils.data.Dataset):
             labels.append(label)
             keys.append(sample.get("__key__"))
             padding.append(is_padding)
+        if on_device:
+            encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data, _ in images]
+            boxes = torch.tensor([row for _, row in images], dtype=torch.float64).reshape(-1, 5)
+            images = []
         batch = {
             "images": torch.from_numpy(np.stack(images)) if images else _empty(cfg.transform),
             "labels": torch.tensor(labels, dtype=torch.int64),
             "index": request.index,
             "padding": torch.tensor(padding, dtype=torch.bool),
         }
+        if on_device:
+            batch["encoded"], batch["boxes"] = encoded, boxes
         if cfg.return_keys:
             batch["keys"] = keys
         # Counted in `self.corrupt_samples` too, which is this process's copy: the loader adds

@@ -96,7 +96,14 @@ class GpuPrefetcher:
         self.pending: list[tuple[dict, Any]] = []
 
     def _to_device(self, batch: dict) -> dict:
-        images = batch["images"].to(self.device, non_blocking=True)
+        if batch.get("encoded") is not None:
+            from dlstore.transforms import decode_on_device
+
+            size = batch["images"].shape[1]
+            # nvJPEG reads the encoded bytes from (pinned) host memory itself.
+            images = decode_on_device(batch["encoded"], batch["boxes"], size, self.device)
+        else:
+            images = batch["images"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
         # NHWC uint8 -> NCHW view with channels_last strides: no copy.
         images = images.permute(0, 3, 1, 2)

@@ -27,6 +27,9 @@ except ImportError:  # pragma: no cover - optional speed-up
     simplejpeg = None
 
 __all__ = [
+    "crop_plan",
+    "decode_on_device",
+    "jpeg_size",
     "TransformConfig",
     "augment_image",
     "decode_image",
@@ -114,6 +117,56 @@ def _centre_box(width: int, height: int, cfg: TransformConfig):
     return left, top, left + crop, top + crop
 
 
+def crop_plan(width: int, height: int, cfg: TransformConfig, rng: np.random.Generator | None = None):
+    """The source box `(left, top, right, bottom)` and the flip of one sample: the random part
+    of the presets, shared by the CPU path and the on-device decode (`decode_on_device`)."""
+    if cfg.preset == "train":
+        rng = rng if rng is not None else np.random.default_rng()
+        box = _random_resized_box(width, height, cfg, rng)
+        return box, bool(cfg.hflip and rng.random() < 0.5)
+    if cfg.preset == "eval":
+        return _centre_box(width, height, cfg), False
+    return (0, 0, width, height), False
+
+
+def jpeg_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a JPEG's header, without decoding it; `CorruptSample` otherwise."""
+    if data[:2] != _JPEG_MAGIC:
+        raise CorruptSample("not a JPEG: decoding on the device reads JPEG only")
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.size
+    except Exception as exc:
+        raise CorruptSample(f"cannot read the JPEG header ({len(data)} bytes): {exc}") from None
+
+
+def decode_on_device(encoded, boxes, image_size: int, device):
+    """Decode JPEGs on `device` (nvJPEG on CUDA, batched) and crop, resize and flip them by
+    `boxes` rows `(left, top, right, bottom, flip)`; uint8 NHWC out, as the CPU path gives.
+
+    Decode is most of a sample's CPU cost; on a GPU node with few cores per GPU moving it to
+    the device is what lets the loader keep up. A JPEG that fails to decode raises
+    `CorruptSample` (the header was checked in the worker)."""
+    import torch
+    import torchvision.io as tio
+    from torch.nn import functional as F
+
+    try:
+        images = tio.decode_jpeg(list(encoded), mode=tio.ImageReadMode.RGB, device=device)
+    except RuntimeError as exc:
+        raise CorruptSample(f"a JPEG of this batch does not decode on {device}: {exc}") from None
+    out = torch.empty((len(images), image_size, image_size, 3), dtype=torch.uint8, device=device)
+    for i, (image, (left, top, right, bottom, flip)) in enumerate(zip(images, boxes.tolist())):
+        crop = image[:, int(round(top)) : int(round(bottom)), int(round(left)) : int(round(right))]
+        resized = F.interpolate(
+            crop[None].float(), size=(image_size, image_size), mode="bilinear", antialias=True, align_corners=False
+        )[0]
+        if flip:
+            resized = resized.flip(-1)
+        out[i] = resized.round_().clamp_(0, 255).permute(1, 2, 0).to(torch.uint8)
+    return out
+
+
 def transform_image(data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None) -> np.ndarray:
     """Bytes → uint8 array (image_size, image_size, 3) by the preset in `cfg`.
 
@@ -133,12 +186,7 @@ def augment_image(image: Image.Image, cfg: TransformConfig, rng: np.random.Gener
     size = (cfg.image_size, cfg.image_size)
     if cfg.preset == "none":
         return np.asarray(image)
-    if cfg.preset == "train":
-        rng = rng if rng is not None else np.random.default_rng()
-        box = _random_resized_box(image.width, image.height, cfg, rng)
-        flip = cfg.hflip and rng.random() < 0.5
-    else:
-        box, flip = _centre_box(image.width, image.height, cfg), False
+    box, flip = crop_plan(image.width, image.height, cfg, rng)
     # One resample from the crop box: crop and resize in a single pass over the pixels.
     out = image.resize(size, Image.Resampling.BILINEAR, box=box, reducing_gap=None)
     if flip:

@@ -289,3 +289,20 @@ def test_four_ranks_two_workers_from_swift_then_resume_on_two_ranks(swift_server
     real = collections.Counter(k for k, padding in first + rest if not padding)
     assert sorted(real) == sorted(keys) and set(real.values()) == {1}
     assert np.sum([p for _, p in rest]) <= 2 * 4  # a re-deal pads at most one batch per rank
+
+
+def test_decode_on_the_device_matches_decoding_in_workers(local_dataset, tmp_path):
+    """`decode_on="device"` (nvJPEG on a GPU) runs the same code on the CPU here: same samples,
+    same crops and flips, pixels within the two JPEG decoders' rounding."""
+    url, _ = local_dataset
+    runs = {}
+    for mode in ("worker", "device"):
+        ds = _dataset(url, tmp_path, transform="train", decode_on=mode)
+        loader = dlstore.Loader(ds, num_workers=1, device="cpu", dtype="uint8")
+        loader.set_epoch(2)
+        runs[mode] = list(loader)
+    assert len(runs["worker"]) == len(runs["device"]) == 6
+    for (a, la, ma), (b, lb, mb) in zip(runs["worker"], runs["device"]):
+        assert ma["keys"] == mb["keys"] and torch.equal(la, lb)
+        assert a.shape == b.shape and b.dtype == torch.uint8
+        assert (a.float() - b.float()).abs().mean() < 3
