@@ -30,6 +30,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Union
+from urllib.parse import urlsplit
 
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError
@@ -100,6 +101,16 @@ def remaining_size(stream: BinaryIO) -> int | None:
         return end - here
     except (AttributeError, OSError, ValueError):
         return None
+
+
+def split_bucket_url(url: str, scheme: str, what: str) -> tuple[str, str, str]:
+    """`(bucket, prefix, canonical URL)` of `scheme://bucket/prefix`; `what` names the bucket
+    in the error ("bucket", "container")."""
+    parts = urlsplit(url)
+    if parts.scheme != scheme or not parts.netloc:
+        raise ConfigError(f"{url!r} is not a {scheme}://{what}/prefix URL")
+    prefix = parts.path.strip("/")
+    return parts.netloc, prefix, f"{scheme}://{parts.netloc}/{prefix}" if prefix else f"{scheme}://{parts.netloc}"
 
 
 def check_key(key: str) -> str:

@@ -18,7 +18,6 @@ import re
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
 
 import boto3
 import botocore.config
@@ -27,7 +26,7 @@ import urllib3.exceptions
 
 from dlstore.config import S3Config, StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size
+from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size, split_bucket_url
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["S3Store", "make_s3_client"]
@@ -200,12 +199,8 @@ class S3Store(Store):
     scheme = "s3"
 
     def __init__(self, url: str, config: StoreConfig | None = None) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "s3" or not parts.netloc:
-            raise ConfigError(f"{url!r} is not an s3://bucket/prefix URL")
-        self.bucket = parts.netloc
-        self.prefix = parts.path.strip("/")
-        super().__init__(f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}", config)
+        self.bucket, self.prefix, canonical = split_bucket_url(url, "s3", "bucket")
+        super().__init__(canonical, config)
         # Attributes named `_client*` are dropped when pickled (see `Store.__getstate__`).
         self._client: Any = None
         self._client_pid = 0

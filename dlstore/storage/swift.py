@@ -42,7 +42,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
 
 import requests.exceptions
 import swiftclient
@@ -51,7 +50,7 @@ from swiftclient.exceptions import ClientException
 
 from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size
+from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size, split_bucket_url
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["SwiftStore"]
@@ -236,14 +235,8 @@ class SwiftStore(Store):
     scheme = "swift"
 
     def __init__(self, url: str, config: StoreConfig | None = None) -> None:
-        parts = urlsplit(url)
-        if parts.scheme != "swift" or not parts.netloc:
-            raise ConfigError(f"{url!r} is not a swift://container/prefix URL")
-        self.container = parts.netloc
-        self.prefix = parts.path.strip("/")
-        super().__init__(
-            f"swift://{self.container}/{self.prefix}" if self.prefix else f"swift://{self.container}", config
-        )
+        self.container, self.prefix, canonical = split_bucket_url(url, "swift", "container")
+        super().__init__(canonical, config)
         cfg = self.config.swift
         if not (cfg.auth_url or (cfg.storage_url and cfg.auth_token)):
             raise ConfigError(
