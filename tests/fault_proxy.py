@@ -52,6 +52,8 @@ import threading
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
+from loop_server import LoopThreadServer
+
 __all__ = ["ALL_FAULTS", "STATUS_FAULTS", "FaultProxy", "Injection", "Rule"]
 
 STATUS_FAULTS = ("500", "503", "429", "408")
@@ -183,9 +185,11 @@ async def _copy_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         await _copy_exact(reader, writer, size + 2)
 
 
-class FaultProxy:
+class FaultProxy(LoopThreadServer):
     """Forward 127.0.0.1:`port` to `target_host:target_port`, faulting requests as the module
     docstring says. A context manager; the event loop runs in a daemon thread."""
+
+    stream_limit = _LIMIT
 
     def __init__(
         self,
@@ -196,11 +200,11 @@ class FaultProxy:
         stall_s: float = 3.0,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
+        super().__init__()
         self.target = (target_host, target_port)
         self.seed = seed
         self.stall_s = stall_s
         self.ssl_context = ssl_context
-        self.port = 0
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.log: list[tuple[str, str, str | None]] = []  # (method, object path, Range header), in order
         self.injected: list[Injection] = []
@@ -214,9 +218,6 @@ class FaultProxy:
         self._rate_faults = 0
         self._lock = threading.Lock()
         self._tasks: set[asyncio.Task] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.Server | None = None
-        self._thread: threading.Thread | None = None
 
     # -- configuration (from any thread) ---------------------------------------------------
     def add_rule(
@@ -294,52 +295,7 @@ class FaultProxy:
         scheme = "https" if self.ssl_context is not None else "http"
         return f"{scheme}://127.0.0.1:{self.port}"
 
-    # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> FaultProxy:
-        ready = threading.Event()
-        error: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                self._server = loop.run_until_complete(
-                    asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ssl_context, limit=_LIMIT)
-                )
-                self.port = self._server.sockets[0].getsockname()[1]
-            except BaseException as exc:  # reported to start()'s caller
-                error.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            try:
-                loop.run_forever()
-            finally:
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.close()
-
-        self._thread = threading.Thread(target=run, name=f"fault-proxy-{self.target[1]}", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if error:
-            raise error[0]
-        return self
-
-    def close(self) -> None:
-        if self._loop is None or self._thread is None:
-            return
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop = self._thread = None
-
-    def __enter__(self) -> FaultProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+    # -- lifecycle: start/close/with come from LoopThreadServer --------------------------------
     async def _shutdown(self) -> None:
         assert self._server is not None
         self._server.close()

@@ -38,6 +38,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from loop_server import LoopThreadServer
+
 __all__ = ["TcpProxy"]
 
 _READ = 65536
@@ -162,13 +164,13 @@ class _Conn:
                 writer.close()
 
 
-class TcpProxy:
+class TcpProxy(LoopThreadServer):
     """Forward 127.0.0.1:``port`` to ``target_host:target_port`` with faults on demand (see module doc)."""
 
     def __init__(self, target_port: int, target_host: str = "127.0.0.1", listen_host: str = "127.0.0.1") -> None:
+        super().__init__()
         self.target = (target_host, target_port)
         self.listen_host = listen_host
-        self.port = 0
         self.connections = 0
         self.requests = 0
         self.bytes_to_server = 0
@@ -177,9 +179,6 @@ class TcpProxy:
         self._faults: list[_Fault] = []
         self._resets = 0
         self._conns: set[_Conn] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.Server | None = None
-        self._thread: threading.Thread | None = None
 
     # -- faults (callable from any thread) ------------------------------
     def drop_after_bytes(self, n: int, times: int = 1, reset: bool = False) -> None:
@@ -211,51 +210,7 @@ class TcpProxy:
     def url(self) -> str:
         return f"http://{self.listen_host}:{self.port}"
 
-    # -- lifecycle -------------------------------------------------------
-    def start(self) -> TcpProxy:
-        ready = threading.Event()
-        error: list[BaseException] = []
-
-        def run() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            try:
-                self._server = loop.run_until_complete(asyncio.start_server(self._handle, self.listen_host, 0))
-                self.port = self._server.sockets[0].getsockname()[1]
-            except BaseException as exc:  # reported to start()'s caller
-                error.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            try:
-                loop.run_forever()
-            finally:
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.close()
-
-        self._thread = threading.Thread(target=run, name=f"tcp-proxy-{self.target[1]}", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if error:
-            raise error[0]
-        return self
-
-    def close(self) -> None:
-        if self._loop is None or self._thread is None:
-            return
-        asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop = self._thread = None
-
-    def __enter__(self) -> TcpProxy:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # -- the event loop side ---------------------------------------------
+    # -- the event loop side (start/close/with come from LoopThreadServer) ---------------------------------------------
     async def _shutdown(self) -> None:
         assert self._server is not None
         self._server.close()
