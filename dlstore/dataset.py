@@ -258,6 +258,15 @@ class Dataset(torch.utils.data.Dataset):
         return (data, (*box, float(flip))), label
 
     def __getitem__(self, request: BatchRequest) -> dict:
+        return self.build_batch(request)
+
+    def build_batch(self, request: BatchRequest, out: torch.Tensor | None = None) -> dict:
+        """The batch of `request`: uint8 NHWC images, labels, padding marks, and (with
+        `decode_on="device"`) the encoded JPEGs and crop rows instead of images.
+
+        `out`, a uint8 tensor of shape (batch_size, size, size, 3), receives the images, and
+        the batch's "images" is a view of its first rows: the loader passes a slot of a
+        shared-memory buffer, so a worker's batch reaches the training process uncopied."""
         cfg = self.cfg
         raw = self._read_raw(request.ids)
         on_device = cfg.decode_on == "device"
@@ -282,8 +291,13 @@ class Dataset(torch.utils.data.Dataset):
             encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data, _ in images]
             boxes = torch.tensor([row for _, row in images], dtype=torch.float64).reshape(-1, 5)
             images = []
+        if out is not None and images:
+            np.stack(images, out=out[: len(images)].numpy())
+            stacked = out[: len(images)]
+        else:
+            stacked = torch.from_numpy(np.stack(images)) if images else _empty(cfg.transform)
         batch = {
-            "images": torch.from_numpy(np.stack(images)) if images else _empty(cfg.transform),
+            "images": stacked,
             "labels": torch.tensor(labels, dtype=torch.int64),
             "index": request.index,
             "padding": torch.tensor(padding, dtype=torch.bool),

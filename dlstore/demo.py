@@ -164,6 +164,8 @@ def _train(cfg: DemoConfig, store_url: str, workdir: str) -> dict:
     for r in val:
         _say(f"epoch {r['epoch']}: val top-1 {r['top1']:.2f} (chance {1 / cfg.num_classes:.2f}), loss {r['loss']:.3f}")
     rate = sum(r.get("img_per_s") or 0 for r in train_steps) / max(len(train_steps), 1)
-    _say(f"trained resnet18 at {cfg.image_size} px for {cfg.epochs} epochs on the CPU, ~{rate:.0f} img/s; "
-         f"checkpoints in {config.checkpoint_url}")
+    _say(
+        f"trained resnet18 at {cfg.image_size} px for {cfg.epochs} epochs on the CPU, ~{rate:.0f} img/s; "
+        f"checkpoints in {config.checkpoint_url}"
+    )
     return {"val_top1": val[-1]["top1"] if val else None, "train_img_s": rate}

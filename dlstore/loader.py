@@ -2,15 +2,17 @@
 GPU prefetcher that copies batches ahead on a side CUDA stream.
 
 The main process owns the epoch plan: a sampler walks this rank's batches in order and
-hands each worker a whole batch request; persistent workers decode and collate; the
-DataLoader returns batches in plan order, so what the training loop sees does not depend
-on the number of workers. The loader counts batches *delivered to the loop* (not those
+hands each worker a whole batch request; persistent workers decode and collate into a slot
+of a shared-memory buffer allocated once (on a GPU node also page-locked, so the copy to the
+device reads it directly); the DataLoader returns batches in plan order, so what the
+training loop sees does not depend on the number of workers. The loader counts batches *delivered to the loop* (not those
 fetched ahead), so `state_dict()` is the exact position.
 """
 
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +41,9 @@ class LoaderConfig:
     normalize: bool = True
     channels_last: bool = True
     timeout_s: float = 0.0
+    # Workers write images into slots of one shared-memory buffer (see `BatchSlots`); False
+    # hands each batch over as a fresh shared-memory tensor (torch's default, more page faults).
+    shared_slots: bool = True
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:
@@ -51,11 +56,96 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
+class BatchSlots:
+    """A ring of image buffers in shared memory that the workers write batches into.
+
+    Why: handing a batch from a worker as an ordinary tensor puts it into a fresh
+    shared-memory file each time, which the worker faults in page by page and the training
+    process maps again and, on a GPU node, copies once more into pinned memory. Slots are
+    allocated once; on CUDA they are page-locked (`cudaHostRegister`), so the host-to-device
+    copy reads the worker's bytes directly.
+
+    Batch `i` goes into slot `i % count`. The DataLoader keeps at most
+    `prefetch_factor x workers` batches requested but not yet handed on, so with two more
+    slots than that, a slot is requested again only after the batch in it has been taken;
+    `claim` checks that, and waits for that batch's copy to the device to finish.
+    """
+
+    def __init__(self, count: int, batch_size: int, image_size: int, device: torch.device) -> None:
+        self.count = count
+        self.buffers = torch.empty((count, batch_size, image_size, image_size, 3), dtype=torch.uint8)
+        self.buffers.share_memory_()
+        self.device = device
+        self.claimed: set[int] = set()
+        self.copies: dict[int, Any] = {}  # slot -> CUDA event of the copy out of it
+        self.page_locked = device.type == "cuda" and _page_lock(self.buffers)
+        if self.page_locked:
+            weakref.finalize(self, _page_unlock, self.buffers, device)
+
+    def slot_of(self, index: int) -> int:
+        return index % self.count
+
+    def claim(self, index: int) -> None:
+        """Before batch `index` is requested from a worker: its slot must be free."""
+        slot = self.slot_of(index)
+        if slot in self.claimed:
+            raise RuntimeError(f"batch slot {slot} requested again before its batch was taken (a loader bug)")
+        event = self.copies.pop(slot, None)
+        if event is not None:
+            event.synchronize()
+        self.claimed.add(slot)
+
+    def view(self, slot: int, count: int) -> torch.Tensor:
+        return self.buffers[slot, :count]
+
+    def release(self, slot: int, copied: Any = None) -> None:
+        """The batch in `slot` was taken; `copied` (a CUDA event) marks the end of its copy."""
+        self.claimed.discard(slot)
+        if copied is not None:
+            self.copies[slot] = copied
+
+    def forget_claims(self) -> None:
+        """A new pass: batches requested by an abandoned one were drained by the DataLoader."""
+        self.claimed.clear()
+
+
+def _page_lock(buffers: torch.Tensor) -> bool:
+    try:
+        error = torch.cuda.cudart().cudaHostRegister(buffers.data_ptr(), buffers.nbytes, 0)
+        if int(error) == 0:
+            return True
+        log.warning("cudaHostRegister failed (%s): batches are copied to the device from pageable memory", error)
+    except Exception as exc:  # an old or CPU-only build of torch
+        log.warning("cannot page-lock the batch buffers (%s): copies to the device are synchronous", exc)
+    return False
+
+
+def _page_unlock(buffers: torch.Tensor, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy out of the buffers may still be running
+    torch.cuda.cudart().cudaHostUnregister(buffers.data_ptr())
+
+
+class _SlotWriter(torch.utils.data.Dataset):
+    """What the workers run: the dataset's batch, its images written into the batch's slot."""
+
+    def __init__(self, dataset: Dataset, slots: BatchSlots) -> None:
+        self.dataset = dataset
+        self.buffers = slots.buffers
+        self.count = slots.count
+
+    def __getitem__(self, request: BatchRequest) -> dict:
+        slot = request.index % self.count
+        batch = self.dataset.build_batch(request, out=self.buffers[slot])
+        batch["images"], batch["slot"] = None, slot
+        return batch
+
+
 class _PlanSampler(Sampler):
     """Yields this rank's batch requests for the current epoch, from a start batch."""
 
-    def __init__(self, dataset: Dataset) -> None:
+    def __init__(self, dataset: Dataset, slots: BatchSlots | None = None) -> None:
         self.dataset = dataset
+        self.slots = slots
         self.epoch = 0
         self.history: tuple = ()
 
@@ -65,7 +155,11 @@ class _PlanSampler(Sampler):
     def __iter__(self) -> Iterator[BatchRequest]:
         # The plan of what this epoch has left after `history`: it starts at its batch 0.
         plan = self.dataset.plan(self.epoch, self.history)
+        if self.slots is not None:
+            self.slots.forget_claims()
         for index in range(plan.num_batches):
+            if self.slots is not None:
+                self.slots.claim(index)
             yield self.dataset.request(plan, self.epoch, index)
             self.dataset.prefetch_after(plan, index)
 
@@ -80,8 +174,11 @@ class GpuPrefetcher:
     On a CPU device the same code runs without streams.
     """
 
-    def __init__(self, batches: Iterator[dict], cfg: LoaderConfig, device: torch.device) -> None:
+    def __init__(
+        self, batches: Iterator[dict], cfg: LoaderConfig, device: torch.device, slots: BatchSlots | None = None
+    ) -> None:
         self.batches = batches
+        self.slots = slots
         self.cfg = cfg
         self.device = device
         self.cuda = device.type == "cuda"
@@ -102,6 +199,13 @@ class GpuPrefetcher:
             size = batch["images"].shape[1]
             # nvJPEG reads the encoded bytes from (pinned) host memory itself.
             images = decode_on_device(batch["encoded"], batch["boxes"], size, self.device)
+        elif batch["images"] is None:
+            images = self.slots.view(batch["slot"], len(batch["labels"]))
+            if self.cuda:
+                # Page-locked: an asynchronous DMA; the slot is reused after its event.
+                images = images.to(self.device, non_blocking=self.slots.page_locked)
+            elif self.dtype == torch.uint8:
+                images = images.clone()  # the slot is reused once this batch is handed on
         else:
             images = batch["images"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
@@ -135,6 +239,8 @@ class GpuPrefetcher:
                 event.record(self.stream)
         else:
             ready, event = self._to_device(batch), None
+        if batch.get("slot") is not None:
+            self.slots.release(batch["slot"], event)
         self.pending.append((ready, event))
         return True
 
@@ -172,11 +278,19 @@ class Loader:
             self.cfg = LoaderConfig(**{**self.cfg.__dict__, "device": "cpu"})
         self.device = torch.device(self.cfg.device)
         self.dataset = dataset
-        self.sampler = _PlanSampler(dataset)
         self.state = EpochState(epoch=0, history=())
         workers = self.cfg.num_workers
+        self.slots: BatchSlots | None = None
+        if workers > 0 and self.cfg.shared_slots and dataset.cfg.decode_on == "worker":
+            self.slots = BatchSlots(
+                self.cfg.prefetch_factor * workers + 2,
+                dataset.cfg.batch_size,
+                dataset.cfg.transform.image_size,
+                self.device,
+            )
+        self.sampler = _PlanSampler(dataset, self.slots)
         self._dataloader = DataLoader(
-            dataset,
+            dataset if self.slots is None else _SlotWriter(dataset, self.slots),
             sampler=self.sampler,
             batch_size=None,
             num_workers=workers,
@@ -201,7 +315,7 @@ class Loader:
     def __iter__(self) -> Iterator:
         self.sampler.epoch = self.state.epoch
         self.sampler.history = self.state.history
-        prefetcher = GpuPrefetcher(iter(self._dataloader), self.cfg, self.device)
+        prefetcher = GpuPrefetcher(iter(self._dataloader), self.cfg, self.device, self.slots)
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
             if self.cfg.num_workers > 0:
@@ -213,6 +327,19 @@ class Loader:
                 yield batch["images"], batch["labels"]
         # A finished epoch resumes at the next one.
         self.state = EpochState(epoch=self.state.epoch + 1, history=())
+
+    def close(self) -> None:
+        """Stop the workers now (they also stop when the loader is garbage-collected)."""
+        iterator = getattr(self._dataloader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self._dataloader._iterator = None
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def state_dict(self) -> dict:
         """The exact position: epoch and the steps done in it (per world layout)."""

@@ -152,6 +152,72 @@ def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_pat
     assert second.state_dict()["epoch"] == 6
 
 
+def _pixels_and_keys(loader, epochs, abandon_after):
+    """Every batch's images and keys: first a pass over epoch 7 abandoned after
+    `abandon_after` batches (the batches it had requested are drained mid-flight), then
+    whole `epochs`."""
+    out = []
+    loader.set_epoch(7)
+    for step, (images, _, meta) in enumerate(loader):
+        out.append((images, meta["keys"]))
+        if step + 1 == abandon_after:
+            break
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        out += [(images, meta["keys"]) for images, _, meta in loader]
+    return out
+
+
+def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_dataset, tmp_path):
+    """Batch size 2 over 23 samples with 3 slots: every slot is reused four times per epoch."""
+    url, _ = local_dataset
+    runs = []
+    for shared in (False, True):
+        loader = dlstore.Loader(
+            _dataset(url, tmp_path, batch_size=2),
+            num_workers=1,
+            device="cpu",
+            dtype="uint8",
+            prefetch_factor=1,
+            shared_slots=shared,
+        )
+        assert (loader.slots is not None) == shared
+        if shared:
+            assert loader.slots.count == 3
+        runs.append(_pixels_and_keys(loader, [0, 1], abandon_after=4))
+    assert len(runs[0]) == len(runs[1]) == 4 + 2 * 12
+    for (images_a, keys_a), (images_b, keys_b) in zip(*runs):
+        assert keys_a == keys_b
+        assert torch.equal(images_a, images_b)
+
+
+def test_a_batch_slot_is_not_handed_out_twice_before_its_batch_is_taken():
+    from dlstore.loader import BatchSlots
+
+    slots = BatchSlots(3, batch_size=2, image_size=4, device=torch.device("cpu"))
+    slots.claim(0)
+    slots.claim(1)
+    with pytest.raises(RuntimeError, match="slot 0"):
+        slots.claim(3)
+    slots.release(0)
+    slots.claim(3)
+    assert slots.view(0, 2).shape == (2, 4, 4, 3)
+
+
+def test_close_stops_the_workers(local_dataset, tmp_path):
+    url, _ = local_dataset
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    with dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu") as loader:
+        next(iter(loader))
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 2
+    assert not any(w.is_alive() for w in workers)
+    loader.set_epoch(1)
+    assert len(_epoch(loader)) == 24  # a closed loader starts new workers when iterated again
+
+
 def test_corrupt_samples_are_skipped_and_counted(tmp_path):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000003"}))

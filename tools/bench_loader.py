@@ -138,7 +138,9 @@ def epochs_rate(batches: Callable[[int], Iterator], epochs: range) -> Rate:
     return Rate(images / seconds, 1000.0 * cpu_since(before) / images)
 
 
-def dlstore_loader(url: str, cache_dir: str, args, dtype: str, store_config: StoreConfig | None = None):
+def dlstore_loader(
+    url: str, cache_dir: str, args, dtype: str, store_config: StoreConfig | None = None, shared_slots: bool = True
+):
     import dlstore
 
     ds = dlstore.Dataset(
@@ -152,7 +154,7 @@ def dlstore_loader(url: str, cache_dir: str, args, dtype: str, store_config: Sto
         world=WorldInfo(),
         store_config=store_config,
     )
-    loader = dlstore.Loader(ds, num_workers=args.workers, device="cpu", dtype=dtype)
+    loader = dlstore.Loader(ds, num_workers=args.workers, device="cpu", dtype=dtype, shared_slots=shared_slots)
 
     def batches(epoch: int) -> Iterator:
         loader.set_epoch(epoch)
@@ -161,8 +163,8 @@ def dlstore_loader(url: str, cache_dir: str, args, dtype: str, store_config: Sto
     return loader, batches
 
 
-def dlstore_warm_rate(url: str, cache_dir: str, args, dtype: str) -> Rate:
-    _, batches = dlstore_loader(url, cache_dir, args, dtype)
+def dlstore_warm_rate(url: str, cache_dir: str, args, dtype: str, shared_slots: bool = True) -> Rate:
+    _, batches = dlstore_loader(url, cache_dir, args, dtype, shared_slots=shared_slots)
     epochs_rate(batches, range(0, 1))  # warm-up: workers started, cache filled, indexes read
     return epochs_rate(batches, range(1, 1 + args.epochs))
 
@@ -329,6 +331,7 @@ def measure_round(samples, url: str, store_dir: Path, cache_dir: str, args, core
         "single_core": single_core_rate(samples, args.image_size),
         "ceiling": ceiling_rate(samples, args.image_size, cores),
         "dlstore_uint8": dlstore_warm_rate(url, cache_dir, args, "uint8"),
+        "dlstore_uint8_no_slots": dlstore_warm_rate(url, cache_dir, args, "uint8", shared_slots=False),
         "dlstore_float32": dlstore_warm_rate(url, cache_dir, args, "float32"),
         "webdataset": webdataset_rate(store_dir, args),
     }
@@ -415,6 +418,9 @@ def report(results: dict, rounds: list[dict[str, Rate]], rss: dict, cores: int, 
         "a_float32": ratio("dlstore_float32", "single_core", cores),
         "a_uint8_cpu": cpu_ratio("dlstore_uint8", "single_core"),
         "a_float32_cpu": cpu_ratio("dlstore_float32", "single_core"),
+        "a_uint8_no_slots": ratio("dlstore_uint8_no_slots", "single_core", cores),
+        "slots": ratio("dlstore_uint8", "dlstore_uint8_no_slots"),
+        "slots_cpu": cpu_ratio("dlstore_uint8", "dlstore_uint8_no_slots"),
         "a_control": ratio("ceiling", "single_core", cores),
         "a_uint8_vs_control": ratio("dlstore_uint8", "ceiling"),
         "a_uint8_vs_control_cpu": cpu_ratio("dlstore_uint8", "ceiling"),
@@ -440,6 +446,9 @@ def report(results: dict, rounds: list[dict[str, Rate]], rss: dict, cores: int, 
     lines = [
         ("(a) warm uint8 / (cores x single-core)", "a_uint8", "goal >= 0.95"),
         ("    the same in CPU time per image", "a_uint8_cpu", ""),
+        ("    the same, batches handed over whole (no slots)", "a_uint8_no_slots", ""),
+        ("    uint8 with shared slots / without", "slots", ""),
+        ("    without slots, CPU per image / with", "slots_cpu", ""),
         ("(a) warm float32 (CPU-device default) / (cores x 1)", "a_float32", "goal >= 0.95"),
         ("    the same in CPU time per image", "a_float32_cpu", ""),
         ("    control: bare function in `cores` procs / (cores x 1)", "a_control", ""),
