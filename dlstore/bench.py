@@ -91,6 +91,7 @@ class BenchConfig:
     procs: tuple[int, ...] = (1,)
     image_size: int = 224
     transform: str = "train"
+    decode_on: str = "worker"  # or "device": JPEG decode on the GPU (nvJPEG), see DatasetConfig
     batches: int = 20
     stage_batches: int = 2
     model: str = "resnet50"
@@ -119,6 +120,8 @@ class BenchConfig:
             raise ConfigError("stage_batches must be at least 1")
         if self.transform not in ("train", "eval"):
             raise ConfigError(f"transform must be 'train' or 'eval', not {self.transform!r}")
+        if self.decode_on not in ("worker", "device"):
+            raise ConfigError(f"decode_on must be 'worker' or 'device', not {self.decode_on!r}")
 
     @classmethod
     def quick(cls, url: str, **changes: Any) -> BenchConfig:
@@ -321,6 +324,7 @@ def _open_dataset(cfg: BenchConfig, cache_dir: str, limit: str | int, batch_size
         seed=cfg.seed,
         world=world or WorldInfo(),
         store_config=cfg.store_config,
+        decode_on=cfg.decode_on,
     )
 
 

@@ -370,7 +370,17 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for name, parse in (("batch_sizes", parse_int_list), ("workers", parse_int_list), ("procs", parse_int_list)):
         if getattr(args, name) is not None:
             changes[name] = parse(getattr(args, name))
-    for name in ("image_size", "transform", "batches", "stage_batches", "model", "device", "amp", "demand_steps"):
+    for name in (
+        "image_size",
+        "transform",
+        "decode_on",
+        "batches",
+        "stage_batches",
+        "model",
+        "device",
+        "amp",
+        "demand_steps",
+    ):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.cache_limit is not None:
@@ -412,6 +422,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--procs", metavar="N,N", help="process counts for a scaling table, e.g. 1,2,4 (default: none)")
     p.add_argument("--image-size", type=int, help="training resolution (default 224; --quick 64)")
     p.add_argument("--transform", choices=["train", "eval"], help="augmentation preset (default train)")
+    p.add_argument(
+        "--decode-on",
+        choices=["worker", "device"],
+        help="where JPEGs are decoded: worker (CPU, default) or device (nvJPEG on a GPU; workers only plan crops)",
+    )
     p.add_argument("--batches", type=int, help="batches per timed loader pass (default 20; --quick 4)")
     p.add_argument("--stage-batches", type=int, help="batches of the per-stage timing pass (default 2)")
     p.add_argument("--model", help="torchvision model for the demand side (default resnet50; --quick resnet18)")

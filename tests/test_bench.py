@@ -72,6 +72,18 @@ def test_bench_cli_writes_json_and_plot(dataset_url, tmp_path, capsys):
     assert list(bench_tmp.iterdir()) == []  # the bench's own cache is gone
 
 
+def test_bench_with_decode_on_the_device_runs_on_cpu(dataset_url, tmp_path, capsys):
+    """The GPU-decode path of the bench, on the CPU (torchvision's decoder stands in for nvJPEG)."""
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", dataset_url, "--quick", "--no-demand", "--decode-on", "device", "--batch-sizes", "8"]
+    argv += ["--workers", "1", "--image-size", "32", "--cache-dir", str(tmp_path), "--json", str(out_json), "-q"]
+    assert cli(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert report["config"]["decode_on"] == "device"
+    (row,) = report["loader"]
+    assert row["warm"]["images"] > 0 and row["warm"]["images_per_s"] > 0
+
+
 def _split(**ms: float) -> StageSplit:
     per_stage = dict.fromkeys(STAGES, 0.0) | {k: v / 1000 for k, v in ms.items()}
     return StageSplit(cache="warm", batch_size=256, images=1, seconds=per_stage)
@@ -111,6 +123,8 @@ def test_advise_when_the_loader_keeps_up_but_cold_reads_are_slow():
 
 
 def test_bench_config_rejects_nonsense():
+    with pytest.raises(ConfigError, match="decode_on"):
+        BenchConfig("file:///x", decode_on="gpu")
     with pytest.raises(ConfigError):
         BenchConfig("file:///x", batches=1)
     with pytest.raises(ConfigError):

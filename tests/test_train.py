@@ -323,7 +323,7 @@ def test_cli_arguments_build_the_config():
         [
             *("train", "swift://imagenet/train", "--val-url", "swift://imagenet/val", "--model", "resnet18"),
             *("--checkpoint-url", "swift://ckpt/run1", "--resume", "auto", "--no-channels-last", "--compile"),
-            *("--step-milestones", "2", "4", "--batch-size", "64", "--base-lr", "0.2"),
+            *("--step-milestones", "2", "4", "--batch-size", "64", "--base-lr", "0.2", "--decode-on", "device"),
         ]
     )
     cfg = config_from_args(args)
@@ -338,6 +338,7 @@ def test_cli_arguments_build_the_config():
         step_milestones=(2, 4),
         batch_size=64,
         base_lr=0.2,
+        decode_on="device",
     )
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
@@ -349,6 +350,8 @@ def test_config_rejects_contradictions():
         TrainConfig("x", amp="fp8")
     with pytest.raises(ConfigError, match="resize_min"):
         TrainConfig("x", image_size=64, resize_min=128)
+    with pytest.raises(ConfigError, match="decode_on"):
+        TrainConfig("x", decode_on="gpu")
     with pytest.raises(ConfigError, match="unknown"):
         TrainConfig.from_dict({"train_url": "x", "lr": 1})
 

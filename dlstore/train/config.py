@@ -42,6 +42,7 @@ class TrainConfig:
     cache_dir: str | None = None
     cache_limit: str = "50GB"
     image_size: int = 224
+    decode_on: str = "worker"  # or "device": JPEG decode on the GPU (nvJPEG)
     eval_image_size: int | None = None  # default: image_size
     # Progressive resizing (FFCV): image size ramps linearly from resize_min at
     # resize_start_epoch to image_size at resize_end_epoch, in steps of resize_step pixels.
@@ -85,6 +86,8 @@ class TrainConfig:
             raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {self.device!r}")
         if self.amp not in _AMP:
             raise ConfigError(f"amp must be one of {_AMP}, not {self.amp!r}")
+        if self.decode_on not in ("worker", "device"):
+            raise ConfigError(f"decode_on must be 'worker' or 'device', not {self.decode_on!r}")
         if self.schedule not in _SCHEDULES:
             raise ConfigError(f"schedule must be one of {_SCHEDULES}, not {self.schedule!r}")
         for name in ("batch_size", "epochs", "image_size", "log_every", "keep_checkpoints", "resize_step"):
@@ -162,6 +165,7 @@ _CLI: dict[str, tuple[Any, str]] = {
     "cache_dir": (str, "node-local shard cache directory (shared by the ranks of a node)"),
     "cache_limit": (str, "shard cache size limit, e.g. 150GB"),
     "image_size": (int, "training resolution (the final one under progressive resizing)"),
+    "decode_on": (str, "where JPEGs are decoded: worker (CPU processes) or device (nvJPEG on the GPU)"),
     "eval_image_size": (int, "evaluation resolution (default: --image-size)"),
     "resize_min": (int, "progressive resizing: the starting resolution (off when not given)"),
     "resize_start_epoch": (int, "progressive resizing: last epoch at --resize-min"),

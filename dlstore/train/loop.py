@@ -360,6 +360,7 @@ class Trainer:
             batch_size=cfg.batch_size,
             seed=cfg.seed,
             world=self.ctx.world,
+            decode_on=cfg.decode_on,
             **options,
         )
 
