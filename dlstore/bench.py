@@ -520,7 +520,7 @@ def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded:
             seconds["decode"] += t1 - t0
             seconds["augment"] += clock() - t1
             labels.append(int(sample.get("cls", b"0") or 0))
-            if cache == "cold" and len(encoded) < 256:
+            if cache == "cold" and len(encoded) < 256 and data[:2] == b"\xff\xd8" and image.mode in ("RGB", "L"):
                 encoded.append(data)
                 pixels.append(image.width * image.height)
         if not arrays:
@@ -556,14 +556,14 @@ def _sync(device: torch.device) -> None:
 def _gpu_decode_rate(encoded: list[bytes], device: torch.device) -> float | None:
     """nvJPEG through torchvision, batched: img/s for these images (decode only)."""
     try:
-        from torchvision.io import decode_jpeg
+        from torchvision.io import ImageReadMode, decode_jpeg
 
         tensors = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in encoded]
-        decode_jpeg(tensors[:8], device=device)  # initialise nvJPEG
+        decode_jpeg(tensors[:8], mode=ImageReadMode.RGB, device=device)  # initialise nvJPEG
         torch.cuda.synchronize(device)
         started = time.perf_counter()
         for _ in range(3):
-            decode_jpeg(tensors, device=device)
+            decode_jpeg(tensors, mode=ImageReadMode.RGB, device=device)
         torch.cuda.synchronize(device)
         return 3 * len(tensors) / (time.perf_counter() - started)
     except Exception as exc:  # an optional measurement: any failure only leaves it out

@@ -24,7 +24,7 @@ from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, World, locate, rank_plan
 from dlstore.shards import read_sample_from_file, read_shard_index
 from dlstore.storage import open_store
-from dlstore.transforms import TransformConfig, crop_plan, jpeg_size, sample_rng, transform_image
+from dlstore.transforms import TransformConfig, crop_plan, device_jpeg, sample_rng, transform_image
 
 __all__ = ["BatchRequest", "Dataset", "DatasetConfig"]
 
@@ -253,7 +253,7 @@ class Dataset(torch.utils.data.Dataset):
         if data is None:
             raise CorruptSample(f"sample {sample.get('__key__')!r} has no image member")
         label = _label(sample, len(self.manifest.classes))
-        width, height = jpeg_size(data)
+        data, width, height = device_jpeg(data)
         box, flip = crop_plan(width, height, self.cfg.transform, sample_rng(self.cfg.seed, epoch, sample_id))
         return (data, (*box, float(flip))), label
 

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from dlstore.dataset import BatchRequest, Dataset
-from dlstore.errors import ConfigError
+from dlstore.errors import ConfigError, CorruptSample
 from dlstore.plan import EpochState
 from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD
 
@@ -111,7 +111,8 @@ class BatchSlots:
 
 def _page_lock(buffers: torch.Tensor) -> bool:
     try:
-        error = torch.cuda.cudart().cudaHostRegister(buffers.data_ptr(), buffers.nbytes, 0)
+        # 1 = cudaHostRegisterPortable: page-locked for every device, not only the current one.
+        error = torch.cuda.cudart().cudaHostRegister(buffers.data_ptr(), buffers.nbytes, 1)
         if int(error) == 0:
             return True
         log.warning("cudaHostRegister failed (%s): batches are copied to the device from pageable memory", error)
@@ -175,10 +176,16 @@ class GpuPrefetcher:
     """
 
     def __init__(
-        self, batches: Iterator[dict], cfg: LoaderConfig, device: torch.device, slots: BatchSlots | None = None
+        self,
+        batches: Iterator[dict],
+        cfg: LoaderConfig,
+        device: torch.device,
+        slots: BatchSlots | None = None,
+        on_corrupt: str = "skip",
     ) -> None:
         self.batches = batches
         self.slots = slots
+        self.on_corrupt = on_corrupt
         self.cfg = cfg
         self.device = device
         self.cuda = device.type == "cuda"
@@ -191,6 +198,8 @@ class GpuPrefetcher:
         self.scale = 1.0 / self.std
         self.shift = -self.mean / self.std
         self.pending: list[tuple[dict, Any]] = []
+        if self.cuda:  # the constants above were made on the current stream; the side stream reads them
+            self.stream.wait_stream(torch.cuda.current_stream(device))
 
     def _to_device(self, batch: dict) -> dict:
         if batch.get("encoded") is not None:
@@ -198,7 +207,9 @@ class GpuPrefetcher:
 
             size = batch["images"].shape[1]
             # nvJPEG reads the encoded bytes from (pinned) host memory itself.
-            images = decode_on_device(batch["encoded"], batch["boxes"], size, self.device)
+            images, bad = decode_on_device(batch["encoded"], batch["boxes"], size, self.device)
+            if bad:
+                batch = self._drop_undecodable(batch, bad)
         elif batch["images"] is None:
             images = self.slots.view(batch["slot"], len(batch["labels"]))
             if self.cuda:
@@ -225,6 +236,19 @@ class GpuPrefetcher:
                 images = images.contiguous()
         out = dict(batch)
         out["images"], out["labels"] = images, labels
+        return out
+
+    def _drop_undecodable(self, batch: dict, bad: list[int]) -> dict:
+        """The batch without the samples whose JPEG the device could not decode (the worker
+        read their headers, so this is rare): skipped and counted, or `CorruptSample`."""
+        if self.on_corrupt == "raise":
+            raise CorruptSample(f"{len(bad)} JPEG(s) of batch {batch.get('index')} do not decode on {self.device}")
+        log.warning("skipping %d sample(s) whose JPEG does not decode on %s", len(bad), self.device)
+        keep = [i for i in range(len(batch["labels"])) if i not in bad]
+        out = dict(batch, labels=batch["labels"][keep], padding=batch["padding"][keep])
+        if "keys" in batch:
+            out["keys"] = [batch["keys"][i] for i in keep]
+        out["undecodable"] = len(bad)
         return out
 
     def _enqueue(self) -> bool:
@@ -281,7 +305,10 @@ class Loader:
         self.state = EpochState(epoch=0, history=())
         workers = self.cfg.num_workers
         self.slots: BatchSlots | None = None
-        if workers > 0 and self.cfg.shared_slots and dataset.cfg.decode_on == "worker":
+        # Slots pay where the batch is copied out of them anyway: to the GPU, or into the float
+        # batch on a CPU device. A uint8 batch on the CPU is handed over as it is (no copy).
+        copied_out = self.device.type == "cuda" or self.cfg.dtype != "uint8"
+        if workers > 0 and self.cfg.shared_slots and copied_out and dataset.cfg.decode_on == "worker":
             self.slots = BatchSlots(
                 self.cfg.prefetch_factor * workers + 2,
                 dataset.cfg.batch_size,
@@ -315,12 +342,15 @@ class Loader:
     def __iter__(self) -> Iterator:
         self.sampler.epoch = self.state.epoch
         self.sampler.history = self.state.history
-        prefetcher = GpuPrefetcher(iter(self._dataloader), self.cfg, self.device, self.slots)
+        prefetcher = GpuPrefetcher(
+            iter(self._dataloader), self.cfg, self.device, self.slots, self.dataset.cfg.on_corrupt
+        )
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
             if self.cfg.num_workers > 0:
                 # Skipped samples were counted in a worker's copy of the dataset; count them here.
                 self.dataset.corrupt_samples += batch.get("corrupt", 0)
+            self.dataset.corrupt_samples += batch.get("undecodable", 0)
             if self.dataset.cfg.return_keys:
                 yield batch["images"], batch["labels"], {"keys": batch["keys"], "padding": batch["padding"]}
             else:

@@ -29,7 +29,7 @@ except ImportError:  # pragma: no cover - optional speed-up
 __all__ = [
     "crop_plan",
     "decode_on_device",
-    "jpeg_size",
+    "device_jpeg",
     "TransformConfig",
     "augment_image",
     "decode_image",
@@ -129,32 +129,49 @@ def crop_plan(width: int, height: int, cfg: TransformConfig, rng: np.random.Gene
     return (0, 0, width, height), False
 
 
-def jpeg_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from a JPEG's header, without decoding it; `CorruptSample` otherwise."""
-    if data[:2] != _JPEG_MAGIC:
-        raise CorruptSample("not a JPEG: decoding on the device reads JPEG only")
+def device_jpeg(data: bytes) -> tuple[bytes, int, int]:
+    """`data` as a JPEG the device decoder takes, with its (width, height), read from the
+    header without decoding. nvJPEG (through torchvision) reads baseline and progressive
+    RGB or greyscale JPEGs; the rare other image (ImageNet has a few CMYK JPEGs and a PNG
+    named .JPEG) is decoded and re-encoded here, on the worker's CPU. `CorruptSample` when
+    it is no image."""
     try:
         with Image.open(io.BytesIO(data)) as image:
-            return image.size
+            if data[:2] == _JPEG_MAGIC and image.mode in ("RGB", "L"):
+                return data, image.width, image.height
     except Exception as exc:
-        raise CorruptSample(f"cannot read the JPEG header ({len(data)} bytes): {exc}") from None
+        raise CorruptSample(f"cannot read the image header ({len(data)} bytes): {exc}") from None
+    image = decode_image(data)
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=95)
+    return out.getvalue(), image.width, image.height
 
 
 def decode_on_device(encoded, boxes, image_size: int, device):
     """Decode JPEGs on `device` (nvJPEG on CUDA, batched) and crop, resize and flip them by
-    `boxes` rows `(left, top, right, bottom, flip)`; uint8 NHWC out, as the CPU path gives.
+    `boxes` rows `(left, top, right, bottom, flip)`; uint8 NHWC out, as the CPU path gives,
+    and the positions of the JPEGs that did not decode (left out of the output).
 
     Decode is most of a sample's CPU cost; on a GPU node with few cores per GPU moving it to
-    the device is what lets the loader keep up. A JPEG that fails to decode raises
-    `CorruptSample` (the header was checked in the worker)."""
+    the device is what lets the loader keep up."""
     import torch
-    import torchvision.io as tio
     from torch.nn import functional as F
 
+    device = torch.device(device)
+    if not len(encoded):
+        return torch.empty((0, image_size, image_size, 3), dtype=torch.uint8, device=device), []
+    bad: list[int] = []
     try:
-        images = tio.decode_jpeg(list(encoded), mode=tio.ImageReadMode.RGB, device=device)
-    except RuntimeError as exc:
-        raise CorruptSample(f"a JPEG of this batch does not decode on {device}: {exc}") from None
+        images = _decode_jpegs(list(encoded), device)
+    except (RuntimeError, ValueError):
+        # A batched decode gives nothing when one JPEG fails: one at a time finds which.
+        images = []
+        for position, data in enumerate(encoded):
+            try:
+                images += _decode_jpegs([data], device)
+            except (RuntimeError, ValueError):
+                bad.append(position)
+        boxes = boxes[[i for i in range(len(encoded)) if i not in bad]]
     out = torch.empty((len(images), image_size, image_size, 3), dtype=torch.uint8, device=device)
     for i, (image, (left, top, right, bottom, flip)) in enumerate(zip(images, boxes.tolist())):
         crop = image[:, int(round(top)) : int(round(bottom)), int(round(left)) : int(round(right))]
@@ -164,7 +181,28 @@ def decode_on_device(encoded, boxes, image_size: int, device):
         if flip:
             resized = resized.flip(-1)
         out[i] = resized.round_().clamp_(0, 255).permute(1, 2, 0).to(torch.uint8)
-    return out
+    return out, bad
+
+
+def _decode_jpegs(encoded: list, device) -> list:
+    import torch
+    import torch.utils.deterministic
+    import torchvision.io as tio
+
+    if device.type != "cuda":
+        return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
+    # torchvision's CUDA decoder allocates its outputs on the current stream but writes them
+    # from its own, without waiting: memory this stream freed (the last batch's decoded
+    # images, still read by queued resize kernels) could be overwritten. Wait here first. In
+    # deterministic mode `torch.empty` also queues a fill of new tensors on the current
+    # stream, which could land on top of the decoded pixels: off for this call.
+    torch.cuda.current_stream(device).synchronize()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def transform_image(data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None) -> np.ndarray:

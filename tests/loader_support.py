@@ -24,8 +24,15 @@ def tiny_jpeg(label: int, seed: int, px: int = 16) -> bytes:
     return out.getvalue()
 
 
-def write_dataset(store: Store, sizes: list[int], corrupt_keys: frozenset[str] = frozenset()) -> list[str]:
-    """Shards of the given sample counts; returns every key. Keys are unique across shards."""
+def write_dataset(
+    store: Store,
+    sizes: list[int],
+    corrupt_keys: frozenset[str] = frozenset(),
+    truncated_keys: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Shards of the given sample counts; returns every key. Keys are unique across shards.
+    `corrupt_keys` get bytes that are no JPEG; `truncated_keys` a JPEG whose header is whole
+    but whose last bytes are cut off."""
     shards, keys, serial = [], [], 0
     for number, count in enumerate(sizes):
         buffer = io.BytesIO()
@@ -34,6 +41,8 @@ def write_dataset(store: Store, sizes: list[int], corrupt_keys: frozenset[str] =
             key = f"s{serial:06d}"
             label = serial % NUM_CLASSES
             jpeg = b"\xff\xd8 not a jpeg" if key in corrupt_keys else tiny_jpeg(label, serial)
+            if key in truncated_keys:
+                jpeg = jpeg[: jpeg.index(b"\xff\xda") + 20]  # a few bytes into the scan
             writer.write(key, {"cls": str(label).encode(), "jpg": jpeg})
             keys.append(key)
             serial += 1

@@ -177,7 +177,7 @@ def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_data
             _dataset(url, tmp_path, batch_size=2),
             num_workers=1,
             device="cpu",
-            dtype="uint8",
+            normalize=False,  # float32 batches holding the uint8 values: compared exactly
             prefetch_factor=1,
             shared_slots=shared,
         )
@@ -225,6 +225,28 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path):
     loader = dlstore.Loader(ds, num_workers=0, device="cpu")
     real = [k for k, p in _epoch(loader) if not p]
     assert sorted(real) == [f"s{i:06d}" for i in range(12) if i != 3]
+    assert ds.corrupt_samples == 1
+    assert "skipping 1 sample(s) whose JPEG does not decode on cpu" in caplog.text  # not in the worker
+
+
+@pytest.mark.parametrize("on_corrupt", ["skip", "raise"])
+def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_path, on_corrupt, caplog):
+    """Its header reads (the worker plans its crop), its body does not decode: the loader
+    drops it from its batch, with its label and key, or raises."""
+    url = f"file://{tmp_path}/data"
+    keys = write_dataset(open_store(url), [6, 6], truncated_keys=frozenset({"s000003"}))
+    ds = _dataset(url, tmp_path, transform="train", decode_on="device", on_corrupt=on_corrupt)
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", dtype="uint8")
+    if on_corrupt == "raise":
+        with pytest.raises(CorruptSample, match="do not decode"):
+            list(loader)
+        return
+    batches = list(loader)
+    delivered = [k for _, _, meta in batches for k in meta["keys"]]
+    assert sorted(delivered) == sorted(set(keys) - {"s000003"})
+    assert all(
+        len(images) == len(labels) == len(meta["keys"]) == len(meta["padding"]) for images, labels, meta in batches
+    )
     assert ds.corrupt_samples == 1
 
 

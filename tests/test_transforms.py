@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from dlstore.errors import ConfigError, CorruptSample
-from dlstore.transforms import TransformConfig, decode_image, sample_rng, transform_image
+from dlstore.transforms import TransformConfig, decode_image, decode_on_device, device_jpeg, sample_rng, transform_image
 
 
 def _jpeg(width: int = 120, height: int = 90, fmt: str = "JPEG") -> bytes:
@@ -68,3 +68,34 @@ def test_bad_transform_config_is_a_config_error():
         TransformConfig("random")
     with pytest.raises(ConfigError):
         TransformConfig("eval", crop_ratio=0)
+
+
+def test_device_jpeg_passes_rgb_jpegs_and_reencodes_what_nvjpeg_cannot_read():
+    rgb = _jpeg()
+    assert device_jpeg(rgb) == (rgb, 120, 90)
+    cmyk = io.BytesIO()
+    Image.open(io.BytesIO(rgb)).convert("CMYK").save(cmyk, "JPEG", quality=95)
+    for other in (cmyk.getvalue(), _jpeg(fmt="PNG")):
+        data, width, height = device_jpeg(other)
+        assert (width, height) == (120, 90) and data[:2] == b"\xff\xd8"
+        with Image.open(io.BytesIO(data)) as image:
+            assert image.mode == "RGB"
+        # The same picture: left half red, right half blue.
+        pixels = decode_image(data)
+        assert pixels.getpixel((10, 45))[0] > 150 and pixels.getpixel((110, 45))[2] > 150
+    with pytest.raises(CorruptSample):
+        device_jpeg(b"\xff\xd8 not a jpeg")
+
+
+def test_decode_on_device_leaves_out_jpegs_that_do_not_decode():
+    import torch
+
+    good = [_jpeg(), _jpeg(64, 48)]
+    encoded = [torch.frombuffer(bytearray(d), dtype=torch.uint8) for d in (good[0], good[0][:-40], good[1])]
+    boxes = torch.tensor([[0, 0, 120, 90, 0], [0, 0, 120, 90, 0], [0, 0, 64, 48, 1]], dtype=torch.float64)
+    images, bad = decode_on_device(encoded, boxes, 16, "cpu")
+    assert bad == [1] and images.shape == (2, 16, 16, 3)
+    alone, none_bad = decode_on_device([encoded[2]], boxes[2:], 16, "cpu")
+    assert none_bad == [] and torch.equal(images[1], alone[0])
+    empty, no_bad = decode_on_device([], boxes[:0], 16, "cpu")
+    assert empty.shape == (0, 16, 16, 3) and no_bad == []

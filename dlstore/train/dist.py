@@ -164,7 +164,13 @@ class DistContext:
 
 def _pick_device(local_rank: int, want_cuda: bool) -> torch.device:
     if want_cuda and torch.cuda.is_available():
-        index = local_rank % torch.cuda.device_count()
+        if local_rank >= torch.cuda.device_count():
+            # Two ranks on one GPU would fail later, in NCCL, with a less clear message.
+            raise ConfigError(
+                f"local rank {local_rank} has no GPU of its own: this node has {torch.cuda.device_count()}; "
+                "start one process per GPU (torchrun --nproc-per-node, srun --gpus-per-task=1)"
+            )
+        index = local_rank
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")

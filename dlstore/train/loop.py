@@ -139,14 +139,19 @@ def training_step(
     amp_dtype: torch.dtype | None,
     images: torch.Tensor,
     labels: torch.Tensor,
+    keep_grads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimiser step (forward under autocast, backward, step); returns (loss, logits).
     No host sync: the caller decides when to look at the numbers. `dlstore.train.demand`
-    times this same function on synthetic data."""
+    times this same function on synthetic data.
+
+    `keep_grads` zeroes the gradients rather than dropping them: under DDP with
+    `gradient_as_bucket_view` they are views of the all-reduce buckets, and dropped ones
+    would be allocated again and copied into the buckets at every step."""
     with autocast(images.device, amp_dtype):
         logits = model(images)
         loss = criterion(logits, labels)
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=not keep_grads)
     scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
     scaler.step(optimizer)
     scaler.update()
@@ -512,7 +517,14 @@ class Trainer:
 
     def _train_step(self, images: torch.Tensor, labels: torch.Tensor) -> None:
         loss, logits = training_step(
-            self.train_model, self.criterion, self.optimizer, self.scaler, self.amp_dtype, images, labels
+            self.train_model,
+            self.criterion,
+            self.optimizer,
+            self.scaler,
+            self.amp_dtype,
+            images,
+            labels,
+            keep_grads=self.ctx.distributed,
         )
         self.window.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.scheduler.step()
@@ -545,7 +557,11 @@ class Trainer:
         sums = torch.stack(
             [w.loss_sum, w.correct, torch.tensor(float(w.samples), dtype=torch.float64, device=self.device)]
         )
+        waited = time.perf_counter()
         loss_sum, correct, samples = self.ctx.all_reduce_sum(sums).tolist()
+        # On a GPU the loop runs ahead of the device until this sync: the wait is compute time
+        # of the window's steps, or img/s would be overstated.
+        w.compute_s += time.perf_counter() - waited
         wall = w.data_s + w.compute_s
         record = {
             "split": "train",
@@ -589,7 +605,8 @@ class Trainer:
         with torch.random.fork_rng(devices=[]), torch.no_grad(), self._autocast():
             for images, labels, meta in loader:
                 logits = self.eval_model(images).float()
-                real = (~meta["padding"]).to(labels.device, torch.float64)
+                # Pinned by the loader: an asynchronous copy (a blocking one would wait for the GPU).
+                real = meta["padding"].to(labels.device, non_blocking=True).logical_not().double()
                 loss = F.cross_entropy(logits, labels, reduction="none")
                 top = logits.topk(k, dim=1).indices
                 hit1 = (top[:, 0] == labels).double()
