@@ -1,0 +1,157 @@
+"""The CUDA paths: side-stream prefetch, page-locked batch slots, nvJPEG decode, the trainer.
+
+Skipped without a CUDA device (CI has none); `tools/gpu_check.sh` runs them on a GPU node.
+Each compares the GPU path with the CPU path that the rest of the suite tests.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from loader_support import write_dataset
+
+import dlstore
+from dlstore.config import WorldInfo
+from dlstore.loader import GpuPrefetcher, LoaderConfig
+from dlstore.storage import open_store
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _dataset(url, tmp_path, **kw):
+    options = dict(
+        cache_dir=str(tmp_path / "cache"),
+        cache_limit="50MB",
+        transform="train",
+        image_size=16,
+        batch_size=4,
+        seed=3,
+        world=WorldInfo(0, 1, 1),
+        return_keys=True,
+    )
+    return dlstore.Dataset(url, **{**options, **kw})
+
+
+@pytest.fixture
+def local_url(tmp_path):
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [5, 9, 2, 7, 6, 3])
+    return url
+
+
+def _passes(loader, epochs=(0, 1), abandon_after=3):
+    """Images (on the CPU), labels and keys of a pass abandoned after `abandon_after`
+    batches, then of whole `epochs`."""
+    out = []
+    loader.set_epoch(9)
+    for step, (images, labels, meta) in enumerate(loader):
+        out.append((images.float().cpu(), labels.cpu(), meta["keys"]))
+        if step + 1 == abandon_after:
+            break
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        out += [(images.float().cpu(), labels.cpu(), meta["keys"]) for images, labels, meta in loader]
+    return out
+
+
+def test_prefetcher_on_cuda_gives_the_cpu_result_in_bf16_channels_last():
+    gen = torch.Generator().manual_seed(0)
+    batches = [
+        {"images": torch.randint(0, 256, (8, 24, 24, 3), dtype=torch.uint8, generator=gen), "labels": torch.arange(8)}
+        for _ in range(6)
+    ]
+    cfg = LoaderConfig(dtype="bfloat16", device_lookahead=3)
+    cpu = list(GpuPrefetcher(iter(batches), cfg, torch.device("cpu")))
+    pinned = [{k: v.pin_memory() for k, v in b.items()} for b in batches]
+    gpu = list(GpuPrefetcher(iter(pinned), cfg, torch.device("cuda")))
+    assert len(gpu) == len(cpu) == 6
+    for a, b in zip(cpu, gpu):
+        assert b["images"].is_cuda and b["images"].dtype == torch.bfloat16
+        assert b["images"].is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(a["labels"], b["labels"].cpu())
+        torch.testing.assert_close(b["images"].float().cpu(), a["images"].float(), atol=0.02, rtol=0.01)
+
+
+def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_url, tmp_path):
+    """32 samples in batches of 4 through 1 worker x prefetch 1: 3 slots, each reused often,
+    while copies run ahead on the side stream."""
+    runs = {}
+    for device in ("cpu", "cuda"):
+        loader = dlstore.Loader(
+            _dataset(local_url, tmp_path),
+            num_workers=1,
+            device=device,
+            normalize=False,
+            prefetch_factor=1,
+            device_lookahead=2,
+        )
+        if device == "cuda":
+            assert loader.slots is not None and loader.slots.page_locked
+        runs[device] = _passes(loader)
+        loader.close()
+    assert len(runs["cpu"]) == len(runs["cuda"]) == 3 + 2 * 8
+    for (a, la, ka), (b, lb, kb) in zip(runs["cpu"], runs["cuda"]):
+        assert ka == kb and torch.equal(la, lb) and torch.equal(a, b)
+
+
+def test_nvjpeg_decode_matches_decoding_in_workers(local_url, tmp_path):
+    runs = {}
+    for mode in ("worker", "device"):
+        loader = dlstore.Loader(
+            _dataset(local_url, tmp_path, decode_on=mode), num_workers=1, device="cuda", normalize=False
+        )
+        runs[mode] = _passes(loader)
+    for (a, la, ka), (b, lb, kb) in zip(runs["worker"], runs["device"]):
+        assert ka == kb and torch.equal(la, lb)
+        assert (a - b).abs().mean() < 3  # two JPEG decoders' rounding
+
+
+def test_a_jpeg_nvjpeg_cannot_decode_is_skipped(tmp_path):
+    url = f"file://{tmp_path}/data"
+    keys = write_dataset(open_store(url), [6, 6], truncated_keys=frozenset({"s000004"}))
+    ds = _dataset(url, tmp_path, decode_on="device")
+    loader = dlstore.Loader(ds, num_workers=1, device="cuda")
+    delivered = [k for _, _, meta in loader for k in meta["keys"]]
+    assert sorted(delivered) == sorted(set(keys) - {"s000004"}) and ds.corrupt_samples == 1
+
+
+def test_training_on_cuda_checkpoints_and_resumes(local_url, tmp_path):
+    """A run to step 6 with a checkpoint at step 4; with step 6's checkpoint gone (a lease
+    lost before it was written), `resume="auto"` loads step 4's CUDA state and ends at 6 again."""
+    from dlstore.train import TrainConfig, main, measure_training_rate, read_metrics
+
+    rate = measure_training_rate("resnet18", batch_size=8, image_size=32, num_classes=5, steps=3, warmup_steps=1)
+    assert rate.device.startswith("cuda") and rate.precision == "bf16" and rate.images_per_s > 0
+
+    cfg = TrainConfig(
+        train_url=local_url,
+        output_dir=str(tmp_path / "run"),
+        model="resnet18",
+        image_size=32,
+        batch_size=8,
+        workers=1,
+        epochs=3,
+        max_steps=6,
+        log_every=2,
+        checkpoint_url=f"file://{tmp_path}/ckpt",
+        checkpoint_every_steps=4,
+        keep_checkpoints=5,
+        resume="auto",
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+        tensorboard=False,
+        warmup_epochs=0,
+    )
+    ckpt_dir = tmp_path / "ckpt"
+    assert main(cfg) == 0
+    assert sorted(p.name for p in ckpt_dir.glob("ckpt-*.pt")) == ["ckpt-000000004.pt", "ckpt-000000006.pt"]
+    first = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    (ckpt_dir / "ckpt-000000006.pt").unlink()
+    (ckpt_dir / "latest").unlink()
+
+    assert main(cfg) == 0
+    again = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in first] == [r["step"] for r in again] == [2, 4, 6]
+    assert all(r["loss"] == r["loss"] and r["img_per_s"] > 0 for r in again)  # not NaN
+    state = torch.load(ckpt_dir / "ckpt-000000006.pt", weights_only=True, map_location="cpu")
+    assert state["step"] == 6

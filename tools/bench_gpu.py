@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Can dlstore feed the GPU? The model's training rate on synthetic data next to the rate of
+`dlstore train` reading the same model's batches from shards, with JPEG decode in CPU workers
+and on the GPU (nvJPEG).
+
+1. data: an ImageNet-like train set (default 8,000 JPEGs of 500x375, ~130 KB, like
+   ImageNet's average) made by `dlstore.datagen` in parallel, converted into shards in a
+   local store (a warm node cache reads the same way);
+2. demand: `measure_training_rate`, the trainer's own step on one synthetic batch kept on the
+   device (no data path at all);
+3. fed: `dlstore.train.main` on the shards for `--steps` steps, once per decode mode; its
+   metrics records after the first `--skip-steps` steps give img/s and the data-wait share;
+4. the table: synthetic, fed, fed / synthetic (goal >= 0.95), data stall.
+
+Example (one GPU node; about 5 minutes on an H100 with 16 cores)::
+
+    python tools/bench_gpu.py --json bench_gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+
+def _make_part(args: tuple[str, int, int, tuple[int, int], int]) -> None:
+    from dlstore.datagen import make_imagenet
+
+    root, classes, per_class, size, seed = args
+    make_imagenet(root, num_classes=classes, train_per_class=per_class, val_per_class=1, image_size=size, seed=seed)
+
+
+def make_dataset(workdir: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> str:
+    """Generated in `procs` parts (other seeds, same classes), merged into one ImageFolder-like
+    train tree, converted to `file://workdir/store/train`."""
+    from dlstore.convert import ConvertOptions, convert
+
+    per_part = max(1, images // (classes * procs))
+    parts = [(str(workdir / f"part{i}"), classes, per_part, size, i) for i in range(procs)]
+    with ProcessPoolExecutor(procs) as pool:
+        list(pool.map(_make_part, parts))
+    train = workdir / "source" / "train"
+    for number, (root, *_rest) in enumerate(parts):
+        for class_dir in sorted((Path(root) / "train").iterdir()):
+            target = train / class_dir.name
+            target.mkdir(parents=True, exist_ok=True)
+            for image in class_dir.iterdir():
+                image.rename(target / f"p{number}_{image.name}")
+        shutil.rmtree(root)
+    url = f"file://{workdir}/store/train"
+    convert("imagefolder", train, url, ConvertOptions(shard_size=64 * 10**6, workers=procs))
+    return url
+
+
+def fed_rate(url: str, workdir: Path, args, decode_on: str) -> dict:
+    """`dlstore train` from the shards; img/s and data wait over the records after warm-up."""
+    from dlstore.train import TrainConfig, main, read_metrics
+
+    out = workdir / f"run-{decode_on}"
+    cfg = TrainConfig(
+        train_url=url,
+        output_dir=str(out),
+        model=args.model,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        cache_dir=str(workdir / "cache"),
+        decode_on=decode_on,
+        device=args.device,
+        compile=args.compile,
+        epochs=10**6,
+        max_steps=args.steps,
+        warmup_epochs=0,
+        log_every=10,
+        progress=False,
+        tensorboard=False,
+    )
+    started = time.perf_counter()
+    code = main(cfg)
+    if code != 0:
+        raise SystemExit(f"training with decode_on={decode_on} exited {code}")
+    records = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["split"] == "train"]
+    steady = [r for r in records if r["step"] > args.skip_steps and r.get("img_per_s")]
+    wall = sum(r["samples"] / r["img_per_s"] for r in steady)
+    waited = sum(r["data_wait_pct"] / 100 * r["samples"] / r["img_per_s"] for r in steady)
+    return {
+        "decode_on": decode_on,
+        "images_per_s": sum(r["samples"] for r in steady) / wall,
+        "data_wait_pct": 100 * waited / wall,
+        "steps_timed": sum(1 for _ in steady) * 10,
+        "run_seconds": time.perf_counter() - started,
+        "records": records,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    cores = len(os.sched_getaffinity(0))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=8000)
+    parser.add_argument("--classes", type=int, default=100)
+    parser.add_argument("--image-width", type=int, default=500)
+    parser.add_argument("--image-height", type=int, default=375)
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--workers", type=int, default=max(1, cores - 2), help="default: cores - 2")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per fed run")
+    parser.add_argument("--skip-steps", type=int, default=40, help="warm-up steps left out of the rates")
+    parser.add_argument("--demand-steps", type=int, default=30)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model (both sides)")
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run of this script")
+    parser.add_argument("--decode", default="worker,device", help="decode modes to run, comma-separated")
+    parser.add_argument("--workdir", help="keep the data here (default: a temp dir, removed afterwards)")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this benchmark measures a GPU (--device cpu for a dry run)", file=sys.stderr)
+        return 2
+
+    from dlstore.train import measure_training_rate
+
+    own = not args.workdir
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dlstore-bench-gpu-")).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "machine": {
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "none (CPU)",
+            "cores": cores,
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+        },
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
+    }
+    try:
+        started = time.perf_counter()
+        url = make_dataset(workdir, args.images, args.classes, (args.image_width, args.image_height), min(cores, 16))
+        result["data_seconds"] = time.perf_counter() - started
+        print(f"data: {url} in {result['data_seconds']:.0f} s", flush=True)
+
+        demand = measure_training_rate(
+            args.model,
+            batch_size=args.batch_size,
+            device=args.device,
+            compile=args.compile,
+            steps=args.demand_steps,
+            warmup_steps=min(10, args.demand_steps),
+        )
+        result["synthetic"] = demand.to_dict()
+        print(f"synthetic: {demand.images_per_s:,.0f} img/s ({demand.precision}, channels_last)", flush=True)
+
+        result["fed"] = []
+        for mode in args.decode.split(","):
+            fed = fed_rate(url, workdir, args, mode)
+            fed["vs_synthetic"] = fed["images_per_s"] / demand.images_per_s
+            result["fed"].append(fed)
+            print(
+                f"fed, decode on {mode}: {fed['images_per_s']:,.0f} img/s = {fed['vs_synthetic']:.3f} of synthetic, "
+                f"data wait {fed['data_wait_pct']:.1f}%",
+                flush=True,
+            )
+    finally:
+        if own:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    print(f"\n{result['machine']['gpu']}, {cores} cores, {args.model} batch {args.batch_size}, {args.workers} workers")
+    print(f"  {'run':<28}{'img/s':>10}{'/ synthetic':>13}{'data wait':>11}")
+    print(f"  {'synthetic (no data path)':<28}{demand.images_per_s:>10,.0f}{1:>13.3f}{'-':>11}")
+    for fed in result["fed"]:
+        label = f"dlstore, decode on {fed['decode_on']}"
+        print(f"  {label:<28}{fed['images_per_s']:>10,.0f}{fed['vs_synthetic']:>13.3f}{fed['data_wait_pct']:>10.1f}%")
+    print("  goal: dlstore-fed >= 0.95 of synthetic")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
