@@ -12,6 +12,8 @@ fetched ahead), so `state_dict()` is the exact position.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -182,10 +184,12 @@ class GpuPrefetcher:
         device: torch.device,
         slots: BatchSlots | None = None,
         on_corrupt: str = "skip",
+        background: bool = False,
     ) -> None:
         self.batches = batches
         self.slots = slots
         self.on_corrupt = on_corrupt
+        self.background = background
         self.cfg = cfg
         self.device = device
         self.cuda = device.type == "cuda"
@@ -251,11 +255,8 @@ class GpuPrefetcher:
         out["undecodable"] = len(bad)
         return out
 
-    def _enqueue(self) -> bool:
-        try:
-            batch = next(self.batches)
-        except StopIteration:
-            return False
+    def _prepare(self, batch: dict) -> tuple[dict, Any]:
+        """`batch` on the device (on the side stream), and the event that marks it ready."""
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 ready = self._to_device(batch)
@@ -265,21 +266,86 @@ class GpuPrefetcher:
             ready, event = self._to_device(batch), None
         if batch.get("slot") is not None:
             self.slots.release(batch["slot"], event)
-        self.pending.append((ready, event))
+        return ready, event
+
+    def _enqueue(self) -> bool:
+        try:
+            batch = next(self.batches)
+        except StopIteration:
+            return False
+        self.pending.append(self._prepare(batch))
         return True
 
+    def _hand_over(self, batch: dict, event: Any) -> dict:
+        """The consumer's stream waits for the batch, whose memory is then also in its use."""
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for value in (batch["images"], batch["labels"]):
+                value.record_stream(current)
+        return batch
+
     def __iter__(self) -> Iterator[dict]:
+        if self.background:
+            yield from self._iter_background()
+            return
         while len(self.pending) < max(1, self.cfg.device_lookahead) and self._enqueue():
             pass
         while self.pending:
             batch, event = self.pending.pop(0)
-            if event is not None:
-                current = torch.cuda.current_stream(self.device)
-                current.wait_event(event)
-                for value in (batch["images"], batch["labels"]):
-                    value.record_stream(current)
+            self._hand_over(batch, event)
             self._enqueue()
             yield batch
+
+    def _iter_background(self) -> Iterator[dict]:
+        """`__iter__` with the batches prepared by a thread. Why: decoding on the device
+        blocks the calling thread for the whole decode (torchvision waits for nvJPEG), and
+        the resize of each image is a handful of kernel launches; in the training thread
+        both would hold back the launch of the next training step."""
+        ready: queue.Queue = queue.Queue(maxsize=max(1, self.cfg.device_lookahead))
+        stop = threading.Event()
+
+        def put(item: Any) -> None:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
+        def produce() -> None:
+            try:
+                if self.cuda:
+                    torch.cuda.set_device(self.device)
+                for batch in self.batches:
+                    if stop.is_set():
+                        return
+                    put(self._prepare(batch))
+                put(_END)
+            except BaseException as exc:  # handed to the consumer, raised there
+                put(_Failure(exc))
+
+        thread = threading.Thread(target=produce, name="dlstore-device-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Failure):
+                    raise item.error
+                yield self._hand_over(*item)
+        finally:
+            stop.set()
+            thread.join()
+
+
+_END = object()
+
+
+@dataclass(frozen=True)
+class _Failure:
+    error: BaseException
 
 
 class Loader:
@@ -343,7 +409,12 @@ class Loader:
         self.sampler.epoch = self.state.epoch
         self.sampler.history = self.state.history
         prefetcher = GpuPrefetcher(
-            iter(self._dataloader), self.cfg, self.device, self.slots, self.dataset.cfg.on_corrupt
+            iter(self._dataloader),
+            self.cfg,
+            self.device,
+            self.slots,
+            on_corrupt=self.dataset.cfg.on_corrupt,
+            background=self.dataset.cfg.decode_on == "device",
         )
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)

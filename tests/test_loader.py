@@ -394,3 +394,16 @@ def test_decode_on_the_device_matches_decoding_in_workers(local_dataset, tmp_pat
         assert ma["keys"] == mb["keys"] and torch.equal(la, lb)
         assert a.shape == b.shape and b.dtype == torch.uint8
         assert (a.float() - b.float()).abs().mean() < 3
+
+
+def test_device_decode_in_the_background_stops_cleanly_when_a_pass_is_abandoned(local_dataset, tmp_path):
+    url, _ = local_dataset
+    expected = _epoch(dlstore.Loader(_dataset(url, tmp_path, transform="train"), num_workers=0, device="cpu"))
+    loader = dlstore.Loader(_dataset(url, tmp_path, transform="train", decode_on="device"), num_workers=2, device="cpu")
+    loader.set_epoch(4)
+    for step, _ in enumerate(loader):
+        if step == 1:
+            break
+    assert not [t for t in threading.enumerate() if t.name == "dlstore-device-prefetch"]
+    loader.set_epoch(0)
+    assert _epoch(loader) == expected
