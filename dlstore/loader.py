@@ -5,8 +5,8 @@ The main process owns the epoch plan: a sampler walks this rank's batches in ord
 hands each worker a whole batch request; persistent workers decode and collate into a slot
 of a shared-memory buffer allocated once (on a GPU node also page-locked, so the copy to the
 device reads it directly); the DataLoader returns batches in plan order, so what the
-training loop sees does not depend on the number of workers. The loader counts batches *delivered to the loop* (not those
-fetched ahead), so `state_dict()` is the exact position.
+training loop sees does not depend on the number of workers. The loader counts batches
+*delivered to the loop* (not those fetched ahead), so `state_dict()` is the exact position.
 """
 
 from __future__ import annotations

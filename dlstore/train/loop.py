@@ -538,7 +538,7 @@ class Trainer:
             return
         state = self.train_loader.state_dict()
         self.train_set = self.train_set.with_transform(replace(transform, image_size=size))
-        # Dropping the old loader shuts its persistent workers down.
+        self.train_loader.close()  # its workers and batch slots are for the old size
         self.train_loader = self._loader(self.train_set)
         self.train_loader.load_state_dict(state)
         log.info("epoch %d: training at %d px", epoch, size)
@@ -783,3 +783,6 @@ class Trainer:
 
     def close(self) -> None:
         self.metrics.close()
+        for loader in (self.train_loader, self.val_loader):
+            if loader is not None:
+                loader.close()
