@@ -262,7 +262,8 @@ class Dataset(torch.utils.data.Dataset):
 
     def build_batch(self, request: BatchRequest, out: torch.Tensor | None = None) -> dict:
         """The batch of `request`: uint8 NHWC images, labels, padding marks, and (with
-        `decode_on="device"`) the encoded JPEGs and crop rows instead of images.
+        `decode_on="device"`) the encoded JPEGs (one byte tensor and each JPEG's length) and crop
+        rows instead of images.
 
         `out`, a uint8 tensor of shape (batch_size, size, size, 3), receives the images, and
         the batch's "images" is a view of its first rows: the loader passes a slot of a
@@ -288,7 +289,14 @@ class Dataset(torch.utils.data.Dataset):
             keys.append(sample.get("__key__"))
             padding.append(is_padding)
         if on_device:
-            encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data, _ in images]
+            # One tensor for the batch: each tensor a worker returns costs a shared-memory file
+            # and a file descriptor while in flight (and a pinning copy on GPU nodes).
+            lengths = [len(data) for data, _ in images]
+            joined = bytearray(b"".join(data for data, _ in images))
+            encoded = (
+                torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8),
+                lengths,
+            )
             boxes = torch.tensor([row for _, row in images], dtype=torch.float64).reshape(-1, 5)
             images = []
         if out is not None and images:

@@ -211,7 +211,9 @@ class GpuPrefetcher:
 
             size = batch["images"].shape[1]
             # nvJPEG reads the encoded bytes from (pinned) host memory itself.
-            images, bad = decode_on_device(batch["encoded"], batch["boxes"], size, self.device)
+            data, lengths = batch["encoded"]
+            parts = data.split(lengths) if lengths else []
+            images, bad = decode_on_device(parts, batch["boxes"], size, self.device)
             if bad:
                 batch = self._drop_undecodable(batch, bad)
         elif batch["images"] is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,12 +198,18 @@ def _decode_jpegs(encoded: list, device) -> list:
     # deterministic mode `torch.empty` also queues a fill of new tensors on the current
     # stream, which could land on top of the decoded pixels: off for this call.
     torch.cuda.current_stream(device).synchronize()
-    fill = torch.utils.deterministic.fill_uninitialized_memory
-    torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
+    if not torch.are_deterministic_algorithms_enabled():
         return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
-    finally:
-        torch.utils.deterministic.fill_uninitialized_memory = fill
+    with _FILL_FLAG:  # a process-wide flag: one decode at a time changes it
+        fill = torch.utils.deterministic.fill_uninitialized_memory
+        torch.utils.deterministic.fill_uninitialized_memory = False
+        try:
+            return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
+        finally:
+            torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
+_FILL_FLAG = threading.Lock()
 
 
 def transform_image(data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None) -> np.ndarray:

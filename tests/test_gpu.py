@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from loader_support import write_dataset
+from loader_support import tiny_jpeg, write_dataset
 
 import dlstore
 from dlstore.config import WorldInfo
@@ -72,9 +72,18 @@ def test_prefetcher_on_cuda_gives_the_cpu_result_in_bf16_channels_last():
         torch.testing.assert_close(b["images"].float().cpu(), a["images"].float(), atol=0.02, rtol=0.01)
 
 
-def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_url, tmp_path):
-    """32 samples in batches of 4 through 1 worker x prefetch 1: 3 slots, each reused often,
-    while copies run ahead on the side stream."""
+def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_url, tmp_path, monkeypatch):
+    """32 samples in batches of 4 through 1 worker x prefetch 1: 3 slots, each reused often.
+    Each copy out of a slot is queued behind a ~10 ms sleep on the side stream, so a slot
+    handed back to a worker before its copy ran would be overwritten first."""
+    to_device = GpuPrefetcher._to_device
+
+    def slow_to_device(self, batch):
+        if self.cuda:
+            torch.cuda._sleep(20_000_000)  # GPU cycles, on the side stream (the current one here)
+        return to_device(self, batch)
+
+    monkeypatch.setattr(GpuPrefetcher, "_to_device", slow_to_device)
     runs = {}
     for device in ("cpu", "cuda"):
         loader = dlstore.Loader(
@@ -107,8 +116,15 @@ def test_nvjpeg_decode_matches_decoding_in_workers(local_url, tmp_path):
 
 
 def test_a_jpeg_nvjpeg_cannot_decode_is_skipped(tmp_path):
+    from dlstore.transforms import decode_on_device
+
     url = f"file://{tmp_path}/data"
     keys = write_dataset(open_store(url), [6, 6], truncated_keys=frozenset({"s000004"}))
+    jpeg = tiny_jpeg(4, 4)  # s000004, cut as write_dataset cuts it
+    cut = torch.frombuffer(bytearray(jpeg[: jpeg.index(b"\xff\xda") + 20]), dtype=torch.uint8)
+    box = torch.tensor([[0, 0, 16, 16, 0]], dtype=torch.float64)
+    if decode_on_device([cut], box, 16, "cuda")[1] != [0]:
+        pytest.skip("this nvJPEG decodes a truncated JPEG without an error")
     ds = _dataset(url, tmp_path, decode_on="device")
     loader = dlstore.Loader(ds, num_workers=1, device="cuda")
     delivered = [k for _, _, meta in loader for k in meta["keys"]]

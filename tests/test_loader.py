@@ -407,3 +407,12 @@ def test_device_decode_in_the_background_stops_cleanly_when_a_pass_is_abandoned(
     assert not [t for t in threading.enumerate() if t.name == "dlstore-device-prefetch"]
     loader.set_epoch(0)
     assert _epoch(loader) == expected
+
+
+def test_a_batch_of_only_corrupt_samples_decoded_on_the_device_is_empty(tmp_path):
+    url = f"file://{tmp_path}/data"
+    keys = write_dataset(open_store(url), [3, 3], corrupt_keys=frozenset(f"s{i:06d}" for i in range(6)))
+    ds = _dataset(url, tmp_path, decode_on="device")
+    batches = list(dlstore.Loader(ds, num_workers=1, device="cpu"))
+    assert len(batches) == 2 and all(images.shape[0] == 0 == len(meta["keys"]) for images, _, meta in batches)
+    assert ds.corrupt_samples == len(keys) + 2  # every sample, and the two padding repeats

@@ -6,7 +6,8 @@
 #   bash tools/gpu_check.sh --wheels   # here, with pip: wheels of what a bare GPU image lacks -> .whl/
 #   bash tools/gpu_check.sh            # on the GPU node (installs .whl/*.whl first, if any)
 #
-# Budget: about 5 minutes on an H100 node with 16 cores; each step has its own timeout.
+# Budget: about 5 minutes on an H100 node with 16 cores; the steps' timeouts add up to 9 minutes.
+# On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,23 +30,26 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/dlstore-site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DLSTORE_SKIP_SWIFT=1
+python3 -c "import tenacity, simplejpeg, pytest" || { echo "missing packages: see --wheels"; exit 1; }
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+# The batch slots live in /dev/shm (prefetch x workers + 2 batches per rank).
+{ nproc; df -h /dev/shm; ulimit -n; } > "$OUT/host.txt" 2>&1
 python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/versions.txt"
 
 echo "== CUDA tests"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.txt"
+timeout -k 15 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.txt"
 tests=${PIPESTATUS[0]}
 
 echo "== synthetic vs fed training rate"
-timeout 420 python3 tools/bench_gpu.py --workdir "$work" --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
+timeout -k 15 300 python3 tools/bench_gpu.py --workdir "$work" --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
 bench=${PIPESTATUS[0]}
 
 echo "== dlstore bench (stage split, verdict)"
 workers=$(( $(nproc) - 2 ))
-timeout 240 python3 -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" --batches 10 \
+timeout -k 15 90 python3 -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" --batches 10 \
     --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt"
 verdict=${PIPESTATUS[0]}
 

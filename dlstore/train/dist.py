@@ -164,13 +164,15 @@ class DistContext:
 
 def _pick_device(local_rank: int, want_cuda: bool) -> torch.device:
     if want_cuda and torch.cuda.is_available():
-        if local_rank >= torch.cuda.device_count():
+        visible = torch.cuda.device_count()
+        if visible > 1 and local_rank >= visible:
             # Two ranks on one GPU would fail later, in NCCL, with a less clear message.
             raise ConfigError(
-                f"local rank {local_rank} has no GPU of its own: this node has {torch.cuda.device_count()}; "
+                f"local rank {local_rank} has no GPU of its own: this process sees {visible}; "
                 "start one process per GPU (torchrun --nproc-per-node, srun --gpus-per-task=1)"
             )
-        index = local_rank
+        # One visible GPU: the launcher bound this task to it (srun --gpus-per-task=1).
+        index = local_rank if visible > 1 else 0
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     return torch.device("cpu")

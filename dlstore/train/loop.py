@@ -553,14 +553,14 @@ class Trainer:
     # -- logging ------------------------------------------------------------------------
     def _log_train(self, epoch: int, bar: Any) -> None:
         w = self.window
-        # The one host<->device sync of the window, and one all-reduce for all three sums.
-        sums = torch.stack(
-            [w.loss_sum, w.correct, torch.tensor(float(w.samples), dtype=torch.float64, device=self.device)]
-        )
+        # The one host<->device sync of the window, and one all-reduce for all three sums. On a
+        # GPU the loop runs ahead of the device until this sync: the wait is compute time of
+        # the window's steps, or img/s would be overstated. (`torch.full`, not `torch.tensor`:
+        # a blocking copy from the host would sync before the clock starts.)
         waited = time.perf_counter()
+        count = torch.full((), float(w.samples), dtype=torch.float64, device=self.device)
+        sums = torch.stack([w.loss_sum, w.correct, count])
         loss_sum, correct, samples = self.ctx.all_reduce_sum(sums).tolist()
-        # On a GPU the loop runs ahead of the device until this sync: the wait is compute time
-        # of the window's steps, or img/s would be overstated.
         w.compute_s += time.perf_counter() - waited
         wall = w.data_s + w.compute_s
         record = {
