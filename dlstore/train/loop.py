@@ -315,7 +315,9 @@ class Trainer:
             self.val_set = self._dataset(
                 self.val_url, "eval", cfg.eval_image_size or cfg.image_size, shuffle=False, return_keys=True
             )
-            self.val_loader = self._loader(self.val_set)
+            # Batch slots stay allocated (and on a GPU page-locked) for the loader's life; the
+            # val loader, idle but for a few % of the run, hands its batches over without them.
+            self.val_loader = self._loader(self.val_set, shared_slots=False)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
             raise ConfigError(f"{cfg.train_url}: no full batch of {cfg.batch_size} per rank; lower --batch-size")
@@ -369,7 +371,7 @@ class Trainer:
             **options,
         )
 
-    def _loader(self, dataset):
+    def _loader(self, dataset, shared_slots: bool = True):
         from dlstore.loader import Loader
 
         # bf16 images straight from the prefetcher: the first convolution under autocast
@@ -381,6 +383,7 @@ class Trainer:
             device=str(self.device),
             dtype=dtype,
             channels_last=self.cfg.channels_last,
+            shared_slots=shared_slots,
         )
 
     def _build_parallel_model(self) -> None:
