@@ -9,7 +9,9 @@ rounds is reported with the median):
     function, `transform_image`, over the same samples held in memory). Goal >= 0.95.
     Measured for the loader's uint8 output (what the host does when a GPU normalises) and
     for its CPU-device default (float32, normalised on the CPU). A control, "ceiling", runs
-    the bare function in `cores` processes at once: what the machine gives right now.
+    the bare function in `cores` processes at once: what the machine gives right now. The
+    float32 run is also made with `shared_slots=False` (batches handed over as fresh shared
+    tensors, torch's default) to show what the loader's batch slots save.
 (b) cold (every shard streamed from a local Swift server into an empty cache) / warm,
     over whole epochs of the same loader. Goal >= 0.9.
 (c) dlstore's default pipeline / the `webdataset` package's recommended one on the same
