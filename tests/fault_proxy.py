@@ -45,14 +45,12 @@ import asyncio
 import collections
 import random
 import re
-import socket
 import ssl
-import struct
 import threading
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from loop_server import LoopThreadServer
+from loop_server import LoopThreadServer, close_writer
 
 __all__ = ["ALL_FAULTS", "STATUS_FAULTS", "FaultProxy", "Injection", "Rule"]
 
@@ -140,19 +138,6 @@ def _parse_request(head: bytes) -> _Request:
         expect_continue=headers.get("expect", "").lower() == "100-continue",
         range=headers.get("range"),
     )
-
-
-def _abort(writer: asyncio.StreamWriter | None, rst: bool) -> None:
-    if writer is None or writer.transport.is_closing():
-        return
-    if rst:
-        sock = writer.transport.get_extra_info("socket")
-        if sock is not None:
-            # SO_LINGER 0: the close sends RST instead of FIN.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.transport.abort()
-    else:
-        writer.close()
 
 
 async def _copy_exact(reader: asyncio.StreamReader, writer: asyncio.StreamWriter | None, n: int) -> None:
@@ -353,7 +338,7 @@ class FaultProxy(LoopThreadServer):
                 req = _parse_request(head)
                 fault = self._decide(req)
                 if fault is not None and fault.kind == "reset":
-                    _abort(client_w, rst=True)
+                    close_writer(client_w, rst=True)
                     return
                 if fault is not None and fault.kind.isdigit():
                     await self._answer(req, fault, client_r, client_w)
@@ -362,16 +347,16 @@ class FaultProxy(LoopThreadServer):
                     try:
                         upstream = await asyncio.open_connection(*self.target, limit=_LIMIT)
                     except OSError:
-                        _abort(client_w, rst=True)  # what a client of a stopped server sees
+                        close_writer(client_w, rst=True)  # what a client of a stopped server sees
                         return
                 if not await self._exchange(req, fault, client_r, client_w, *upstream):
                     return
         except (_Closed, ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
-            _abort(client_w, rst=True)
+            close_writer(client_w, rst=True)
         finally:
-            _abort(client_w, rst=False)
+            close_writer(client_w, rst=False)
             if upstream is not None:
-                _abort(upstream[1], rst=False)
+                close_writer(upstream[1], rst=False)
             self._tasks.discard(task)
 
     async def _answer(
@@ -446,7 +431,7 @@ class FaultProxy(LoopThreadServer):
             return not close
         if "chunked" in headers.get("transfer-encoding", "").lower():
             if kind in BODY_FAULTS:
-                _abort(client_w, rst=kind == "reset_body")
+                close_writer(client_w, rst=kind == "reset_body")
                 return False
             await _copy_chunked(server_r, client_w)
             return not close
@@ -463,7 +448,7 @@ class FaultProxy(LoopThreadServer):
                 await asyncio.sleep(self.stall_s)
                 await _copy_exact(server_r, client_w, length - half)
                 return not close
-            _abort(client_w, rst=kind == "reset_body")
+            close_writer(client_w, rst=kind == "reset_body")
             return False
         await _copy_exact(server_r, client_w, length)
         return not close

@@ -4,6 +4,8 @@ proxies (`tcp_proxy.TcpProxy`, `fault_proxy.FaultProxy`) share."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import threading
 
 
@@ -74,3 +76,17 @@ class LoopThreadServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def close_writer(writer: asyncio.StreamWriter | None, rst: bool) -> None:
+    """Close one side of a proxied connection: with RST (a crashed or reset peer) or FIN."""
+    if writer is None or writer.transport.is_closing():
+        return
+    if rst:
+        sock = writer.transport.get_extra_info("socket")
+        if sock is not None:
+            # SO_LINGER 0: the close sends RST instead of FIN.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+    else:
+        writer.close()

@@ -33,12 +33,10 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import socket
-import struct
 import threading
 from dataclasses import dataclass
 
-from loop_server import LoopThreadServer
+from loop_server import LoopThreadServer, close_writer
 
 __all__ = ["TcpProxy"]
 
@@ -152,16 +150,7 @@ class _Conn:
 
     def abort(self, rst: bool) -> None:
         for writer in (self.client_w, self.server_w):
-            if writer is None or writer.transport.is_closing():
-                continue
-            if rst:
-                sock = writer.transport.get_extra_info("socket")
-                if sock is not None:
-                    # SO_LINGER 0: close() sends RST instead of FIN.
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()
-            else:
-                writer.close()
+            close_writer(writer, rst)
 
 
 class TcpProxy(LoopThreadServer):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 from fault_proxy import FaultProxy
+from launch_support import REPO, launch_ranks, logs, wait_all
 from loader_support import write_dataset
 
 from dlstore.config import StoreConfig
@@ -37,8 +37,6 @@ from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 
 pytestmark = pytest.mark.swift
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def report(case: str, **fields: object) -> None:
@@ -93,10 +91,6 @@ def _start_fetchers(n: int, args: dict, env: dict[str, str], log_dir: Path) -> l
     return procs
 
 
-def _logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(log_dir.glob("*.log")))
-
-
 @pytest.mark.slow
 def test_eight_processes_share_one_cache_then_one_is_killed_mid_download(swift_server, swift_container, tmp_path):
     url = f"swift://{swift_container}/shared"
@@ -112,7 +106,7 @@ def test_eight_processes_share_one_cache_then_one_is_killed_mid_download(swift_s
         procs = _start_fetchers(8, args, env, log_dir)
         time.sleep(1.0)
         (tmp_path / "go").touch()
-        assert [p.wait(timeout=120) for p in procs] == [0] * 8, _logs(log_dir)
+        assert [p.wait(timeout=120) for p in procs] == [0] * 8, logs(log_dir)
         gets = proxy.per_object("GET", r"/shard-\d+\.tar$")
         assert sorted(gets) == sorted(f"/v1/AUTH_test/{swift_container}/shared/{name}" for name, _, _ in shards)
         assert set(gets.values()) == {1}, gets  # every shard fetched once for the 8 of them
@@ -142,7 +136,7 @@ def test_eight_processes_share_one_cache_then_one_is_killed_mid_download(swift_s
         codes = [p.wait(timeout=120) for p in procs]
         recovered = time.monotonic() - killed_at
         victim_gets = proxy.count("GET", rf"/{victim_shard}$")
-    assert codes.count(-signal.SIGKILL) == 1 and codes.count(0) == 7, _logs(log_dir)
+    assert codes.count(-signal.SIGKILL) == 1 and codes.count(0) == 7, logs(log_dir)
     assert victim_gets == 2  # the killed download, and one by a survivor: no storm
     assert list((cache_dir / "tmp").iterdir()) == []  # the dead process's temp file was removed
     published = {p.name.split("-", 1)[1]: p.read_bytes() for p in (cache_dir / "shards").iterdir()}
@@ -152,47 +146,6 @@ def test_eight_processes_share_one_cache_then_one_is_killed_mid_download(swift_s
 
 
 # -- case 9: SIGKILL of a training process, then --resume auto ------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _launch(args: list[str], world: int, log_dir: Path, env: dict[str, str]) -> list[subprocess.Popen]:
-    """`dlstore train ARGS` as `world` processes with torchrun's variables."""
-    port = _free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(world):
-        rank_env = {
-            **env,
-            **dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)),
-            **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
-        }
-        with open(log_dir / f"rank{rank}.log", "ab") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "dlstore", "train", *args],
-                    cwd=REPO,
-                    env=rank_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    return procs
-
-
-def _wait(procs: list[subprocess.Popen], log_dir: Path, timeout: float = 150) -> list[int]:
-    deadline = time.monotonic() + timeout
-    try:
-        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-        pytest.fail(f"training did not finish in {timeout} s:\n{_logs(log_dir)}")
-
-
 DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "lr", "image_size", "samples")
 
 
@@ -255,14 +208,14 @@ def _kill_and_resume(swift_server, swift_container, tmp_path, config, env, secre
         ]
 
     # The reference: uninterrupted.
-    assert _wait(_launch(args("a"), 2, tmp_path / "a", env), tmp_path / "a") == [0, 0], _logs(tmp_path / "a")
+    assert wait_all(launch_ranks(args("a"), 2, tmp_path / "a", env), tmp_path / "a") == [0, 0], logs(tmp_path / "a")
     steps_per_epoch = json.loads((tmp_path / "a" / "out" / "config.json").read_text())["resolved"]["steps_per_epoch"]
     total = 2 * steps_per_epoch
 
     # The same run; rank 1 is SIGKILLed in the second epoch, a step or more after a checkpoint.
     ckpt_b = open_store(f"swift://{swift_container}/ckpt-b", config)
     metrics_b = tmp_path / "b" / "out" / "metrics.jsonl"
-    procs = _launch(args("b"), 2, tmp_path / "b", env)
+    procs = launch_ranks(args("b"), 2, tmp_path / "b", env)
     deadline = time.monotonic() + 120
     ready = False
     while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not ready:
@@ -271,14 +224,14 @@ def _kill_and_resume(swift_server, swift_container, tmp_path, config, env, secre
         done = max((r["step"] for r in logged if r["split"] == "train"), default=0)
         ready = bool(latest) and steps_per_epoch < latest["step"] < done < total
         time.sleep(0.02)
-    assert ready, f"the run ended before it could be killed:\n{_logs(tmp_path / 'b')}"
+    assert ready, f"the run ended before it could be killed:\n{logs(tmp_path / 'b')}"
     procs[1].send_signal(signal.SIGKILL)
     killed_at = time.monotonic()
     try:
         survivor = procs[0].wait(timeout=120)  # its collectives fail: it must not hang
     except subprocess.TimeoutExpired:
         procs[0].kill()
-        pytest.fail(f"rank 0 hung after rank 1 was killed:\n{_logs(tmp_path / 'b')}")
+        pytest.fail(f"rank 0 hung after rank 1 was killed:\n{logs(tmp_path / 'b')}")
     survivor_exit_s = time.monotonic() - killed_at
     assert survivor != 0
     at_kill = _latest(ckpt_b)
@@ -287,7 +240,7 @@ def _kill_and_resume(swift_server, swift_container, tmp_path, config, env, secre
     killed_after = max(r["step"] for r in logged if r["split"] == "train")
 
     # The same command again: it resumes from that checkpoint and ends as the reference did.
-    assert _wait(_launch(args("b"), 2, tmp_path / "b", env), tmp_path / "b") == [0, 0], _logs(tmp_path / "b")
+    assert wait_all(launch_ranks(args("b"), 2, tmp_path / "b", env), tmp_path / "b") == [0, 0], logs(tmp_path / "b")
     assert f"ckpt-b/{at_kill['key']} at epoch" in (tmp_path / "b" / "rank0.log").read_text()
     reference = _records(tmp_path / "a" / "out" / "metrics.jsonl")
     resumed = _records(tmp_path / "b" / "out" / "metrics.jsonl")

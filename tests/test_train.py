@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch_support import REPO, launch_ranks, logs, wait_all
 
 from dlstore.cli import build_parser
 from dlstore.convert import ConvertOptions, convert
@@ -38,7 +38,6 @@ from dlstore.train.config import config_from_args
 from dlstore.train.dist import LaunchEnv, first_slurm_host
 from dlstore.train.loop import EXIT_PREEMPTED
 
-REPO = Path(__file__).resolve().parents[1]
 # What is compared between an interrupted and an uninterrupted run (not the timings).
 DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "top5", "lr", "image_size", "samples")
 
@@ -67,55 +66,6 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     # One intra-op thread: no oversubscription on small CI machines, and bit-exact CPU kernels.
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_ranks(args: list[str], world: int, log_dir: Path, env: dict[str, str]) -> list[subprocess.Popen]:
-    """`dlstore train ARGS` as `world` processes with torchrun's variables (what srun/torchrun set)."""
-    port = free_port()
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
-    for rank in range(world):
-        rank_env = {
-            **env,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-        with open(log_dir / f"rank{rank}.log", "ab") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "dlstore", "train", *args],
-                    cwd=REPO,
-                    env=rank_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    return procs
-
-
-def wait_all(procs: list[subprocess.Popen], log_dir: Path, timeout: float = 150) -> list[int]:
-    deadline = time.monotonic() + timeout
-    try:
-        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-            p.wait()
-        pytest.fail(f"training did not finish in {timeout} s:\n{logs(log_dir)}")
-
-
-def logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(log_dir.glob("*.log")))
 
 
 def train_records(path: Path) -> list[dict]:

@@ -1,0 +1,60 @@
+"""`dlstore train` launched as separate processes, one per rank, with torchrun's variables
+(what srun or torchrun set), for the tests that need real signals, exit codes and process groups."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_ranks(args: list[str], world: int, log_dir: Path, env: dict[str, str]) -> list[subprocess.Popen]:
+    """`dlstore train ARGS` as `world` processes on this node; each logs to `log_dir/rankN.log`."""
+    port = free_port()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank in range(world):
+        rank_env = {
+            **env,
+            **dict(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)),
+            **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+        }
+        with open(log_dir / f"rank{rank}.log", "ab") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "dlstore", "train", *args],
+                    cwd=REPO,
+                    env=rank_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    return procs
+
+
+def logs(log_dir: Path, tail: int = 4000) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-tail:]}" for p in sorted(log_dir.glob("*.log")))
+
+
+def wait_all(procs: list[subprocess.Popen], log_dir: Path, timeout: float = 150) -> list[int]:
+    """Exit codes of `procs`; all killed and the test failed with their logs after `timeout`."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        pytest.fail(f"training did not finish in {timeout} s:\n{logs(log_dir)}")
