@@ -40,16 +40,19 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import BinaryIO, NamedTuple
 
-from dlstore.errors import CorruptShard
+from dlstore.errors import CorruptSample, CorruptShard
 from dlstore.manifest import SampleIndex, SampleSpan
 
 __all__ = [
+    "IMAGE_FIELDS",
     "MAX_MEMBER_SIZE",
     "TarMember",
     "TarShardWriter",
+    "image_field",
     "iter_members",
     "iter_samples",
     "iter_samples_with_spans",
+    "parse_label",
     "parse_samples",
     "read_sample",
     "read_sample_from_file",
@@ -80,6 +83,39 @@ _NAME_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_
 _META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset skips these members entirely
 
 Source = bytes | bytearray | memoryview | BinaryIO | Iterable[bytes]
+
+# The members that may hold a sample's image, in order of preference: `convert` writes these
+# and the dataset reads them (with --keep-format each sample carries its own type).
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff")
+
+
+def image_field(sample: Mapping[str, object], fields: Iterable[str] = IMAGE_FIELDS) -> str | None:
+    """The first of `fields` that `sample` has, or None.
+
+    >>> image_field({"__key__": "0", "png": b"...", "cls": b"1"})
+    'png'
+    """
+    return next((f for f in fields if f in sample), None)
+
+
+def parse_label(sample: Mapping[str, object], num_classes: int, field: str = "cls") -> int:
+    """The class index in `sample[field]` (ASCII digits); it must name one of `num_classes`
+    classes (any non-negative index when that is 0). Raises `CorruptSample` otherwise.
+
+    >>> parse_label({"__key__": "0", "cls": b" 7\\n"}, 10)
+    7
+    """
+    key = sample.get("__key__")
+    raw = sample.get(field)
+    if raw is None:
+        raise CorruptSample(f"sample {key!r} has no .{field} member")
+    try:
+        label = int(bytes(raw).decode("ascii").strip())  # type: ignore[arg-type]
+    except (UnicodeDecodeError, ValueError, TypeError):
+        raise CorruptSample(f"sample {key!r} has a non-integer label {raw!r}") from None
+    if label < 0 or (num_classes and label >= num_classes):
+        raise CorruptSample(f"sample {key!r} has label {label}, not one of {num_classes} classes")
+    return label
 
 
 def shard_name(prefix: str, index: int) -> str:
