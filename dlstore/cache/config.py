@@ -1,0 +1,57 @@
+"""What a cache is configured with (`CacheConfig`) and what it is asked for (`ShardSpec`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from dlstore.config import parse_size
+from dlstore.errors import ConfigError
+
+#: The stats file is rewritten in place at this fixed size, and counted against the limit,
+#: so the whole directory (not only the shards) stays within `limit_bytes`.
+STATS_FILE_BYTES = 1024
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where the node-local cache lives and how it behaves.
+
+    >>> CacheConfig("/mnt/ssd/dlstore", "150GB").limit_bytes
+    150000000000
+
+    `limit_bytes` bounds everything in the directory (shards, downloads in flight, the
+    1 KiB stats file). `prefetch` is how many shards the background thread fetches ahead of
+    the reader (0 turns it off). `verify` checks each download against the manifest's
+    checksum ("algo:hexdigest"); sizes are always checked. `fsync` makes a published shard
+    survive a power loss, not only a process crash. `preallocate` reserves the blocks of a
+    download up front (so a full disk shows at once). `wait_timeout_s` bounds every wait: for
+    another process's download of the same shard, and for room under the limit.
+    """
+
+    cache_dir: str
+    limit_bytes: int
+    prefetch: int = 2
+    verify: bool = True
+    fsync: bool = True
+    preallocate: bool = True
+    wait_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cache_dir", os.path.abspath(os.fspath(self.cache_dir)))
+        object.__setattr__(self, "limit_bytes", parse_size(self.limit_bytes))
+        if self.limit_bytes <= STATS_FILE_BYTES:
+            raise ConfigError(f"cache limit {self.limit_bytes} bytes is too small to hold any shard")
+        if self.prefetch < 0:
+            raise ConfigError(f"CacheConfig.prefetch must be 0 or more, not {self.prefetch}")
+        if self.wait_timeout_s <= 0:
+            raise ConfigError(f"CacheConfig.wait_timeout_s must be positive, not {self.wait_timeout_s}")
+
+
+class ShardSpec(NamedTuple):
+    """A shard as the manifest describes it: its key in the store, byte size and checksum."""
+
+    name: str
+    size: int | None = None
+    checksum: str | None = None

@@ -1,0 +1,232 @@
+"""The cache directory on disk: its paths and names, the cache-wide and per-shard locks, temp
+files that record reservations, the scan that counts bytes (removing dead downloads' temp
+files), and the stats file. No per-process state; the package docstring has the layout."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from dlstore.cache.config import STATS_FILE_BYTES
+from dlstore.errors import ConfigError, DlstoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CacheStats:
+    """Counters of one process (`ShardCache.stats`), or summed over all (`cache_report`)."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_fetched: int = 0
+    evictions: int = 0
+    wait_time_s: float = 0.0
+    corrupt_replaced: int = 0
+
+    def add(self, other: CacheStats) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    def is_zero(self) -> bool:
+        return not any(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> CacheStats:
+        out = cls()
+        for name in (f.name for f in dataclasses.fields(cls)):
+            value = data.get(name)
+            if isinstance(value, (int, float)):
+                setattr(out, name, type(getattr(out, name))(value))
+        return out
+
+
+# -- flock helpers ------------------------------------------------------------------------------
+def _try_flock(fd: int, mode: int) -> bool:
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _release(fd: int) -> None:
+    """Unlock, then close. Unlock first: a forked child may share this open file description,
+    and closing our descriptor alone would leave the lock held through the child's."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class _Usage:
+    shards: list[tuple[int, str, int]]  # (mtime_ns, stem, size), unsorted
+    in_flight: int
+    in_flight_bytes: int
+    stale_removed: int
+
+    @property
+    def total(self) -> int:
+        return sum(size for _, _, size in self.shards) + self.in_flight_bytes + STATS_FILE_BYTES
+
+
+class _CacheDir:
+    """The files of one cache directory and the operations on them; no per-process state."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.shards = os.path.join(root, "shards")
+        self.tmp = os.path.join(root, "tmp")
+        self.locks = os.path.join(root, "locks")
+        self.lock_path = os.path.join(root, "cache.lock")
+        self.stats_path = os.path.join(root, "stats.json")
+
+    def create(self) -> None:
+        for directory in (self.shards, self.tmp, self.locks):
+            os.makedirs(directory, exist_ok=True)
+
+    def require(self) -> None:
+        if not os.path.isfile(self.lock_path) or not os.path.isdir(self.shards):
+            raise ConfigError(f"{self.root} is not a dlstore cache directory (no cache.lock or shards/)")
+
+    def shard_path(self, stem: str) -> str:
+        return os.path.join(self.shards, stem)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The cache-wide lock. A fresh open file per call, so threads exclude each other too.
+        Never re-entered: a nested call would wait on itself."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            yield
+        finally:
+            _release(fd)
+
+    def open_lock(self, stem: str) -> int:
+        return os.open(os.path.join(self.locks, stem + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+
+    # -- under the cache-wide lock -----------------------------------------------------------------
+    def scan(self) -> _Usage:
+        """Bytes on disk, removing temp files of dead processes. Exact because downloads
+        publish (move from `tmp/` to `shards/`) only under the cache-wide lock, which the
+        caller holds: a scan never sees a download in both places, nor in neither."""
+        in_flight = in_flight_bytes = stale = 0
+        for entry in os.scandir(self.tmp):
+            if self._temp_owner_dead(entry.path):
+                _unlink_quietly(entry.path)
+                stale += 1
+                log.info("removed stale temp file %s (its download died)", entry.path)
+                continue
+            reserved = self._reserved_size(entry.name)
+            try:
+                actual = entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                actual = 0
+            in_flight += 1
+            in_flight_bytes += max(reserved, actual)
+        shards = []
+        for entry in os.scandir(self.shards):
+            try:
+                stat = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            shards.append((stat.st_mtime_ns, entry.name, stat.st_size))
+        return _Usage(shards, in_flight, in_flight_bytes, stale)
+
+    @staticmethod
+    def _reserved_size(temp_name: str) -> int:
+        try:
+            return int(temp_name.removesuffix(".part").rsplit(".", 1)[1])
+        except (IndexError, ValueError):
+            return 0
+
+    @staticmethod
+    def _temp_owner_dead(path: str) -> bool:
+        """Whether no live process holds the temp file's lock (so it is an orphan)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False  # just published or removed: nothing to clean
+        try:
+            return _try_flock(fd, fcntl.LOCK_EX)
+        finally:
+            _release(fd)
+
+    def create_temp(self, stem: str, size: int) -> tuple[int, str]:
+        """A new temp file recording the reservation of `size` bytes, locked by us."""
+        path = os.path.join(self.tmp, f"{stem}.{os.getpid()}.{secrets.token_hex(4)}.{size}.part")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: cannot be held by anyone
+        return fd, path
+
+    def try_evict(self, stem: str) -> int | None:
+        """Remove one shard unless a reader or downloader holds it: bytes freed, or None if held."""
+        fd = self.open_lock(stem)
+        if not _try_flock(fd, fcntl.LOCK_EX):
+            os.close(fd)
+            return None
+        try:
+            return self.remove_shard(stem)
+        finally:
+            _release(fd)
+
+    def remove_shard(self, stem: str) -> int:
+        """Unlink a shard whose lock the caller holds exclusively; bytes freed."""
+        path = self.shard_path(stem)
+        try:
+            size = os.stat(path).st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            return 0
+        return size
+
+    def read_stats(self) -> dict:
+        try:
+            with open(self.stats_path, encoding="utf-8") as file:
+                text = file.read().strip()
+            return json.loads(text) if text else {}
+        except FileNotFoundError:
+            return {}
+        except (ValueError, OSError) as exc:
+            log.warning("cache stats file %s is unreadable (%s); counting from zero", self.stats_path, exc)
+            return {}
+
+    def write_stats(self, data: dict) -> None:
+        text = json.dumps(data, sort_keys=True)
+        if len(text) >= STATS_FILE_BYTES:
+            raise DlstoreError(f"cache stats do not fit in {STATS_FILE_BYTES} bytes: {text[:80]}...")
+        # Rewritten in place at a fixed size: no second file, no growth beyond what the limit counts.
+        payload = (text.ljust(STATS_FILE_BYTES - 1) + "\n").encode()
+        fd = os.open(self.stats_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            os.pwrite(fd, payload, 0)
+            os.ftruncate(fd, STATS_FILE_BYTES)
+        finally:
+            os.close(fd)
+
+    def add_stats(self, delta: CacheStats) -> None:
+        data = self.read_stats()
+        totals = CacheStats.from_dict(data)
+        totals.add(delta)
+        data.update(dataclasses.asdict(totals))
+        self.write_stats(data)

@@ -1,0 +1,106 @@
+"""The background prefetch of one process: a daemon thread that keeps the next
+`CacheConfig.prefetch` shards of the reader's list cached, and the window that the reader
+moves on as it reaches each shard. All of its state lives in the process's `_Runtime`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from dlstore.cache.config import ShardSpec
+from dlstore.cache.layout import _release
+from dlstore.cache.runtime import _Runtime
+
+log = logging.getLogger(__name__)
+
+#: Fetch a shard for the prefetch: (shard, the shards its eviction must spare) -> the shard's
+#: lock descriptor held shared, or None when there is no room for it now.
+PrefetchFetch = Callable[[ShardSpec, frozenset[str]], "int | None"]
+
+
+def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch) -> None:
+    """Replace the list of upcoming shards, and start the thread unless it runs already."""
+    with rt.lock:
+        rt.upcoming = specs
+        rt.position = 0
+        rt.done = set()
+        rt.generation += 1
+        rt.closing = False
+        if rt.thread is None or not rt.thread.is_alive():
+            rt.thread = threading.Thread(
+                target=_prefetch_loop, args=(rt, depth, fetch), name="dlstore-cache-prefetch", daemon=True
+            )
+            rt.thread.start()
+        rt.wake.notify_all()
+
+
+def stop_prefetch(rt: _Runtime, timeout_s: float) -> None:
+    """Stop the thread after its current download (waiting up to `timeout_s`)."""
+    with rt.lock:
+        rt.closing = True
+        rt.upcoming = []
+        rt.wake.notify_all()
+        thread = rt.thread
+    if thread is not None:
+        thread.join(timeout=timeout_s)
+        rt.thread = None
+
+
+def raise_prefetch_error(rt: _Runtime, name: str) -> None:
+    with rt.lock:
+        error = rt.errors.pop(name, None)
+    if error is not None:
+        raise error
+
+
+def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
+    """The reader reached `name`: move the prefetch window past it. Returns the window,
+    which the reader's own evictions spare when they can."""
+    with rt.lock:
+        for index in range(rt.position, len(rt.upcoming)):
+            if rt.upcoming[index].name == name:
+                rt.position = index + 1
+                rt.wake.notify_all()
+                break
+        window = rt.upcoming[rt.position : rt.position + depth]
+    return frozenset(spec.name for spec in window)
+
+
+def _next_prefetch(rt: _Runtime, depth: int) -> tuple[ShardSpec, frozenset[str]] | None:
+    """The next shard to prefetch, and the shards its eviction must spare: those sooner in
+    the list, and the one the reader has just reached (it may not hold its lock yet)."""
+    start = rt.position
+    window = rt.upcoming[start : start + depth]
+    for index, spec in enumerate(window):
+        if spec.name not in rt.done:
+            return spec, frozenset(s.name for s in rt.upcoming[max(start - 1, 0) : start + index])
+    return None
+
+
+def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch) -> None:
+    while True:
+        with rt.lock:
+            job = None
+            while not rt.closing and (job := _next_prefetch(rt, depth)) is None:
+                rt.wake.wait()
+            if rt.closing or job is None:
+                return
+            generation = rt.generation
+        spec, sooner = job
+        try:
+            fd = fetch(spec, sooner)
+        except Exception as exc:  # kept for the reader: raised when it reaches this shard
+            log.warning("prefetch of shard %r failed: %s: %s", spec.name, type(exc).__name__, exc)
+            with rt.lock:
+                rt.errors[spec.name] = exc
+                rt.done.add(spec.name)
+            continue
+        if fd is None:  # no room without evicting what is needed sooner: try again later
+            with rt.lock:
+                rt.wake.wait(timeout=0.2)
+            continue
+        _release(fd)
+        with rt.lock:
+            if generation == rt.generation:
+                rt.done.add(spec.name)

@@ -1,0 +1,32 @@
+"""The state a `ShardCache` keeps in one process (counters, the prefetch list and thread):
+rebuilt after fork or unpickling, never pickled."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from dlstore.cache.config import ShardSpec
+from dlstore.cache.layout import CacheStats
+
+
+class _Runtime:
+    """State of one process: rebuilt after fork or unpickling, never pickled."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.lock = threading.Lock()
+        self.wake = threading.Condition(self.lock)
+        self.started = False
+        self.stats = CacheStats()
+        self.pending = CacheStats()  # not yet added to stats.json
+        self.last_flush = time.monotonic()
+        # prefetch
+        self.upcoming: list[ShardSpec] = []
+        self.position = 0  # index in `upcoming` of the first shard the reader has not reached
+        self.generation = 0
+        self.done: set[str] = set()
+        self.errors: dict[str, BaseException] = {}
+        self.thread: threading.Thread | None = None
+        self.closing = False

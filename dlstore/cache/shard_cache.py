@@ -1,0 +1,481 @@
+"""`ShardCache`: fetch a shard into the node-local cache once, hold it while it is read, and
+evict least recently used shards to stay within the byte limit. The package docstring
+(`dlstore.cache`) states the invariants and how they hold."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from urllib.parse import quote
+
+from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
+from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, _write_verified
+from dlstore.cache.layout import CacheStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
+from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
+from dlstore.cache.runtime import _Runtime
+from dlstore.errors import ConfigError, NoSpace, TransientError
+from dlstore.storage.base import Store
+
+log = logging.getLogger(__name__)
+
+_MAX_POLL_S = 0.05
+
+
+class CacheFull(NoSpace):
+    """The cache cannot make room within its limit: the other shards are held by readers or
+    being downloaded, and none was released within `wait_timeout_s`."""
+
+
+_runtime_lock = threading.Lock()
+_live_caches: weakref.WeakSet[ShardCache] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    global _runtime_lock
+    _runtime_lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register
+def _flush_live_caches() -> None:
+    for cache in list(_live_caches):
+        with contextlib.suppress(Exception):
+            cache.flush_stats()
+
+
+class ShardCache:
+    """The node-local shard cache over one store; see the package docstring (`dlstore.cache`) for the design.
+
+    >>> cache = ShardCache(CacheConfig("/mnt/ssd/dlstore", "150GB"), open_store("swift://imagenet/train"))  # doctest: +SKIP
+    >>> with cache.hold("shard-000000.tar", 301_234_176, "sha256:9f86d0...") as path:  # doctest: +SKIP
+    ...     samples = read_tar(path)
+    """
+
+    def __init__(self, config: CacheConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self._dir = _CacheDir(config.cache_dir)
+        # Shard names are keys relative to the store root; the store's URL keeps two datasets
+        # with the same shard names apart when they share one cache directory.
+        self._namespace = hashlib.sha256(store.url.encode()).hexdigest()[:12]
+        self._rt: _Runtime | None = None
+
+    def __repr__(self) -> str:
+        return f"ShardCache({self.config.cache_dir!r}, limit={self.config.limit_bytes}, store={self.store!r})"
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config, "store": self.store}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["config"], state["store"])  # type: ignore[misc]
+
+    # -- public API ----------------------------------------------------------------------------------
+    @property
+    def stats(self) -> CacheStats:
+        """This process's counters (a copy)."""
+        rt = self._runtime()
+        with rt.lock:
+            return dataclasses.replace(rt.stats)
+
+    def check_fits(self, max_shard_size: int, readers: int = 1) -> None:
+        """Raise `ConfigError` unless the largest shard fits under the limit; warn when
+        `readers` processes each holding one shard of that size would not fit at once.
+
+        >>> cache.check_fits(max(s.size for s in manifest.shards), readers=world.local_size * workers)  # doctest: +SKIP
+        """
+        room = self.config.limit_bytes - STATS_FILE_BYTES
+        if max_shard_size > room:
+            raise ConfigError(
+                f"cache limit {self.config.limit_bytes} bytes ({self.config.cache_dir}) is smaller than the "
+                f"largest shard ({max_shard_size} bytes) plus the {STATS_FILE_BYTES}-byte stats file; "
+                "raise the cache limit or write smaller shards"
+            )
+        if readers > 1 and readers * max_shard_size > room:
+            log.warning(
+                "cache limit %d bytes holds fewer than %d shards of %d bytes: readers will wait for each other",
+                self.config.limit_bytes,
+                readers,
+                max_shard_size,
+            )
+
+    @contextlib.contextmanager
+    def hold(self, name: str, size: int | None = None, checksum: str | None = None, *, recheck: bool = False):
+        """Fetch shard `name` if needed and yield its local path, which is not evicted until
+        the `with` block ends.
+
+        `size` and `checksum` ("algo:hexdigest") come from the manifest; a cached copy of the
+        wrong size is replaced, and with `recheck=True` so is one whose checksum fails. An
+        error of the background prefetch of this shard is raised here.
+
+        >>> with cache.hold("shard-000003.tar", 300_000_000, "sha256:ab12...") as path:  # doctest: +SKIP
+        ...     index = read_index(path)
+        """
+        rt = self._runtime()
+        raise_prefetch_error(rt, name)
+        protect = advance_window(rt, name, self.config.prefetch)
+        fd = self._acquire(rt, ShardSpec(name, size, checksum), recheck=recheck, protect=protect)
+        path = self._dir.shard_path(self._stem(name))
+        try:
+            yield path
+        finally:
+            # No touch here: LRU goes by when a read started, so a shard just read is evicted
+            # before the prefetched ones the reader has not reached yet.
+            _release(fd)
+
+    def fetch(self, name: str, size: int | None = None, checksum: str | None = None, *, recheck: bool = False) -> str:
+        """Make sure shard `name` is cached and return its path. The shard may be evicted
+        once this returns; use `hold` around reads.
+
+        >>> path = cache.fetch("shard-000003.tar", 300_000_000, "sha256:ab12...")  # doctest: +SKIP
+        """
+        with self.hold(name, size, checksum, recheck=recheck) as path:
+            return path
+
+    def prefetch(self, shards: Iterable[ShardSpec | tuple]) -> None:
+        """Set the shards the reader will ask for next, in order; a daemon thread keeps the
+        first `config.prefetch` of them not yet reached cached, within the limit, never
+        evicting a held shard or one sooner in this list. Reaching a shard with `hold` or
+        `fetch` moves the window on. Replaces any earlier list.
+
+        >>> cache.prefetch([(s.name, s.size, s.checksum) for s in my_shards])  # doctest: +SKIP
+        """
+        specs = [ShardSpec(*s) for s in shards]
+        if self.config.prefetch <= 0:
+            return
+        rt = self._runtime()
+        start_prefetch(
+            rt,
+            specs,
+            self.config.prefetch,
+            lambda spec, sooner: self._acquire(rt, spec, protect=sooner, prefetching=True),
+        )
+
+    def usage(self) -> int:
+        """Bytes the cache directory holds now, counted as the limit counts them."""
+        self._runtime()
+        with self._dir.locked():
+            return self._dir.scan().total
+
+    def flush_stats(self) -> None:
+        """Add this process's counters not yet recorded to the directory's totals."""
+        rt = self._rt
+        if rt is not None and rt.pid == os.getpid():
+            self._flush(rt, force=True)
+
+    def close(self) -> None:
+        """Stop the prefetch thread (after its current download) and record the counters."""
+        rt = self._rt
+        if rt is None or rt.pid != os.getpid():
+            return
+        stop_prefetch(rt, self.config.wait_timeout_s)
+        self._flush(rt, force=True)
+
+    # -- per-process state -------------------------------------------------------------------------
+    def _runtime(self) -> _Runtime:
+        rt = self._rt
+        if rt is not None and rt.pid == os.getpid() and rt.started:
+            return rt
+        with _runtime_lock:
+            rt = self._rt
+            if rt is None or rt.pid != os.getpid():
+                rt = self._rt = _Runtime()  # new process: fresh counters, no thread
+            if not rt.started:
+                self._start()
+                rt.started = True
+                _live_caches.add(self)
+        return rt
+
+    def _start(self) -> None:
+        """First use in this process: create the layout, remove dead downloads' temp files,
+        and bring the directory within this process's limit."""
+        self._dir.create()
+        with self._dir.locked():
+            usage = self._dir.scan()
+            data = self._dir.read_stats()
+            previous = data.get("limit_bytes")
+            if previous not in (None, self.config.limit_bytes):
+                log.warning(
+                    "cache %s was used with limit %s bytes; now %d bytes (processes sharing it should agree)",
+                    self.config.cache_dir,
+                    previous,
+                    self.config.limit_bytes,
+                )
+            data["limit_bytes"] = self.config.limit_bytes
+            self._dir.write_stats(data)
+            excess = usage.total - self.config.limit_bytes
+            evicted = self._evict(usage, excess, frozenset(), strict=True, partial=True)[1] if excess > 0 else 0
+        if usage.stale_removed or evicted:
+            log.info(
+                "cache %s: removed %d stale temp files, evicted %d shards over the limit",
+                self.config.cache_dir,
+                usage.stale_removed,
+                evicted,
+            )
+        if evicted:
+            rt = self._rt
+            assert rt is not None
+            self._count(rt, evictions=evicted)
+
+    def _count(self, rt: _Runtime, **deltas: float) -> None:
+        with rt.lock:
+            for name, value in deltas.items():
+                setattr(rt.stats, name, getattr(rt.stats, name) + value)
+                setattr(rt.pending, name, getattr(rt.pending, name) + value)
+
+    def _flush(self, rt: _Runtime, force: bool = False) -> None:
+        """Add pending counters to stats.json: at once for downloads and evictions, at most
+        once a second for hits (so a hit costs no cache-wide lock). Never call it while
+        holding the cache-wide lock."""
+        with rt.lock:
+            if not force and time.monotonic() - rt.last_flush < 1.0:
+                return
+            pending, rt.pending = rt.pending, CacheStats()
+            rt.last_flush = time.monotonic()
+        if pending.is_zero():
+            return
+        if not os.path.isdir(self._dir.root):  # the cache was removed (a temporary one): nothing to record
+            return
+        try:
+            with self._dir.locked():
+                self._dir.add_stats(pending)
+        except OSError as exc:
+            log.warning("could not record cache counters in %s: %s", self._dir.stats_path, exc)
+
+    def _stem(self, name: str) -> str:
+        if not name or name.startswith("/"):
+            raise ConfigError(f"invalid shard name {name!r}: names are keys relative to the store root")
+        stem = f"{self._namespace}-{quote(name, safe='')}"
+        if len(stem) > 180:  # file names stop at 255 bytes; temp names add ~45
+            digest = hashlib.sha256(name.encode()).hexdigest()[:24]
+            stem = f"{self._namespace}-{digest}-{stem[-100:]}"
+        return stem
+
+    @staticmethod
+    def _touch(path: str) -> None:
+        with contextlib.suppress(OSError):
+            os.utime(path)
+
+    # -- fetching ------------------------------------------------------------------------------------
+    def _acquire(
+        self,
+        rt: _Runtime,
+        spec: ShardSpec,
+        *,
+        recheck: bool = False,
+        protect: frozenset[str] = frozenset(),
+        prefetching: bool = False,
+    ) -> int | None:
+        """Return the shard's lock file descriptor holding LOCK_SH, with the shard published
+        and valid; None only when `prefetching` and there is no room for it now."""
+        if spec.checksum is not None:
+            _parse_checksum(spec.checksum)
+        if spec.size is not None:
+            self._check_size(spec)
+        stem = self._stem(spec.name)
+        path = self._dir.shard_path(stem)
+        fd = self._dir.open_lock(stem)
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        delay, waited, downloaded = 0.001, 0.0, False
+        try:
+            while True:
+                if _try_flock(fd, fcntl.LOCK_SH):
+                    if self._cached_state(path, spec, recheck and not downloaded) == "ok":
+                        self._touch(path)
+                        if not downloaded and not prefetching:
+                            self._count(rt, hits=1)
+                        if waited:
+                            self._count(rt, wait_time_s=waited)
+                        self._flush(rt, force=downloaded)
+                        return fd
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    if _try_flock(fd, fcntl.LOCK_EX):
+                        fetched = self._fetch_exclusively(
+                            rt, spec, stem, path, recheck and not downloaded, protect, prefetching
+                        )
+                        if fetched is None:
+                            _release(fd)
+                            return None
+                        downloaded = downloaded or fetched
+                        # EX -> SH is not atomic: an evictor may slip in, so loop and check.
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                        continue
+                # Another process holds it exclusively: downloading it, or evicting it.
+                if time.monotonic() > deadline:
+                    raise TransientError(
+                        f"waited {self.config.wait_timeout_s:.0f}s for shard {spec.name!r} in cache "
+                        f"{self.config.cache_dir}: another process is still downloading or evicting it"
+                    )
+                time.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, _MAX_POLL_S)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                _release(fd)
+            raise
+
+    def _fetch_exclusively(
+        self,
+        rt: _Runtime,
+        spec: ShardSpec,
+        stem: str,
+        path: str,
+        recheck: bool,
+        protect: frozenset[str],
+        prefetching: bool,
+    ) -> bool | None:
+        """Holding the shard's lock exclusively, so nobody reads or downloads it: check again
+        (another process may have published it since), then fetch it unless it is there.
+        Whether it was downloaded; None when `prefetching` and there is no room for it now."""
+        state = self._cached_state(path, spec, recheck)
+        if state == "ok":
+            return False
+        if state == "bad":
+            os.unlink(path)
+            self._count(rt, corrupt_replaced=1)
+            log.warning("cached shard %r is corrupt; fetching it again", spec.name)
+        if not self._download(rt, spec, stem, path, protect, prefetching):
+            return None
+        return True
+
+    def _check_size(self, spec: ShardSpec) -> None:
+        if spec.size is not None and spec.size > self.config.limit_bytes - STATS_FILE_BYTES:
+            self.check_fits(spec.size)
+
+    def _cached_state(self, path: str, spec: ShardSpec, recheck: bool) -> str:
+        """'ok', 'missing', or 'bad' (wrong size, or wrong checksum when rechecking)."""
+        try:
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return "missing"
+        if spec.size is not None and size != spec.size:
+            return "bad"
+        if recheck and spec.checksum is not None:
+            algo, digest = _parse_checksum(spec.checksum)
+            if _file_digest(path, algo) != digest:
+                return "bad"
+        return "ok"
+
+    def _download(
+        self, rt: _Runtime, spec: ShardSpec, stem: str, path: str, protect: frozenset[str], prefetching: bool
+    ) -> bool:
+        """Stream the shard into a reserved temp file, verify, publish. Called holding the
+        shard's lock exclusively. False if `prefetching` and there is no room now."""
+        size = spec.size if spec.size is not None else self.store.stat(spec.name).size
+        self._check_size(ShardSpec(spec.name, size))
+        reserved = self._reserve(rt, spec.name, stem, size, protect, wait=not prefetching)
+        if reserved is None:
+            return False
+        fd, temp = reserved
+        started = time.monotonic()
+        try:
+            _write_verified(fd, self.store, spec, size, self.config)
+            # Under the cache-wide lock: a scan (which holds it) must not see the bytes leave
+            # tmp/ after it counted them there and then find them again under shards/.
+            with self._dir.locked():
+                os.replace(temp, path)
+            temp = None
+        except OSError as exc:
+            if exc.errno in _NO_SPACE_ERRNOS:
+                raise NoSpace(
+                    f"no space in cache {self.config.cache_dir} while fetching shard {spec.name!r} "
+                    f"({size} bytes): {exc.strerror}"
+                ) from exc
+            raise
+        finally:
+            # Unlock before unlinking: bytes still allocated to an open, unlinked file would
+            # be on disk yet counted by no scan; a scan that finds this file unlocked first
+            # removes it itself.
+            _release(fd)
+            if temp is not None:
+                _unlink_quietly(temp)
+        log.info(
+            "fetched shard %r (%d bytes, %.2fs)%s",
+            spec.name,
+            size,
+            time.monotonic() - started,
+            " [prefetch]" * prefetching,
+        )
+        self._count(rt, misses=1, bytes_fetched=size)
+        return True
+
+    def _reserve(
+        self, rt: _Runtime, name: str, stem: str, size: int, protect: frozenset[str], wait: bool
+    ) -> tuple[int, str] | None:
+        """Reserve `size` bytes under the limit, evicting LRU shards no reader holds; returns
+        the new temp file (descriptor, path). Waits for room up to `wait_timeout_s`, or
+        returns None at once when not `wait`."""
+        deadline = time.monotonic() + self.config.wait_timeout_s
+        delay, waited, evicted = 0.005, 0.0, 0
+        try:
+            while True:
+                with self._dir.locked():
+                    usage = self._dir.scan()
+                    excess = usage.total + size - self.config.limit_bytes
+                    if excess > 0:
+                        freed, count = self._evict(usage, excess, protect, strict=not wait)
+                        excess -= freed
+                        evicted += count
+                    if excess <= 0:
+                        return self._dir.create_temp(stem, size)
+                if not wait:
+                    return None
+                if time.monotonic() > deadline:
+                    raise CacheFull(
+                        f"cache {self.config.cache_dir} is full: {usage.total} of {self.config.limit_bytes} bytes "
+                        f"are shards held by readers or downloads in flight, and shard {name!r} needs {size}; "
+                        f"waited {waited:.1f}s. Raise the limit, or hold fewer shards at once."
+                    )
+                time.sleep(delay)
+                waited += delay
+                delay = min(delay * 2, 0.1)
+        finally:
+            if evicted or waited:
+                self._count(rt, evictions=evicted, wait_time_s=waited)
+
+    def _evict(
+        self, usage: _Usage, need: int, protect: frozenset[str], strict: bool, partial: bool = False
+    ) -> tuple[int, int]:
+        """Under the cache-wide lock: evict least recently used shards no one holds until
+        `need` bytes are free, or none at all if that is impossible (unless `partial`).
+        Shards in `protect` go last, and never when `strict`. Returns (bytes, shards)."""
+        protected = {self._stem(name) for name in protect}
+        ordered = sorted(usage.shards)
+        candidates = [s for s in ordered if s[1] not in protected]
+        if not strict:
+            candidates += [s for s in ordered if s[1] in protected]
+        # Lock the victims first and delete only if they free enough: evicting shards and
+        # still not fitting would throw away data for nothing.
+        victims: list[tuple[int, str]] = []
+        total = 0
+        try:
+            for _, stem, size in candidates:
+                if total >= need:
+                    break
+                fd = self._dir.open_lock(stem)
+                if not _try_flock(fd, fcntl.LOCK_EX):
+                    os.close(fd)  # a reader holds it
+                    continue
+                victims.append((fd, stem))
+                total += size
+            if total < need and not partial:
+                return 0, 0
+            freed = 0
+            for _, stem in victims:
+                size = self._dir.remove_shard(stem)
+                freed += size
+                log.debug("evicted %s (%d bytes)", stem, size)
+            return freed, len(victims)
+        finally:
+            for fd, _ in victims:
+                _release(fd)
