@@ -23,11 +23,13 @@ from dlstore.cli import main as cli
 from dlstore.config import StoreConfig
 from dlstore.convert import (
     ConvertOptions,
+    SourceItem,
     convert,
     index_dataset,
     list_source,
     verify_dataset,
 )
+from dlstore.convert.arrays import ArrayReader
 from dlstore.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, FormatError
 from dlstore.manifest import MANIFEST_NAME, Manifest, load_sample_index
@@ -216,10 +218,8 @@ def test_cifar10(data, tmp_path, layout, fmt):
     samples = check_exactly_once(f"file://{tmp_path}/train", made.samples["train"])
     assert summary.manifest.classes[:2] == ("airplane", "automobile")
     if fmt == "png":  # lossless: the pixels are the source's
-        from dlstore.convert import SourceItem, _ArrayReader
-
         source = list_source("cifar10", made.root)
-        reader: _ArrayReader = source.reader
+        reader: ArrayReader = source.reader
         for s in samples[:5]:
             batch, i = json.loads(s["json"])["source"].split("/")
             pixels = np.asarray(Image.open(io.BytesIO(s["png"])))

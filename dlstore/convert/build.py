@@ -1,0 +1,243 @@
+"""Step 3 of a conversion, **build**: each shard is made in a worker process (or in this one for
+a single worker): read, check, maybe resize/re-encode each input, write the tar (streamed
+into a local store, through a temporary file for a remote one), then `store.put` the shard
+and then its sample index. Local temp space is at most one shard per worker.
+
+Resume rests on that order: a shard whose sample index is in the store, whose recipe digest
+matches, and whose tar has the recorded size is complete, and is kept as it is
+(`existing_shard`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from dlstore.convert.encode import encode_input
+from dlstore.convert.inputs import Source
+from dlstore.convert.options import ConvertOptions, SkippedInput
+from dlstore.convert.shard_plan import ShardTask, sample_key, sample_metadata
+from dlstore.errors import CorruptSample, DlstoreError, FormatError, NotFound
+from dlstore.manifest import SampleIndex, ShardInfo, checksum_of, index_name
+from dlstore.shards import TarShardWriter
+from dlstore.storage import Store
+
+__all__ = ["Built", "Counters", "build_shards", "existing_shard", "shard_info"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What every worker needs to build any shard: sent to each worker once, not per shard."""
+
+    store: Store
+    source: Source
+    options: ConvertOptions
+    tmp_dir: str
+
+
+@dataclass(frozen=True)
+class Built:
+    """A shard in the store (built now, or `reused` from an earlier run) and the inputs it dropped."""
+
+    number: int
+    info: ShardInfo
+    skipped: tuple[SkippedInput, ...]
+    reused: bool = False
+
+
+class Counters:
+    """Samples and bytes done, shared across worker processes (or local ones in-process)."""
+
+    def __init__(self, shared: tuple | None = None) -> None:
+        self.shared = shared
+        self.samples = self.bytes = 0
+        self.on_add: Callable[[], None] | None = None  # in-process: report progress, twice a second
+        self._last = 0.0
+
+    def add(self, samples: int, nbytes: int) -> None:
+        if self.shared is None:
+            self.samples += samples
+            self.bytes += nbytes
+            if self.on_add is not None and time.monotonic() - self._last > 0.5:
+                self._last = time.monotonic()
+                self.on_add()
+            return
+        for value, n in zip(self.shared, (samples, nbytes), strict=True):
+            with value.get_lock():
+                value.value += n
+
+    def read(self) -> tuple[int, int]:
+        if self.shared is None:
+            return self.samples, self.bytes
+        return self.shared[0].value, self.shared[1].value
+
+
+# Set once per worker process by its initializer, so that a task carries only its shard's plan.
+_worker_context: BuildContext | None = None
+_worker_counters: Counters | None = None
+
+
+def _init_worker(context: BuildContext, shared: tuple | None) -> Counters:
+    global _worker_context, _worker_counters
+    _worker_context, _worker_counters = context, Counters(shared)
+    return _worker_counters
+
+
+def _init_pool_worker(context: BuildContext, shared: tuple | None) -> None:
+    # Pool.terminate() sends SIGTERM; exiting through SystemExit runs the `finally` blocks that
+    # remove a half-written object (the default action would leave it behind).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    _init_worker(context, shared)
+
+
+def _shard_chunks(task: ShardTask, context: BuildContext, counters: Counters, out: dict) -> Iterator[bytes]:
+    """The shard's bytes, one sample at a time; `out` receives the index and the skipped inputs."""
+    source, options = context.source, context.options
+    parts: list[bytes] = []  # what the writer emitted since the last yield, without copying it
+
+    class Sink:
+        write = parts.append
+
+    writer = TarShardWriter(Sink)  # type: ignore[arg-type]
+    skipped: list[SkippedInput] = []
+    for position in task.positions:
+        item = source.items[position]
+        try:
+            ext, data = encode_input(source.reader.read(item), options)
+        except (CorruptSample, OSError) as exc:
+            if options.strict:
+                raise CorruptSample(f"{item.id}: {exc}") from None
+            skipped.append(SkippedInput(item.id, str(exc)))
+            counters.add(1, 0)
+            continue
+        sample = {ext: data, "cls": str(item.label).encode()}
+        if options.metadata:
+            sample["json"] = sample_metadata(item, source.classes)
+        span = writer.write(sample_key(position), sample)
+        counters.add(1, span.size)
+        yield from parts
+        parts.clear()
+    out["index"] = writer.close(recipe=task.recipe)
+    out["skipped"] = tuple(skipped)
+    yield from parts
+
+
+def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
+    """The manifest's entry for a shard whose sample index is `index` (serialised as `index_bytes`)."""
+    return ShardInfo(
+        name, index.shard_size, len(index), index.checksum, index_name(name), len(index_bytes), checksum_of(index_bytes)
+    )
+
+
+def _build_shard(task: ShardTask) -> Built:
+    """Build one shard in this worker and put it, then its index, into the store."""
+    context, counters = _worker_context, _worker_counters
+    if context is None or counters is None:
+        raise DlstoreError("shard builder used before _init_worker")
+    out: dict[str, Any] = {}
+    chunks = _shard_chunks(task, context, counters, out)
+    if context.store.scheme == "file":
+        # A local store writes beside the target and renames: streaming into it is one write
+        # of the data and no temp space.
+        context.store.put(task.name, chunks)
+    else:
+        # Remote stores get a seekable file, so that a failed upload is retried from its start.
+        with tempfile.NamedTemporaryFile(dir=context.tmp_dir, prefix="shard-", suffix=".tar") as tmp:
+            for chunk in chunks:
+                tmp.write(chunk)
+            tmp.flush()
+            context.store.put(task.name, tmp.name)
+    index: SampleIndex = out["index"]
+    index_bytes = index.to_bytes()
+    # The tar first, then its index: an index in the store means its tar is complete.
+    context.store.put(index_name(task.name), index_bytes)
+    return Built(task.number, shard_info(task.name, index, index_bytes), out["skipped"])
+
+
+def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool) -> Built | None:
+    """The shard as an earlier run left it, if it is complete and was built from the same recipe."""
+    if task.name not in sizes or index_name(task.name) not in sizes:
+        return None
+    try:
+        index_bytes = store.get_bytes(index_name(task.name))
+        index = SampleIndex.from_bytes(index_bytes)
+    except (NotFound, FormatError):
+        return None
+    if index.recipe != task.recipe or index.shard_size != sizes[task.name]:
+        return None
+    if rehash:
+        digest = hashlib.sha256()
+        for chunk in store.get(task.name):
+            digest.update(chunk)
+        if digest.digest() != index.sha256:
+            log.warning("%s: checksum differs from its index; rebuilding it", task.name)
+            return None
+    return Built(task.number, shard_info(task.name, index, index_bytes), (), reused=True)
+
+
+def build_shards(
+    store: Store,
+    source: Source,
+    options: ConvertOptions,
+    todo: list[ShardTask],
+    built: dict[int, Built],
+    report: Callable[[Counters], None],
+) -> None:
+    """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
+    times a second. The first error (a worker's, or one `report` raises) stops the build."""
+    tmp_dir = tempfile.mkdtemp(prefix="dlstore-convert-", dir=options.tmp_dir)
+    try:
+        context = BuildContext(store, source, options, tmp_dir)
+        if options.workers == 1 or len(todo) <= 1:
+            _build_in_process(context, todo, built, report)
+        else:
+            _build_in_pool(context, todo, built, report)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _build_in_process(
+    context: BuildContext, todo: list[ShardTask], built: dict[int, Built], report: Callable[[Counters], None]
+) -> None:
+    counters = _init_worker(context, None)
+    counters.on_add = lambda: report(counters)
+    for task in todo:
+        built[task.number] = _build_shard(task)
+        report(counters)
+
+
+def _build_in_pool(
+    context: BuildContext, todo: list[ShardTask], built: dict[int, Built], report: Callable[[Counters], None]
+) -> None:
+    # spawn, not fork: the parent may hold threads (progress bar, store clients) that a fork would copy mid-state.
+    ctx = multiprocessing.get_context("spawn")
+    shared = (ctx.Value("q", 0), ctx.Value("q", 0))
+    counters = Counters(shared)
+    workers = min(context.options.workers, len(todo))
+    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(context, shared)) as pool:
+        pending = [pool.apply_async(_build_shard, (task,)) for task in todo]
+        while pending:
+            pending[0].wait(0.25)
+            still = []
+            for result in pending:
+                if result.ready():
+                    done = result.get()  # re-raises a worker's error here
+                    built[done.number] = done
+                    report(counters)
+                else:
+                    still.append(result)
+            pending = still
+            report(counters)
+        pool.close()
+        pool.join()

@@ -1,0 +1,198 @@
+"""`convert`: list → plan → keep what an earlier run finished → build the rest → manifest.
+
+The manifest comes last: `index.json` is deleted at the start and written once every shard is
+in place, so a half-finished dataset is never taken for a finished one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from dlstore import __version__
+from dlstore.config import StoreConfig
+from dlstore.convert.arrays import ArrayReader
+from dlstore.convert.build import Built, Counters, build_shards, existing_shard
+from dlstore.convert.inputs import Source
+from dlstore.convert.options import ConvertOptions, ConvertProgress, ConvertSummary
+from dlstore.convert.shard_plan import ShardTask, plan_tasks
+from dlstore.convert.sources import list_source
+from dlstore.errors import ConfigError, FormatError
+from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, index_name
+from dlstore.shards import IMAGE_FIELDS
+from dlstore.storage import Store, open_store
+
+__all__ = ["convert"]
+
+log = logging.getLogger(__name__)
+
+
+def convert(
+    fmt: str,
+    src: str | os.PathLike[str],
+    dest: str | Store,
+    options: ConvertOptions = ConvertOptions(),
+    *,
+    config: StoreConfig | None = None,
+    progress: Callable[[ConvertProgress], None] | None = None,
+) -> ConvertSummary:
+    """Convert the dataset at `src` (format `fmt`, one of `FORMATS`) into shards at `dest`.
+
+    `dest` is a store URL (`swift://container/imagenet/train`, `s3://bucket/x`, `file:///d`)
+    or a `Store`; it becomes the dataset root: `shard-000000.tar`, `shard-000000.idx`, …,
+    `index.json`. `progress` is called with a `ConvertProgress` after every shard and a few
+    times a second; an exception it raises stops the conversion (which can then be resumed).
+
+    >>> convert("mnist", "./mnist", "file:///data/mnist-train",
+    ...         ConvertOptions(split="train", samples_per_shard=10000))     # doctest: +SKIP
+    """
+    started = time.monotonic()
+    store = dest if isinstance(dest, Store) else open_store(dest, config)
+    source = list_source(fmt, src, options)
+    tasks = plan_tasks(source, options)
+    creation = _creation_info(source, options)
+    _check_destination(store, creation, options)
+
+    listed = {info.key: info.size for info in store.list(options.prefix)}
+    built = _kept_shards(store, tasks, listed, options)
+    todo = [task for task in tasks if task.number not in built]
+    report = _ProgressReport(progress, len(source.items), tasks, built)
+    build_shards(store, source, options, todo, built, report)
+
+    results = [built[task.number] for task in tasks]
+    manifest = _save_manifest(store, source, options, creation, results)
+    _warn_about_stale_objects(store, listed, tasks)
+    skipped = [s for b in results for s in b.skipped] + source.skipped
+    skipped_earlier = sum(len(tasks[b.number].positions) - b.info.samples for b in results if b.reused)
+    return ConvertSummary(
+        url=store.url,
+        samples=manifest.total_samples,
+        shards=len(results),
+        bytes=manifest.total_size,
+        shards_written=sum(not b.reused for b in results),
+        shards_reused=sum(b.reused for b in results),
+        skipped=tuple(skipped),
+        skipped_earlier=skipped_earlier,
+        seconds=time.monotonic() - started,
+        manifest=manifest,
+    )
+
+
+def _creation_info(source: Source, options: ConvertOptions) -> CreationInfo:
+    return CreationInfo(
+        tool="dlstore convert",
+        tool_version=__version__,
+        source_format=source.format,
+        source=source.name,
+        split=source.split,
+        seed=options.seed if options.shuffle else None,
+        options=options.shaping(),
+    )
+
+
+def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> None:
+    """Refuse to overwrite another dataset; remove the manifest before touching any shard."""
+    if not store.exists(MANIFEST_NAME):
+        return
+    try:
+        previous = Manifest.load(store).created
+        same = (previous.source_format, previous.options) == (creation.source_format, creation.options)
+    except FormatError:
+        same = False
+    if not same and not options.overwrite:
+        raise ConfigError(
+            f"{store.url} already holds a dataset made from another source or with other options; "
+            "choose another URL or pass overwrite (--overwrite)"
+        )
+    store.delete(MANIFEST_NAME)
+
+
+def _kept_shards(
+    store: Store, tasks: list[ShardTask], listed: dict[str, int], options: ConvertOptions
+) -> dict[int, Built]:
+    """{shard number: Built} for the shards an earlier run of the same conversion completed."""
+    built: dict[int, Built] = {}
+    for task in tasks:
+        existing = existing_shard(store, task, listed, options.rehash_existing)
+        if existing is not None:
+            built[task.number] = existing
+    if built:
+        todo = len(tasks) - len(built)
+        log.info("%d of %d shards are already in %s; building %d", len(built), len(tasks), store.url, todo)
+    return built
+
+
+class _ProgressReport:
+    """Turns the builders' counters into `ConvertProgress` for the caller's callback, counting
+    the shards kept from an earlier run as done."""
+
+    def __init__(
+        self,
+        progress: Callable[[ConvertProgress], None] | None,
+        total: int,
+        tasks: list[ShardTask],
+        built: dict[int, Built],
+    ) -> None:
+        self.progress, self.total, self.tasks, self.built = progress, total, tasks, built
+        self.reused_samples = sum(len(tasks[n].positions) for n in built)
+        self.reused_bytes = sum(b.info.size for b in built.values())
+
+    def __call__(self, counters: Counters) -> None:
+        if self.progress is None:
+            return
+        samples, nbytes = counters.read()
+        self.progress(
+            ConvertProgress(
+                self.reused_samples + samples,
+                self.total,
+                self.reused_bytes + nbytes,
+                len(self.built),
+                len(self.tasks),
+                sum(b.reused for b in self.built.values()),
+            )
+        )
+
+
+def _save_manifest(
+    store: Store, source: Source, options: ConvertOptions, creation: CreationInfo, results: list[Built]
+) -> Manifest:
+    # The fields are predicted rather than collected, so that a resumed run (whose kept shards
+    # are not read again) writes the same manifest as an uninterrupted one.
+    manifest = Manifest(
+        shards=tuple(b.info for b in results),
+        classes=tuple(source.classes),
+        fields=tuple(sorted(_expected_fields(source, options))),
+        label_field="cls",
+        created=creation,
+    )
+    manifest.save(store)
+    return manifest
+
+
+def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
+    """The members a conversion writes: the image (`jpg`, or `png` for arrays stored as PNG, or
+    with `keep_format` whatever formats the inputs are in), `cls`, and `json` with metadata."""
+    fields = {"cls", "json"} if options.metadata else {"cls"}
+    if isinstance(source.reader, ArrayReader):
+        return fields | {"png" if options.image_format == "png" else "jpg"}
+    if options.keep_format and not options.resize_max_side:
+        by_extension = {".jpeg": "jpg", ".jpg": "jpg", ".jpe": "jpg", ".tif": "tiff"}
+        for item in source.items:
+            ext = os.path.splitext(item.id)[1].lower()
+            fields.add(by_extension.get(ext, ext[1:]))
+        fields &= set(IMAGE_FIELDS) | {"cls", "json"}
+    return fields | {"jpg"}
+
+
+def _warn_about_stale_objects(store: Store, listed: dict[str, int], tasks: list[ShardTask]) -> None:
+    names = {task.name for task in tasks}
+    stale = sorted(set(listed) - names - {index_name(n) for n in names} - {MANIFEST_NAME})
+    if stale:
+        log.warning(
+            "%s holds %d object(s) under the shard prefix that this dataset does not use, e.g. %s",
+            store.url,
+            len(stale),
+            stale[0],
+        )

@@ -1,0 +1,95 @@
+"""`index_dataset`: make shards written by other tools (`webdataset.ShardWriter`, GNU tar)
+readable by dlstore, in place: a sample index beside each `.tar` and an `index.json`."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from dlstore import __version__
+from dlstore.config import StoreConfig
+from dlstore.convert.build import shard_info
+from dlstore.errors import CorruptSample, FormatError
+from dlstore.manifest import CreationInfo, Manifest, ShardInfo, index_name
+from dlstore.shards import parse_label, scan_shard
+from dlstore.storage import Store, open_store
+
+__all__ = ["index_dataset"]
+
+log = logging.getLogger(__name__)
+
+
+def index_dataset(
+    dataset: str | Store,
+    *,
+    label_field: str = "cls",
+    workers: int = 4,
+    config: StoreConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Manifest:
+    """Build sample indexes and `index.json` for the `.tar` shards under `dataset` (written
+    by `webdataset.ShardWriter` or any other tool), in place.
+
+    Labels are the integer `label_field` members; the class count is the largest label + 1
+    (class names are then `"0"`, `"1"`, …). Shards without labels give an unlabelled manifest.
+
+    >>> index_dataset("s3://bucket/laion-subset").total_samples       # doctest: +SKIP
+    """
+    store = dataset if isinstance(dataset, Store) else open_store(dataset, config)
+    names = [info.key for info in store.list("") if info.key.endswith(".tar")]
+    if not names:
+        raise FormatError(f"{store.url}: expected WebDataset .tar shards, found none")
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dlstore-index") as pool:
+        futures = [pool.submit(_index_shard, store, name, label_field) for name in names]
+        results = []
+        for done, future in enumerate(futures, 1):
+            results.append(future.result())
+            if progress is not None:
+                progress(done, len(futures))
+    top = max(r.top_label for r in results)
+    labelled = top >= 0 and not any(r.unlabelled for r in results)
+    if top >= 0 and not labelled:
+        log.warning("%s: some samples have no %r member; the manifest is unlabelled", store.url, label_field)
+    manifest = Manifest(
+        shards=tuple(r.info for r in results),
+        classes=tuple(str(i) for i in range(top + 1)) if labelled else (),
+        fields=tuple(sorted(set().union(*(r.fields for r in results)))),
+        label_field=label_field if labelled else None,
+        created=CreationInfo(tool="dlstore index", tool_version=__version__, source_format="webdataset"),
+    )
+    manifest.save(store)
+    return manifest
+
+
+@dataclass
+class _IndexedShard:
+    """What indexing one shard found: its manifest entry, the members its samples have, the
+    largest label (-1 for none), and whether some sample had no label."""
+
+    info: ShardInfo | None = None
+    fields: set[str] = field(default_factory=set)
+    top_label: int = -1
+    unlabelled: bool = False
+
+    def add(self, shard: str, sample: dict, label_field: str) -> None:
+        self.fields.update(k for k in sample if not k.startswith("__"))
+        if sample.get(label_field) is None:
+            self.unlabelled = True
+            return
+        try:
+            label = parse_label(sample, 0, label_field)
+        except CorruptSample as exc:
+            raise FormatError(f"{shard}: {exc}") from None
+        self.top_label = max(self.top_label, label)
+
+
+def _index_shard(store: Store, name: str, label_field: str) -> _IndexedShard:
+    """Scan one shard, put its sample index beside it, and say what it holds."""
+    found = _IndexedShard()
+    index = scan_shard(store.get(name), on_sample=lambda sample: found.add(name, sample, label_field))
+    index_bytes = index.to_bytes()
+    store.put(index_name(name), index_bytes)
+    found.info = shard_info(name, index, index_bytes)
+    return found

@@ -1,0 +1,129 @@
+"""What every source lister produces: `SourceItem`s and a `Source`, the readers that fetch an
+item's bytes in a worker process (files, tar members), and the folder-walking helpers the
+ImageNet and ImageFolder listers share.
+
+Readers are pickled into worker processes, so they open nothing until their first `read`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from dlstore.convert.options import SkippedInput
+from dlstore.errors import FormatError
+
+__all__ = [
+    "FileReader",
+    "Source",
+    "SourceItem",
+    "TarReader",
+    "describe_found",
+    "image_extensions",
+    "subdirs",
+    "walk_class_dirs",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceItem:
+    """One input: a stable id (a relative path, `<wnid>/<member>`, `<batch>/<i>`), its label,
+    its size in bytes when known (0 otherwise), and where the reader finds it."""
+
+    id: str
+    label: int
+    size: int = 0
+    offset: int = -1
+
+
+class FileReader:
+    """Inputs are files under `root`; an item's id is its relative path."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def read(self, item: SourceItem) -> bytes:
+        with open(os.path.join(self.root, item.id), "rb") as file:
+            return file.read()
+
+
+class TarReader:
+    """Inputs are members of one local tar (maybe nested): `pread` at a known offset."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path, "_fd": None}
+
+    def read(self, item: SourceItem) -> bytes:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        data = os.pread(self._fd, item.size, item.offset)
+        if len(data) != item.size:
+            raise FormatError(f"{self.path} ends inside {item.id}")
+        return data
+
+
+@dataclass
+class Source:
+    """A listed input dataset: classes, inputs in canonical (sorted-id) order, and a reader.
+
+    `reencode` is True when the shards' image bytes are not the input bytes (so their
+    sizes are only known after encoding)."""
+
+    format: str
+    name: str
+    split: str
+    classes: list[str]
+    items: list[SourceItem]
+    reader: Any
+    reencode: bool
+    skipped: list[SkippedInput] = field(default_factory=list)
+
+
+def describe_found(path: Path, limit: int = 8) -> str:
+    """What is at `path`, for an error that says what was expected and what was found."""
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    except OSError:
+        return "nothing readable"
+    if not names:
+        return "an empty directory"
+    return ", ".join(names[:limit]) + (f", … ({len(names)} entries)" if len(names) > limit else "")
+
+
+def image_extensions() -> set[str]:
+    """File extensions Pillow can open (lower case, with the dot)."""
+    Image.init()
+    return {ext.lower() for ext in Image.registered_extensions()}
+
+
+def walk_class_dirs(root: Path, class_dirs: Sequence[str], skipped: list[SkippedInput]) -> list[SourceItem]:
+    """Every image file under each class folder (recursively, like torchvision's ImageFolder)."""
+    extensions = image_extensions()
+    items = []
+    for label, name in enumerate(class_dirs):
+        for folder, dirs, files in os.walk(root / name, followlinks=True):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            rel_folder = os.path.relpath(folder, root)
+            for file in sorted(files):
+                if file.startswith("."):
+                    continue
+                rel = f"{rel_folder}/{file}".replace(os.sep, "/")
+                if os.path.splitext(file)[1].lower() not in extensions:
+                    skipped.append(SkippedInput(rel, "not an image file extension"))
+                    continue
+                items.append(SourceItem(rel, label, os.path.getsize(os.path.join(folder, file))))
+    return items
+
+
+def subdirs(path: Path) -> list[str]:
+    """The visible sub-folders of `path`, sorted."""
+    return sorted(p.name for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))

@@ -1,0 +1,180 @@
+"""`verify_dataset`: check a finished dataset against its manifest, shard by shard, in threads.
+
+The quick check compares each shard's size and SHA-256 (and its sample index) with the
+manifest; `deep` also walks every shard and checks every sample (it decodes, its label is in
+range, it sits where the index says).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from dlstore.config import StoreConfig
+from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
+from dlstore.manifest import MANIFEST_NAME, Manifest, SampleIndex, ShardInfo, checksum_of
+from dlstore.shards import image_field, parse_label, scan_shard
+from dlstore.storage import Store, open_store
+
+__all__ = ["VerifyReport", "verify_dataset"]
+
+_MAX_BAD_SAMPLES_LISTED = 20
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of `verify_dataset`: `problems` is empty when everything matched."""
+
+    url: str
+    shards: int
+    samples: int
+    bytes: int
+    deep: bool
+    problems: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify_dataset(
+    dataset: str | Store,
+    *,
+    deep: bool = False,
+    workers: int = 4,
+    config: StoreConfig | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> VerifyReport:
+    """Check every shard's size and checksum (and its sample index) against the manifest.
+
+    `deep` also walks every shard: each sample must decode, carry a label in range and
+    appear where its index says, and counts must match. `progress(done, total)` after each shard.
+
+    >>> report = verify_dataset("swift://imagenet/train", deep=True)   # doctest: +SKIP
+    >>> report.ok, report.problems[:1]                                  # doctest: +SKIP
+    (True, ())
+    """
+    store = dataset if isinstance(dataset, Store) else open_store(dataset, config)
+    try:
+        manifest = Manifest.load(store)
+    except (NotFound, FormatError) as exc:
+        return VerifyReport(store.url, 0, 0, 0, deep, (f"{MANIFEST_NAME}: {exc}",))
+    problems: list[str] = []
+    samples = nbytes = 0
+    with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dlstore-verify") as pool:
+        futures = [pool.submit(_verify_shard, store, manifest, shard, deep) for shard in manifest.shards]
+        for done, future in enumerate(futures, 1):
+            shard_problems, shard_samples, shard_bytes = future.result()
+            problems += shard_problems
+            samples += shard_samples
+            nbytes += shard_bytes
+            if progress is not None:
+                progress(done, len(futures))
+    if deep and samples != manifest.total_samples and not problems:
+        problems.append(f"the shards hold {samples} samples, the manifest says {manifest.total_samples}")
+    return VerifyReport(store.url, len(manifest.shards), samples, nbytes, deep, tuple(problems))
+
+
+def _verify_shard(store: Store, manifest: Manifest, shard: ShardInfo, deep: bool) -> tuple[list[str], int, int]:
+    """(problems, samples, bytes) of one shard."""
+    try:
+        actual = store.stat(shard.name).size
+    except NotFound:
+        return [f"{shard.name}: missing"], 0, 0
+    problems: list[str] = []
+    if actual != shard.size:
+        problems.append(f"{shard.name}: {actual} bytes, the manifest says {shard.size}")
+    stored_index = _check_stored_index(store, shard, problems)
+    if not deep:
+        digest = hashlib.sha256()
+        for chunk in store.get(shard.name):
+            digest.update(chunk)
+        if f"sha256:{digest.hexdigest()}" != shard.checksum:
+            problems.append(f"{shard.name}: checksum differs from the manifest")
+        return problems, shard.samples, actual
+    samples = _walk_shard(store, manifest, shard, stored_index, problems)
+    return problems, samples, actual
+
+
+def _check_stored_index(store: Store, shard: ShardInfo, problems: list[str]) -> SampleIndex | None:
+    """The shard's sample index as stored, checked against the manifest (problems appended)."""
+    if not shard.index:
+        return None
+    try:
+        index_bytes = store.get_bytes(shard.index)
+        if shard.index_checksum and checksum_of(index_bytes) != shard.index_checksum:
+            problems.append(f"{shard.index}: checksum differs from the manifest")
+        stored_index = SampleIndex.from_bytes(index_bytes)
+    except NotFound:
+        problems.append(f"{shard.index}: missing")
+        return None
+    except FormatError as exc:
+        problems.append(f"{shard.index}: {exc}")
+        return None
+    if (len(stored_index), stored_index.shard_size) != (shard.samples, shard.size):
+        problems.append(
+            f"{shard.index}: describes {len(stored_index)} samples / {stored_index.shard_size} bytes, "
+            f"the manifest {shard.samples} / {shard.size}"
+        )
+    return stored_index
+
+
+def _walk_shard(
+    store: Store, manifest: Manifest, shard: ShardInfo, stored_index: SampleIndex | None, problems: list[str]
+) -> int:
+    """Read the whole shard, checking every sample; append what is wrong, return the samples found."""
+    bad: list[str] = []
+
+    def check(sample: dict) -> None:
+        problem = _check_sample(sample, manifest)
+        if problem:
+            bad.append(problem)
+
+    try:
+        index = scan_shard(store.get(shard.name), on_sample=check)
+    except CorruptShard as exc:
+        problems.append(f"{shard.name}: {exc}")
+        return 0
+    if index.checksum != shard.checksum:
+        problems.append(f"{shard.name}: checksum differs from the manifest")
+    if len(index) != shard.samples:
+        problems.append(f"{shard.name}: holds {len(index)} samples, the manifest says {shard.samples}")
+    if stored_index is not None and not np.array_equal(stored_index.offsets, index.offsets):
+        problems.append(f"{shard.index}: sample offsets do not match the shard")
+    problems += [f"{shard.name}: {b}" for b in bad[:_MAX_BAD_SAMPLES_LISTED]]
+    if len(bad) > _MAX_BAD_SAMPLES_LISTED:
+        problems.append(f"{shard.name}: … {len(bad) - _MAX_BAD_SAMPLES_LISTED} more bad samples")
+    return len(index)
+
+
+def _check_sample(sample: dict, manifest: Manifest) -> str | None:
+    """What is wrong with one sample of a deep check, or None."""
+    key = sample["__key__"]
+    field = image_field(sample)
+    if field is None:
+        return f"sample {key!r} has no image ({', '.join(k for k in sample if k != '__key__')})"
+    try:
+        with Image.open(io.BytesIO(sample[field])) as image:
+            image.load()
+    except Exception as exc:  # any decoder failure means the sample is unusable
+        return f"sample {key!r}: {field} does not decode ({type(exc).__name__}: {exc})"
+    if manifest.label_field:
+        try:
+            parse_label(sample, manifest.num_classes, manifest.label_field)
+        except CorruptSample:
+            raw = sample.get(manifest.label_field)
+            allowed = f"an integer in [0, {manifest.num_classes})" if manifest.num_classes else "a non-negative integer"
+            return f"sample {key!r}: label {raw!r} is not {allowed}"
+    if "json" in sample:
+        try:
+            json.loads(sample["json"])
+        except ValueError:
+            return f"sample {key!r}: json member is not JSON"
+    return None
