@@ -10,6 +10,7 @@ the same server finds it complete and reuses it, and a test server's data dir go
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -19,17 +20,22 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import pytest
+from botocore.stub import Stubber
 from swiftclient.exceptions import ClientException
 
 from dlstore.cli import main as cli_main
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
+from dlstore.datagen import make_imagefolder
 from dlstore.errors import AuthError, ConfigError, NotFound
+from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 
 try:  # tests/ as a package
+    from .swift_fixtures import _delete_container as delete_container
     from .tcp_proxy import TcpProxy
     from .test_store_contract import TEST_RETRY, payload, swift_store_config
 except ImportError:  # tests/ on sys.path (pytest's default "prepend" import mode)
+    from swift_fixtures import _delete_container as delete_container
     from tcp_proxy import TcpProxy
     from test_store_contract import TEST_RETRY, payload, swift_store_config
 
@@ -454,3 +460,83 @@ def test_s3_delete_objects_carries_content_md5(swift_server, swift_container):
     store.client.delete_objects(Bucket=swift_container, Delete={"Objects": [{"Key": "multi/a"}, {"Key": "multi/b"}]})
     assert "Content-MD5" in seen
     assert [info.key for info in store.list()] == []
+
+
+# -- containers and buckets made on demand (issue 13) -------------------------------------------------
+@pytest.fixture
+def new_container(swift_server):
+    """A container/bucket name that does not exist yet; deleted (with its segments) afterwards."""
+    name = f"dlstore-new-{uuid.uuid4().hex[:12]}"
+    yield name
+    conn = swift_server.swift_connection()
+    delete_container(conn, name)
+    conn.close()
+
+
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
+def test_ensure_container_creates_a_missing_container(swift_server, new_container, scheme):
+    config = swift_store_config(swift_server, segment_size=1_000_000)
+    store = open_store(f"{scheme}://{new_container}/ds", config)
+    with pytest.raises(NotFound, match=new_container):  # a plain put does not make it, but says how
+        store.put("k", b"x")
+    store.ensure_container()
+    store.ensure_container()  # idempotent
+    data = payload(2_500_000, seed=3)  # in segments: the segments container is made too
+    store.put("big", data)
+    store.put("small", b"small")
+    assert store.get_bytes("big") == data
+    assert store.get_range("big", 999_990, 20) == data[999_990:1_000_010]
+    assert [info.key for info in store.list()] == ["big", "small"]
+    # The other API sees the same container.
+    other = "s3" if scheme == "swift" else "swift"
+    assert open_store(f"{other}://{new_container}/ds", config).get_bytes("small") == b"small"
+
+
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
+def test_convert_into_a_container_that_does_not_exist(swift_server, new_container, scheme, tmp_path, monkeypatch):
+    source = make_imagefolder(tmp_path / "src", num_classes=2, per_class=3)
+    for name in ("OS_AUTH_URL", "OS_AUTH_TOKEN", "OS_STORAGE_URL", "OS_APPLICATION_CREDENTIAL_ID", "ST_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    env = swift_server.swift_env() if scheme == "swift" else swift_server.s3_env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    url = f"{scheme}://{new_container}/ds"
+    assert cli_main(["convert", "imagefolder", str(source.root), url, "--workers", "1", "-q"]) == 0
+    store = open_store(url, swift_store_config(swift_server))
+    manifest = Manifest.load(store)
+    assert manifest.total_samples == 6
+    for shard in manifest.shards:
+        assert len(store.get_bytes(shard.name)) == shard.size
+
+
+def test_swift_container_creation_refused_says_how(swift_server, new_container):
+    """test2:tester2 may read account test (an account ACL) but not create containers in it."""
+    owner = swift_server.swift_connection()
+    owner.post_account({"X-Account-Access-Control": json.dumps({"read-only": ["test2:tester2"]})})
+    try:
+        reader = SwiftConfig(
+            auth_url=swift_server.auth_url,
+            user="test2:tester2",
+            key=Secret("testing2"),
+            storage_url=swift_server.storage_url,  # the account of test:tester
+        )
+        store = open_store(f"swift://{new_container}/ds", StoreConfig(retry=TEST_RETRY, swift=reader))
+        with pytest.raises(AuthError, match=rf"`swift post {new_container}`"):
+            store.ensure_container()
+    finally:
+        owner.post_account({"X-Account-Access-Control": ""})
+    # Without the ACL even a HEAD is refused: the error still says what to do.
+    with pytest.raises(AuthError, match=rf"`swift post {new_container}`"):
+        store.ensure_container()
+
+
+def test_s3_bucket_creation_refused_says_how(swift_server):
+    """AccessDenied on CreateBucket names the command that makes the bucket (stubbed: every
+    tempauth user of the test server may create buckets)."""
+    store = open_store("s3://dlstore-denied/ds", swift_store_config(swift_server))
+    with Stubber(store.client) as stub:
+        stub.add_client_error("head_bucket", service_error_code="404", http_status_code=404)
+        stub.add_client_error("create_bucket", service_error_code="AccessDenied", http_status_code=403)
+        with pytest.raises(AuthError) as caught:
+            store.ensure_container()
+    assert f"aws s3 mb s3://dlstore-denied --endpoint-url {swift_server.s3_endpoint}" in str(caught.value)

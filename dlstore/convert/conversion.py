@@ -42,14 +42,16 @@ def convert(
 
     `dest` is a store URL (`swift://container/imagenet/train`, `s3://bucket/x`, `file:///d`)
     or a `Store`; it becomes the dataset root: `shard-000000.tar`, `shard-000000.idx`, …,
-    `index.json`. `progress` is called with a `ConvertProgress` after every shard and a few
-    times a second; an exception it raises stops the conversion (which can then be resumed).
+    `index.json`; its container or bucket is made when missing. `progress` is called with a
+    `ConvertProgress` after every shard and a few times a second; an exception it raises
+    stops the conversion (which can then be resumed).
 
     >>> convert("mnist", "./mnist", "file:///data/mnist-train",
     ...         ConvertOptions(split="train", samples_per_shard=10000))     # doctest: +SKIP
     """
     started = time.monotonic()
     store = dest if isinstance(dest, Store) else open_store(dest, config)
+    store.ensure_container()  # as `swift upload` does; refused rights fail here, before any work
     source = list_source(fmt, src, options)
     tasks = plan_tasks(source, options)
     creation = _creation_info(source, options)

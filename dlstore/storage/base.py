@@ -12,6 +12,9 @@ Contract (every backend passes `tests/test_store_contract.py` unchanged):
 * `put(key, data)` takes bytes, a path, a binary file or an iterator of bytes and
   streams it; objects larger than `segment_size` go as S3 multipart uploads or Swift
   static large objects. A put is atomic: readers see the old object or the new one.
+* A put into a container or bucket that does not exist is `NotFound` (a typo in a URL
+  must not make a container); writers that make a dataset call `ensure_container()`
+  first, which creates it, as `swift upload` and `rclone copy` do.
 * Errors are `NotFound`, `AuthError`, `TransientError` (retried here, with jittered
   backoff and a deadline, then raised), `NoSpace`, or `DlstoreError`.
 * Credentials never appear in logs, errors or reprs.
@@ -218,6 +221,15 @@ class Store(ABC):
 
         call_with_retry(self.config.retry, attempt)
 
+    def ensure_container(self) -> None:
+        """Create the container or bucket this store lives in, if it is missing.
+
+        `AuthError` when the credentials may not create it, with the command that would.
+
+        >>> open_store("swift://new-container/imagenet").ensure_container()   # doctest: +SKIP
+        """
+        self._ensure_container()
+
     def delete(self, key: str) -> None:
         """Remove `key` (and its segments); `NotFound` if it is not there."""
         key = check_key(key)
@@ -247,3 +259,7 @@ class Store(ABC):
 
     @abstractmethod
     def _delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def _ensure_container(self) -> None:
+        """Make the container, bucket or root directory unless it exists; retry what is transient."""

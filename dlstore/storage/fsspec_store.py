@@ -177,6 +177,14 @@ class FsspecStore(Store):
             except Exception:
                 pass
 
+    def _ensure_container(self) -> None:
+        # A bucket on fsspec's object stores (gcsfs, adlfs), a directory elsewhere.
+        try:
+            if self.root and not self.fs.exists(self.root):
+                self.fs.makedirs(self.root, exist_ok=True)
+        except Exception as exc:
+            raise _map_error(exc, self.url) from None
+
     def _delete(self, key: str) -> None:
         path = self._path(key)
         try:

@@ -106,6 +106,12 @@ class LocalStore(Store):
                 except OSError:
                     pass
 
+    def _ensure_container(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise _os_error(exc, self.url) from None
+
     def _delete(self, key: str) -> None:
         try:
             os.unlink(self._path(key))

@@ -4,6 +4,9 @@ Only dlstore's retry policy retries: botocore's own retries are off (one attempt
 call), so an auth failure comes back at once and a transient one is retried with
 jittered backoff and a deadline (`dlstore.storage.retry`).
 
+`ensure_container()` creates the bucket when it is missing and the credentials may; a
+plain put into a missing bucket is `NotFound`, with the command that creates it.
+
     >>> store = S3Store("s3://datasets/imagenet", StoreConfig(s3=S3Config(endpoint_url="http://127.0.0.1:8080")))
     >>> store.put("train/shard-000000.tar", "/data/shard-000000.tar")   # doctest: +SKIP
 """
@@ -306,8 +309,71 @@ class S3Store(Store):
         if expected is not None and received != expected:
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
 
+    # -- buckets ----------------------------------------------------------------------
+    def _make_bucket_command(self) -> str:
+        endpoint = self.config.s3.endpoint_url
+        return f"aws s3 mb s3://{self.bucket}" + (f" --endpoint-url {endpoint}" if endpoint else "")
+
+    def _ensure_container(self) -> None:
+        what = f"s3://{self.bucket}"
+        retry = self.config.retry
+        try:
+            call_with_retry(retry, lambda: self._call(what, "head_bucket"))
+            return
+        except NotFound:
+            pass
+        kwargs: dict[str, Any] = {}
+        region = self.config.s3.region
+        if region and region != "us-east-1":  # AWS wants the region named, except its first one
+            kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
+        call_with_retry(retry, lambda: self._create_bucket(what, kwargs))
+        log.info("created bucket %s", what)
+
+    def _create_bucket(self, what: str, kwargs: dict[str, Any]) -> None:
+        try:
+            self.client.create_bucket(Bucket=self.bucket, **kwargs)
+        except botocore.exceptions.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code == "BucketAlreadyOwnedByYou":  # made by another process meanwhile
+                return
+            if code == "BucketAlreadyExists":
+                raise ConfigError(
+                    f"{what}: the bucket name is taken by another account; choose another bucket name"
+                ) from None
+            error = _map_error(exc, what)
+            if isinstance(error, AuthError):
+                raise AuthError(
+                    f"{error}: bucket {self.bucket!r} does not exist and these credentials may not create it; "
+                    f"create it with `{self._make_bucket_command()}` (on Swift's S3 API also "
+                    f"`swift post {self.bucket}`) as a user who may, or write to an existing bucket"
+                ) from None
+            raise error from None
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+
     # -- writing ----------------------------------------------------------------------
     def _write(self, key: str, stream: BinaryIO) -> None:
+        try:
+            self._write_object(key, stream)
+        except NotFound as exc:
+            if self._bucket_exists():
+                raise
+            raise NotFound(
+                f"{exc}: bucket {self.bucket!r} does not exist; create it with `{self._make_bucket_command()}` "
+                "(dlstore convert creates it)"
+            ) from None
+
+    def _bucket_exists(self) -> bool:
+        """False only when the bucket is known to be missing (an error tells nothing here)."""
+        try:
+            self._call(f"s3://{self.bucket}", "head_bucket")
+        except NotFound:
+            return False
+        except DlstoreError:
+            pass
+        return True
+
+    def _write_object(self, key: str, stream: BinaryIO) -> None:
         cfg = self.config.s3
         what = self.join(key)
         size = remaining_size(stream)

@@ -19,9 +19,12 @@ Who retries what:
 * `dlstore.storage.retry` retries everything transient, with backoff and a deadline.
 
 Objects of `segment_size` bytes or more go as static large objects (SLO): segments
-in `<container>_segments`, each buffered in memory and retried on its own, then the
-manifest. Credentials never reach messages or logs: errors are built from the URL
-and the HTTP status, and a filter on the `swiftclient` logger blanks token headers.
+in `<container>_segments` (made when missing), each buffered in memory and retried on
+its own, then the manifest. `ensure_container()` makes the container itself, as
+`swift upload` does; a plain put into a missing container is `NotFound`.
+
+Credentials never reach messages or logs: errors are built from the URL and the HTTP
+status, and a filter on the `swiftclient` logger blanks token headers.
 
     >>> store = SwiftStore("swift://datasets/imagenet")   # credentials from ST_* or OS_*
     >>> store.put("train/shard-000000.tar", "/data/shard-000000.tar")   # doctest: +SKIP
@@ -86,6 +89,10 @@ class _RangeNotSatisfiable(DlstoreError):
     """HTTP 416: the range starts at or past the end of the object."""
 
 
+class _Forbidden(AuthError):
+    """HTTP 403: the credentials work, but not for this container or operation."""
+
+
 # -- keeping tokens out of swiftclient's log lines ------------------------------------------
 _SENSITIVE = re.compile(
     r"""(?ix)
@@ -136,7 +143,9 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
             return NotFound(text)
         if status == 416:
             return _RangeNotSatisfiable(text)
-        if status in (401, 403):
+        if status == 403:
+            return _Forbidden(text)
+        if status == 401:
             return AuthError(text)
         if status in _TRANSIENT_STATUS or status >= 500:
             return TransientError(text)
@@ -442,6 +451,16 @@ class SwiftStore(Store):
 
     # -- writing ---------------------------------------------------------------------------
     def _write(self, key: str, stream: BinaryIO) -> None:
+        try:
+            self._write_object(key, stream)
+        except NotFound as exc:
+            # An object PUT answers 404 only when the container is missing.
+            raise NotFound(
+                f"{exc}: container {self.container!r} does not exist; create it with "
+                f"`swift post {self.container}` (dlstore convert creates it)"
+            ) from None
+
+    def _write_object(self, key: str, stream: BinaryIO) -> None:
         what = self.join(key)
         name = self._name(key)
         size = remaining_size(stream)
@@ -500,11 +519,35 @@ class SwiftStore(Store):
     def _ensure_segment_container(self) -> None:
         self._process_state()
         if not self._client_segments_ready:
-            call_with_retry(
-                self.config.retry,
-                lambda: self._call(f"swift://{self.segment_container}", "put_container", self.segment_container),
-            )
+            self._make_container(self.segment_container)
             self._client_segments_ready = True
+
+    def _ensure_container(self) -> None:
+        self._make_container(self.container)
+
+    def _make_container(self, container: str) -> None:
+        """PUT the container unless a HEAD finds it: a user granted access to an existing
+        container by an ACL may not PUT containers, and needs not."""
+        what = f"swift://{container}"
+        retry = self.config.retry
+        how = (
+            f"create it with `swift post {container}` as a user who may (the account's owner, a project "
+            "member with the object-store role), or use a container you may write to"
+        )
+        try:
+            call_with_retry(retry, lambda: self._call(what, "head_container", container))
+            return
+        except NotFound:
+            pass
+        except _Forbidden as exc:  # no access to this container, if it exists at all
+            raise AuthError(f"{exc}: these credentials may not read container {container!r}; {how}") from None
+        try:
+            call_with_retry(retry, lambda: self._call(what, "put_container", container))
+        except _Forbidden as exc:
+            raise AuthError(
+                f"{exc}: container {container!r} does not exist and these credentials may not create it; {how}"
+            ) from None
+        log.info("created container %s", what)
 
     def _segments_of(self, key: str) -> list[str]:
         """The segment paths of `key` if it is a static large object now, else []."""
