@@ -15,7 +15,9 @@ from dlstore.errors import (
     NotFound,
     TransientError,
 )
+from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.storage import ObjectInfo, Store, open_object, open_store
+from dlstore.world import World
 
 __version__ = "0.1.0"
 
@@ -36,6 +38,7 @@ __all__ = [
     "ConfigError",
     "CorruptSample",
     "CorruptShard",
+    "DataConfig",
     "Dataset",
     "DlstoreError",
     "FormatError",
@@ -44,7 +47,10 @@ __all__ = [
     "NotFound",
     "ObjectInfo",
     "Store",
+    "StoreConfig",
+    "TransformConfig",
     "TransientError",
+    "World",
     "__version__",
     "open_object",
     "open_store",

@@ -6,19 +6,23 @@ nothing is read at import time and tests can pass a plain dict.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from dlstore.errors import ConfigError
 
 __all__ = [
+    "DataConfig",
     "RetryConfig",
     "S3Config",
     "Secret",
     "StoreConfig",
-    "WorldInfo",
     "SwiftConfig",
+    "TransformConfig",
     "parse_size",
 ]
 
@@ -286,41 +290,176 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
-class WorldInfo:
-    """Who this process is in a data-parallel job: global rank, world size, ranks per node."""
+class TransformConfig:
+    """`preset`: "train" (RandomResizedCrop + horizontal flip), "eval" (resize the short side
+    to image_size / crop_ratio, centre crop) or "none" (decode only; images must share a size)."""
 
-    rank: int = 0
-    world_size: int = 1
-    local_world_size: int = 1
+    preset: str = "train"
+    image_size: int = 224
+    crop_ratio: float = 0.875
+    scale: tuple[float, float] = (0.08, 1.0)
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    hflip: bool = True
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size}")
-        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+        if self.preset not in ("train", "eval", "none"):
+            raise ConfigError(f"transform preset must be 'train', 'eval' or 'none', not {self.preset!r}")
+        if self.image_size < 1 or not 0 < self.crop_ratio <= 1:
+            raise ConfigError("image_size must be positive and crop_ratio in (0, 1]")
+
+
+def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
+    """`DLSTORE_CACHE_DIR`, else `~/.cache/dlstore/shards`."""
+    env = os.environ if env is None else env
+    return env.get("DLSTORE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "dlstore", "shards")
+
+
+_DECODE_ON = ("worker", "device")
+_ON_CORRUPT = ("skip", "raise")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Everything that decides what a rank's batches hold and how they are read: the one data
+    setting object that `Dataset` and `Loader` take whole and that the trainer's, the bench's
+    and the demo's configs embed. The world (which rank this is) is a `dlstore.world.World`.
+
+    `transform` is a preset name ("train", "eval", "none") or a whole `TransformConfig`;
+    either way it is a `TransformConfig` after construction, and `image_size` agrees with it.
+    `workers=None` means one per CPU core this rank may use (the node's cores shared by its
+    ranks). `store=None` means the store's settings are read from the environment when the
+    dataset is opened; `from_env` reads them (and the cache directory) at the entry point.
+
+    >>> DataConfig("swift://imagenet/train", image_size=160).transform.image_size
+    160
+    """
+
+    url: str
+    cache_dir: str = ""
+    cache_limit: int | str = 50 * 10**9
+    transform: str | TransformConfig = "train"
+    image_size: int | None = None
+    decode_on: str = "worker"
+    batch_size: int = 256
+    seed: int = 0
+    drop_last: bool = False
+    shuffle: bool = True
+    shuffle_window: int = 4
+    workers: int | None = None
+    on_corrupt: str = "skip"
+    return_keys: bool = False
+    prefetch_shards: int = 4
+    store: StoreConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        transform = self.transform
+        if isinstance(transform, str):
+            transform = TransformConfig(preset=transform, image_size=self.image_size or 224)
+        elif not isinstance(transform, TransformConfig):
+            raise ConfigError(f"transform must be a preset name or a TransformConfig, not {transform!r}")
+        if self.image_size is not None and self.image_size != transform.image_size:
             raise ConfigError(
-                f"world size {self.world_size} is not a multiple of the ranks per node ({self.local_world_size})"
+                f"image_size={self.image_size} disagrees with the transform's image_size={transform.image_size}"
             )
+        object.__setattr__(self, "transform", transform)
+        object.__setattr__(self, "image_size", transform.image_size)
+        object.__setattr__(self, "cache_limit", parse_size(self.cache_limit))
+        if self.decode_on not in _DECODE_ON:
+            raise ConfigError(f"decode_on must be one of {_DECODE_ON}, not {self.decode_on!r}")
+        if self.on_corrupt not in _ON_CORRUPT:
+            raise ConfigError("on_corrupt must be 'skip' or 'raise'")
+        for name in ("batch_size", "shuffle_window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+        if (self.workers is not None and self.workers < 0) or self.prefetch_shards < 0:
+            raise ConfigError("workers and prefetch_shards must not be negative")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> WorldInfo:
-        """From torch.distributed when it is initialised, else torchrun's variables
-        (`RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`), else Slurm's (`SLURM_PROCID`,
-        `SLURM_NTASKS`, `SLURM_NTASKS_PER_NODE`), else a single process."""
-        env = os.environ if env is None else env
-        try:
-            if "WORLD_SIZE" in env and "RANK" in env:
-                rank, size = int(env["RANK"]), int(env["WORLD_SIZE"])
-                local = int(env.get("LOCAL_WORLD_SIZE", size))
-                return cls(rank, size, local)
-            if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-                rank, size = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
-                per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(size)
-                return cls(rank, size, int(per_node))
-        except ValueError as exc:
-            raise ConfigError(f"cannot read the distributed world from the environment: {exc}") from None
-        import torch.distributed as dist
+    def from_env(cls, url: str, env: Mapping[str, str] | None = None, **settings: Any) -> DataConfig:
+        """`DataConfig(url, **settings)` with the cache directory and the store's settings
+        (credentials, retries) read from `env` (default `os.environ`) where not given."""
+        return cls(url, **settings).resolved(env)
 
-        if dist.is_available() and dist.is_initialized():
-            size = dist.get_world_size()
-            return cls(dist.get_rank(), size, int(env.get("LOCAL_WORLD_SIZE", size)))
-        return cls()
+    def resolved(self, env: Mapping[str, str] | None = None) -> DataConfig:
+        """This config with what it leaves to the environment (cache directory, store
+        settings) read from `env`; itself when nothing is missing."""
+        if self.cache_dir and self.store is not None:
+            return self
+        env = os.environ if env is None else env
+        return dataclasses.replace(
+            self,
+            cache_dir=self.cache_dir or default_cache_dir(env),
+            store=self.store if self.store is not None else StoreConfig.from_env(env),
+        )
+
+    def replace(self, **changes: Any) -> DataConfig:
+        """A copy with `changes`; a new `image_size` alone re-sizes the transform."""
+        if "image_size" in changes and "transform" not in changes:
+            changes["transform"] = dataclasses.replace(self.transform, image_size=changes["image_size"])
+        elif "transform" in changes and "image_size" not in changes:
+            changes["image_size"] = None  # follows the new transform
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able settings, without the store's (credentials stay out of saved configs)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "store"}
+        transform = dataclasses.asdict(out.pop("transform"))
+        out["transform"] = transform
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], **changes: Any) -> DataConfig:
+        values = {**data, **changes}
+        if isinstance(values.get("transform"), Mapping):
+            fields = {k: tuple(v) if isinstance(v, list) else v for k, v in values["transform"].items()}
+            values["transform"] = TransformConfig(**fields)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - names
+        if unknown:
+            raise ConfigError(f"unknown DataConfig fields: {sorted(unknown)}")
+        return cls(**values)
+
+    # -- the command line: one flag per setting, shared by `dlstore train` and `dlstore bench` --
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+        """Add a flag for each data setting in `DATA_FLAGS` (but those in `exclude`); flags not
+        given leave no attribute, so `from_args` can tell them from defaults."""
+        defaults = {f.name: f.default for f in dataclasses.fields(DataConfig)}
+        group = parser.add_argument_group("data")
+        for name, (kind, text) in DATA_FLAGS.items():
+            if name in exclude:
+                continue
+            flag = "--" + name.replace("_", "-")
+            shown = "" if defaults[name] in (None, "") else f" (default: {defaults[name]})"
+            if kind is bool:
+                action = argparse.BooleanOptionalAction
+                group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=text + shown)
+            else:
+                group.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=text + shown)
+
+    @classmethod
+    def from_args(
+        cls, url: str, args: argparse.Namespace, env: Mapping[str, str] | None = None, **base: Any
+    ) -> DataConfig:
+        """The settings of parsed flags over `base`, the rest from the environment (`from_env`)."""
+        given = {name: getattr(args, name) for name in DATA_FLAGS if hasattr(args, name)}
+        given = {k: v for k, v in given.items() if v is not None}
+        return cls.from_env(url, env, **{**base, **given})
+
+
+# DataConfig field -> (type, help) of its command-line flag. A new data setting is a field above
+# plus a line here; `dlstore train` and `dlstore bench` both take it.
+DATA_FLAGS: dict[str, tuple[Any, str]] = {
+    "batch_size": (int, "images per rank per step; the global batch is this times the world size"),
+    "workers": (int, "data-loading workers per rank (default: the node's cores divided among its ranks)"),
+    "cache_dir": (str, "node-local shard cache directory, shared by the ranks of a node (default: $DLSTORE_CACHE_DIR)"),
+    "cache_limit": (str, "shard cache size limit, e.g. 150GB"),
+    "transform": (str, "augmentation preset: train (random resized crop + flip), eval (centre crop) or none"),
+    "image_size": (int, "image resolution (the final one under progressive resizing)"),
+    "decode_on": (str, "where JPEGs are decoded: worker (CPU) or device (nvJPEG on the GPU)"),
+    "seed": (int, "seed for data order and augmentation (and the trainer's weights)"),
+    "shuffle_window": (int, "shards whose samples are mixed together; more mixes more and caches more"),
+}
+
+# Transitional: bench and demo move to `dlstore.world.World` with the DataConfig rewiring.
+from dlstore.world import World as WorldInfo  # noqa: E402

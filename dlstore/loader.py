@@ -12,7 +12,9 @@ training loop sees does not depend on the number of workers. The loader counts b
 from __future__ import annotations
 
 import logging
+import os
 import queue
+import signal
 import threading
 import weakref
 from collections.abc import Iterator
@@ -22,12 +24,14 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from dlstore.dataset import BatchRequest, Dataset
+from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.plan import EpochState
+from dlstore.sample_path import BatchRequest
 from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD
+from dlstore.world import World
 
-__all__ = ["GpuPrefetcher", "Loader", "LoaderConfig"]
+__all__ = ["GpuPrefetcher", "Loader", "LoaderConfig", "available_cores", "default_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +52,27 @@ class LoaderConfig:
     shared_slots: bool = True
 
 
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def default_workers(workers: int | None, world: World) -> int:
+    """`workers`, or when None one per core this rank gets: the node's cores shared by the
+    node's ranks (more only makes them compete; torch warns about it)."""
+    if workers is not None:
+        return workers
+    return max(1, available_cores() // world.local_world_size)
+
+
 def _ignore_stop_signals(_worker_id: int) -> None:
     """Workers leave SIGUSR1 (Slurm's pre-emption warning, `--signal=USR1@180`) to the
     training process, which checkpoints and then stops them. SIGTERM keeps its default:
     multiprocessing ends workers with it when the process exits, and a worker that ignored
     it would hang that exit."""
-    import signal
-
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
@@ -363,7 +381,11 @@ class Loader:
     one already delivered this epoch to keep the ranks equal (count them out of evaluation).
     """
 
-    def __init__(self, dataset: Dataset, num_workers: int = 8, device: str = "cuda", **options: Any) -> None:
+    def __init__(
+        self, dataset: Dataset, num_workers: int | None = None, device: str = "cuda", **options: Any
+    ) -> None:
+        if num_workers is None:
+            num_workers = default_workers(dataset.cfg.workers, dataset.world)
         self.cfg = LoaderConfig(num_workers=num_workers, device=device, **options)
         if self.cfg.device.startswith("cuda") and not torch.cuda.is_available():
             log.warning("CUDA is not available: the loader delivers batches on the CPU")

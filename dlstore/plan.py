@@ -82,18 +82,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from dlstore.errors import ConfigError
+from dlstore.world import World
 
 __all__ = [
     "EpochState",
     "PlanConfig",
     "RankPlan",
     "Segment",
-    "World",
     "assign_shards",
     "locate",
     "rank_plan",
     "shard_offsets",
-    "worker_batches",
     "world_plans",
 ]
 
@@ -158,38 +157,6 @@ class PlanConfig:
         _set_ints(self, seed=None, batch_size=1, shuffle_window=1)
         if not isinstance(self.drop_last, bool) or not isinstance(self.shuffle, bool):
             raise ConfigError("drop_last and shuffle must be bools")
-
-
-@dataclass(frozen=True)
-class World:
-    """One rank's place in the job; ranks are numbered node by node (torchrun's layout).
-
-    >>> w = World(rank=5, world_size=8, local_world_size=4)
-    >>> (w.node, w.local_rank, w.num_nodes)
-    (1, 1, 2)
-    """
-
-    rank: int
-    world_size: int
-    local_world_size: int
-
-    def __post_init__(self) -> None:
-        _set_ints(self, rank=0, world_size=1, local_world_size=1)
-        _check_world(self.world_size, self.local_world_size)
-        if self.rank >= self.world_size:
-            raise ConfigError(f"rank {self.rank} is not below world_size {self.world_size}")
-
-    @property
-    def node(self) -> int:
-        return self.rank // self.local_world_size
-
-    @property
-    def num_nodes(self) -> int:
-        return self.world_size // self.local_world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.rank % self.local_world_size
 
 
 @dataclass(frozen=True)
@@ -647,31 +614,6 @@ def world_plans(
     sizes = _as_sizes(shard_sizes)
     plan, first_step = _replay(sizes, cfg, epoch, world_size, local_world_size, history)
     return tuple(_rank_plan(plan, sizes, rank, first_step) for rank in range(world_size))
-
-
-# --------------------------------------------------------------------------- workers
-
-
-def worker_batches(plan: RankPlan, worker_id: int, num_workers: int, start_batch: int = 0) -> list[int]:
-    """The batch indices a DataLoader worker produces: every `num_workers`-th from `start_batch`.
-
-    torch's DataLoader takes whole batches from IterableDataset workers round-robin, so the
-    rank's batch order is the same for any number of workers. `num_workers=0` means the
-    main process does it all.
-
-    >>> p = rank_plan([10], PlanConfig(seed=0, batch_size=2), 0, World(0, 1, 1))
-    >>> worker_batches(p, 1, 2, start_batch=1)
-    [2, 4]
-    """
-    _check_int("num_workers", num_workers, 0)
-    workers = max(num_workers, 1)
-    _check_int("worker_id", worker_id, 0)
-    if worker_id >= workers:
-        raise ConfigError(f"worker_id {worker_id} is not below num_workers {workers}")
-    _check_int("start_batch", start_batch, 0)
-    if start_batch > plan.num_batches:
-        raise ConfigError(f"start_batch {start_batch} is past the plan's {plan.num_batches} batches")
-    return list(range(start_batch + worker_id, plan.num_batches, workers))
 
 
 def _unique_in_order(values: np.ndarray) -> np.ndarray:

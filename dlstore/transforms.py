@@ -15,12 +15,12 @@ from __future__ import annotations
 import io
 import math
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
 
-from dlstore.errors import ConfigError, CorruptSample
+from dlstore.config import TransformConfig
+from dlstore.errors import CorruptSample
 
 try:  # libjpeg-turbo through simplejpeg: ~1.2x Pillow's JPEG decode here
     import simplejpeg
@@ -44,25 +44,6 @@ IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 _JPEG_MAGIC = b"\xff\xd8"
-
-
-@dataclass(frozen=True)
-class TransformConfig:
-    """`preset`: "train" (RandomResizedCrop + horizontal flip), "eval" (resize the short side
-    to image_size / crop_ratio, centre crop) or "none" (decode only; images must share a size)."""
-
-    preset: str = "train"
-    image_size: int = 224
-    crop_ratio: float = 0.875
-    scale: tuple[float, float] = (0.08, 1.0)
-    ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: bool = True
-
-    def __post_init__(self) -> None:
-        if self.preset not in ("train", "eval", "none"):
-            raise ConfigError(f"transform preset must be 'train', 'eval' or 'none', not {self.preset!r}")
-        if self.image_size < 1 or not 0 < self.crop_ratio <= 1:
-            raise ConfigError("image_size must be positive and crop_ratio in (0, 1]")
 
 
 def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:

@@ -63,10 +63,11 @@ def run_rank(rank: int, spec: dict) -> None:
     import torch.distributed as dist
 
     import dlstore
-    from dlstore.config import StoreConfig, WorldInfo
+    from dlstore.config import StoreConfig
+    from dlstore.world import World
 
     os.environ.update(spec.get("env", {}))
-    world = WorldInfo(rank, spec["world_size"], spec["local_world_size"])
+    world = World(rank, spec["world_size"], spec["local_world_size"])
     dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world.world_size)
     try:
         config = StoreConfig.from_env(spec.get("env") or None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dlstore.cli import main
-from dlstore.config import WorldInfo
+from dlstore.world import World
 from dlstore.errors import ConfigError
 from dlstore.storage import open_store, split_object_url
 
@@ -47,17 +47,17 @@ def test_split_object_url():
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({}, WorldInfo(0, 1, 1)),
-        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, WorldInfo(3, 8, 4)),
-        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)"}, WorldInfo(5, 8, 4)),
+        ({}, World(0, 1, 1)),
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, World(3, 8, 4)),
+        ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4(x2)"}, World(5, 8, 4)),
     ],
 )
 def test_world_from_env(env, expected):
-    assert WorldInfo.from_env(env) == expected
+    assert World.from_env(env) == expected
 
 
 def test_world_rejects_inconsistent_sizes():
     with pytest.raises(ConfigError):
-        WorldInfo(rank=0, world_size=6, local_world_size=4)
+        World(rank=0, world_size=6, local_world_size=4)
     with pytest.raises(ConfigError):
-        WorldInfo.from_env({"RANK": "9", "WORLD_SIZE": "4"})
+        World.from_env({"RANK": "9", "WORLD_SIZE": "4"})

@@ -15,7 +15,8 @@ from loader_support import run_rank, write_dataset
 
 import dlstore
 from dlstore.cache import cache_report
-from dlstore.config import StoreConfig, WorldInfo
+from dlstore.config import StoreConfig
+from dlstore.world import World
 from dlstore.errors import CorruptSample
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
@@ -72,7 +73,7 @@ def _dataset(url, tmp_path, **kw):
         image_size=8,
         batch_size=4,
         seed=1,
-        world=WorldInfo(0, 1, 1),
+        world=World(0, 1, 1),
         return_keys=True,
     )
     options.update(kw)

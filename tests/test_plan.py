@@ -21,14 +21,13 @@ from dlstore.plan import (
     PlanConfig,
     RankPlan,
     Segment,
-    World,
     assign_shards,
     locate,
     rank_plan,
     shard_offsets,
-    worker_batches,
     world_plans,
 )
+from dlstore.world import World
 
 # Deterministic (derandomize) and small enough that the file runs in seconds on 2 cores.
 PROPERTY = settings(
@@ -102,17 +101,6 @@ def shards_by_node(plans: tuple[RankPlan, ...], padding: bool = True) -> dict[in
         keep = np.ones(len(p.ids), bool) if padding else ~p.is_padding
         out.setdefault(node_of_rank(p), set()).update(p.shards[keep].tolist())
     return out
-
-
-def merged_worker_order(plan: RankPlan, num_workers: int, start_batch: int) -> list[int]:
-    """What torch's DataLoader delivers: round-robin over the workers still running."""
-    queues = [list(worker_batches(plan, w, num_workers, start_batch)) for w in range(max(num_workers, 1))]
-    order = []
-    while any(queues):
-        for q in queues:
-            if q:
-                order.append(q.pop(0))
-    return order
 
 
 # ---------------------------------------------------------------------------- basics
@@ -354,7 +342,7 @@ def test_exact_resume(sizes, cfg, epoch, runs, data):
     state = EpochState(epoch)
     delivered: list[np.ndarray] = []
     before = None  # the previous segment's plans
-    for index, (world_size, local, batch, workers) in enumerate(runs):
+    for index, (world_size, local, batch, _workers) in enumerate(runs):
         plans = world_plans(sizes, replace(cfg, batch_size=batch), epoch, world_size, local, state.history)
         check_equal_ranks(plans, sizes)
         assert all(p.first_step == state.steps_done and p.batch_size == batch for p in plans)
@@ -369,8 +357,6 @@ def test_exact_resume(sizes, cfg, epoch, runs, data):
         else:
             steps = data.draw(st.integers(min(1, num_batches), num_batches), label="steps")
         for p in plans:
-            # Whatever the number of workers, the loader delivers batches in plan order.
-            assert merged_worker_order(p, workers, 0) == list(range(p.num_batches))
             delivered.append(real_ids(p, steps))
         before = plans
         state = state.advance(World(0, world_size, local), batch, steps)
@@ -450,53 +436,6 @@ def test_zero_step_segments_change_nothing():
     plain = rank_plan(sizes, cfg, 0, World(1, 2, 1), (Segment(2, 1, 4, 3),))
     noisy = rank_plan(sizes, cfg, 0, World(1, 2, 1), (Segment(8, 4, 2, 0), Segment(2, 1, 4, 3), Segment(4, 2, 4, 0)))
     np.testing.assert_array_equal(plain.ids, noisy.ids)
-
-
-# ---------------------------------------------------------------------------- workers
-
-
-@PROPERTY
-@given(st.integers(0, 40), st.integers(0, 8), st.data())
-def test_worker_batches_partition_in_order(num_batches, workers, data):
-    plan = rank_plan([num_batches * 2], PlanConfig(seed=0, batch_size=2), 0, World(0, 1, 1))
-    start = data.draw(st.integers(0, num_batches))
-    assert merged_worker_order(plan, workers, start) == list(range(start, num_batches))
-
-
-def test_worker_batches_validation():
-    plan = rank_plan([8], PlanConfig(seed=0, batch_size=2), 0, World(0, 1, 1))
-    assert worker_batches(plan, 0, 0) == [0, 1, 2, 3]
-    for args in [(1, 0), (2, 2), (-1, 2)]:
-        with pytest.raises(ConfigError):
-            worker_batches(plan, *args)
-    with pytest.raises(ConfigError):
-        worker_batches(plan, 0, 1, start_batch=5)
-
-
-class _PlanBatches:
-    """An IterableDataset yielding whole batches of a plan, split between DataLoader workers."""
-
-    def __init__(self, plan: RankPlan, start_batch: int) -> None:
-        self.plan, self.start_batch = plan, start_batch
-
-    def __iter__(self):
-        import torch.utils.data
-
-        info = torch.utils.data.get_worker_info()
-        worker_id, workers = (0, 0) if info is None else (info.id, info.num_workers)
-        for j in worker_batches(self.plan, worker_id, workers, self.start_batch):
-            yield j, self.plan.batch(j)[0].copy()
-
-
-@pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")  # 3 workers on a 2-core machine
-@pytest.mark.parametrize("workers", [0, 1, 3])
-def test_torch_dataloader_delivers_plan_order(workers):
-    torch = pytest.importorskip("torch")
-    dataset = type("Batches", (_PlanBatches, torch.utils.data.IterableDataset), {})
-    plan = rank_plan([13, 9, 20], PlanConfig(seed=4, batch_size=3), 0, World(1, 2, 1))
-    loader = torch.utils.data.DataLoader(dataset(plan, 2), batch_size=None, num_workers=workers)
-    got = [(int(j), ids.tolist()) for j, ids in loader]
-    assert got == [(j, plan.batch(j)[0].tolist()) for j in range(2, plan.num_batches)]
 
 
 # ---------------------------------------------------------------------------- RankPlan and EpochState

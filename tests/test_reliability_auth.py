@@ -94,7 +94,7 @@ def dataset(url: str, tmp_path: Path, config: StoreConfig, **options) -> dlstore
         image_size=8,
         batch_size=4,
         seed=1,
-        world=dlstore.config.WorldInfo(0, 1, 1),
+        world=dlstore.world.World(0, 1, 1),
         store_config=config,
         return_keys=True,
         prefetch_shards=1,

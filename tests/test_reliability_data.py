@@ -30,7 +30,7 @@ from test_shards import MALICIOUS
 
 import dlstore
 from dlstore.cache import cache_report
-from dlstore.config import WorldInfo
+from dlstore.world import World
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, NoSpace
 from dlstore.manifest import Manifest, SampleIndex, ShardInfo, checksum_of, index_name
 from dlstore.shards import TarShardWriter, read_sample_from_file, read_shard_index, scan_shard, shard_name
@@ -75,7 +75,7 @@ def dataset(url: str, cache_dir: Path, **options) -> dlstore.Dataset:
         image_size=8,
         batch_size=4,
         seed=3,
-        world=WorldInfo(0, 1, 1),
+        world=World(0, 1, 1),
         return_keys=True,
     )
     settings_.update(options)

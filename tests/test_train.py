@@ -35,7 +35,7 @@ from dlstore.train import (
 )
 from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_url
 from dlstore.train.config import config_from_args
-from dlstore.train.dist import LaunchEnv, first_slurm_host
+from dlstore.train.dist import Rendezvous, first_slurm_host
 from dlstore.train.loop import EXIT_PREEMPTED
 
 # What is compared between an interrupted and an uninterrupted run (not the timings).
@@ -307,20 +307,20 @@ def test_config_rejects_contradictions():
 
 
 def test_launch_env_from_torchrun_and_slurm():
-    torchrun = LaunchEnv.from_env(
+    torchrun = Rendezvous.from_env(
         {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "n1",
          "MASTER_PORT": "1234", "TORCHELASTIC_RUN_ID": "x"}
     )  # fmt: skip
     assert (torchrun.world.rank, torchrun.world.world_size, torchrun.local_rank) == (5, 8, 1)
     assert (torchrun.master_addr, torchrun.master_port, torchrun.launcher) == ("n1", 1234, "torchrun")
-    slurm = LaunchEnv.from_env(
+    slurm = Rendezvous.from_env(
         {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)",
          "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
     )  # fmt: skip
     assert (slurm.world.rank, slurm.world.world_size, slurm.world.local_world_size) == (3, 4, 2)
     assert (slurm.local_rank, slurm.master_addr, slurm.launcher) == (1, "gpu07", "slurm")
     assert slurm.master_port == 20000 + 4242
-    assert LaunchEnv.from_env({}).world.world_size == 1
+    assert Rendezvous.from_env({}).world.world_size == 1
     assert first_slurm_host("a-1,b-2") == "a-1"
 
 

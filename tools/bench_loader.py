@@ -49,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dlstore.config import StoreConfig, WorldInfo  # noqa: E402
+from dlstore.config import StoreConfig
+from dlstore.world import World  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"a": 0.95, "b": 0.9, "c": 1.3, "d": 0.05}
@@ -153,7 +154,7 @@ def dlstore_loader(
         image_size=args.image_size,
         batch_size=args.batch_size,
         seed=0,
-        world=WorldInfo(),
+        world=World(),
         store_config=store_config,
     )
     loader = dlstore.Loader(ds, num_workers=args.workers, device="cpu", dtype=dtype, shared_slots=shared_slots)

@@ -21,7 +21,7 @@ _EXPORTS = {
     "CheckpointStore": "checkpoint",
     "DemandResult": "demand",
     "DistContext": "dist",
-    "LaunchEnv": "dist",
+    "Rendezvous": "dist",
     "MetricsLog": "metrics",
     "TrainConfig": "config",
     "Trainer": "loop",

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlstore.config import WorldInfo
 from dlstore.errors import ConfigError
+from dlstore.world import World
 
-__all__ = ["DistContext", "LaunchEnv", "first_slurm_host", "setup_distributed"]
+__all__ = ["DistContext", "Rendezvous", "first_slurm_host", "setup_distributed"]
 
 log = logging.getLogger(__name__)
 
@@ -30,43 +30,38 @@ DEFAULT_PORT = 29500
 
 
 @dataclass(frozen=True)
-class LaunchEnv:
-    """What the launcher told this process: its place in the world and where to rendezvous.
+class Rendezvous:
+    """Where this process meets the others: the `World` it is in and rank 0's address.
 
-    torchrun sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
-    `MASTER_PORT`; under `srun` they come from `SLURM_PROCID`, `SLURM_NTASKS`,
-    `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE` and the first host of `SLURM_JOB_NODELIST`
-    (the port from `MASTER_PORT`, else derived from the job id so two jobs sharing a node
-    do not collide).
+    torchrun sets `MASTER_ADDR` and `MASTER_PORT`; under `srun` the address is the first host
+    of `SLURM_JOB_NODELIST` and the port `MASTER_PORT`, else derived from the job id so two
+    jobs sharing a node do not collide.
     """
 
-    world: WorldInfo
-    local_rank: int = 0
+    world: World
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_PORT
-    launcher: str = "none"  # "torchrun", "slurm", "env" or "none"
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    @property
+    def launcher(self) -> str:
+        return self.world.launcher
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchEnv:
+    def from_env(cls, env: Mapping[str, str] | None = None, world: World | None = None) -> Rendezvous:
         env = os.environ if env is None else env
-        world = WorldInfo.from_env(env)
+        world = world or World.from_env(env)
         try:
-            if "RANK" in env and "WORLD_SIZE" in env:
-                launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
-                local_rank = int(env.get("LOCAL_RANK", world.rank % world.local_world_size))
-                addr = env.get("MASTER_ADDR", "127.0.0.1")
-                port = int(env.get("MASTER_PORT", DEFAULT_PORT))
-            elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-                launcher = "slurm"
-                local_rank = int(env.get("SLURM_LOCALID", world.rank % world.local_world_size))
+            if world.launcher == "slurm":
                 addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "")) or "127.0.0.1"
                 job = int(env.get("SLURM_JOB_ID", "0") or 0)
-                port = int(env.get("MASTER_PORT") or 20000 + job % 20000)
-            else:
-                return cls(world=world)
+                return cls(world, addr, int(env.get("MASTER_PORT") or 20000 + job % 20000))
+            return cls(world, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", DEFAULT_PORT)))
         except ValueError as exc:
-            raise ConfigError(f"cannot read the launcher's variables: {exc}") from None
-        return cls(world=world, local_rank=local_rank, master_addr=addr, master_port=port, launcher=launcher)
+            raise ConfigError(f"cannot read the rendezvous address from the environment: {exc}") from None
 
 
 def first_slurm_host(nodelist: str) -> str | None:
@@ -93,26 +88,35 @@ class DistContext:
     With `world_size == 1` no process group is created and every collective here is a no-op.
     """
 
-    rank: int
-    world_size: int
-    local_rank: int
-    local_world_size: int
+    world: World
     device: torch.device
     backend: str | None
     control_group: Any = None
     owns_group: bool = False
 
     @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.world.world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.world.local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        return self.world.local_world_size
+
+    @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.world.is_main
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-    @property
-    def world(self) -> WorldInfo:
-        return WorldInfo(self.rank, self.world_size, self.local_world_size)
 
     def any_flags(self, *flags: bool) -> list[bool]:
         """Each flag OR-ed over all ranks: a stop signal or a due checkpoint seen by one rank
@@ -179,7 +183,7 @@ def _pick_device(local_rank: int, want_cuda: bool) -> torch.device:
 
 
 def setup_distributed(
-    launch: LaunchEnv | None = None, *, device: str = "auto", timeout_minutes: float = 30.0
+    launch: Rendezvous | None = None, *, device: str = "auto", timeout_minutes: float = 30.0
 ) -> DistContext:
     """Join the job's process group (if there is more than one process) and pick the device.
 
@@ -190,7 +194,7 @@ def setup_distributed(
     >>> ctx.rank, ctx.world_size, ctx.device               # doctest: +SKIP
     (0, 1, device(type='cuda', index=0))
     """
-    launch = launch or LaunchEnv.from_env()
+    launch = launch or Rendezvous.from_env()
     if device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -198,7 +202,7 @@ def setup_distributed(
     world = launch.world
     dev = _pick_device(launch.local_rank, device != "cpu")
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    ctx = DistContext(world.rank, world.world_size, launch.local_rank, world.local_world_size, dev, None)
+    ctx = DistContext(world, dev, None)
     if world.world_size == 1:
         return ctx
     ctx.backend = backend

@@ -1,0 +1,275 @@
+"""The sample path, defined once: read → decode (or plan the crop, for the device) → augment → collate.
+
+`SamplePath` turns a batch's sample ids into a uint8 NHWC batch. `Dataset` composes it with
+the plan; `dlstore bench` times these very stages by passing a `StageClock`; tools call it
+instead of copying it. Each stage is a method with one job:
+
+* `read`     the samples' bytes: the shard from the node cache (`fetch`), then one `pread`
+             per sample through the shard's sample index (`read`);
+* `decode`   the image member and the label (`shards.image_field`, `shards.parse_label`) and
+             the decoded image;
+* `augment`  the preset's crop, resize and flip, with the sample's own random generator;
+* `plan_on_device`  (for `decode_on="device"`) the JPEG and its crop row, left undecoded;
+* `collate`  the batch dict the loader hands on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from dlstore.cache import ShardCache
+from dlstore.config import DataConfig
+from dlstore.errors import CorruptSample, CorruptShard
+from dlstore.manifest import Manifest
+from dlstore.plan import locate
+from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample_from_file, read_shard_index
+from dlstore.transforms import augment_image, crop_plan, decode_image, device_jpeg, sample_rng
+
+__all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock"]
+
+log = logging.getLogger(__name__)
+
+# The stages a batch goes through on the host, in order (`StageClock` keys).
+STAGES = ("fetch", "read", "decode", "augment", "collate")
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """What a worker needs to build one batch: the sample ids, the epoch (for augmentation
+    randomness) and the batch's position (for ordering and errors)."""
+
+    epoch: int
+    index: int
+    ids: np.ndarray
+    is_padding: np.ndarray
+
+
+@dataclass
+class StageClock:
+    """Seconds spent per stage, for `dlstore bench`; the loader passes none (no clock reads)."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+    @contextlib.contextmanager
+    def time(self, stage: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[stage] += time.perf_counter() - start
+
+
+_UNTIMED = contextlib.nullcontext()
+
+
+def _timed(clock: StageClock | None, stage: str):
+    return _UNTIMED if clock is None else clock.time(stage)
+
+
+class SamplePath:
+    """The stages of one dataset's samples under one `DataConfig`.
+
+    >>> path = SamplePath(cfg, manifest, cache, "swift://imagenet/train")     # doctest: +SKIP
+    >>> batch = path.build_batch(BatchRequest(0, 0, ids, np.zeros(len(ids), bool)))
+    """
+
+    def __init__(self, cfg: DataConfig, manifest: Manifest, cache: ShardCache, store_url: str) -> None:
+        self.cfg = cfg
+        self.manifest = manifest
+        self.cache = cache
+        self.store_url = store_url
+        self.shard_sizes = np.array([s.samples for s in manifest.shards], dtype=np.int64)
+        # Only the fields this dataset has, in the one order of preference.
+        self.image_fields = tuple(f for f in IMAGE_FIELDS if f in manifest.fields)
+        self._indexes: OrderedDict[str, Any] = OrderedDict()
+        # Shards whose cached copy this process has checked against the manifest's checksum
+        # after a read failed (see `_recheck`): a second failure is the shard's own.
+        self._rechecked: set[str] = set()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_indexes"], state["_rechecked"] = OrderedDict(), set()
+        return state
+
+    def with_config(self, cfg: DataConfig) -> SamplePath:
+        """The same data and caches under another config (e.g. a new transform)."""
+        other = self.__new__(type(self))
+        other.__dict__.update(self.__dict__)
+        other.cfg = cfg
+        return other
+
+    def shard_ref(self, shard: int) -> tuple[str, int, str | None]:
+        info = self.manifest.shards[shard]
+        return info.name, info.size, info.checksum
+
+    # -- read ------------------------------------------------------------------------------
+    def read(self, ids: np.ndarray, clock: StageClock | None = None) -> list[dict]:
+        """The raw samples of `ids`, in order; each shard is held once for all its samples."""
+        shards, offsets = locate(ids, self.shard_sizes)
+        samples: list[dict | None] = [None] * len(ids)
+        for shard in np.unique(shards).tolist():
+            positions = np.flatnonzero(shards == shard).tolist()
+            error = self._read_from_shard(shard, positions, offsets, samples, clock)
+            if error is not None and self._recheck(shard):
+                error = self._read_from_shard(shard, positions, offsets, samples, clock)
+            if error is not None:
+                name = self.manifest.shards[shard].name
+                raise CorruptShard(f"shard {name!r} of {self.store_url}: {error}") from None
+        return samples  # type: ignore[return-value]
+
+    def _index(self, shard: int, path: str):
+        name = self.manifest.shards[shard].name
+        if name not in self._indexes:
+            self._indexes[name] = read_shard_index(path)
+            while len(self._indexes) > 64:
+                self._indexes.popitem(last=False)
+        return self._indexes[name]
+
+    def _read_from_shard(
+        self, shard: int, positions: list[int], offsets: np.ndarray, samples: list, clock: StageClock | None
+    ) -> CorruptShard | None:
+        """Read the samples at `positions` from the cached `shard` into `samples`; the tar
+        reader's error if the cached file is malformed (errors of the cache itself propagate)."""
+        with contextlib.ExitStack() as held:
+            with _timed(clock, "fetch"):
+                path = held.enter_context(self.cache.hold(*self.shard_ref(shard)))
+            try:
+                with _timed(clock, "read"):
+                    index = self._index(shard, path)
+                    with open(path, "rb") as file:
+                        for position in positions:
+                            samples[position] = read_sample_from_file(file, index[int(offsets[position])])
+            except CorruptShard as exc:
+                return exc
+        return None
+
+    def _recheck(self, shard: int) -> bool:
+        """After a read of `shard` failed: check its cached copy against the manifest's checksum,
+        which replaces a damaged copy (a bad disk, a stray write after it was verified) with a
+        fresh download. Once per shard and process, outside any hold (a hold of our own would
+        keep the cache from replacing the file); False when done already, or impossible.
+
+        The check costs a hash of the shard, so it runs only after a failure, never per read."""
+        name, size, checksum = self.shard_ref(shard)
+        if checksum is None or name in self._rechecked:
+            return False
+        self._rechecked.add(name)
+        self._indexes.pop(name, None)  # built from the damaged file, maybe
+        self.cache.fetch(name, size, checksum, recheck=True)
+        return True
+
+    # -- decode, augment, plan_on_device ---------------------------------------------------
+    def image_bytes(self, sample: dict) -> bytes:
+        name = image_field(sample, self.image_fields)
+        if name is None:
+            raise CorruptSample(f"sample {sample.get('__key__')!r} has no image member")
+        return sample[name]
+
+    def label(self, sample: dict) -> int:
+        return parse_label(sample, len(self.manifest.classes))
+
+    def decode(self, sample: dict, clock: StageClock | None = None) -> tuple[Image.Image, int]:
+        """The sample's decoded RGB image and its label; `CorruptSample` when either is bad."""
+        data, label = self.image_bytes(sample), self.label(sample)
+        with _timed(clock, "decode"):
+            return decode_image(data), label
+
+    def augment(self, image: Image.Image, epoch: int, sample_id: int, clock: StageClock | None = None) -> np.ndarray:
+        with _timed(clock, "augment"):
+            return augment_image(image, self.cfg.transform, sample_rng(self.cfg.seed, epoch, sample_id))
+
+    def plan_on_device(self, sample: dict, epoch: int, sample_id: int) -> tuple[tuple, int]:
+        """For `decode_on="device"`: the JPEG bytes and the crop row, without decoding."""
+        data, label = self.image_bytes(sample), self.label(sample)
+        data, width, height = device_jpeg(data)
+        rng = sample_rng(self.cfg.seed, epoch, sample_id)
+        box, flip = crop_plan(width, height, self.cfg.transform, rng)
+        return (data, (*box, float(flip))), label
+
+    def _image(self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None):
+        if self.cfg.decode_on == "device":
+            return self.plan_on_device(sample, epoch, sample_id)
+        try:
+            image, label = self.decode(sample, clock)
+        except CorruptSample:
+            # Once more from a rechecked cached copy of the shard: the damage may be the cache's.
+            shard = int(locate([sample_id], self.shard_sizes)[0][0])
+            if not self._recheck(shard):
+                raise
+            image, label = self.decode(self.read(np.array([sample_id]))[0], clock)
+        return self.augment(image, epoch, sample_id, clock), label
+
+    # -- the whole path ----------------------------------------------------------------------
+    def build_batch(
+        self, request: BatchRequest, out: torch.Tensor | None = None, clock: StageClock | None = None
+    ) -> dict:
+        """The batch of `request`: uint8 NHWC images, labels, padding marks, and (with
+        `decode_on="device"`) the encoded JPEGs (one byte tensor and each JPEG's length) and crop
+        rows instead of images. `batch["corrupt"]` counts the samples skipped as corrupt.
+
+        `out`, a uint8 tensor of shape (batch_size, size, size, 3), receives the images, and
+        the batch's "images" is a view of its first rows: the loader passes a slot of a
+        shared-memory buffer, so a worker's batch reaches the training process uncopied."""
+        samples = self.read(request.ids, clock)
+        images, labels, keys, padding = [], [], [], []
+        for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), samples):
+            try:
+                image, label = self._image(sample, request.epoch, sample_id, clock)
+            except CorruptSample as exc:
+                if self.cfg.on_corrupt == "raise":
+                    raise
+                log.warning("skipping corrupt sample %s: %s", sample.get("__key__"), exc)
+                continue
+            images.append(image)
+            labels.append(label)
+            keys.append(sample.get("__key__"))
+            padding.append(is_padding)
+        with _timed(clock, "collate"):
+            batch = self.collate(request.index, images, labels, keys, padding, out)
+        batch["corrupt"] = len(request.ids) - len(keys)
+        return batch
+
+    def collate(self, index: int, images: list, labels: list, keys: list, padding: list, out=None) -> dict:
+        """One batch dict from the samples' images (arrays, or device rows), labels and marks."""
+        batch: dict[str, Any] = {
+            "labels": torch.tensor(labels, dtype=torch.int64),
+            "index": index,
+            "padding": torch.tensor(padding, dtype=torch.bool),
+        }
+        if self.cfg.decode_on == "device":
+            batch["images"] = self._empty()
+            batch["encoded"], batch["boxes"] = _join_encoded(images)
+        elif out is not None and images:
+            np.stack(images, out=out[: len(images)].numpy())
+            batch["images"] = out[: len(images)]
+        else:
+            batch["images"] = torch.from_numpy(np.stack(images)) if images else self._empty()
+        if self.cfg.return_keys:
+            batch["keys"] = keys
+        return batch
+
+    def _empty(self) -> torch.Tensor:
+        size = self.cfg.transform.image_size
+        return torch.empty((0, size, size, 3), dtype=torch.uint8)
+
+
+def _join_encoded(rows: list[tuple[bytes, tuple]]) -> tuple[tuple[torch.Tensor, list[int]], torch.Tensor]:
+    """The batch's JPEGs as one byte tensor with each one's length, and their crop rows.
+
+    One tensor for the batch: each tensor a worker returns costs a shared-memory file and a
+    file descriptor while in flight (and a pinning copy on GPU nodes)."""
+    lengths = [len(data) for data, _ in rows]
+    joined = bytearray(b"".join(data for data, _ in rows))
+    encoded = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)
+    boxes = torch.tensor([row for _, row in rows], dtype=torch.float64).reshape(-1, 5)
+    return (encoded, lengths), boxes

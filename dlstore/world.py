@@ -1,0 +1,109 @@
+"""Who this process is in a data-parallel job: the one `World` every layer takes.
+
+The plan partitions by it, the dataset and loader read this rank's share with it, the
+trainer joins the process group with it and the bench runs its scaling rounds with it.
+`World.from_env` is the one place that reads the launchers' variables.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dlstore.errors import ConfigError
+
+__all__ = ["LAUNCHERS", "World"]
+
+# How the process was started: torchrun (TORCHELASTIC_RUN_ID set), plain RANK/WORLD_SIZE
+# variables ("env"), Slurm's srun, a process group made by the caller, or a single process.
+LAUNCHERS = ("torchrun", "env", "slurm", "torch.distributed", "none")
+
+
+def _int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class World:
+    """One rank's place in the job; ranks are numbered node by node (torchrun's and srun's
+    block layout), so the node index and the local rank follow from the rank.
+
+    >>> w = World(rank=5, world_size=8, local_world_size=4)
+    >>> (w.node, w.local_rank, w.num_nodes)
+    (1, 1, 2)
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    local_world_size: int = 1
+    # How the process was started; not part of its identity (equal worlds compare equal).
+    launcher: str = field(default="none", compare=False)
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("rank", 0), ("world_size", 1), ("local_world_size", 1)):
+            object.__setattr__(self, name, _int(name, getattr(self, name), minimum))
+        if self.rank >= self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size}")
+        if self.world_size % self.local_world_size:
+            raise ConfigError(
+                f"world size {self.world_size} is not a multiple of the ranks per node ({self.local_world_size})"
+            )
+        if self.launcher not in LAUNCHERS:
+            raise ConfigError(f"launcher must be one of {LAUNCHERS}, not {self.launcher!r}")
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> World:
+        """torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`), else Slurm's
+        (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_NTASKS_PER_NODE`), else an initialised
+        torch.distributed group, else a single process.
+
+        >>> World.from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}).node
+        0
+        """
+        env = os.environ if env is None else env
+        try:
+            if "WORLD_SIZE" in env and "RANK" in env:
+                size = int(env["WORLD_SIZE"])
+                launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+                return cls(int(env["RANK"]), size, int(env.get("LOCAL_WORLD_SIZE", size)), launcher)
+            if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+                size = int(env["SLURM_NTASKS"])
+                # "4(x2)" when every node runs 4 tasks; absent when srun was given only -n.
+                per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(size)
+                return cls(int(env["SLURM_PROCID"]), size, int(per_node), "slurm")
+        except ValueError as exc:
+            raise ConfigError(f"cannot read the distributed world from the environment: {exc}") from None
+        return cls._from_process_group(env)
+
+    @classmethod
+    def _from_process_group(cls, env: Mapping[str, str]) -> World:
+        # torch is the heaviest import here: only a caller-made process group needs it.
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            size = dist.get_world_size()
+            return cls(dist.get_rank(), size, int(env.get("LOCAL_WORLD_SIZE", size)), "torch.distributed")
+        return cls()
