@@ -4,6 +4,7 @@
 >>> store = dlstore.open_store("file:///tmp/example")    # doctest: +SKIP
 """
 
+from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.errors import (
     AuthError,
     ConfigError,
@@ -15,7 +16,6 @@ from dlstore.errors import (
     NotFound,
     TransientError,
 )
-from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.storage import ObjectInfo, Store, open_object, open_store
 from dlstore.world import World
 

@@ -462,4 +462,4 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
 }
 
 # Transitional: bench and demo move to `dlstore.world.World` with the DataConfig rewiring.
-from dlstore.world import World as WorldInfo  # noqa: E402
+from dlstore.world import World as WorldInfo  # noqa: E402, F401

@@ -8,6 +8,8 @@ augment → collate into a uint8 NHWC batch).
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -18,7 +20,7 @@ import torch
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.errors import ConfigError
-from dlstore.manifest import Manifest
+from dlstore.manifest import Manifest, checksum_of
 from dlstore.plan import PlanConfig, RankPlan, rank_plan
 from dlstore.sample_path import BatchRequest, SamplePath, StageClock
 from dlstore.storage import open_store
@@ -76,6 +78,13 @@ class Dataset(torch.utils.data.Dataset):
     @property
     def shard_sizes(self) -> np.ndarray:
         return self.samples.shard_sizes
+
+    @functools.cached_property
+    def manifest_digest(self) -> str:
+        """A checksum of the shard table (names, sizes, sample counts, checksums): what the
+        plan's sample ids mean. A dataset converted again gets another one."""
+        table = [[s.name, s.size, s.samples, s.checksum] for s in self.manifest.shards]
+        return checksum_of(json.dumps(table).encode())
 
     @property
     def image_fields(self) -> tuple[str, ...]:

@@ -467,12 +467,33 @@ class Loader:
         self.close()
 
     def state_dict(self) -> dict:
-        """The exact position: epoch and the steps done in it (per world layout)."""
-        return {"version": 1, "seed": self.dataset.cfg.seed, **self.state.to_dict()}
+        """The exact position: epoch and the steps done in it (per world layout), with the
+        fingerprint of what decides the order (the manifest's shards, the plan settings)."""
+        return {"version": 1, "seed": self.dataset.cfg.seed, **self.state.to_dict(), "data": self._fingerprint()}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Continue from `state`. A state saved on other data (a dataset converted again) or
+        other plan settings would replay another order, skipping and repeating samples: that
+        is a `ConfigError` naming what changed, unless `strict=False` (then a warning)."""
         if state.get("version") != 1:
             raise ConfigError(f"unknown loader state version {state.get('version')!r}")
         if state.get("seed") != self.dataset.cfg.seed:
             raise ConfigError("loader state was saved with another seed; resuming would change the data order")
+        saved, now = state.get("data"), self._fingerprint()
+        changed = [k for k in now if saved is not None and saved.get(k) != now[k]]
+        if changed:
+            what = ", ".join(f"{k} (saved {saved.get(k)!r}, now {now[k]!r})" for k in changed)
+            message = f"loader state was saved on other data or plan settings: {what}"
+            if strict:
+                raise ConfigError(message + "; pass strict=False (dlstore train --resume-any-data) to resume anyway")
+            log.warning("%s; resuming anyway, as asked", message)
         self.state = EpochState.from_dict(state)
+
+    def _fingerprint(self) -> dict:
+        cfg = self.dataset.cfg
+        return {
+            "manifest": self.dataset.manifest_digest,
+            "drop_last": cfg.drop_last,
+            "shuffle": cfg.shuffle,
+            "shuffle_window": cfg.shuffle_window,
+        }

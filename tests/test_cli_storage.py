@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from dlstore.cli import main
-from dlstore.world import World
 from dlstore.errors import ConfigError
 from dlstore.storage import open_store, split_object_url
+from dlstore.world import World
 
 
 def test_cp_round_trip_between_local_stores(tmp_path, capsys):

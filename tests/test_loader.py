@@ -16,10 +16,10 @@ from loader_support import run_rank, write_dataset
 import dlstore
 from dlstore.cache import cache_report
 from dlstore.config import StoreConfig
-from dlstore.world import World
-from dlstore.errors import CorruptSample
+from dlstore.errors import ConfigError, CorruptSample
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
+from dlstore.world import World
 
 UNEVEN = [
     3,
@@ -151,6 +151,29 @@ def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_pat
     assert len(second) == 3
     assert seen + _epoch(second) == expected
     assert second.state_dict()["epoch"] == 6
+
+
+def test_resume_on_other_data_or_plan_settings_is_refused(local_dataset, tmp_path):
+    url, _ = local_dataset
+    first = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu")
+    first.set_epoch(1)
+    next(iter(first))
+    state = json.loads(json.dumps(first.state_dict()))
+
+    # Other plan settings: each named in the error.
+    for change in ({"shuffle_window": 2}, {"drop_last": True}, {"shuffle": False}):
+        other = dlstore.Loader(_dataset(url, tmp_path, **change), num_workers=0, device="cpu")
+        with pytest.raises(ConfigError, match=next(iter(change))):
+            other.load_state_dict(state)
+
+    # The dataset converted again (same shard count, other samples): the manifest changed.
+    write_dataset(open_store(url), [5, 9, 2, 6])
+    again = dlstore.Loader(_dataset(url, tmp_path / "fresh"), num_workers=0, device="cpu")
+    with pytest.raises(ConfigError, match="manifest"):
+        again.load_state_dict(state)
+    # An explicit override resumes anyway, at the saved position.
+    again.load_state_dict(state, strict=False)
+    assert again.state_dict()["epoch"] == 1 and again.state_dict()["history"] == state["history"]
 
 
 def _pixels_and_keys(loader, epochs, abandon_after):

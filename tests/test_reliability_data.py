@@ -30,11 +30,11 @@ from test_shards import MALICIOUS
 
 import dlstore
 from dlstore.cache import cache_report
-from dlstore.world import World
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, NoSpace
 from dlstore.manifest import Manifest, SampleIndex, ShardInfo, checksum_of, index_name
 from dlstore.shards import TarShardWriter, read_sample_from_file, read_shard_index, scan_shard, shard_name
 from dlstore.storage import open_store
+from dlstore.world import World
 
 
 def report(case: str, **fields: object) -> None:

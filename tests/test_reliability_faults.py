@@ -35,9 +35,9 @@ from test_loader import _CacheSampler
 
 import dlstore
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.world import World
 from dlstore.errors import TransientError
 from dlstore.storage import open_store
+from dlstore.world import World
 
 pytestmark = pytest.mark.swift
 
