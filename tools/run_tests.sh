@@ -3,9 +3,15 @@
 # Then, unless DLSTORE_COMPAT_PASS=0, run the storage and conversion tests once more against
 # Debian's older Swift 2.30 (what many testbeds run; its s3api differs: see README).
 #   bash tools/run_tests.sh [pytest args...]
+# Runs with .venv/bin/python, what `bash tools/setup.sh --test` installed into; without a .venv
+# (a checkout installed by hand), with $PYTHON or python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python3}
+if [[ -x .venv/bin/python ]]; then
+    PYTHON=.venv/bin/python
+else
+    PYTHON=${PYTHON:-python3}
+fi
 data_dirs=()
 cleanup() {
     for d in "${data_dirs[@]}"; do

@@ -1,22 +1,79 @@
 #!/usr/bin/env bash
-# Install dlstore and what it needs on a fresh Debian/Ubuntu machine with Python >= 3.10.
+# Install dlstore and what it needs into .venv, a virtual environment in this checkout, on a fresh
+# Debian/Ubuntu machine with Python >= 3.10; then run it with .venv/bin/python (or source .venv/bin/activate).
 #   bash tools/setup.sh          # the package, torch + torchvision, the trainer's extras
 #   bash tools/setup.sh --test   # also the test tools, memcached and the local Swift server
+# Always a venv, because Debian's and Ubuntu's own python3 refuse `pip install` (PEP 668). .venv is made
+# from $PYTHON (default python3) and copies no torch that is already there:
+#   - $PYTHON runs in a venv already (an activated one): .venv is a link to that venv;
+#   - $PYTHON imports torch and torchvision (pyenv, conda): .venv sees its packages (--system-site-packages);
+#   - otherwise (e.g. Debian's /usr/bin/python3): a plain .venv, and the pinned torch pair goes into it.
+# An existing .venv is kept; delete it to start over.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
+VENV_PYTHON=.venv/bin/python
 
-# torch 2.14.1 + torchvision 0.29.1: the pair that imports together here (see README, "Install").
+# torch 2.14.1 + torchvision 0.29.1: the pair that imports together here (see README, "Two commands").
 # Override with DLSTORE_TORCH_SPEC, e.g. "torch torchvision" to take the newest.
 TORCH_SPEC=${DLSTORE_TORCH_SPEC:-"torch==2.14.1 torchvision==0.29.1"}
-if ! "$PYTHON" -c "import torch, torchvision" >/dev/null 2>&1; then
+
+apt_install() {  # Debian packages not yet installed, as root or through sudo; `apt-get update` if one is unknown
+    local missing=() sudo=() p
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
+    done
+    ((${#missing[@]})) || return 0
+    if ! command -v apt-get >/dev/null; then
+        echo "setup.sh: needs ${missing[*]} (or your system's equivalent) and there is no apt-get" >&2
+        exit 1
+    fi
+    if [[ $(id -u) != 0 ]]; then
+        sudo -n true 2>/dev/null || { echo "setup.sh: needs root: sudo apt-get install ${missing[*]}" >&2; exit 1; }
+        sudo=(sudo -n)
+    fi
+    local apt=("${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300)
+    for p in "${missing[@]}"; do
+        apt-cache show "$p" >/dev/null 2>&1 || { "${apt[@]}" update -qq; break; }
+    done
+    echo "setup.sh: apt-get install ${missing[*]}"
+    "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}"
+}
+
+make_venv() {
+    if [[ -x $VENV_PYTHON ]] && "$VENV_PYTHON" -c "" 2>/dev/null; then
+        return  # made by an earlier run
+    fi
+    rm -rf .venv  # a venv whose interpreter is gone, or a link to a deleted venv (rm removes the link only)
+    if "$PYTHON" -c "import sys; sys.exit(sys.prefix == sys.base_prefix)"; then
+        ln -s "$("$PYTHON" -c "import sys; print(sys.prefix)")" .venv
+        echo "setup.sh: .venv links to the active venv $(readlink .venv)"
+        return
+    fi
+    local options=()
+    if "$PYTHON" -c "import torch, torchvision" >/dev/null 2>&1; then
+        options=(--system-site-packages)  # its torch, not a 5 GB copy
+    fi
+    echo "setup.sh: creating .venv from $PYTHON${options[*]:+ ${options[*]}}"
+    if ! "$PYTHON" -m venv "${options[@]}" .venv; then
+        # Debian and Ubuntu ship venv's ensurepip in a separate package.
+        rm -rf .venv
+        apt_install "python$("$PYTHON" -c "import sys; print('%d.%d' % sys.version_info[:2])")-venv"
+        "$PYTHON" -m venv "${options[@]}" .venv
+    fi
+}
+
+make_venv
+if ! "$VENV_PYTHON" -c "import torch, torchvision" >/dev/null 2>&1; then
+    echo "setup.sh: pip install $TORCH_SPEC (a few GB, a few minutes)"
     # shellcheck disable=SC2086
-    "$PYTHON" -m pip install --quiet $TORCH_SPEC
+    "$VENV_PYTHON" -m pip install --quiet $TORCH_SPEC
 fi
-"$PYTHON" -m pip install --quiet -e ".[train,fast]"
+"$VENV_PYTHON" -m pip install --quiet -e ".[train,fast]"
 
 if [[ "${1:-}" == "--test" ]]; then
-    "$PYTHON" -m pip install --quiet -e ".[train,fast,test]"
-    "$PYTHON" tools/swift_server.py install
-    "$PYTHON" tools/swift_server.py install --flavor debian
+    "$VENV_PYTHON" -m pip install --quiet -e ".[train,fast,test]"
+    "$VENV_PYTHON" tools/swift_server.py install
+    "$VENV_PYTHON" tools/swift_server.py install --flavor debian
 fi
+echo "setup.sh: done; run dlstore with $VENV_PYTHON -m dlstore (or: source .venv/bin/activate)"
