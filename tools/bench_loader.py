@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import gc
 import json
+import multiprocessing
 import os
 import platform
 import shlex
@@ -49,12 +50,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from dlstore.config import StoreConfig
+import dlstore  # noqa: E402
+from dlstore.config import StoreConfig  # noqa: E402
+from dlstore.sample_path import SamplePath  # noqa: E402
 from dlstore.world import World  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GOALS = {"a": 0.95, "b": 0.9, "c": 1.3, "d": 0.05}
-_SAMPLES: list[tuple[int, bytes]] = []  # what the "ceiling" processes decode (inherited by fork)
+_SAMPLES: tuple = ()  # (sample path, samples) the "ceiling" processes decode (inherited by fork)
 
 
 # -- data ----------------------------------------------------------------------------------------
@@ -69,56 +72,43 @@ def make_shards(workdir: Path, classes: int, per_class: int, samples_per_shard: 
     return url
 
 
-def read_all_samples(store_dir: Path) -> list[tuple[int, bytes]]:
-    """(global sample id, JPEG bytes) of every sample, in manifest order."""
-    from dlstore.manifest import Manifest
-    from dlstore.shards import read_sample_from_file, read_shard_index
-    from dlstore.storage import open_store
-
-    manifest = Manifest.load(open_store(f"file://{store_dir}"))
-    out, sample_id = [], 0
-    for shard in manifest.shards:
-        path = store_dir / shard.name
-        index = read_shard_index(path)
-        with open(path, "rb") as file:
-            for i in range(shard.samples):
-                out.append((sample_id, read_sample_from_file(file, index[i])["jpg"]))
-                sample_id += 1
-    return out
+def read_all_samples(url: str, cache_dir: str, image_size: int) -> tuple[SamplePath, list[tuple[int, dict]]]:
+    """The dataset's sample path (train preset at `image_size`) and (global sample id, raw
+    sample) of every sample, in manifest order, read through that very path."""
+    ds = dlstore.Dataset(url, cache_dir=cache_dir, cache_limit="4GB", transform="train", image_size=image_size,
+                         world=World())  # fmt: skip
+    ids = np.arange(int(ds.shard_sizes.sum()))
+    return ds.samples, list(zip(ids.tolist(), ds.samples.read(ids)))
 
 
 # -- the runs --------------------------------------------------------------------------------------
-def single_core_rate(samples: list[tuple[int, bytes]], image_size: int) -> Rate:
-    """img/s of `transform_image` (decode + RandomResizedCrop + flip) in this one process."""
-    from dlstore.transforms import TransformConfig, sample_rng, transform_image
+def _decode_and_augment(path: SamplePath, samples: list[tuple[int, dict]]) -> int:
+    """dlstore's own per-sample work (the loader's `decode` and `augment` stages), no loader."""
+    for sample_id, sample in samples:
+        path.augment(path.decode(sample)[0], 0, sample_id)
+    return len(samples)
 
-    cfg = TransformConfig("train", image_size)
+
+def single_core_rate(path: SamplePath, samples: list[tuple[int, dict]]) -> Rate:
+    """img/s of decode + RandomResizedCrop + flip in this one process."""
     started, cpu = time.perf_counter(), time.process_time()
-    for sample_id, data in samples:
-        transform_image(data, cfg, sample_rng(0, 0, sample_id))
+    _decode_and_augment(path, samples)
     return Rate(len(samples) / (time.perf_counter() - started), 1000.0 * (time.process_time() - cpu) / len(samples))
 
 
-def _ceiling_part(args: tuple[int, int, int]) -> int:
-    from dlstore.transforms import TransformConfig, sample_rng, transform_image
-
-    start, stop, image_size = args
-    cfg = TransformConfig("train", image_size)
-    for sample_id, data in _SAMPLES[start:stop]:
-        transform_image(data, cfg, sample_rng(0, 0, sample_id))
-    return stop - start
+def _ceiling_part(bounds: tuple[int, int]) -> int:
+    path, samples = _SAMPLES
+    return _decode_and_augment(path, samples[bounds[0] : bounds[1]])
 
 
-def ceiling_rate(samples: list[tuple[int, bytes]], image_size: int, procs: int) -> Rate:
-    """img/s of the same function in `procs` forked processes at once (no loader at all)."""
-    import multiprocessing
-
+def ceiling_rate(path: SamplePath, samples: list[tuple[int, dict]], procs: int) -> Rate:
+    """img/s of the same stages in `procs` forked processes at once (no loader at all)."""
     global _SAMPLES
-    _SAMPLES = samples
+    _SAMPLES = (path, samples)
     n = len(samples)
-    parts = [(i * n // procs, (i + 1) * n // procs, image_size) for i in range(procs)]
+    parts = [(i * n // procs, (i + 1) * n // procs) for i in range(procs)]
     with multiprocessing.get_context("fork").Pool(procs) as pool:
-        pool.map(_ceiling_part, [(0, procs, image_size)] * procs)  # start-up and imports, untimed
+        pool.map(_ceiling_part, [(0, procs)] * procs)  # start-up and imports, untimed
         before = tree_usage()
         started = time.perf_counter()
         done = sum(pool.map(_ceiling_part, parts))
@@ -144,8 +134,6 @@ def epochs_rate(batches: Callable[[int], Iterator], epochs: range) -> Rate:
 def dlstore_loader(
     url: str, cache_dir: str, args, dtype: str, store_config: StoreConfig | None = None, shared_slots: bool = True
 ):
-    import dlstore
-
     ds = dlstore.Dataset(
         url,
         cache_dir=cache_dir,
@@ -327,12 +315,12 @@ def show(label: str, values: list[float], goal: str = "", fmt: str = "{:.3f}") -
     return f"  {label:<50} {middle:<22} {goal:<13} runs: {runs}"
 
 
-def measure_round(samples, url: str, store_dir: Path, cache_dir: str, args, cores: int, swift) -> dict[str, Rate]:
+def measure_round(path, samples, url: str, store_dir: Path, cache_dir: str, args, cores: int, swift) -> dict[str, Rate]:
     """One round; the runs alternate with those of the other rounds. Each run's loader (and
     its persistent workers) goes when its function returns."""
     measured = {
-        "single_core": single_core_rate(samples, args.image_size),
-        "ceiling": ceiling_rate(samples, args.image_size, cores),
+        "single_core": single_core_rate(path, samples),
+        "ceiling": ceiling_rate(path, samples, cores),
         "dlstore_uint8": dlstore_warm_rate(url, cache_dir, args, "uint8"),
         "dlstore_float32_no_slots": dlstore_warm_rate(url, cache_dir, args, "float32", shared_slots=False),
         "dlstore_float32": dlstore_warm_rate(url, cache_dir, args, "float32"),
@@ -375,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             url = f"file://{store_dir}"
         else:
             url = make_shards(workdir, args.classes, args.per_class, args.samples_per_shard)
-        samples = read_all_samples(store_dir)
-        sizes = [len(data) for _, data in samples]
+        path, samples = read_all_samples(url, str(workdir / "sample-cache"), args.image_size)
+        sizes = [len(path.image_bytes(sample)) for _, sample in samples]
         results["data"] = {"samples": len(samples), "mean_jpeg_bytes": float(np.mean(sizes))}
         print(
             f"{len(samples):,} samples, {np.mean(sizes) / 1e3:.0f} KB JPEGs, in {time.perf_counter() - started:.0f} s; "
@@ -388,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         with swift_ctx as swift_env:
             swift = upload_to_swift(workdir, swift_env, args.samples_per_shard) if swift_env else None
             for number in range(args.rounds):
-                measured = measure_round(samples, url, store_dir, cache_dir, args, cores, swift)
+                measured = measure_round(path, samples, url, store_dir, cache_dir, args, cores, swift)
                 rounds.append(measured)
                 print(
                     f"round {number + 1}: " + ", ".join(f"{k} {v.images_per_s:.0f}" for k, v in measured.items()),
