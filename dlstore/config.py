@@ -349,7 +349,8 @@ class DataConfig:
     on_corrupt: str = "skip"
     return_keys: bool = False
     prefetch_shards: int = 4
-    store: StoreConfig | None = field(default=None, repr=False)
+    # Credentials and retries: not part of what the data is (nor of equality, nor of `to_dict`).
+    store: StoreConfig | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         transform = self.transform
