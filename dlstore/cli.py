@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from dlstore.errors import DlstoreError
+from dlstore.logs import configure_logging
 
 __all__ = ["main"]
 
@@ -458,8 +459,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
     except DlstoreError as exc:

@@ -20,6 +20,8 @@ import os
 import sys
 import tempfile
 
+from dlstore.logs import configure_logging
+
 
 def prepare_source(args: argparse.Namespace) -> str:
     if args.source:
@@ -54,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--checkpoint-url", help="e.g. file:///tmp/cifar10-ckpt or swift://ckpt/cifar10")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(level=logging.INFO)  # dlstore at INFO, the storage SDKs at WARNING
 
     if not args.skip_convert:
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
