@@ -125,6 +125,18 @@ def _add_content_md5(request: Any, **_: Any) -> None:
     request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
 
 
+def _botocore_config(options: dict[str, Any]) -> botocore.config.Config:
+    """botocore's Config for `options`. The checksum options came in botocore 1.36; an older
+    botocore raises a bare TypeError for them, which would say nothing about the version."""
+    try:
+        return botocore.config.Config(**options)
+    except TypeError as exc:
+        raise ConfigError(
+            f"botocore {botocore.__version__} is too old ({exc}): dlstore needs boto3 and botocore >= 1.36, "
+            "e.g. pip install 'boto3>=1.36'"
+        ) from None
+
+
 def make_s3_client(config: S3Config, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0) -> Any:
     """A boto3 S3 client for `config`, with botocore's retries off and path-style addressing.
 
@@ -140,6 +152,7 @@ def make_s3_client(config: S3Config, connect_timeout_s: float = 10.0, read_timeo
     if config.checksum_when_required:
         options["request_checksum_calculation"] = "when_required"
         options["response_checksum_validation"] = "when_required"
+    client_config = _botocore_config(options)
     try:
         with _client_creation_lock:
             session = boto3.session.Session(
@@ -153,7 +166,7 @@ def make_s3_client(config: S3Config, connect_timeout_s: float = 10.0, read_timeo
                 "s3",
                 endpoint_url=config.endpoint_url,
                 verify=config.ca_bundle if config.ca_bundle else None,
-                config=botocore.config.Config(**options),
+                config=client_config,
             )
     except botocore.exceptions.ProfileNotFound:
         raise ConfigError(f"AWS profile {config.profile!r} is not in the AWS config files") from None
