@@ -11,12 +11,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
+from convert_faults import FAULTS
 from PIL import Image
 
 from dlstore.cli import main as cli
@@ -30,6 +32,8 @@ from dlstore.convert import (
     verify_dataset,
 )
 from dlstore.convert.arrays import ArrayReader
+from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBuilder
+from dlstore.convert.shard_plan import plan_tasks
 from dlstore.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, FormatError
 from dlstore.manifest import MANIFEST_NAME, Manifest, load_sample_index
@@ -324,6 +328,50 @@ def test_resume_after_a_failure_midway_gives_the_same_dataset(data, tmp_path, wo
     assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")
     again = convert("imagenet", made.root, f"file://{tmp_path}/out", dataclasses.replace(options, rehash_existing=True))
     assert again.shards_written == 0 and files_of(tmp_path / "out") == files_of(tmp_path / "ref")
+
+
+def test_a_failing_convert_ends_promptly_and_a_resume_gives_the_same_dataset(data, tmp_path):
+    """Failures at many points (the put of a shard or of its index, a corrupt input under strict,
+    the progress callback), with 1 and 2 workers, twice over: every run raises its typed error
+    within seconds, leaves no worker running, no half-written object and no manifest, and a
+    resume gives the reference dataset. In a subprocess, so that a hang fails this test instead
+    of hanging the suite (a pool once waited forever for a worker to take its SIGTERM)."""
+    repeats = 2
+    command = [sys.executable, str(Path(__file__).with_name("convert_faults.py"))]
+    command += [str(data["imagenet"].root), str(tmp_path), str(repeats)]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        done = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
+        pytest.fail(f"a failing conversion hung; the cases before it:\n{done}")
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(reports) == repeats * 2 * len(FAULTS)
+    expected = {"tar": "DlstoreError", "idx": "DlstoreError", "strict": "CorruptSample", "progress": "ProgressStop"}
+    for report in reports:
+        assert report["error"] == expected[report["kind"]], report
+        assert report["blocked"] is None or report["blocked"] in report["message"], report
+        assert report["seconds"] < 20, report
+        assert report["live_workers"] == 0 and report["temp_files"] == [], report
+        assert not report["manifest_written"] and report["resumed_same"], report
+
+
+def test_a_build_told_to_stop_ends_at_the_next_sample_and_leaves_no_half_written_shard(data, tmp_path):
+    source = list_source("imagenet", data["imagenet"].root)
+    task = plan_tasks(source, OPTS)[0]
+    stop = threading.Event()
+
+    class StopAfterFirstSample(Counters):
+        def add(self, samples: int, nbytes: int) -> None:
+            super().add(samples, nbytes)
+            stop.set()  # as the pool does when another shard fails
+
+    counters = StopAfterFirstSample()
+    context = BuildContext(open_store(f"file://{tmp_path}/out"), source, OPTS, str(tmp_path))
+    with pytest.raises(BuildStopped):
+        ShardBuilder(context, counters, stop).build(task)
+    assert counters.read()[0] == 1 and len(task.positions) > 1
+    assert [p.name for p in (tmp_path / "out").rglob("*")] == []  # the local store's temp file is gone
 
 
 def test_resume_after_the_process_is_killed(data, tmp_path):

@@ -8,8 +8,9 @@ How a conversion runs, one module per step:
    ids), without reading image bytes. Tars are indexed in place, never extracted.
 2. **Plan** (`shard_plan.py`): a seeded global shuffle, cut into shards at `shard_size` bytes
    and/or `samples_per_shard`; a pure function of the listing and the options.
-3. **Build** each shard in a worker process (`build.py`, encoding each input with
-   `encode.py`): write the tar, `store.put` it, then its sample index.
+3. **Build** each shard (`build.py`, encoding each input with `encode.py`): write the tar,
+   `store.put` it, then its sample index; in a pool of worker processes (`workers.py`) that
+   the first failure stops, before that error is raised.
 4. **Resume** (`build.existing_shard`): a shard whose index is in the store with the same
    recipe digest, and whose tar has the recorded size, is kept as it is.
 5. **Manifest last** (`conversion.py`): `index.json` is deleted at the start and written once

@@ -1,7 +1,8 @@
-"""Step 3 of a conversion, **build**: each shard is made in a worker process (or in this one for
-a single worker): read, check, maybe resize/re-encode each input, write the tar (streamed
-into a local store, through a temporary file for a remote one), then `store.put` the shard
-and then its sample index. Local temp space is at most one shard per worker.
+"""Step 3 of a conversion, **build** one shard (`ShardBuilder`, run in a worker process by
+`workers.py`, or in this one for a single worker): read, check, maybe resize/re-encode each
+input, write the tar (streamed into a local store, through a temporary file for a remote one),
+then `store.put` the shard and then its sample index. Local temp space is at most one shard
+per worker.
 
 Resume rests on that order: a shard whose sample index is in the store, whose recipe digest
 matches, and whose tar has the recorded size is complete, and is kept as it is
@@ -12,10 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import multiprocessing
-import shutil
-import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -31,7 +28,7 @@ from dlstore.manifest import SampleIndex, ShardInfo, checksum_of, index_name
 from dlstore.shards import TarShardWriter
 from dlstore.storage import Store
 
-__all__ = ["Built", "Counters", "build_shards", "existing_shard", "shard_info"]
+__all__ = ["BuildContext", "BuildStopped", "Built", "Counters", "ShardBuilder", "existing_shard", "shard_info"]
 
 log = logging.getLogger(__name__)
 
@@ -83,54 +80,77 @@ class Counters:
         return self.shared[0].value, self.shared[1].value
 
 
-# Set once per worker process by its initializer, so that a task carries only its shard's plan.
-_worker_context: BuildContext | None = None
-_worker_counters: Counters | None = None
+class BuildStopped(DlstoreError):
+    """A shard's build stopped because the conversion failed elsewhere (another shard, the
+    progress callback, Ctrl-C); the caller sees that first error, never this one."""
 
 
-def _init_worker(context: BuildContext, shared: tuple | None) -> Counters:
-    global _worker_context, _worker_counters
-    _worker_context, _worker_counters = context, Counters(shared)
-    return _worker_counters
+class ShardBuilder:
+    """Builds shards in one process. `stop` (a `multiprocessing.Event` in pool workers) is
+    checked before every sample, so that a failure elsewhere ends this build within one sample,
+    through the same exception path that removes a half-written object."""
 
+    def __init__(self, context: BuildContext, counters: Counters, stop: Any | None = None) -> None:
+        self.context, self.counters, self.stop = context, counters, stop
 
-def _init_pool_worker(context: BuildContext, shared: tuple | None) -> None:
-    # Pool.terminate() sends SIGTERM; exiting through SystemExit runs the `finally` blocks that
-    # remove a half-written object (the default action would leave it behind).
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
-    _init_worker(context, shared)
+    def build(self, task: ShardTask) -> Built:
+        """Build one shard and put it, then its index, into the store."""
+        context = self.context
+        out: dict[str, Any] = {}
+        chunks = self._chunks(task, out)
+        if context.store.scheme == "file":
+            # A local store writes beside the target and renames: streaming into it is one write
+            # of the data and no temp space.
+            context.store.put(task.name, chunks)
+        else:
+            # Remote stores get a seekable file, so that a failed upload is retried from its start.
+            with tempfile.NamedTemporaryFile(dir=context.tmp_dir, prefix="shard-", suffix=".tar") as tmp:
+                for chunk in chunks:
+                    tmp.write(chunk)
+                tmp.flush()
+                context.store.put(task.name, tmp.name)
+        index: SampleIndex = out["index"]
+        index_bytes = index.to_bytes()
+        # The tar first, then its index: an index in the store means its tar is complete.
+        context.store.put(index_name(task.name), index_bytes)
+        return Built(task.number, shard_info(task.name, index, index_bytes), out["skipped"])
 
+    def _check_stop(self, task: ShardTask) -> None:
+        if self.stop is not None and self.stop.is_set():
+            raise BuildStopped(f"{task.name}: stopped, the conversion failed elsewhere")
 
-def _shard_chunks(task: ShardTask, context: BuildContext, counters: Counters, out: dict) -> Iterator[bytes]:
-    """The shard's bytes, one sample at a time; `out` receives the index and the skipped inputs."""
-    source, options = context.source, context.options
-    parts: list[bytes] = []  # what the writer emitted since the last yield, without copying it
+    def _chunks(self, task: ShardTask, out: dict) -> Iterator[bytes]:
+        """The shard's bytes, one sample at a time; `out` receives the index and the skipped inputs."""
+        source, options, counters = self.context.source, self.context.options, self.counters
+        parts: list[bytes] = []  # what the writer emitted since the last yield, without copying it
 
-    class Sink:
-        write = parts.append
+        class Sink:
+            write = parts.append
 
-    writer = TarShardWriter(Sink)  # type: ignore[arg-type]
-    skipped: list[SkippedInput] = []
-    for position in task.positions:
-        item = source.items[position]
-        try:
-            ext, data = encode_input(source.reader.read(item), options)
-        except (CorruptSample, OSError) as exc:
-            if options.strict:
-                raise CorruptSample(f"{item.id}: {exc}") from None
-            skipped.append(SkippedInput(item.id, str(exc)))
-            counters.add(1, 0)
-            continue
-        sample = {ext: data, "cls": str(item.label).encode()}
-        if options.metadata:
-            sample["json"] = sample_metadata(item, source.classes)
-        span = writer.write(sample_key(position), sample)
-        counters.add(1, span.size)
+        writer = TarShardWriter(Sink)  # type: ignore[arg-type]
+        skipped: list[SkippedInput] = []
+        for position in task.positions:
+            self._check_stop(task)
+            item = source.items[position]
+            try:
+                ext, data = encode_input(source.reader.read(item), options)
+            except (CorruptSample, OSError) as exc:
+                if options.strict:
+                    raise CorruptSample(f"{item.id}: {exc}") from None
+                skipped.append(SkippedInput(item.id, str(exc)))
+                counters.add(1, 0)
+                continue
+            sample = {ext: data, "cls": str(item.label).encode()}
+            if options.metadata:
+                sample["json"] = sample_metadata(item, source.classes)
+            span = writer.write(sample_key(position), sample)
+            counters.add(1, span.size)
+            yield from parts
+            parts.clear()
+        self._check_stop(task)
+        out["index"] = writer.close(recipe=task.recipe)
+        out["skipped"] = tuple(skipped)
         yield from parts
-        parts.clear()
-    out["index"] = writer.close(recipe=task.recipe)
-    out["skipped"] = tuple(skipped)
-    yield from parts
 
 
 def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
@@ -138,31 +158,6 @@ def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
     return ShardInfo(
         name, index.shard_size, len(index), index.checksum, index_name(name), len(index_bytes), checksum_of(index_bytes)
     )
-
-
-def _build_shard(task: ShardTask) -> Built:
-    """Build one shard in this worker and put it, then its index, into the store."""
-    context, counters = _worker_context, _worker_counters
-    if context is None or counters is None:
-        raise DlstoreError("shard builder used before _init_worker")
-    out: dict[str, Any] = {}
-    chunks = _shard_chunks(task, context, counters, out)
-    if context.store.scheme == "file":
-        # A local store writes beside the target and renames: streaming into it is one write
-        # of the data and no temp space.
-        context.store.put(task.name, chunks)
-    else:
-        # Remote stores get a seekable file, so that a failed upload is retried from its start.
-        with tempfile.NamedTemporaryFile(dir=context.tmp_dir, prefix="shard-", suffix=".tar") as tmp:
-            for chunk in chunks:
-                tmp.write(chunk)
-            tmp.flush()
-            context.store.put(task.name, tmp.name)
-    index: SampleIndex = out["index"]
-    index_bytes = index.to_bytes()
-    # The tar first, then its index: an index in the store means its tar is complete.
-    context.store.put(index_name(task.name), index_bytes)
-    return Built(task.number, shard_info(task.name, index, index_bytes), out["skipped"])
 
 
 def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool) -> Built | None:
@@ -184,60 +179,3 @@ def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash:
             log.warning("%s: checksum differs from its index; rebuilding it", task.name)
             return None
     return Built(task.number, shard_info(task.name, index, index_bytes), (), reused=True)
-
-
-def build_shards(
-    store: Store,
-    source: Source,
-    options: ConvertOptions,
-    todo: list[ShardTask],
-    built: dict[int, Built],
-    report: Callable[[Counters], None],
-) -> None:
-    """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
-    times a second. The first error (a worker's, or one `report` raises) stops the build."""
-    tmp_dir = tempfile.mkdtemp(prefix="dlstore-convert-", dir=options.tmp_dir)
-    try:
-        context = BuildContext(store, source, options, tmp_dir)
-        if options.workers == 1 or len(todo) <= 1:
-            _build_in_process(context, todo, built, report)
-        else:
-            _build_in_pool(context, todo, built, report)
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-
-
-def _build_in_process(
-    context: BuildContext, todo: list[ShardTask], built: dict[int, Built], report: Callable[[Counters], None]
-) -> None:
-    counters = _init_worker(context, None)
-    counters.on_add = lambda: report(counters)
-    for task in todo:
-        built[task.number] = _build_shard(task)
-        report(counters)
-
-
-def _build_in_pool(
-    context: BuildContext, todo: list[ShardTask], built: dict[int, Built], report: Callable[[Counters], None]
-) -> None:
-    # spawn, not fork: the parent may hold threads (progress bar, store clients) that a fork would copy mid-state.
-    ctx = multiprocessing.get_context("spawn")
-    shared = (ctx.Value("q", 0), ctx.Value("q", 0))
-    counters = Counters(shared)
-    workers = min(context.options.workers, len(todo))
-    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=(context, shared)) as pool:
-        pending = [pool.apply_async(_build_shard, (task,)) for task in todo]
-        while pending:
-            pending[0].wait(0.25)
-            still = []
-            for result in pending:
-                if result.ready():
-                    done = result.get()  # re-raises a worker's error here
-                    built[done.number] = done
-                    report(counters)
-                else:
-                    still.append(result)
-            pending = still
-            report(counters)
-        pool.close()
-        pool.join()

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dlstore import __version__
 from dlstore.config import StoreConfig
 from dlstore.convert.arrays import ArrayReader
-from dlstore.convert.build import Built, Counters, build_shards, existing_shard
+from dlstore.convert.build import Built, Counters, existing_shard
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, ConvertProgress, ConvertSummary
 from dlstore.convert.shard_plan import ShardTask, plan_tasks
 from dlstore.convert.sources import list_source
+from dlstore.convert.workers import build_shards
 from dlstore.errors import ConfigError, FormatError
 from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, index_name
 from dlstore.shards import IMAGE_FIELDS

@@ -1,0 +1,152 @@
+"""Running the shard builders: in this process for one worker, otherwise in a pool of spawned
+worker processes, and stopping them all on the first failure.
+
+How a failing conversion ends (the first error wins, and reaches the caller promptly):
+
+1. The error arrives in this process: a worker's (re-raised from its future), one the
+   progress callback raises, or Ctrl-C (workers ignore SIGINT; this process decides).
+2. Shards not yet started are cancelled, and the shared `stop` event is set: a running build
+   checks it before every sample and ends through its normal exception path, which removes
+   its half-written object (the local store's temp file, the temp tar, an S3 multipart upload).
+3. Workers still busy after `_STOP_GRACE_S` (stuck in an upload, say) are killed; then the
+   pool is joined, so no worker outlives `convert`, and a resume never races an old worker.
+
+Workers install no Python signal handlers: a handler runs only when the main thread executes
+Python code, so a worker blocked in a lock never ran one, and the pool's join waited forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any
+
+from dlstore.convert.build import BuildContext, Built, Counters, ShardBuilder
+from dlstore.convert.inputs import Source
+from dlstore.convert.options import ConvertOptions
+from dlstore.convert.shard_plan import ShardTask
+from dlstore.errors import DlstoreError
+from dlstore.storage import Store
+
+__all__ = ["build_shards"]
+
+log = logging.getLogger(__name__)
+
+# How long running builds get to notice `stop` before their workers are killed. Between samples
+# they notice within one sample; only a store call (an upload riding out retries) takes longer.
+_STOP_GRACE_S = 10.0
+_PROGRESS_INTERVAL_S = 0.25
+
+# The builder of this worker process, made by `_start_worker`: the pool sends the context (with
+# the whole listing) once per worker, and each task carries only its shard's plan.
+_process_builder: ShardBuilder | None = None
+
+
+def build_shards(
+    store: Store,
+    source: Source,
+    options: ConvertOptions,
+    todo: list[ShardTask],
+    built: dict[int, Built],
+    report: Callable[[Counters], None],
+) -> None:
+    """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
+    times a second. The first error (a worker's, or one `report` raises) stops the build and is
+    raised here once every worker has ended."""
+    tmp_dir = tempfile.mkdtemp(prefix="dlstore-convert-", dir=options.tmp_dir)
+    try:
+        context = BuildContext(store, source, options, tmp_dir)
+        if options.workers == 1 or len(todo) <= 1:
+            _build_in_process(context, todo, built, report)
+        else:
+            _build_in_pool(context, todo, built, report)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+
+
+def _build_in_process(
+    context: BuildContext, todo: list[ShardTask], built: dict[int, Built], report: Callable[[Counters], None]
+) -> None:
+    counters = Counters()
+    counters.on_add = lambda: report(counters)
+    builder = ShardBuilder(context, counters)
+    for task in todo:
+        built[task.number] = builder.build(task)
+        report(counters)
+
+
+def _start_worker(context: BuildContext, shared: tuple, stop: Any, pids: Any) -> None:
+    """Pool initializer: this worker's builder, and its pid sent to the parent (which kills it
+    only if it is stuck). Ctrl-C reaches the whole process group; only the parent acts on it
+    (through `stop`), so a worker ignores SIGINT (SIG_IGN: no Python handler)."""
+    global _process_builder
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    pids.put(os.getpid())
+    _process_builder = ShardBuilder(context, Counters(shared), stop)
+
+
+def _build_in_worker(task: ShardTask) -> Built:
+    if _process_builder is None:
+        raise DlstoreError("a convert worker ran a shard before its initializer")
+    return _process_builder.build(task)
+
+
+def _build_in_pool(
+    context: BuildContext, todo: list[ShardTask], built: dict[int, Built], report: Callable[[Counters], None]
+) -> None:
+    # spawn, not fork: the parent may hold threads (progress bar, store clients) that a fork would copy mid-state.
+    ctx = multiprocessing.get_context("spawn")
+    shared = (ctx.Value("q", 0), ctx.Value("q", 0))
+    counters = Counters(shared)
+    stop, pids = ctx.Event(), ctx.SimpleQueue()
+    workers = min(context.options.workers, len(todo))
+    pool = ProcessPoolExecutor(workers, ctx, initializer=_start_worker, initargs=(context, shared, stop, pids))
+    pending: set[Future] = set()
+    try:
+        pending = {pool.submit(_build_in_worker, task) for task in todo}
+        while pending:
+            done, pending = wait(pending, timeout=_PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished = future.result()  # re-raises a worker's error here
+                built[finished.number] = finished
+                report(counters)
+            report(counters)
+    except BaseException:
+        stop.set()
+        _stop_pool(pool, pending, pids)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _stop_pool(pool: ProcessPoolExecutor, pending: set[Future], pids: Any) -> None:
+    """After a failure: cancel the shards not started, give the running ones `_STOP_GRACE_S`
+    to stop (they see `stop`), kill the workers if any is still running, and join the pool."""
+    # Cancel here rather than with shutdown(wait=False, cancel_futures=True): `wait` never counts
+    # a future the executor cancelled as done, and after that shutdown a second one joins nothing.
+    running = {future for future in pending if not future.cancel()}
+    late = running
+    try:
+        late = wait(running, timeout=_STOP_GRACE_S).not_done
+    finally:  # also on a second Ctrl-C while waiting
+        if late:
+            log.warning("%d shard build(s) did not stop within %.0f s; killing the workers", len(late), _STOP_GRACE_S)
+            _kill_workers(pids)
+        pool.shutdown(wait=True)
+
+
+def _kill_workers(pids: Any) -> None:
+    """SIGKILL the pool's live workers: only this process's children not yet reaped, whose pids
+    cannot have been reused. What a killed build was writing stays as a `kill -9` leaves it (a
+    hidden temp file in a local store); the next run rebuilds that shard."""
+    ours = set()
+    while not pids.empty():
+        ours.add(pids.get())
+    for process in multiprocessing.active_children():
+        if process.pid in ours:
+            process.kill()
