@@ -339,7 +339,7 @@ def _resolve_device(device: str) -> torch.device:
 
 def _image_dtype(cfg: BenchConfig, device: torch.device) -> str:
     """What the trainer asks the loader for: bf16 images under bf16 autocast, else float32."""
-    from dlstore.train.loop import amp_dtype_for
+    from dlstore.train.step import amp_dtype_for
 
     return "bfloat16" if amp_dtype_for(cfg.amp, device) == torch.bfloat16 else "float32"
 

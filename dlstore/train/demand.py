@@ -2,20 +2,30 @@
 
 The loader-vs-GPU benchmark compares this rate (images/s the model can consume) with what
 the data path delivers; the ratio is the expected data stall. The step is exactly the one
-`dlstore train` runs (`loop.training_step`: the same model, optimiser, AMP, memory format
+`dlstore train` runs (`step.training_step`: the same model, optimiser, AMP, memory format
 and optional `torch.compile`), on one batch made once on the device, so no data loading
 or host-to-device copy is in the number.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from dlstore.errors import ConfigError
+from dlstore.train.step import (
+    amp_dtype_for,
+    build_model,
+    image_dtype_for,
+    param_groups,
+    resolve_device,
+    training_step,
+)
 
 __all__ = ["DemandResult", "measure_training_rate"]
 
@@ -45,6 +55,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_steps(step: Callable[[], object], warmup_steps: int, steps: int, device: torch.device) -> float:
+    """Seconds for `steps` calls of `step` after `warmup_steps` untimed ones; the device is
+    drained before and after, so queued GPU work counts where it was launched."""
+    for _ in range(warmup_steps):  # cuDNN autotuning, compilation, allocator warm-up
+        step()
+    _sync(device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return time.perf_counter() - started
+
+
 def measure_training_rate(
     model: str = "resnet50",
     *,
@@ -66,15 +89,9 @@ def measure_training_rate(
     >>> round(r.images_per_s)
     3000
     """
-    from dlstore.train.loop import amp_dtype_for, build_model, param_groups, training_step
-
     if steps < 1 or warmup_steps < 0 or batch_size < 1:
         raise ConfigError("steps and batch_size must be at least 1, warmup_steps not negative")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device")
+    dev = resolve_device(device)
     amp_dtype = amp_dtype_for(amp, dev)
     torch.manual_seed(seed)
     if dev.type == "cuda":
@@ -88,20 +105,13 @@ def measure_training_rate(
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16 and dev.type == "cuda")
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
     # What the loader hands the trainer: normalised images in the AMP dtype, channels_last.
-    image_dtype = torch.bfloat16 if amp_dtype == torch.bfloat16 else torch.float32
-    images = torch.randn(batch_size, 3, image_size, image_size, device=dev, dtype=image_dtype)
+    images = torch.randn(batch_size, 3, image_size, image_size, device=dev, dtype=image_dtype_for(amp_dtype))
     images = images.contiguous(memory_format=memory_format)
     labels = torch.randint(0, num_classes, (batch_size,), device=dev)
     net.train()
 
-    for _ in range(warmup_steps):  # cuDNN autotuning, compilation, allocator warm-up
-        training_step(step_model, criterion, optimizer, scaler, amp_dtype, images, labels)
-    _sync(dev)
-    started = time.perf_counter()
-    for _ in range(steps):
-        training_step(step_model, criterion, optimizer, scaler, amp_dtype, images, labels)
-    _sync(dev)
-    seconds = time.perf_counter() - started
+    one_step = functools.partial(training_step, step_model, criterion, optimizer, scaler, amp_dtype, images, labels)
+    seconds = _time_steps(one_step, warmup_steps, steps, dev)
     precision = str(amp_dtype).replace("torch.", "") if amp_dtype is not None else "float32"
     return DemandResult(
         model=model,

@@ -1,0 +1,61 @@
+"""Evaluation: which split to score (`--val-url`, or the `val` beside `train`) and loss,
+top-1 and top-5 over all of it, each real sample counted exactly once across the ranks."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dlstore.manifest import MANIFEST_NAME
+from dlstore.storage import open_store
+from dlstore.train.dist import DistContext
+from dlstore.train.step import autocast
+
+__all__ = ["score", "sibling_val_url"]
+
+log = logging.getLogger(__name__)
+
+
+def sibling_val_url(train_url: str) -> str | None:
+    """`.../val` beside a train URL ending in `/train`, when a dataset is there."""
+    if not train_url.rstrip("/").endswith("/train"):
+        return None
+    candidate = train_url.rstrip("/")[: -len("train")] + "val"
+    if not open_store(candidate).exists(MANIFEST_NAME):
+        return None
+    log.info("evaluating on %s (the val split beside the train split)", candidate)
+    return candidate
+
+
+def score(
+    model: nn.Module, loader, ctx: DistContext, amp_dtype: torch.dtype | None, num_classes: int
+) -> dict[str, float]:
+    """Loss, top-1 and top-5 of `model` over one pass of `loader` (every rank's share, summed),
+    and the number of real samples. The loader must return keys: padded samples (repeats that
+    keep the ranks equal) are masked out of the sums.
+
+    The caller sets the epoch and the model's mode; the training RNG stream is left as it was.
+    """
+    k = min(5, num_classes)
+    sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top1, top5, samples
+    # fork_rng: evaluating (and starting its loader) leaves the training RNG stream as it was.
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast(ctx.device, amp_dtype):
+        for images, labels, meta in loader:
+            logits = model(images).float()
+            # Pinned by the loader: an asynchronous copy (a blocking one would wait for the GPU).
+            real = meta["padding"].to(labels.device, non_blocking=True).logical_not().double()
+            loss = F.cross_entropy(logits, labels, reduction="none")
+            top = logits.topk(k, dim=1).indices
+            hit1 = (top[:, 0] == labels).double()
+            hit5 = (top == labels[:, None]).any(dim=1).double()
+            sums += torch.stack([(loss * real).sum(), (hit1 * real).sum(), (hit5 * real).sum(), real.sum()])
+    loss_sum, top1, top5, samples = ctx.all_reduce_sum(sums).tolist()
+    return {
+        "loss": loss_sum / max(samples, 1),
+        "top1": top1 / max(samples, 1),
+        "top5": top5 / max(samples, 1),
+        "samples": int(samples),
+    }

@@ -1,0 +1,86 @@
+"""The trainer's checkpoint policy around `CheckpointStore`: when a checkpoint is due, which
+one a run resumes from, and which changed settings make a resumed run differ from one that
+never stopped."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from dlstore.train.checkpoint import CheckpointStore, load_checkpoint_url
+from dlstore.train.config import TrainConfig
+from dlstore.train.dist import DistContext
+
+__all__ = ["RESULT_SHAPING", "CheckpointSchedule", "changed_settings", "find_resume_state"]
+
+log = logging.getLogger(__name__)
+
+# Settings whose change on resume makes the result differ from one uninterrupted run.
+RESULT_SHAPING = (
+    "model",
+    "batch_size",
+    "image_size",
+    "resize_min",
+    "epochs",
+    "base_lr",
+    "momentum",
+    "weight_decay",
+    "label_smoothing",
+    "warmup_epochs",
+    "schedule",
+    "step_milestones",
+    "seed",
+    "amp",
+)
+
+
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """The result-shaping settings (`RESULT_SHAPING`) that differ between two `TrainConfig.to_dict()`s.
+
+    >>> changed_settings({"epochs": 10, "workers": 4}, {"epochs": 20, "workers": 8})
+    ['epochs']
+    """
+    return sorted(k for k, v in current.items() if k in RESULT_SHAPING and saved.get(k) != v)
+
+
+class CheckpointSchedule:
+    """When the next checkpoint is due: every `every_minutes` of wall time and every
+    `every_steps` steps (0 turns either off). Each rank keeps its own clock; the trainer
+    ORs the verdict over the ranks."""
+
+    def __init__(self, every_minutes: float, every_steps: int) -> None:
+        self.every_minutes = every_minutes
+        self.every_steps = every_steps
+        self.last_time = time.monotonic()
+        self.saved_step: int | None = None  # the step of the last checkpoint written or loaded
+
+    def minutes_due(self) -> bool:
+        return self.every_minutes > 0 and time.monotonic() - self.last_time >= 60 * self.every_minutes
+
+    def steps_due(self, step: int) -> bool:
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+    def mark_saved(self, step: int) -> None:
+        self.last_time = time.monotonic()
+        self.saved_step = step
+
+
+def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: DistContext) -> tuple[dict, str] | None:
+    """The checkpoint `cfg.resume` names ("none", "auto" or a URL) and where it was, or None
+    for a fresh start. A collective under "auto": rank 0 chooses, so a checkpoint published
+    meanwhile cannot split the ranks."""
+    if cfg.resume == "none":
+        if ckpts is not None and ctx.is_main and ckpts.keys():
+            log.warning(
+                "%s already holds checkpoints; this fresh run will write beside them and move 'latest' "
+                "(use --resume auto to continue, or another --checkpoint-url)",
+                cfg.checkpoint_url,
+            )
+        return None
+    if cfg.resume == "auto":
+        key = ctx.broadcast_object(ckpts.latest_key() if ctx.is_main else None)
+        if key is None:
+            log.info("no checkpoint under %s yet: starting fresh", cfg.checkpoint_url)
+            return None
+        return ckpts.load(key), ckpts.store.join(key)
+    return load_checkpoint_url(cfg.resume), cfg.resume

@@ -1,0 +1,132 @@
+"""One training step and what it is made of: the model, its parameter groups, the precision,
+the learning-rate schedule. The trainer runs these; the bench and `train.demand` time the
+very same step on synthetic data, so "what the GPU demands" is what training asks for."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from dlstore.errors import ConfigError
+from dlstore.train.config import TrainConfig
+
+__all__ = [
+    "amp_dtype_for",
+    "autocast",
+    "build_model",
+    "image_dtype_for",
+    "lr_factor",
+    "param_groups",
+    "resolve_device",
+    "training_step",
+]
+
+
+def resolve_device(device: str) -> torch.device:
+    """`device` ("auto", "cpu", "cuda", "cuda:N") as a torch device; "auto" is CUDA when there is one.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device")
+    return dev
+
+
+def lr_factor(step: int, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> float:
+    """The learning rate of optimiser step `step` (0-based), as a fraction of the peak:
+    linear warm-up from `warmup_start_factor`, then cosine to `min_lr_factor` or step decay.
+
+    >>> cfg = TrainConfig("x", epochs=10, warmup_epochs=1, warmup_start_factor=0.0)
+    >>> [round(lr_factor(s, cfg, 10, 100), 3) for s in (0, 5, 10, 55, 100)]
+    [0.0, 0.5, 1.0, 0.5, 0.0]
+    """
+    warmup = int(round(cfg.warmup_epochs * steps_per_epoch))
+    if step < warmup:
+        return cfg.warmup_start_factor + (1.0 - cfg.warmup_start_factor) * step / warmup
+    if cfg.schedule == "cosine":
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    epoch = step // max(1, steps_per_epoch)
+    return cfg.step_gamma ** sum(epoch >= m for m in cfg.step_milestones)
+
+
+def build_model(name: str, num_classes: int) -> nn.Module:
+    """A torchvision classification model by name (`resnet18`, `resnet50`, ...), randomly
+    initialised with `num_classes` outputs.
+
+    >>> build_model("resnet18", num_classes=10).fc.out_features   # doctest: +SKIP
+    10
+    """
+    # torchvision is the optional "train" extra, and slow to import: loaded only to build a model.
+    import torchvision
+
+    try:
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    except ValueError as exc:
+        choices = ", ".join(torchvision.models.list_models(module=torchvision.models)[:12])
+        raise ConfigError(f"unknown model {name!r} ({exc}); e.g. {choices}, ...") from None
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """SGD parameter groups: `weight_decay` on weight matrices and kernels, none on 1-d ones."""
+    # No weight decay on BatchNorm weights and biases (all 1-d parameters): decaying them
+    # only fights the normalisation and costs accuracy (Goyal et al. 2017, FFCV, timm).
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim <= 1 else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def amp_dtype_for(amp: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype that `amp` ("auto", "bf16", "fp16", "none") means on `device`."""
+    if amp == "auto":
+        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
+
+
+def image_dtype_for(amp_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the loader hands the step: bf16 under bf16 autocast, else float32. The first
+    convolution would cast bf16 anyway, and the normalise kernel writes half the bytes."""
+    return torch.bfloat16 if amp_dtype == torch.bfloat16 else torch.float32
+
+
+def autocast(device: torch.device, amp_dtype: torch.dtype | None):
+    """Autocast to `amp_dtype` on `device`, or nothing when it is None."""
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=amp_dtype)
+
+
+def training_step(
+    model: nn.Module,
+    criterion: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    amp_dtype: torch.dtype | None,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    keep_grads: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step (forward under autocast, backward, step); returns (loss, logits).
+    No host sync: the caller decides when to look at the numbers. `dlstore.train.demand`
+    times this same function on synthetic data.
+
+    `keep_grads` zeroes the gradients rather than dropping them: under DDP with
+    `gradient_as_bucket_view` they are views of the all-reduce buckets, and dropped ones
+    would be allocated again and copied into the buckets at every step."""
+    with autocast(images.device, amp_dtype):
+        logits = model(images)
+        loss = criterion(logits, labels)
+    optimizer.zero_grad(set_to_none=not keep_grads)
+    scaler.scale(loss).backward()  # DDP all-reduces gradients during backward
+    scaler.step(optimizer)
+    scaler.update()
+    return loss, logits
