@@ -1,0 +1,265 @@
+"""The measurements: the loader's rate from a cold and a warm cache, where a worker's time
+goes stage by stage, and the model's demand (its training-step rate on synthetic data).
+`run_bench` (in `dlstore.bench.run`) puts them together."""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlstore.bench.config import BenchConfig
+from dlstore.bench.report import STAGES, BenchReport, LoaderResult, LoaderRun, StageSplit
+from dlstore.cache import clear_cache
+from dlstore.config import WorldInfo
+from dlstore.dataset import Dataset
+from dlstore.errors import ConfigError, CorruptSample, DlstoreError
+from dlstore.loader import GpuPrefetcher, Loader, LoaderConfig
+from dlstore.plan import locate
+from dlstore.shards import read_sample_from_file, read_shard_index
+from dlstore.train.demand import measure_training_rate
+from dlstore.train.step import amp_dtype_for, image_dtype_for
+from dlstore.transforms import augment_image, decode_image, sample_rng
+
+__all__ = ["image_dtype", "measure_demand", "measure_loader", "measure_stages", "time_loader"]
+
+log = logging.getLogger(__name__)
+
+CPU_DEMAND_MAX_BATCH = 32  # CPU training steps are slow and memory-hungry; img/s hardly depends on batch
+
+
+def _open_dataset(cfg: BenchConfig, cache_dir: str, limit: str | int, batch_size: int, world: WorldInfo | None = None):
+    return Dataset(
+        cfg.url,
+        cache_dir=cache_dir,
+        cache_limit=limit,
+        transform=cfg.transform,
+        image_size=cfg.image_size,
+        batch_size=batch_size,
+        seed=cfg.seed,
+        world=world or WorldInfo(),
+        store_config=cfg.store_config,
+        decode_on=cfg.decode_on,
+    )
+
+
+def image_dtype(cfg: BenchConfig, device: torch.device) -> str:
+    """What the trainer asks the loader for: bf16 images under bf16 autocast, else float32."""
+    return str(image_dtype_for(amp_dtype_for(cfg.amp, device))).removeprefix("torch.")
+
+
+# -- loader side ----------------------------------------------------------------------------------
+def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str, channels_last: bool) -> LoaderRun:
+    """At least `batches` batches of epoch 0 through a fresh `Loader` (fresh workers).
+
+    The workers start together, so the first batches arrive in a burst, one per worker, after
+    the start-up; timing from the first arrival would count the others' head start. The rate
+    is therefore taken over whole rounds after the first one: from the arrival of batch
+    `workers` to that of the last batch, the pass being a whole number of rounds long.
+    """
+    loader = Loader(ds, num_workers=workers, device=str(device), dtype=dtype, channels_last=channels_last)
+    loader.set_epoch(0)
+    per_round, available = max(workers, 1), len(loader)
+    if available >= 2 * per_round:
+        untimed = per_round
+        # At least three rounds: the first one's stragglers (a worker that started late) would
+        # otherwise shorten a one-round window.
+        total = per_round * min(max(3, math.ceil(batches / per_round)), available // per_round)
+    elif available >= 2:  # a tiny dataset: time what there is after the first batch
+        untimed, total = 1, available
+    else:
+        raise ConfigError(f"{ds.store.url}: fewer than 2 batches of {ds.cfg.batch_size} per epoch; use smaller batches")
+    started = time.perf_counter()
+    window_start = None
+    images = count = 0
+    try:
+        for batch in loader:
+            _sync(device)  # the batch is on the device, normalised
+            count += 1
+            if count == untimed:
+                window_start = time.perf_counter()
+            elif count > untimed:
+                images += batch[0].shape[0]
+            if count >= total:
+                break
+        ended = time.perf_counter()
+    finally:
+        # Dropping the loader shuts its persistent workers down before the next run starts.
+        del loader
+        gc.collect()
+    if window_start is None:
+        raise ConfigError(f"{ds.store.url}: the loader delivered no batch (an empty dataset?)")
+    seconds = ended - window_start
+    rate = images / seconds if images and seconds > 0 else 0.0
+    sample_bytes = sum(s.size for s in ds.manifest.shards) / max(int(ds.shard_sizes.sum()), 1)
+    return LoaderRun(
+        batches=count,
+        images=images,
+        seconds=seconds,
+        startup_s=window_start - started,
+        images_per_s=rate,
+        mb_per_s=rate * sample_bytes / 1e6,
+    )
+
+
+def measure_loader(ds, cfg: BenchConfig, device: torch.device, workers: int, cache_dir: str) -> LoaderResult:
+    dtype = image_dtype(cfg, device)
+    log.info("loader: batch %d, %d workers, cold cache", ds.cfg.batch_size, workers)
+    ds.cache.close()  # the last run's background prefetch must not refill the emptied cache
+    _empty_cache(cache_dir)
+    cold = time_loader(ds, workers, cfg.batches, device, dtype, cfg.channels_last)
+    log.info("loader: batch %d, %d workers, warm cache", ds.cfg.batch_size, workers)
+    warm = time_loader(ds, workers, cfg.batches, device, dtype, cfg.channels_last)
+    return LoaderResult(batch_size=ds.cfg.batch_size, workers=workers, cold=cold, warm=warm)
+
+
+def _empty_cache(cache_dir: str) -> None:
+    if os.path.isdir(cache_dir):
+        clear_cache(cache_dir)
+
+
+# -- the stage split --------------------------------------------------------------------------------
+def measure_stages(report: BenchReport, ds, cfg: BenchConfig, device: torch.device, cache_dir: str) -> None:
+    """One instrumented single-process pass over the first batches, cold then warm."""
+    _empty_cache(cache_dir)
+    encoded: list[bytes] = []
+    pixels: list[int] = []
+    for cache in ("cold", "warm"):
+        log.info("stages: batch %d, %s cache", ds.cfg.batch_size, cache)
+        report.stages.append(_stage_pass(ds, cfg, device, cache, encoded, pixels))
+    if pixels:
+        report.dataset["mean_source_pixels"] = float(np.mean(pixels))
+    if device.type == "cuda" and encoded:
+        report.gpu_decode_images_per_s = _gpu_decode_rate(encoded, device)
+
+
+def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded: list, pixels: list) -> StageSplit:
+    """What a worker does for a batch (dataset.py), and what the prefetcher does with it
+    (loader.py), stage by stage with a clock around each; one process, so no overlap."""
+    clock = time.perf_counter
+    seconds = dict.fromkeys(STAGES, 0.0)
+    fetched_before = ds.cache.stats.bytes_fetched
+    loader_cfg = LoaderConfig(device=str(device), dtype=image_dtype(cfg, device), channels_last=cfg.channels_last)
+    plan = ds.plan(0)
+    indexes: dict[int, Any] = {}
+    images = 0
+    warmed_up = False
+    for j in range(min(cfg.stage_batches, plan.num_batches)):
+        ids = ds.request(plan, 0, j).ids
+        shards, offsets = locate(ids, ds.shard_sizes)
+        raw: list[dict | None] = [None] * len(ids)
+        for shard in np.unique(shards).tolist():
+            info = ds.manifest.shards[shard]
+            t0 = clock()
+            with ds.cache.hold(info.name, info.size, info.checksum) as path:
+                t1 = clock()
+                if shard not in indexes:
+                    indexes[shard] = read_shard_index(path)
+                with open(path, "rb") as file:
+                    for position in np.flatnonzero(shards == shard).tolist():
+                        raw[position] = read_sample_from_file(file, indexes[shard][int(offsets[position])])
+                seconds["fetch"] += t1 - t0
+                seconds["read"] += clock() - t1
+        arrays, labels = [], []
+        for sample_id, sample in zip(ids.tolist(), raw):
+            data = next((sample[f] for f in ds.image_fields if f in sample), None) if sample else None
+            if data is None:
+                continue
+            t0 = clock()
+            try:
+                image = decode_image(data)
+            except CorruptSample:
+                continue
+            t1 = clock()
+            arrays.append(augment_image(image, ds.cfg.transform, sample_rng(ds.cfg.seed, 0, sample_id)))
+            seconds["decode"] += t1 - t0
+            seconds["augment"] += clock() - t1
+            labels.append(int(sample.get("cls", b"0") or 0))
+            if cache == "cold" and len(encoded) < 256 and data[:2] == b"\xff\xd8" and image.mode in ("RGB", "L"):
+                encoded.append(data)
+                pixels.append(image.width * image.height)
+        if not arrays:
+            continue
+        t0 = clock()
+        batch = {"images": torch.from_numpy(np.stack(arrays)), "labels": torch.tensor(labels, dtype=torch.int64)}
+        seconds["collate"] += clock() - t0
+        if not warmed_up:  # the first call pays one-off set-up (kernels, streams): not a per-batch cost
+            next(iter(GpuPrefetcher(iter([batch]), loader_cfg, device)))
+            _sync(device)
+            warmed_up = True
+        t0 = clock()
+        if device.type == "cuda":
+            batch = {k: v.pin_memory() for k, v in batch.items()}  # the DataLoader's pin thread
+        next(iter(GpuPrefetcher(iter([batch]), loader_cfg, device)))
+        _sync(device)
+        seconds["host_to_device"] += clock() - t0
+        images += len(arrays)
+    return StageSplit(
+        cache=cache,
+        batch_size=ds.cfg.batch_size,
+        images=images,
+        seconds=seconds,
+        bytes_fetched=ds.cache.stats.bytes_fetched - fetched_before,
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _gpu_decode_rate(encoded: list[bytes], device: torch.device) -> float | None:
+    """nvJPEG through torchvision, batched: img/s for these images (decode only)."""
+    try:
+        # torchvision is optional (the "train" extra); this measurement is skipped without it.
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        tensors = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in encoded]
+        decode_jpeg(tensors[:8], mode=ImageReadMode.RGB, device=device)  # initialise nvJPEG
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        for _ in range(3):
+            decode_jpeg(tensors, mode=ImageReadMode.RGB, device=device)
+        torch.cuda.synchronize(device)
+        return 3 * len(tensors) / (time.perf_counter() - started)
+    except Exception as exc:  # an optional measurement: any failure only leaves it out
+        log.warning("GPU decode not measured: %s", exc)
+        return None
+
+
+# -- demand side ----------------------------------------------------------------------------------
+def measure_demand(cfg: BenchConfig, device: torch.device) -> list[dict]:
+    cpu = device.type == "cpu"
+    steps = cfg.demand_steps or (3 if cpu else 20)
+    warmup = cfg.demand_warmup if cfg.demand_warmup is not None else (1 if cpu else 5)
+    measured: dict[int, dict] = {}
+    out = []
+    for batch_size in cfg.batch_sizes:
+        run_batch = min(batch_size, CPU_DEMAND_MAX_BATCH) if cpu else batch_size
+        if run_batch not in measured:
+            log.info("demand: %s, batch %d on %s", cfg.model, run_batch, device)
+            try:
+                result = measure_training_rate(
+                    cfg.model,
+                    batch_size=run_batch,
+                    image_size=cfg.image_size,
+                    device=str(device),
+                    amp=cfg.amp,
+                    channels_last=cfg.channels_last,
+                    compile=cfg.compile,
+                    warmup_steps=warmup,
+                    steps=steps,
+                    seed=cfg.seed,
+                )
+                measured[run_batch] = result.to_dict()
+            except (RuntimeError, DlstoreError) as exc:  # e.g. out of memory at this batch size
+                log.warning("demand at batch %d not measured: %s", run_batch, exc)
+                measured[run_batch] = {"batch_size": run_batch, "error": str(exc)}
+        out.append({**measured[run_batch], "for_batch_size": batch_size})
+    return out

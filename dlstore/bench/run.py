@@ -1,0 +1,104 @@
+"""`run_bench`: the measurements of `dlstore.bench` in order, in one temporary cache, and the verdict."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+import tempfile
+
+import torch
+
+from dlstore.bench.config import BenchConfig, available_cores
+from dlstore.bench.measure import _open_dataset, measure_demand, measure_loader, measure_stages
+from dlstore.bench.report import BenchReport, demand_for, verdict_for
+from dlstore.bench.scaling import measure_scaling
+from dlstore.manifest import Manifest
+from dlstore.storage import open_store
+from dlstore.train.step import resolve_device
+
+__all__ = ["run_bench"]
+
+
+def run_bench(cfg: BenchConfig) -> BenchReport:
+    """Measure the loader and the model's demand as `cfg` says; see `dlstore.bench`.
+
+    >>> report = run_bench(BenchConfig.quick("file:///tmp/demo/train"))   # doctest: +SKIP
+    >>> report.verdict.ratio
+    41.7
+    """
+    device = resolve_device(cfg.device)
+    cache_root = tempfile.mkdtemp(prefix="dlstore-bench-", dir=cfg.cache_dir or None)
+    try:
+        cache_dir = os.path.join(cache_root, "cache")
+        manifest = Manifest.load(open_store(cfg.url, cfg.store_config))
+        limit = cfg.cache_limit or _auto_limit(manifest)
+        report = BenchReport(
+            config=_config_dict(cfg),
+            environment=_environment(device),
+            dataset=_dataset_info(cfg.url, manifest),
+        )
+        for batch_size in cfg.batch_sizes:
+            ds = _open_dataset(cfg, cache_dir, limit, batch_size)
+            try:
+                if batch_size == cfg.batch_sizes[0]:
+                    measure_stages(report, ds, cfg, device, cache_dir)
+                for workers in cfg.worker_counts:
+                    report.loader.append(measure_loader(ds, cfg, device, workers, cache_dir))
+            finally:
+                ds.cache.close()
+        if cfg.demand:
+            report.demand = measure_demand(cfg, device)
+        if cfg.procs != (1,):
+            report.scaling = measure_scaling(cfg, device, cache_root, limit)
+        report.verdicts = [
+            verdict_for(report, row, cfg, device.type) for row in report.loader if demand_for(report, row)
+        ]
+        if report.verdicts:
+            report.verdict = max(report.verdicts, key=lambda v: v.delivered_images_per_s)
+        return report
+    finally:
+        shutil.rmtree(cache_root, ignore_errors=True)
+
+
+def _auto_limit(manifest) -> int:
+    # Big enough for every shard the bench reads, so the warm pass finds them all cached;
+    # the bench reads only the first batches' shards, so this is a bound, not a disk use.
+    sizes = [s.size for s in manifest.shards]
+    return sum(sizes) + 2 * max(sizes, default=0) + 2**20
+
+
+def _config_dict(cfg: BenchConfig) -> dict:
+    # Credentials (store_config) stay out of the report.
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "store_config"}
+    out["workers"] = cfg.worker_counts
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def _environment(device: torch.device) -> dict:
+    env = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cores": available_cores(),
+        "device": str(device),
+        "device_name": "cpu",
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _dataset_info(url: str, manifest) -> dict:
+    shards = manifest.shards
+    samples = int(sum(s.samples for s in shards))
+    total = int(sum(s.size for s in shards))
+    return {
+        "url": url,
+        "shards": len(shards),
+        "samples": samples,
+        "bytes": total,
+        "mean_sample_bytes": total / max(samples, 1),
+    }
