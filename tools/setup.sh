@@ -2,7 +2,7 @@
 # Install dlstore and what it needs into .venv, a virtual environment in this checkout, on a fresh
 # Debian/Ubuntu machine with Python >= 3.10; then run it with .venv/bin/python (or source .venv/bin/activate).
 #   bash tools/setup.sh          # the package, torch + torchvision, the trainer's extras
-#   bash tools/setup.sh --test   # also the test tools, memcached and the local Swift server
+#   bash tools/setup.sh --test   # also the test tools, memcached, the local Swift server and Slurm
 # Always a venv, because Debian's and Ubuntu's own python3 refuse `pip install` (PEP 668). .venv is made
 # from $PYTHON (default python3) and copies no torch that is already there:
 #   - $PYTHON runs in a venv already (an activated one): .venv is a link to that venv;
@@ -75,5 +75,6 @@ if [[ "${1:-}" == "--test" ]]; then
     "$VENV_PYTHON" -m pip install --quiet -e ".[train,fast,test]"
     "$VENV_PYTHON" tools/swift_server.py install
     "$VENV_PYTHON" tools/swift_server.py install --flavor debian
+    "$VENV_PYTHON" tools/slurm_server.py install  # Debian's slurmctld, slurmd, slurm-client, munge (tests/test_slurm.py)
 fi
 echo "setup.sh: done; run dlstore with $VENV_PYTHON -m dlstore (or: source .venv/bin/activate)"
