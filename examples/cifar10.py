@@ -28,7 +28,7 @@ def prepare_source(args: argparse.Namespace) -> str:
         return args.source
     folder = os.path.join(tempfile.gettempdir(), "cifar10-source")
     if args.synthetic:
-        from dlstore.datagen import make_cifar10
+        from dlstore.demo.datagen import make_cifar10
 
         make_cifar10(folder, per_batch=1000, test=1000)
     else:

@@ -1,4 +1,4 @@
-"""Converters end to end: real on-disk formats (made by dlstore.datagen) into file://, Swift and S3
+"""Converters end to end: real on-disk formats (made by dlstore.demo.datagen) into file://, Swift and S3
 stores; every input exactly once with its label, reproducible bytes, resume, verify, index."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dlstore.convert import (
 from dlstore.convert.arrays import ArrayReader
 from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBuilder
 from dlstore.convert.shard_plan import plan_tasks
-from dlstore.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
+from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, FormatError
 from dlstore.manifest import MANIFEST_NAME, Manifest, load_sample_index
 from dlstore.shards import iter_samples, read_sample

@@ -25,7 +25,7 @@ from swiftclient.exceptions import ClientException
 
 from dlstore.cli import main as cli_main
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
-from dlstore.datagen import make_imagefolder
+from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import AuthError, ConfigError, NotFound
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store

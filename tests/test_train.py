@@ -1,5 +1,5 @@
 """The bundled trainer (`dlstore.train`), on the CPU with gloo, through the real Dataset and
-Loader on data made by `dlstore.datagen` and `dlstore.convert`.
+Loader on data made by `dlstore.demo.datagen` and `dlstore.convert`.
 
 The end-to-end tests launch `dlstore train` as separate processes (one per rank), exactly
 as torchrun or srun would, so signals, exit codes and process groups are the real ones.
@@ -21,7 +21,7 @@ from launch_support import REPO, launch_ranks, logs, wait_all
 
 from dlstore.cli import build_parser
 from dlstore.convert import ConvertOptions, convert
-from dlstore.datagen import make_cifar10
+from dlstore.demo.datagen import make_cifar10
 from dlstore.errors import ConfigError
 from dlstore.storage.local import LocalStore
 from dlstore.train import (

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from dlstore.convert import ConvertOptions, convert
-from dlstore.datagen import make_imagenet
+from dlstore.demo.datagen import make_imagenet
 
 
 def _read_all(root: Path) -> int:

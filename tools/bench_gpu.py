@@ -4,7 +4,7 @@
 and on the GPU (nvJPEG).
 
 1. data: an ImageNet-like train set (default 8,000 JPEGs of 500x375, ~130 KB, like
-   ImageNet's average) made by `dlstore.datagen` in parallel, converted into shards in a
+   ImageNet's average) made by `dlstore.demo.datagen` in parallel, converted into shards in a
    local store (a warm node cache reads the same way);
 2. demand: `measure_training_rate`, the trainer's own step on one synthetic batch kept on the
    device (no data path at all);
@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 
 def _make_part(args: tuple[str, int, int, tuple[int, int], int]) -> None:
-    from dlstore.datagen import make_imagenet
+    from dlstore.demo.datagen import make_imagenet
 
     root, classes, per_class, size, seed = args
     make_imagenet(root, num_classes=classes, train_per_class=per_class, val_per_class=1, image_size=size, seed=seed)

@@ -63,7 +63,7 @@ _SAMPLES: tuple = ()  # (sample path, samples) the "ceiling" processes decode (i
 # -- data ----------------------------------------------------------------------------------------
 def make_shards(workdir: Path, classes: int, per_class: int, samples_per_shard: int) -> str:
     from dlstore.convert import ConvertOptions, convert
-    from dlstore.datagen import make_imagenet
+    from dlstore.demo.datagen import make_imagenet
 
     source = workdir / "source"
     make_imagenet(source, num_classes=classes, train_per_class=per_class, val_per_class=1, image_size=(400, 350))

@@ -16,7 +16,7 @@ Images are textured (stripes, blotches and grain) so that a default 400×350 JPE
 90 is ~100 KB like an ImageNet photo, and class-dependent (hue, stripe angle and frequency)
 so a small model can learn them. Everything is deterministic in `seed`.
 
-    python -m dlstore.datagen imagenet ./imagenet-mini --classes 10 --train-per-class 30
+    python -m dlstore.demo.datagen imagenet ./imagenet-mini --classes 10 --train-per-class 30
 """
 
 from __future__ import annotations
@@ -187,6 +187,21 @@ def make_imagenet(
     result.samples["val"] = [(name if flat else f"{classes[label]}/{name}", label) for name, label, _ in val]
     result.bytes = sum(len(d) for files in train.values() for _, d in files) + sum(len(d) for _, _, d in val)
 
+    _write_imagenet_images(root, layout, flat, classes, train, val)
+    if flat:
+        _write_val_labels(root, val_layout, classes, [(name, label) for name, label, _ in val], rng)
+    return result
+
+
+def _write_imagenet_images(
+    root: Path,
+    layout: str,
+    flat: bool,
+    classes: list[str],
+    train: dict[str, list[tuple[str, bytes]]],
+    val: list[tuple[str, int, bytes]],
+) -> None:
+    """The images as folders (`train/<wnid>/`, `val/`) or as the official tars."""
     if layout == "folders":
         for wnid, files in train.items():
             for name, data in files:
@@ -197,24 +212,27 @@ def make_imagenet(
         outer = [(f"{wnid}.tar", _tar_bytes(files)) for wnid, files in train.items()]
         _write(root / "ILSVRC2012_img_train.tar", _tar_bytes(outer))
         _write(root / "ILSVRC2012_img_val.tar", _tar_bytes([(name, data) for name, _, data in val]))
-    if flat:
-        if val_layout == "devkit":
-            _write_devkit(root / "ILSVRC2012_devkit_t12" / "data", classes, [label for _, label, _ in val], rng)
-        elif val_layout == "txt":
-            lines = [f"{name} {classes[label]}\n" for name, label, _ in val]
-            _write(root / "val_labels.txt", "".join(lines).encode())
-        else:
-            lines = ["ImageId,PredictionString\n"]
-            lines += [
-                f"{name[:-5]},{classes[label]} 10 12 200 180 {classes[label]} 5 5 90 90\n" for name, label, _ in val
-            ]
-            _write(root / "LOC_val_solution.csv", "".join(lines).encode())
-    return result
+
+
+def _write_val_labels(
+    root: Path, val_layout: str, classes: list[str], val: list[tuple[str, int]], rng: np.random.Generator
+) -> None:
+    """The labels of a flat val split, in one of the three forms found in the wild."""
+    if val_layout == "devkit":
+        _write_devkit(root / "ILSVRC2012_devkit_t12" / "data", classes, [label for _, label in val], rng)
+    elif val_layout == "txt":
+        lines = [f"{name} {classes[label]}\n" for name, label in val]
+        _write(root / "val_labels.txt", "".join(lines).encode())
+    else:
+        lines = ["ImageId,PredictionString\n"]
+        lines += [f"{name[:-5]},{classes[label]} 10 12 200 180 {classes[label]} 5 5 90 90\n" for name, label in val]
+        _write(root / "LOC_val_solution.csv", "".join(lines).encode())
 
 
 def _write_devkit(folder: Path, classes: list[str], labels: list[int], rng: np.random.Generator) -> None:
     """The devkit's ground truth: ILSVRC2012_IDs in an order unrelated to the sorted wnids (as in
     the real meta.mat), plus a non-leaf synset, which a reader must ignore."""
+    # scipy is not a dependency of dlstore: only this devkit layout needs it.
     from scipy.io import savemat
 
     ids = rng.permutation(len(classes)) + 1  # ILSVRC2012_ID of classes[i]
@@ -339,8 +357,8 @@ def make_mnist(
 
 # -- command line --------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m dlstore.datagen FORMAT DIR [options]`: write a synthetic dataset."""
-    parser = argparse.ArgumentParser(prog="python -m dlstore.datagen", description=__doc__.split("\n\n")[0])
+    """`python -m dlstore.demo.datagen FORMAT DIR [options]`: write a synthetic dataset."""
+    parser = argparse.ArgumentParser(prog="python -m dlstore.demo.datagen", description=__doc__.split("\n\n")[0])
     parser.add_argument("format", choices=["imagenet", "imagefolder", "cifar10", "mnist"])
     parser.add_argument("root", help="directory to write into")
     parser.add_argument("--classes", type=int, default=10, help="imagenet, imagefolder: number of classes")
