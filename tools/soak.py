@@ -26,11 +26,15 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # the fault proxy and the loader tests' helpers
+import swiftclient
+import torch.multiprocessing as torch_mp
+from fault_proxy import ALL_FAULTS, FaultProxy
+from loader_support import run_rank, write_dataset
 
-from fault_proxy import ALL_FAULTS, FaultProxy  # noqa: E402
-from loader_support import run_rank, write_dataset  # noqa: E402
+import dlstore
+from dlstore.config import StoreConfig, WorldInfo
+
+REPO = Path(__file__).resolve().parents[1]
 
 SERVER = [sys.executable, str(REPO / "tools" / "swift_server.py")]
 
@@ -63,9 +67,6 @@ def _outages(data_dir: Path, port: str, every: float, length: float, stop: threa
 
 def _expected(url: str, env: dict[str, str], spec: dict, cache_dir: str) -> list[dict]:
     """Each rank's deliveries without faults, read in this process straight from the server."""
-    import dlstore
-    from dlstore.config import StoreConfig, WorldInfo
-
     config = StoreConfig.from_env(env)
     records = []
     for rank in range(spec["world_size"]):
@@ -106,11 +107,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=120, help="the loader's retry deadline")
     args = parser.parse_args(argv)
 
-    import torch.multiprocessing as tmp
-
-    import dlstore
-    from dlstore.config import StoreConfig
-
     work = Path(tempfile.mkdtemp(prefix="dlstore-soak-"))
     data_dir = work / "swift"
     _tool("start", "--data-dir", str(data_dir), "--stop-with-pid", str(os.getpid()))
@@ -122,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             if args.api == "swift"
             else {k: v for k, v in server.items() if k.startswith("AWS_")}
         )
-        import swiftclient
-
         swiftclient.Connection(authurl=server["ST_AUTH"], user=server["ST_USER"], key=server["ST_KEY"]).put_container(
             "soak"
         )
@@ -165,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 outages.start()
             started = time.monotonic()
             proxy.stall_s = 4.0
-            tmp.start_processes(run_rank, args=(spec,), nprocs=args.ranks, start_method="spawn")
+            torch_mp.start_processes(run_rank, args=(spec,), nprocs=args.ranks, start_method="spawn")
             took = time.monotonic() - started
             stop.set()
             if outages is not None:

@@ -1,4 +1,5 @@
-"""Small datasets with uneven shards, and the per-rank program the loader tests spawn."""
+"""Small datasets with uneven shards, and the per-rank program that records what each rank
+delivered: spawned by the loader and reliability tests, and by `tools/soak.py`."""
 
 from __future__ import annotations
 

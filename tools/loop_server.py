@@ -1,5 +1,5 @@
-"""An asyncio server running its own event loop in a daemon thread: the lifecycle the test
-proxies (`tcp_proxy.TcpProxy`, `fault_proxy.FaultProxy`) share."""
+"""An asyncio server running its own event loop in a daemon thread: the lifecycle the
+proxies share (`fault_proxy.FaultProxy` here, `tcp_proxy.TcpProxy` in tests/)."""
 
 from __future__ import annotations
 
