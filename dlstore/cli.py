@@ -10,13 +10,25 @@ sets `func`; the library does the work, this module only owns the terminal.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 
+from tqdm import tqdm
+
+from dlstore.cache import cache_report, clear_cache
+from dlstore.config import StoreConfig, parse_size
+from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.errors import DlstoreError
 from dlstore.logs import configure_logging
+from dlstore.manifest import MANIFEST_NAME, describe_dataset
+from dlstore.storage import open_object, open_store
+from dlstore.storage.transfer import copy_object
+from dlstore.train.config import add_train_arguments, config_from_args
 
 __all__ = ["main"]
 
@@ -31,15 +43,10 @@ def _human(n: float) -> str:
 
 # -- ls ------------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from dlstore.storage import open_store
-
     store = open_store(args.url)
-    if not args.objects and not args.prefix:
-        from dlstore.manifest import MANIFEST_NAME, describe_dataset
-
-        if store.exists(MANIFEST_NAME):
-            print(describe_dataset(store))
-            return 0
+    if not args.objects and not args.prefix and store.exists(MANIFEST_NAME):
+        print(describe_dataset(store))
+        return 0
     count = total = 0
     for info in store.list(args.prefix or ""):
         count += 1
@@ -61,24 +68,10 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
 
 # -- cp ------------------------------------------------------------------------------------
 def _cmd_cp(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from dlstore.storage import open_object, open_store
-
     src_store, src_key = open_object(args.src)
     info = src_store.stat(src_key)
-    if args.dst.endswith("/") or args.dst.endswith("://"):
-        dst_store, dst_key = open_store(args.dst.rstrip("/")), src_key.rsplit("/", 1)[-1]
-    else:
-        dst_store, dst_key = open_object(args.dst)
     with tqdm(total=info.size, unit="B", unit_scale=True, desc=src_key, disable=args.quiet) as bar:
-
-        def chunks():
-            for chunk in src_store.get(src_key):
-                bar.update(len(chunk))
-                yield chunk
-
-        dst_store.put(dst_key, chunks())
+        copy_object(src_store, src_key, args.dst, progress=bar.update)
     return 0
 
 
@@ -92,11 +85,6 @@ def _add_cp(sub: argparse._SubParsersAction) -> None:
 
 # -- cache ---------------------------------------------------------------------------------
 def _cmd_cache_stats(args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-
-    from dlstore.cache import cache_report
-
     report = cache_report(args.dir)
     if args.json:
         print(json.dumps(dataclasses.asdict(report), indent=2))
@@ -122,8 +110,6 @@ def _cmd_cache_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
-    from dlstore.cache import clear_cache
-
     result = clear_cache(args.dir, reset_stats=args.reset_stats)
     print(f"removed {result.removed} shards ({_human(result.removed_bytes)}) from {args.dir}")
     if result.skipped_held:
@@ -150,13 +136,6 @@ def _add_cache(sub: argparse._SubParsersAction) -> None:
 
 # -- convert, verify, index ----------------------------------------------------------------
 def _cmd_convert(args: argparse.Namespace) -> int:
-    import time
-
-    from tqdm import tqdm
-
-    from dlstore.config import parse_size
-    from dlstore.convert import ConvertOptions, ConvertProgress, convert
-
     options = ConvertOptions(
         split=args.split,
         shard_size=parse_size(args.shard_size),
@@ -250,10 +229,6 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from dlstore.convert import verify_dataset
-
     with tqdm(desc="verify", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
 
         def on_progress(done: int, total: int) -> None:
@@ -281,10 +256,6 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from dlstore.convert import index_dataset
-
     with tqdm(desc="index", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
 
         def on_progress(done: int, total: int) -> None:
@@ -315,8 +286,8 @@ SUBCOMMANDS += [_add_convert, _add_verify, _add_index]
 
 # -- train ---------------------------------------------------------------------------------
 def _cmd_train(args: argparse.Namespace) -> int:
+    # The trainer pulls in torch (and torchvision): loaded only for this command.
     from dlstore.train import main as train
-    from dlstore.train.config import config_from_args
 
     if args.verbose == 0:
         logging.getLogger("dlstore.train").setLevel(logging.INFO)  # checkpoints and eval results
@@ -324,8 +295,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    from dlstore.train.config import add_train_arguments
-
     p = sub.add_parser(
         "train",
         help="train a torchvision model from a dataset URL (DDP under torchrun or srun), checkpointing to a store URL",
@@ -340,6 +309,7 @@ SUBCOMMANDS.append(_add_train)
 
 # -- demo ----------------------------------------------------------------------------------
 def _cmd_demo(args: argparse.Namespace) -> int:
+    # The demo trains a model, so it pulls in torch: loaded only for this command.
     from dlstore.demo import DemoConfig, run_demo
 
     run_demo(
@@ -362,10 +332,8 @@ SUBCOMMANDS.append(_add_demo)
 
 # -- bench ---------------------------------------------------------------------------------
 def _cmd_bench(args: argparse.Namespace) -> int:
-    import dataclasses
-
+    # dlstore.bench pulls in torch: loaded only for this command, so the others start quickly.
     from dlstore.bench import BenchConfig, format_report, parse_int_list, plot_report, run_bench, size_or_auto
-    from dlstore.config import StoreConfig
 
     changes: dict = {"store_config": StoreConfig.from_env()}
     for name, parse in (("batch_sizes", parse_int_list), ("workers", parse_int_list), ("procs", parse_int_list)):
