@@ -338,6 +338,7 @@ class _CacheSampler:
 
 @pytest.mark.swift
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # 160 s on two busy cores: three launches of 4, 4 and 2 ranks with their workers
 def test_four_ranks_two_workers_from_swift_then_resume_on_two_ranks(swift_server, swift_container, tmp_path):
     env = swift_server.swift_env()
     url = f"swift://{swift_container}/uneven"

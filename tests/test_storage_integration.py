@@ -95,6 +95,7 @@ def _expected_listing() -> list[tuple[str, int]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # the first one uploads the 12000 objects (listing_container): 110 s on two busy cores
 @pytest.mark.parametrize("scheme", ["swift", "s3"])
 def test_list_12000_objects_in_order(swift_server, listing_container, scheme):
     store = open_store(f"{scheme}://{listing_container}/{LISTING_PREFIX}", swift_store_config(swift_server))
