@@ -11,9 +11,9 @@ import torch
 from loader_support import tiny_jpeg, write_dataset
 
 import dlstore
-from dlstore.config import WorldInfo
 from dlstore.loader import GpuPrefetcher, LoaderConfig
 from dlstore.storage import open_store
+from dlstore.world import World
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -26,7 +26,7 @@ def _dataset(url, tmp_path, **kw):
         image_size=16,
         batch_size=4,
         seed=3,
-        world=WorldInfo(0, 1, 1),
+        world=World(0, 1, 1),
         return_keys=True,
     )
     return dlstore.Dataset(url, **{**options, **kw})

@@ -32,7 +32,8 @@ from fault_proxy import ALL_FAULTS, FaultProxy
 from loader_support import run_rank, write_dataset
 
 import dlstore
-from dlstore.config import StoreConfig, WorldInfo
+from dlstore.config import StoreConfig
+from dlstore.world import World
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,7 +79,7 @@ def _expected(url: str, env: dict[str, str], spec: dict, cache_dir: str) -> list
             image_size=8,
             batch_size=spec["batch_size"],
             seed=spec["seed"],
-            world=WorldInfo(rank, spec["world_size"], spec["local_world_size"]),
+            world=World(rank, spec["world_size"], spec["local_world_size"]),
             store_config=config,
             return_keys=True,
         )
