@@ -170,7 +170,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("convert", help="convert ImageNet, ImageFolder, CIFAR-10 or MNIST into tar shards in a store")
+    p = sub.add_parser(
+        "convert",
+        help="convert ImageNet, ImageFolder, CIFAR-10 or MNIST into tar shards in a store",
+        epilog="DEST's Swift container or S3 bucket is created when it does not exist (as `swift upload` and "
+        "rclone do); if the credentials may not create it, the error says how to: `swift post CONTAINER` or "
+        "`aws s3 mb s3://BUCKET --endpoint-url URL`.",
+    )
     p.add_argument(
         "source_format",
         metavar="FORMAT",
