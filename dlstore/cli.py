@@ -23,6 +23,7 @@ from tqdm import tqdm
 from dlstore.cache import cache_report, clear_cache
 from dlstore.config import StoreConfig, parse_size
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
+from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
 from dlstore.errors import DlstoreError
 from dlstore.logs import configure_logging
 from dlstore.manifest import MANIFEST_NAME, describe_dataset
@@ -420,6 +421,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 SUBCOMMANDS.append(_add_bench)
+
+
+# -- doctor --------------------------------------------------------------------------------
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    checks = run_doctor(options_from_args(args), dict(os.environ), report=lambda c: print(format_check(c), flush=True))
+    return exit_code(checks)
+
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "doctor",
+        help="check this node's set-up for a run (credentials, store, cache, /dev/shm, torch, CUDA, launcher)",
+        description="One line per check (ok / warn / FAIL) with the fix below; exit code 1 when anything FAILs.",
+    )
+    add_doctor_arguments(p)
+    p.set_defaults(func=_cmd_doctor)
+
+
+SUBCOMMANDS.append(_add_doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

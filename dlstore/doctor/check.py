@@ -1,0 +1,64 @@
+"""The result of one doctor check, and how it is printed."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+__all__ = ["FAIL", "OK", "WARN", "Check", "exit_code", "format_check", "human_size", "redact"]
+
+OK = "ok"
+WARN = "warn"
+FAIL = "FAIL"
+_STATUSES = (OK, WARN, FAIL)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: what was checked, how it went, what was seen, and the fix when it is not ok.
+
+    >>> print(format_check(Check("shm", WARN, "/dev/shm: 1.0 GB free", fix="docker run --shm-size=8g")))
+    warn  shm          /dev/shm: 1.0 GB free
+          fix: docker run --shm-size=8g
+    """
+
+    name: str
+    status: str
+    summary: str
+    fix: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in _STATUSES:
+            raise ValueError(f"status must be one of {_STATUSES}, not {self.status!r}")
+
+
+def format_check(check: Check) -> str:
+    """One line; a second with the fix for warn and FAIL."""
+    line = f"{check.status:<5} {check.name:<12} {check.summary}"
+    if check.status != OK and check.fix:
+        line += f"\n{'':<5} fix: {check.fix}"
+    return line
+
+
+def exit_code(checks: Iterable[Check]) -> int:
+    """1 when anything failed, else 0 (warnings do not fail a run)."""
+    return 1 if any(check.status == FAIL for check in checks) else 0
+
+
+def redact(check: Check, secrets: Iterable[str]) -> Check:
+    """`check` with every secret value blanked: the checks never print one, and this makes
+    sure a third-party error message cannot either."""
+    summary, fix = check.summary, check.fix
+    for secret in secrets:
+        if secret:
+            summary, fix = summary.replace(secret, "***"), fix.replace(secret, "***")
+    return replace(check, summary=summary, fix=fix)
+
+
+def human_size(n: float) -> str:
+    """`1.5 GB` (decimal units, as `df -H` and the cache limit's `50GB` mean them)."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -1,0 +1,139 @@
+"""The node's own resources: the shard cache's directory and disk, and `/dev/shm` for the
+loader's batch slots."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+
+from dlstore.cache import STATS_FILE_BYTES, cache_report
+from dlstore.doctor.check import FAIL, OK, WARN, Check, human_size
+from dlstore.errors import DlstoreError
+from dlstore.manifest import Manifest
+
+__all__ = ["LoaderShape", "cache_check", "shm_check"]
+
+# flock is unreliable on these, and a cache shared by several nodes breaks its byte limit.
+_NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "beegfs", "ceph", "glusterfs", "9p", "afs"}
+_CACHE_FIX_DIR = "point DLSTORE_CACHE_DIR (or --cache-dir) at a node-local disk: NVMe scratch, /tmp, $SLURM_TMPDIR"
+
+
+def _existing_ancestor(path: str) -> str:
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def filesystem_type(path: str, mounts: str = "/proc/mounts") -> str | None:
+    """The type of the file system holding `path` (the longest mount point above it)."""
+    try:
+        with open(mounts) as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, fstype = "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount = fields[1].replace("\\040", " ")
+        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) >= len(best):
+            best, fstype = mount, fields[2]
+    return fstype
+
+
+def _cached_bytes(cache_dir: str) -> int:
+    """Bytes the cache already holds there (they count as room: the cache evicts them)."""
+    try:
+        return cache_report(cache_dir).bytes
+    except (DlstoreError, OSError):
+        return 0
+
+
+def cache_check(cache_dir: str, limit_bytes: int, manifest: Manifest | None = None, num_nodes: int = 1) -> Check:
+    """The directory is usable, on local disk, and the disk has room for what the cache will hold:
+    its limit, or this node's share of the dataset when that is smaller."""
+    where = _existing_ancestor(cache_dir)
+    if not os.access(where, os.W_OK | os.X_OK):
+        made = "" if where == cache_dir else f" (to be made in {where})"
+        return Check("cache", FAIL, f"{cache_dir}{made} is not writable by this user", _CACHE_FIX_DIR)
+    fstype = filesystem_type(where)
+    free = shutil.disk_usage(where).free
+    room = free + (_cached_bytes(cache_dir) if where == cache_dir else 0)
+    share = -(-manifest.total_size // max(num_nodes, 1)) if manifest is not None else None
+    will_hold = min(limit_bytes, share + STATS_FILE_BYTES) if share is not None else limit_bytes
+    seen = f"{cache_dir} ({fstype or 'unknown fs'}): limit {human_size(limit_bytes)}, {human_size(free)} free"
+    biggest = max((s.size for s in manifest.shards), default=0) if manifest is not None else 0
+    if biggest and limit_bytes - STATS_FILE_BYTES < biggest:
+        return Check(
+            "cache",
+            FAIL,
+            f"{seen}; the largest shard is {human_size(biggest)}: it does not fit",
+            f"raise --cache-limit (the trainer's cache_limit) to several shards, e.g. {human_size(8 * biggest)}",
+        )
+    if room < will_hold:
+        suggestion = human_size(max(int(room * 0.9), 0)).replace(" ", "")
+        return Check(
+            "cache",
+            FAIL,
+            f"{seen}: the cache may grow to {human_size(will_hold)} and fill the disk (NoSpace mid-run)",
+            f"lower --cache-limit (the trainer's cache_limit) to {suggestion}, free space, or {_CACHE_FIX_DIR}",
+        )
+    if fstype in _NETWORK_FS or (fstype or "").startswith("fuse."):
+        return Check("cache", WARN, f"{seen}; {fstype} is not a local disk", _CACHE_FIX_DIR)
+    if fstype == "tmpfs":
+        return Check("cache", WARN, f"{seen}; tmpfs holds the cache in RAM", f"if RAM is short, {_CACHE_FIX_DIR}")
+    if share is not None and limit_bytes < share:
+        return Check(
+            "cache",
+            WARN,
+            f"{seen}; this node's share of the dataset is {human_size(share)}: epochs after the first read "
+            f"{100 * (1 - limit_bytes / share):.0f}% of it from the store again",
+            f"raise --cache-limit to {human_size(share + STATS_FILE_BYTES)} if the disk allows "
+            f"({human_size(room)} available) to keep later epochs local",
+        )
+    return Check("cache", OK, seen)
+
+
+@dataclass(frozen=True)
+class LoaderShape:
+    """What sizes the loader's shared memory: per rank, `slots` batches of `batch_size` images
+    of `image_size`² × 3 bytes (uint8 HWC), and `ranks_per_node` ranks share `/dev/shm`."""
+
+    batch_size: int
+    image_size: int
+    slots: int
+    ranks_per_node: int = 1
+
+    @property
+    def shm_bytes(self) -> int:
+        return self.ranks_per_node * self.slots * self.batch_size * self.image_size**2 * 3
+
+
+def shm_check(shape: LoaderShape, shm_dir: str = "/dev/shm") -> Check:
+    """`/dev/shm` holds the workers' batch slots (plus torch's own tensors handed between processes)."""
+    if not os.path.isdir(shm_dir):
+        return Check("shm", WARN, f"{shm_dir} does not exist", "DataLoader workers need a shared-memory file system")
+    usage = shutil.disk_usage(shm_dir)
+    need = shape.shm_bytes
+    how = (
+        f"{shape.ranks_per_node} rank(s) x {shape.slots} slots x batch {shape.batch_size} x "
+        f"{shape.image_size}² x 3 B = {human_size(need)}"
+    )
+    seen = f"{shm_dir}: {human_size(usage.free)} free of {human_size(usage.total)}; the loader takes {how}"
+    size = f"{-(-int(need * 1.5) // 10**9)}g"
+    fix = (
+        f"give it more: `docker run --shm-size={size}`, on Kubernetes an emptyDir with medium: Memory and "
+        f"sizeLimit: {size}; or fewer --workers / a smaller --batch-size"
+    )
+    if usage.free < need:
+        return Check("shm", FAIL, seen, fix)
+    if usage.free < 1.5 * need:
+        return Check("shm", WARN, seen + " (little headroom for the DataLoader's own tensors)", fix)
+    return Check("shm", OK, seen)
