@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from dlstore.cache import cache_report, clear_cache
-from dlstore.config import StoreConfig, parse_size
+from dlstore.config import DataConfig, parse_size
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
 from dlstore.errors import DlstoreError
@@ -338,25 +338,29 @@ SUBCOMMANDS.append(_add_demo)
 
 
 # -- bench ---------------------------------------------------------------------------------
+# Data settings the bench sweeps (batch sizes, workers) or keeps apart (its own temporary cache).
+_BENCH_OWN = ("batch_size", "workers", "cache_dir", "cache_limit")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     # dlstore.bench pulls in torch: loaded only for this command, so the others start quickly.
-    from dlstore.bench import BenchConfig, format_report, parse_int_list, plot_report, run_bench, size_or_auto
+    from dlstore.bench import (
+        QUICK_DATA,
+        BenchConfig,
+        format_report,
+        parse_int_list,
+        plot_report,
+        run_bench,
+        size_or_auto,
+    )
 
-    changes: dict = {"store_config": StoreConfig.from_env()}
+    # The data settings, from their flags and the environment (read here, once).
+    data = DataConfig.from_args(args.url, args, exclude=_BENCH_OWN, **(QUICK_DATA if args.quick else {}))
+    changes: dict = {}
     for name, parse in (("batch_sizes", parse_int_list), ("workers", parse_int_list), ("procs", parse_int_list)):
         if getattr(args, name) is not None:
             changes[name] = parse(getattr(args, name))
-    for name in (
-        "image_size",
-        "transform",
-        "decode_on",
-        "batches",
-        "stage_batches",
-        "model",
-        "device",
-        "amp",
-        "demand_steps",
-    ):
+    for name in ("batches", "stage_batches", "model", "device", "amp", "demand_steps"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
     if args.cache_limit is not None:
@@ -367,8 +371,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         demand=not args.no_demand,
         cache_dir=args.cache_dir or "",
     )
-    config = BenchConfig.quick(args.url) if args.quick else BenchConfig(args.url)
-    config = dataclasses.replace(config, **changes)
+    config = BenchConfig.quick(data, **changes) if args.quick else BenchConfig(data, **changes)
     if not args.quiet:
         logging.getLogger("dlstore.bench").setLevel(logging.INFO)  # what is being measured, as it goes
     report = run_bench(config)
@@ -396,13 +399,6 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", metavar="N,N", help="batch sizes to sweep (default 256; --quick 32)")
     p.add_argument("--workers", metavar="N,N", help="worker counts to sweep (default: one per core)")
     p.add_argument("--procs", metavar="N,N", help="process counts for a scaling table, e.g. 1,2,4 (default: none)")
-    p.add_argument("--image-size", type=int, help="training resolution (default 224; --quick 64)")
-    p.add_argument("--transform", choices=["train", "eval"], help="augmentation preset (default train)")
-    p.add_argument(
-        "--decode-on",
-        choices=["worker", "device"],
-        help="where JPEGs are decoded: worker (CPU, default) or device (nvJPEG on a GPU; workers only plan crops)",
-    )
     p.add_argument("--batches", type=int, help="batches per timed loader pass (default 20; --quick 4)")
     p.add_argument("--stage-batches", type=int, help="batches of the per-stage timing pass (default 2)")
     p.add_argument("--model", help="torchvision model for the demand side (default resnet50; --quick resnet18)")
@@ -417,6 +413,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     p.add_argument("--plot", metavar="FILE.png", help="plot img/s vs workers/batch size with the demand line")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    # The data settings (--image-size, --transform, --decode-on, --seed, ...), as `dlstore train`
+    # takes them; batch sizes, workers and the cache are the bench's own sweeps and cache above.
+    DataConfig.add_arguments(p, exclude=_BENCH_OWN)
     p.set_defaults(func=_cmd_bench)
 
 

@@ -440,10 +440,17 @@ class DataConfig:
 
     @classmethod
     def from_args(
-        cls, url: str, args: argparse.Namespace, env: Mapping[str, str] | None = None, **base: Any
+        cls,
+        url: str,
+        args: argparse.Namespace,
+        env: Mapping[str, str] | None = None,
+        exclude: tuple[str, ...] = (),
+        **base: Any,
     ) -> DataConfig:
-        """The settings of parsed flags over `base`, the rest from the environment (`from_env`)."""
-        given = {name: getattr(args, name) for name in DATA_FLAGS if hasattr(args, name)}
+        """The settings of parsed flags (those `add_arguments` added: the same `exclude`) over
+        `base`, the rest from the environment (`from_env`)."""
+        names = [name for name in DATA_FLAGS if name not in exclude and hasattr(args, name)]
+        given = {name: getattr(args, name) for name in names}
         given = {k: v for k, v in given.items() if v is not None}
         return cls.from_env(url, env, **{**base, **given})
 
@@ -461,6 +468,3 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     "seed": (int, "seed for data order and augmentation (and the trainer's weights)"),
     "shuffle_window": (int, "shards whose samples are mixed together; more mixes more and caches more"),
 }
-
-# Transitional: bench and demo move to `dlstore.world.World` with the DataConfig rewiring.
-from dlstore.world import World as WorldInfo  # noqa: E402, F401

@@ -12,7 +12,6 @@ training loop sees does not depend on the number of workers. The loader counts b
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import signal
 import threading
@@ -29,9 +28,9 @@ from dlstore.errors import ConfigError, CorruptSample
 from dlstore.plan import EpochState
 from dlstore.sample_path import BatchRequest
 from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD
-from dlstore.world import World
+from dlstore.world import World, available_cores
 
-__all__ = ["GpuPrefetcher", "Loader", "LoaderConfig", "available_cores", "default_workers"]
+__all__ = ["GpuPrefetcher", "Loader", "LoaderConfig", "default_workers"]
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +49,6 @@ class LoaderConfig:
     # Workers write images into slots of one shared-memory buffer (see `BatchSlots`); False
     # hands each batch over as a fresh shared-memory tensor (torch's default, more page faults).
     shared_slots: bool = True
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def default_workers(workers: int | None, world: World) -> int:
@@ -381,9 +372,7 @@ class Loader:
     one already delivered this epoch to keep the ranks equal (count them out of evaluation).
     """
 
-    def __init__(
-        self, dataset: Dataset, num_workers: int | None = None, device: str = "cuda", **options: Any
-    ) -> None:
+    def __init__(self, dataset: Dataset, num_workers: int | None = None, device: str = "cuda", **options: Any) -> None:
         if num_workers is None:
             num_workers = default_workers(dataset.cfg.workers, dataset.world)
         self.cfg = LoaderConfig(num_workers=num_workers, device=device, **options)

@@ -15,7 +15,7 @@ import numpy as np
 
 from dlstore.errors import ConfigError
 
-__all__ = ["LAUNCHERS", "World"]
+__all__ = ["LAUNCHERS", "World", "available_cores"]
 
 # How the process was started: torchrun (TORCHELASTIC_RUN_ID set), plain RANK/WORLD_SIZE
 # variables ("env"), Slurm's srun, a process group made by the caller, or a single process.
@@ -28,6 +28,14 @@ def _int(name: str, value: object, minimum: int) -> int:
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)

@@ -65,16 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.convert_only:
         return 0
 
+    from dlstore.config import DataConfig
     from dlstore.train import TrainConfig
     from dlstore.train import main as train
 
+    # CIFAR's native 32 px (the ImageNet stem is kept, as torchvision defines it); the worker
+    # count is left to the node's cores per rank.
+    data = DataConfig.from_env(f"{args.store.rstrip('/')}/train", image_size=32, batch_size=128)
     config = TrainConfig(
-        train_url=f"{args.store.rstrip('/')}/train",
+        data,
         val_url=f"{args.store.rstrip('/')}/val",
         model="resnet18",
-        image_size=32,  # CIFAR's native size; the ImageNet stem is kept, as torchvision defines it
-        batch_size=128,
-        workers=4,
         epochs=args.epochs,
         base_lr=0.4,
         warmup_epochs=2,

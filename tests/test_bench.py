@@ -11,8 +11,10 @@ import json
 import pytest
 from loader_support import write_dataset
 
-from dlstore.bench import STAGES, BenchConfig, StageSplit, advise
+from dlstore.bench import STAGES, BenchConfig, BenchReport, LoaderResult, LoaderRun, StageSplit, advise
+from dlstore.bench.report import verdict_for
 from dlstore.cli import main as cli
+from dlstore.config import DataConfig
 from dlstore.errors import ConfigError
 from dlstore.storage import open_store
 
@@ -63,10 +65,16 @@ def test_bench_cli_writes_json_and_plot(dataset_url, tmp_path, capsys):
     assert report["scaling"][0]["speedup"] == pytest.approx(1.0)
     assert all(r["backend"] == "gloo" and len(r["per_rank_images_per_s"]) == r["procs"] for r in report["scaling"])
 
+    # The verdict is that of the configuration that delivered most, with that row's rate and
+    # the demand measured at that row's batch size (the arithmetic is checked in
+    # test_verdict_arithmetic_on_known_rates).
     verdict = report["verdict"]
-    assert verdict["ratio"] == pytest.approx(verdict["delivered_images_per_s"] / verdict["demanded_images_per_s"])
-    assert 0 <= verdict["stall_pct"] <= 100 and verdict["advice"]
-    assert verdict["shared_cpu_images_per_s"] < min(verdict["delivered_images_per_s"], verdict["demanded_images_per_s"])
+    best = max(report["loader"], key=lambda r: r["warm"]["images_per_s"])
+    assert (verdict["batch_size"], verdict["workers"]) == (best["batch_size"], best["workers"])
+    assert verdict["delivered_images_per_s"] == best["warm"]["images_per_s"]
+    demand = {d["for_batch_size"]: d["images_per_s"] for d in report["demand"]}
+    assert verdict["demanded_images_per_s"] == demand[best["batch_size"]]
+    assert len(report["verdicts"]) == len(report["loader"]) and verdict["advice"]
 
     assert out_png.read_bytes()[:8] == PNG_MAGIC
     assert list(bench_tmp.iterdir()) == []  # the bench's own cache is gone
@@ -122,12 +130,37 @@ def test_advise_when_the_loader_keeps_up_but_cold_reads_are_slow():
     assert not any("workers" in tip for tip in tips[1:])
 
 
+def _run(rate: float) -> LoaderRun:
+    return LoaderRun(batches=4, images=100, seconds=100 / rate, startup_s=0.1, images_per_s=rate, mb_per_s=1.0)
+
+
+@pytest.mark.parametrize(
+    ("delivered", "cold", "demanded", "ratio", "stall", "shared"),
+    [
+        (300.0, 150.0, 100.0, 3.0, 0.0, 75.0),  # the loader keeps up; cold reads too
+        (50.0, 25.0, 100.0, 0.5, 50.0, 100 / 3),  # it does not: half of each step waits
+    ],
+)
+def test_verdict_arithmetic_on_known_rates(delivered, cold, demanded, ratio, stall, shared):
+    report = BenchReport(config={}, environment={}, dataset={})
+    row = LoaderResult(batch_size=16, workers=2, cold=_run(cold), warm=_run(delivered))
+    report.demand = [{"for_batch_size": 8, "images_per_s": 1.0}, {"for_batch_size": 16, "images_per_s": demanded}]
+    verdict = verdict_for(report, row, BenchConfig("file:///x"), "cpu")
+    assert verdict.demanded_images_per_s == demanded  # the demand at the row's batch size
+    assert verdict.ratio == pytest.approx(ratio) and verdict.stall_pct == pytest.approx(stall)
+    assert verdict.cold_ratio == pytest.approx(cold / demanded)
+    assert verdict.cold_stall_pct == pytest.approx(max(0.0, 100 * (1 - cold / demanded)))
+    # On a CPU, loader and model take turns on the same cores: the combined rate.
+    assert verdict.shared_cpu_images_per_s == pytest.approx(shared)
+    assert verdict_for(report, row, BenchConfig("file:///x"), "cuda").shared_cpu_images_per_s is None
+
+
 def test_bench_config_rejects_nonsense():
     with pytest.raises(ConfigError, match="decode_on"):
-        BenchConfig("file:///x", decode_on="gpu")
+        BenchConfig(DataConfig("file:///x", decode_on="gpu"))
     with pytest.raises(ConfigError):
         BenchConfig("file:///x", batches=1)
     with pytest.raises(ConfigError):
         BenchConfig("file:///x", procs=())
     with pytest.raises(ConfigError):
-        BenchConfig("file:///x", transform="none")
+        BenchConfig(DataConfig("file:///x", transform="none"))

@@ -11,6 +11,7 @@ import torch
 from loader_support import tiny_jpeg, write_dataset
 
 import dlstore
+from dlstore.config import DataConfig
 from dlstore.loader import GpuPrefetcher, LoaderConfig
 from dlstore.storage import open_store
 from dlstore.world import World
@@ -139,13 +140,11 @@ def test_training_on_cuda_checkpoints_and_resumes(local_url, tmp_path):
     rate = measure_training_rate("resnet18", batch_size=8, image_size=32, num_classes=5, steps=3, warmup_steps=1)
     assert rate.device.startswith("cuda") and rate.precision == "bf16" and rate.images_per_s > 0
 
+    data = DataConfig(local_url, image_size=32, batch_size=8, workers=1, cache_dir=str(tmp_path / "cache"))
     cfg = TrainConfig(
-        train_url=local_url,
+        data,
         output_dir=str(tmp_path / "run"),
         model="resnet18",
-        image_size=32,
-        batch_size=8,
-        workers=1,
         epochs=3,
         max_steps=6,
         log_every=2,
@@ -153,7 +152,6 @@ def test_training_on_cuda_checkpoints_and_resumes(local_url, tmp_path):
         checkpoint_every_steps=4,
         keep_checkpoints=5,
         resume="auto",
-        cache_dir=str(tmp_path / "cache"),
         progress=False,
         tensorboard=False,
         warmup_epochs=0,

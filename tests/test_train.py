@@ -20,6 +20,7 @@ import torch
 from launch_support import REPO, launch_ranks, logs, wait_all
 
 from dlstore.cli import build_parser
+from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
 from dlstore.errors import ConfigError
@@ -261,11 +262,11 @@ def test_lr_schedule_warmup_then_cosine_or_step():
 
 
 def test_progressive_resizing_schedule():
-    cfg = TrainConfig("x", image_size=224, resize_min=160, resize_start_epoch=10, resize_end_epoch=20)
+    cfg = TrainConfig(DataConfig("x", image_size=224), resize_min=160, resize_start_epoch=10, resize_end_epoch=20)
     sizes = [image_size_for_epoch(cfg, e) for e in range(25)]
     assert sizes[:11] == [160] * 11 and sizes[20:] == [224] * 5
     assert sizes == sorted(sizes) and all(s % 32 == 0 for s in sizes)
-    assert image_size_for_epoch(TrainConfig("x", image_size=64), 7) == 64
+    assert image_size_for_epoch(TrainConfig(DataConfig("x", image_size=64)), 7) == 64
 
 
 def test_cli_arguments_build_the_config():
@@ -278,7 +279,7 @@ def test_cli_arguments_build_the_config():
     )
     cfg = config_from_args(args)
     assert cfg == TrainConfig(
-        train_url="swift://imagenet/train",
+        DataConfig.from_env("swift://imagenet/train", batch_size=64, decode_on="device"),
         val_url="swift://imagenet/val",
         model="resnet18",
         checkpoint_url="swift://ckpt/run1",
@@ -286,9 +287,7 @@ def test_cli_arguments_build_the_config():
         channels_last=False,
         compile=True,
         step_milestones=(2, 4),
-        batch_size=64,
         base_lr=0.2,
-        decode_on="device",
     )
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
 
@@ -299,9 +298,9 @@ def test_config_rejects_contradictions():
     with pytest.raises(ConfigError, match="amp"):
         TrainConfig("x", amp="fp8")
     with pytest.raises(ConfigError, match="resize_min"):
-        TrainConfig("x", image_size=64, resize_min=128)
+        TrainConfig(DataConfig("x", image_size=64), resize_min=128)
     with pytest.raises(ConfigError, match="decode_on"):
-        TrainConfig("x", decode_on="gpu")
+        TrainConfig(DataConfig("x", decode_on="gpu"))
     with pytest.raises(ConfigError, match="unknown"):
         TrainConfig.from_dict({"train_url": "x", "lr": 1})
 

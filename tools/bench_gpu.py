@@ -68,17 +68,17 @@ def make_dataset(workdir: Path, images: int, classes: int, size: tuple[int, int]
 
 def fed_rate(url: str, workdir: Path, args, decode_on: str) -> dict:
     """`dlstore train` from the shards; img/s and data wait over the records after warm-up."""
+    from dlstore.config import DataConfig
     from dlstore.train import TrainConfig, main, read_metrics
 
     out = workdir / f"run-{decode_on}"
+    data = DataConfig.from_env(
+        url, batch_size=args.batch_size, workers=args.workers, cache_dir=str(workdir / "cache"), decode_on=decode_on
+    )
     cfg = TrainConfig(
-        train_url=url,
+        data,
         output_dir=str(out),
         model=args.model,
-        batch_size=args.batch_size,
-        workers=args.workers,
-        cache_dir=str(workdir / "cache"),
-        decode_on=decode_on,
         device=args.device,
         compile=args.compile,
         epochs=10**6,

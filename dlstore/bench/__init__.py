@@ -27,7 +27,7 @@ tables), `plot` (the PNG) and `run` (`run_bench`, the order of it all).
 
 from __future__ import annotations
 
-from dlstore.bench.config import BenchConfig, available_cores, parse_int_list, size_or_auto
+from dlstore.bench.config import QUICK_DATA, BenchConfig, parse_int_list, size_or_auto
 from dlstore.bench.plot import plot_report
 from dlstore.bench.report import (
     STAGES,
@@ -43,6 +43,7 @@ from dlstore.bench.report import (
 from dlstore.bench.run import run_bench
 
 __all__ = [
+    "QUICK_DATA",
     "STAGES",
     "BenchConfig",
     "BenchReport",
@@ -52,7 +53,6 @@ __all__ = [
     "StageSplit",
     "Verdict",
     "advise",
-    "available_cores",
     "format_report",
     "parse_int_list",
     "plot_report",

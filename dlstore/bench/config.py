@@ -2,41 +2,42 @@
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from dlstore.config import StoreConfig, parse_size
+from dlstore.config import DataConfig, parse_size
 from dlstore.errors import ConfigError
+from dlstore.world import available_cores
 
-__all__ = ["BenchConfig", "available_cores", "parse_int_list", "size_or_auto"]
+__all__ = ["QUICK_DATA", "BenchConfig", "available_cores", "parse_int_list", "size_or_auto"]
 
 
-def available_cores() -> int:
-    """CPU cores this process may run on (affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
+# The data settings of `BenchConfig.quick`: small batches of small images.
+QUICK_DATA: dict[str, Any] = {"image_size": 64, "batch_size": 32}
+
+# DataConfig fields that `quick` accepts among its changes (unless the bench has its own of that name).
+_DATA_FIELDS = frozenset(f.name for f in dataclasses.fields(DataConfig))
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to measure. `workers=()` means one worker per core; `demand_steps=None` means 20
-    timed steps on a GPU and 3 on a CPU. `cache_dir` is where the bench's own temporary cache
-    goes (default: the system temp dir); `cache_limit=""` sizes it to hold the dataset.
+    """What to measure, on which data. `data` is the `DataConfig` (URL, transform, image size,
+    decode location, seed, shuffle, the store's settings) the loader would get; its
+    `batch_size` and `workers` are the sweeps' defaults: `batch_sizes=()` means
+    `(data.batch_size,)`, `workers=()` means `(data.workers,)` or one worker per core.
+    `demand_steps=None` means 20 timed steps on a GPU and 3 on a CPU. `cache_dir` is where the
+    bench's own temporary cache goes (default: the system temp dir; the training cache is left
+    alone); `cache_limit=""` sizes it to hold the dataset.
 
     >>> BenchConfig("file:///data/train", batch_sizes=(64, 128), workers=(2, 4)).batch_sizes
     (64, 128)
     """
 
-    url: str
-    batch_sizes: tuple[int, ...] = (256,)
+    data: DataConfig | str
+    batch_sizes: tuple[int, ...] = ()
     workers: tuple[int, ...] = ()
     procs: tuple[int, ...] = (1,)
-    image_size: int = 224
-    transform: str = "train"
-    decode_on: str = "worker"  # or "device": JPEG decode on the GPU (nvJPEG), see DatasetConfig
     batches: int = 20
     stage_batches: int = 2
     model: str = "resnet50"
@@ -49,11 +50,13 @@ class BenchConfig:
     demand_warmup: int | None = None
     cache_dir: str = ""
     cache_limit: str | int = ""
-    seed: int = 0
-    store_config: StoreConfig | None = None
 
     def __post_init__(self) -> None:
-        if not self.batch_sizes or min(self.batch_sizes) < 1:
+        if isinstance(self.data, str):
+            object.__setattr__(self, "data", DataConfig(self.data))
+        if not self.batch_sizes:
+            object.__setattr__(self, "batch_sizes", (self.data.batch_size,))
+        if min(self.batch_sizes) < 1:
             raise ConfigError("batch_sizes must list at least one size, each at least 1")
         if self.workers and min(self.workers) < 0:
             raise ConfigError("workers must be 0 or more")
@@ -63,32 +66,43 @@ class BenchConfig:
             raise ConfigError("batches must be at least 2 (the first round, which starts the workers, is not timed)")
         if self.stage_batches < 1:
             raise ConfigError("stage_batches must be at least 1")
-        if self.transform not in ("train", "eval"):
-            raise ConfigError(f"transform must be 'train' or 'eval', not {self.transform!r}")
-        if self.decode_on not in ("worker", "device"):
-            raise ConfigError(f"decode_on must be 'worker' or 'device', not {self.decode_on!r}")
+        if self.data.transform.preset not in ("train", "eval"):
+            raise ConfigError(f"transform must be 'train' or 'eval', not {self.data.transform.preset!r}")
 
     @classmethod
-    def quick(cls, url: str, **changes: Any) -> BenchConfig:
-        """A few seconds on a laptop: small batches, few of them, ResNet-18 at 64 px.
+    def quick(cls, data: DataConfig | str, **changes: Any) -> BenchConfig:
+        """A few seconds on a laptop: small batches, few of them, ResNet-18 at 64 px. Given a
+        URL, the data settings start from `QUICK_DATA`; given a `DataConfig`, it is used as it
+        is. `changes` may name bench fields and `DataConfig` fields alike.
 
         >>> BenchConfig.quick("file:///tmp/demo/train").model
         'resnet18'
         """
-        preset: dict[str, Any] = dict(
-            batch_sizes=(32,),
-            image_size=64,
-            batches=6,
-            stage_batches=1,
-            model="resnet18",
-            demand_steps=2,
-            demand_warmup=1,
-        )
-        return cls(url, **{**preset, **changes})
+        own = {f.name for f in dataclasses.fields(cls)}  # workers, cache_*: the bench's own
+        data_changes = {k: changes.pop(k) for k in list(changes) if k in _DATA_FIELDS and k not in own}
+        if isinstance(data, str):
+            data = DataConfig(data, **QUICK_DATA)
+        data = data.replace(**data_changes) if data_changes else data
+        preset: dict[str, Any] = dict(batches=6, stage_batches=1, model="resnet18", demand_steps=2, demand_warmup=1)
+        return cls(data, **{**preset, **changes})
+
+    @property
+    def url(self) -> str:
+        return self.data.url
+
+    @property
+    def image_size(self) -> int:
+        return self.data.image_size
 
     @property
     def worker_counts(self) -> tuple[int, ...]:
-        return self.workers or (available_cores(),)
+        return self.workers or (self.data.workers if self.data.workers is not None else available_cores(),)
+
+    def to_dict(self) -> dict[str, Any]:
+        """For the report: the data settings beside the bench's, no credentials."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "data"}
+        out = {**self.data.to_dict(), **out, "workers": self.worker_counts}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def parse_int_list(text: str) -> tuple[int, ...]:

@@ -9,44 +9,33 @@ import logging
 import math
 import os
 import time
-from typing import Any
 
 import numpy as np
 import torch
 
 from dlstore.bench.config import BenchConfig
-from dlstore.bench.report import STAGES, BenchReport, LoaderResult, LoaderRun, StageSplit
+from dlstore.bench.report import BenchReport, LoaderResult, LoaderRun, StageSplit
 from dlstore.cache import clear_cache
-from dlstore.config import WorldInfo
 from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError, CorruptSample, DlstoreError
 from dlstore.loader import GpuPrefetcher, Loader, LoaderConfig
-from dlstore.plan import locate
-from dlstore.shards import read_sample_from_file, read_shard_index
+from dlstore.sample_path import StageClock
 from dlstore.train.demand import measure_training_rate
 from dlstore.train.step import amp_dtype_for, image_dtype_for
-from dlstore.transforms import augment_image, decode_image, sample_rng
+from dlstore.transforms import device_jpeg
+from dlstore.world import World
 
-__all__ = ["image_dtype", "measure_demand", "measure_loader", "measure_stages", "time_loader"]
+__all__ = ["image_dtype", "open_dataset", "measure_demand", "measure_loader", "measure_stages", "time_loader"]
 
 log = logging.getLogger(__name__)
 
 CPU_DEMAND_MAX_BATCH = 32  # CPU training steps are slow and memory-hungry; img/s hardly depends on batch
 
 
-def _open_dataset(cfg: BenchConfig, cache_dir: str, limit: str | int, batch_size: int, world: WorldInfo | None = None):
-    return Dataset(
-        cfg.url,
-        cache_dir=cache_dir,
-        cache_limit=limit,
-        transform=cfg.transform,
-        image_size=cfg.image_size,
-        batch_size=batch_size,
-        seed=cfg.seed,
-        world=world or WorldInfo(),
-        store_config=cfg.store_config,
-        decode_on=cfg.decode_on,
-    )
+def open_dataset(cfg: BenchConfig, cache_dir: str, limit: str | int, batch_size: int, world: World | None = None):
+    """The bench's dataset: `cfg.data` at `batch_size`, in the bench's own cache."""
+    data = cfg.data.replace(cache_dir=cache_dir, cache_limit=limit, batch_size=batch_size)
+    return Dataset(data, world=world or World())
 
 
 def image_dtype(cfg: BenchConfig, device: torch.device) -> str:
@@ -140,73 +129,60 @@ def measure_stages(report: BenchReport, ds, cfg: BenchConfig, device: torch.devi
 
 
 def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded: list, pixels: list) -> StageSplit:
-    """What a worker does for a batch (dataset.py), and what the prefetcher does with it
-    (loader.py), stage by stage with a clock around each; one process, so no overlap."""
-    clock = time.perf_counter
-    seconds = dict.fromkeys(STAGES, 0.0)
+    """The loader's own sample path (`Dataset.build_batch`, timed stage by stage by a
+    `StageClock`), then what the prefetcher does with the batch; one process, so no overlap.
+    With `decode_on="device"` the "decode" stage is the header read and crop plan, and the
+    device decode falls in "host_to_device"."""
+    clock = StageClock()
+    host_to_device = 0.0
     fetched_before = ds.cache.stats.bytes_fetched
     loader_cfg = LoaderConfig(device=str(device), dtype=image_dtype(cfg, device), channels_last=cfg.channels_last)
     plan = ds.plan(0)
-    indexes: dict[int, Any] = {}
     images = 0
-    warmed_up = False
     for j in range(min(cfg.stage_batches, plan.num_batches)):
-        ids = ds.request(plan, 0, j).ids
-        shards, offsets = locate(ids, ds.shard_sizes)
-        raw: list[dict | None] = [None] * len(ids)
-        for shard in np.unique(shards).tolist():
-            info = ds.manifest.shards[shard]
-            t0 = clock()
-            with ds.cache.hold(info.name, info.size, info.checksum) as path:
-                t1 = clock()
-                if shard not in indexes:
-                    indexes[shard] = read_shard_index(path)
-                with open(path, "rb") as file:
-                    for position in np.flatnonzero(shards == shard).tolist():
-                        raw[position] = read_sample_from_file(file, indexes[shard][int(offsets[position])])
-                seconds["fetch"] += t1 - t0
-                seconds["read"] += clock() - t1
-        arrays, labels = [], []
-        for sample_id, sample in zip(ids.tolist(), raw):
-            data = next((sample[f] for f in ds.image_fields if f in sample), None) if sample else None
-            if data is None:
-                continue
-            t0 = clock()
-            try:
-                image = decode_image(data)
-            except CorruptSample:
-                continue
-            t1 = clock()
-            arrays.append(augment_image(image, ds.cfg.transform, sample_rng(ds.cfg.seed, 0, sample_id)))
-            seconds["decode"] += t1 - t0
-            seconds["augment"] += clock() - t1
-            labels.append(int(sample.get("cls", b"0") or 0))
-            if cache == "cold" and len(encoded) < 256 and data[:2] == b"\xff\xd8" and image.mode in ("RGB", "L"):
-                encoded.append(data)
-                pixels.append(image.width * image.height)
-        if not arrays:
+        request = ds.request(plan, 0, j)
+        batch = ds.build_batch(request, clock=clock)
+        if cache == "cold":
+            _collect_jpegs(ds, request.ids, encoded, pixels)
+        if not len(batch["labels"]):
             continue
-        t0 = clock()
-        batch = {"images": torch.from_numpy(np.stack(arrays)), "labels": torch.tensor(labels, dtype=torch.int64)}
-        seconds["collate"] += clock() - t0
-        if not warmed_up:  # the first call pays one-off set-up (kernels, streams): not a per-batch cost
-            next(iter(GpuPrefetcher(iter([batch]), loader_cfg, device)))
-            _sync(device)
-            warmed_up = True
-        t0 = clock()
-        if device.type == "cuda":
-            batch = {k: v.pin_memory() for k, v in batch.items()}  # the DataLoader's pin thread
-        next(iter(GpuPrefetcher(iter([batch]), loader_cfg, device)))
-        _sync(device)
-        seconds["host_to_device"] += clock() - t0
-        images += len(arrays)
+        if j == 0:  # the first call pays one-off set-up (kernels, streams): not a per-batch cost
+            _prefetch_one(batch, loader_cfg, device, ds.cfg.decode_on)
+        started = time.perf_counter()
+        _prefetch_one(batch, loader_cfg, device, ds.cfg.decode_on)
+        host_to_device += time.perf_counter() - started
+        images += len(batch["labels"])
     return StageSplit(
         cache=cache,
         batch_size=ds.cfg.batch_size,
         images=images,
-        seconds=seconds,
+        seconds={**clock.seconds, "host_to_device": host_to_device},
         bytes_fetched=ds.cache.stats.bytes_fetched - fetched_before,
     )
+
+
+def _prefetch_one(batch: dict, loader_cfg: LoaderConfig, device: torch.device, decode_on: str) -> None:
+    if device.type == "cuda":
+        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    next(iter(GpuPrefetcher(iter([batch]), loader_cfg, device, background=decode_on == "device")))
+    _sync(device)
+
+
+def _collect_jpegs(ds, ids, encoded: list, pixels: list) -> None:
+    """Up to 256 of the batch's JPEGs and their pixel counts (header only), for the GPU decode
+    rate and the advice on stored image sizes; read again from the cache, outside the clock."""
+    for sample in ds.samples.read(ids):
+        if len(encoded) >= 256:
+            return
+        try:
+            data = ds.samples.image_bytes(sample)
+            if data[:2] != b"\xff\xd8":
+                continue
+            _, width, height = device_jpeg(data)
+        except CorruptSample:
+            continue
+        encoded.append(data)
+        pixels.append(width * height)
 
 
 def _sync(device: torch.device) -> None:
@@ -255,7 +231,7 @@ def measure_demand(cfg: BenchConfig, device: torch.device) -> list[dict]:
                     compile=cfg.compile,
                     warmup_steps=warmup,
                     steps=steps,
-                    seed=cfg.seed,
+                    seed=cfg.data.seed,
                 )
                 measured[run_batch] = result.to_dict()
             except (RuntimeError, DlstoreError) as exc:  # e.g. out of memory at this batch size

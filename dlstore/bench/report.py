@@ -8,7 +8,9 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from dlstore.bench.config import BenchConfig, available_cores
+from dlstore.bench.config import BenchConfig
+from dlstore.sample_path import STAGES as SAMPLE_STAGES
+from dlstore.world import available_cores
 
 __all__ = [
     "STAGES",
@@ -26,8 +28,9 @@ __all__ = [
     "verdict_for",
 ]
 
-STAGES = ("fetch", "read", "decode", "augment", "collate", "host_to_device")
-WORKER_STAGES = STAGES[:5]  # what DataLoader workers do; host_to_device runs in the training process
+# The sample path's stages (what a loader worker does), then the training process's copy to the device.
+WORKER_STAGES = SAMPLE_STAGES
+STAGES = (*SAMPLE_STAGES, "host_to_device")
 
 
 @dataclass(frozen=True)
@@ -348,7 +351,7 @@ def _header_lines(report: BenchReport) -> list[str]:
     return [
         f"dlstore bench {data['url']}",
         f"  {data['samples']:,} samples in {data['shards']} shards, {data['mean_sample_bytes'] / 1e3:.1f} KB per sample; "
-        f"{cfg['transform']} transform at {cfg['image_size']} px; {env['device']} ({env['device_name']}), "
+        f"{cfg['transform']['preset']} transform at {cfg['image_size']} px; {env['device']} ({env['device_name']}), "
         f"{env['cores']} cores",
     ]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import shutil
@@ -10,13 +9,14 @@ import tempfile
 
 import torch
 
-from dlstore.bench.config import BenchConfig, available_cores
-from dlstore.bench.measure import _open_dataset, measure_demand, measure_loader, measure_stages
+from dlstore.bench.config import BenchConfig
+from dlstore.bench.measure import measure_demand, measure_loader, measure_stages, open_dataset
 from dlstore.bench.report import BenchReport, demand_for, verdict_for
 from dlstore.bench.scaling import measure_scaling
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.train.step import resolve_device
+from dlstore.world import available_cores
 
 __all__ = ["run_bench"]
 
@@ -32,15 +32,15 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     cache_root = tempfile.mkdtemp(prefix="dlstore-bench-", dir=cfg.cache_dir or None)
     try:
         cache_dir = os.path.join(cache_root, "cache")
-        manifest = Manifest.load(open_store(cfg.url, cfg.store_config))
+        manifest = Manifest.load(open_store(cfg.url, cfg.data.store))
         limit = cfg.cache_limit or _auto_limit(manifest)
         report = BenchReport(
-            config=_config_dict(cfg),
+            config=cfg.to_dict(),
             environment=_environment(device),
             dataset=_dataset_info(cfg.url, manifest),
         )
         for batch_size in cfg.batch_sizes:
-            ds = _open_dataset(cfg, cache_dir, limit, batch_size)
+            ds = open_dataset(cfg, cache_dir, limit, batch_size)
             try:
                 if batch_size == cfg.batch_sizes[0]:
                     measure_stages(report, ds, cfg, device, cache_dir)
@@ -67,13 +67,6 @@ def _auto_limit(manifest) -> int:
     # the bench reads only the first batches' shards, so this is a bound, not a disk use.
     sizes = [s.size for s in manifest.shards]
     return sum(sizes) + 2 * max(sizes, default=0) + 2**20
-
-
-def _config_dict(cfg: BenchConfig) -> dict:
-    # Credentials (store_config) stay out of the report.
-    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "store_config"}
-    out["workers"] = cfg.worker_counts
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 
 def _environment(device: torch.device) -> dict:

@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from dlstore.bench.config import BenchConfig
-from dlstore.bench.measure import _open_dataset, image_dtype, time_loader
+from dlstore.bench.measure import image_dtype, open_dataset, time_loader
 from dlstore.bench.report import ScalingRow
-from dlstore.config import WorldInfo
 from dlstore.errors import DlstoreError
+from dlstore.world import World
 
 __all__ = ["measure_scaling", "scaling_rank"]
 
@@ -120,9 +120,7 @@ def scaling_rank(rank: int, spec: dict) -> None:
     dist.init_process_group(spec["backend"], init_method=spec["init"], rank=rank, world_size=procs)
     ds = None
     try:
-        ds = _open_dataset(
-            cfg, spec["cache_dir"], spec["cache_limit"], spec["batch_size"], WorldInfo(rank, procs, procs)
-        )
+        ds = open_dataset(cfg, spec["cache_dir"], spec["cache_limit"], spec["batch_size"], World(rank, procs, procs))
         dtype = image_dtype(cfg, device)
         barrier = {"device_ids": [rank]} if spec["backend"] == "nccl" else {}
         time_loader(ds, spec["workers"], cfg.batches, device, dtype, cfg.channels_last)

@@ -19,10 +19,10 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dlstore.bench import BenchConfig, format_report, run_bench
-from dlstore.config import WorldInfo
+from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert, verify_dataset
 from dlstore.dataset import Dataset
 from dlstore.demo.datagen import make_imagenet
@@ -31,6 +31,7 @@ from dlstore.storage import open_object, open_store
 from dlstore.storage.transfer import copy_object
 from dlstore.train.config import TrainConfig
 from dlstore.train.loop import main as train_main
+from dlstore.world import World
 
 __all__ = ["DemoConfig", "run_demo"]
 
@@ -46,10 +47,15 @@ class DemoConfig:
     val_per_class: int = 16
     image_px: tuple[int, int] = (160, 128)
     epochs: int = 2
-    batch_size: int = 32
-    image_size: int = 64
-    workers: int = 2
+    # The data settings of the loader and the trainer; the URL and cache are the demo's own.
+    data: DataConfig = field(
+        default_factory=lambda: DataConfig("", batch_size=32, image_size=64, workers=2, cache_limit="1GB")
+    )
     train: bool = True
+
+    def data_for(self, url: str, workdir: str) -> DataConfig:
+        """`data` for the dataset at `url`, cached under `workdir`, the environment read once."""
+        return self.data.replace(url=url, cache_dir=os.path.join(workdir, "cache")).resolved()
 
 
 def _say(text: str) -> None:
@@ -74,10 +80,10 @@ def run_demo(cfg: DemoConfig) -> dict:
         results.update(_convert(cfg, workdir, store_url))
         _copy_round_trip(store_url, workdir)
         results["loader_img_s"] = _loader_rate(cfg, store_url, workdir)
-        _say(f"loader: {results['loader_img_s']:.0f} img/s at {cfg.image_size} px with {cfg.workers} workers")
+        _say(f"loader: {results['loader_img_s']:.0f} img/s at {cfg.data.image_size} px with {cfg.data.workers} workers")
         if cfg.train:
             results.update(_train(cfg, store_url, workdir))
-        report = run_bench(BenchConfig.quick(f"{store_url}/train", image_size=cfg.image_size))
+        report = run_bench(BenchConfig.quick(f"{store_url}/train", image_size=cfg.data.image_size))
         print(format_report(report), flush=True)
         if report.verdict is not None:
             results["bench_ratio"] = report.verdict.ratio
@@ -132,16 +138,8 @@ def _copy_round_trip(store_url: str, workdir: str) -> None:
 
 
 def _loader_rate(cfg: DemoConfig, store_url: str, workdir: str) -> float:
-    ds = Dataset(
-        f"{store_url}/train",
-        cache_dir=os.path.join(workdir, "cache"),
-        cache_limit="1GB",
-        transform="train",
-        image_size=cfg.image_size,
-        batch_size=cfg.batch_size,
-        world=WorldInfo(),
-    )
-    loader = Loader(ds, num_workers=cfg.workers, device="cpu")
+    ds = Dataset(cfg.data_for(f"{store_url}/train", workdir), world=World())
+    loader = Loader(ds, device="cpu")
     count, started = 0, time.perf_counter()
     for images, _ in loader:
         count += images.shape[0]
@@ -150,15 +148,10 @@ def _loader_rate(cfg: DemoConfig, store_url: str, workdir: str) -> float:
 
 def _train(cfg: DemoConfig, store_url: str, workdir: str) -> dict:
     config = TrainConfig(
-        train_url=f"{store_url}/train",
+        cfg.data_for(f"{store_url}/train", workdir),
         val_url=f"{store_url}/val",
         output_dir=os.path.join(workdir, "run"),
         model="resnet18",
-        batch_size=cfg.batch_size,
-        workers=cfg.workers,
-        cache_dir=os.path.join(workdir, "cache"),
-        cache_limit="1GB",
-        image_size=cfg.image_size,
         epochs=cfg.epochs,
         base_lr=0.4,
         warmup_epochs=0.5,
@@ -177,7 +170,7 @@ def _train(cfg: DemoConfig, store_url: str, workdir: str) -> dict:
         _say(f"epoch {r['epoch']}: val top-1 {r['top1']:.2f} (chance {1 / cfg.num_classes:.2f}), loss {r['loss']:.3f}")
     rate = sum(r.get("img_per_s") or 0 for r in train_steps) / max(len(train_steps), 1)
     _say(
-        f"trained resnet18 at {cfg.image_size} px for {cfg.epochs} epochs on the CPU, ~{rate:.0f} img/s; "
+        f"trained resnet18 at {cfg.data.image_size} px for {cfg.epochs} epochs on the CPU, ~{rate:.0f} img/s; "
         f"checkpoints in {config.checkpoint_url}"
     )
     return {"val_top1": val[-1]["top1"] if val else None, "train_img_s": rate}

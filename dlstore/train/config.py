@@ -1,13 +1,18 @@
-"""The trainer's settings: one frozen dataclass, saved beside the outputs and in every checkpoint."""
+"""The trainer's settings: one frozen dataclass, saved beside the outputs and in every checkpoint.
+
+The data settings are the embedded `DataConfig` (the same one `Dataset`, `Loader` and the bench take);
+the rest is the model, the optimisation, checkpoints and logging."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dlstore.config import DataConfig
 from dlstore.errors import ConfigError
 
 __all__ = ["TrainConfig", "add_train_arguments", "config_from_args", "image_size_for_epoch"]
@@ -20,11 +25,13 @@ _SCHEDULES = ("cosine", "step")
 class TrainConfig:
     """Everything one training run needs; `dlstore train --help` documents each field.
 
-    >>> cfg = TrainConfig(train_url="swift://imagenet/train", val_url="swift://imagenet/val",
-    ...                   model="resnet50", epochs=90, batch_size=256)           # doctest: +SKIP
+    >>> cfg = TrainConfig(DataConfig.from_env("swift://imagenet/train", batch_size=256),
+    ...                   val_url="swift://imagenet/val", model="resnet50", epochs=90)   # doctest: +SKIP
+
+    `data` may be given as a URL alone (all other data settings at their defaults).
     """
 
-    train_url: str
+    data: DataConfig | str
     val_url: str | None = None
     output_dir: str = "runs/train"
 
@@ -36,13 +43,7 @@ class TrainConfig:
     compile: bool = False
     sync_bn: bool = False
 
-    # data
-    batch_size: int = 256  # per rank
-    workers: int = 8
-    cache_dir: str | None = None
-    cache_limit: str = "50GB"
-    image_size: int = 224
-    decode_on: str = "worker"  # or "device": JPEG decode on the GPU (nvJPEG)
+    # data beyond `data`: evaluation and progressive resizing
     eval_image_size: int | None = None  # default: image_size
     # Progressive resizing (FFCV): image size ramps linearly from resize_min at
     # resize_start_epoch to image_size at resize_end_epoch, in steps of resize_step pixels.
@@ -72,29 +73,31 @@ class TrainConfig:
     checkpoint_every_minutes: float = 30.0  # 0: off
     keep_checkpoints: int = 3
     resume: str = "none"  # "none", "auto", or a checkpoint URL
+    # Resume even when the data or the plan settings changed since the checkpoint (the
+    # loader's fingerprint differs): samples are then skipped or repeated in that epoch.
+    resume_any_data: bool = False
 
     # logging and reproducibility
     log_every: int = 10
     progress: bool = True
     tensorboard: bool = True
-    seed: int = 0
     deterministic: bool = False
     dist_timeout_minutes: float = 30.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.data, str):
+            object.__setattr__(self, "data", DataConfig(self.data))
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {self.device!r}")
         if self.amp not in _AMP:
             raise ConfigError(f"amp must be one of {_AMP}, not {self.amp!r}")
-        if self.decode_on not in ("worker", "device"):
-            raise ConfigError(f"decode_on must be 'worker' or 'device', not {self.decode_on!r}")
         if self.schedule not in _SCHEDULES:
             raise ConfigError(f"schedule must be one of {_SCHEDULES}, not {self.schedule!r}")
-        for name in ("batch_size", "epochs", "image_size", "log_every", "keep_checkpoints", "resize_step"):
+        for name in ("epochs", "log_every", "keep_checkpoints", "resize_step"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if self.workers < 0 or self.checkpoint_every_steps < 0 or self.checkpoint_every_minutes < 0:
-            raise ConfigError("workers and checkpoint intervals must not be negative")
+        if self.checkpoint_every_steps < 0 or self.checkpoint_every_minutes < 0:
+            raise ConfigError("checkpoint intervals must not be negative")
         if self.resize_min is not None and not 0 < self.resize_min <= self.image_size:
             raise ConfigError(f"resize_min must be in (0, image_size={self.image_size}], not {self.resize_min}")
         if self.resize_min is not None and self.resize_end_epoch < self.resize_start_epoch:
@@ -106,9 +109,16 @@ class TrainConfig:
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError("max_steps must be at least 1")
 
+    @property
+    def image_size(self) -> int:
+        """The final training resolution (the data's)."""
+        return self.data.image_size
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (tuples become lists)."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Plain JSON-able values (tuples become lists); the data settings under "data",
+        without the store's credentials."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "data"}
+        return json.loads(json.dumps({"data": self.data.to_dict(), **values}))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> TrainConfig:
@@ -118,6 +128,8 @@ class TrainConfig:
         if unknown:
             raise ConfigError(f"unknown TrainConfig fields: {sorted(unknown)}")
         values = dict(data)
+        if isinstance(values.get("data"), Mapping):
+            values["data"] = DataConfig.from_dict(values["data"])
         if "step_milestones" in values:
             values["step_milestones"] = tuple(values["step_milestones"])
         return cls(**values)
@@ -130,7 +142,7 @@ def image_size_for_epoch(cfg: TrainConfig, epoch: int) -> int:
     """The training resolution of `epoch` under progressive resizing (FFCV's linear ramp,
     rounded to a multiple of `resize_step`), or `image_size` without it.
 
-    >>> cfg = TrainConfig("x", image_size=192, resize_min=128, resize_start_epoch=2, resize_end_epoch=6)
+    >>> cfg = TrainConfig(DataConfig("x", image_size=192), resize_min=128, resize_start_epoch=2, resize_end_epoch=6)
     >>> [image_size_for_epoch(cfg, e) for e in range(8)]
     [128, 128, 128, 128, 160, 192, 192, 192]
     """
@@ -160,12 +172,6 @@ _CLI: dict[str, tuple[Any, str]] = {
     "channels_last": (bool, "NHWC memory layout for the model and the batches"),
     "compile": (bool, "torch.compile the model"),
     "sync_bn": (bool, "synchronise BatchNorm statistics across ranks"),
-    "batch_size": (int, "images per rank per step; the global batch is this times the world size"),
-    "workers": (int, "data-loading worker processes per rank"),
-    "cache_dir": (str, "node-local shard cache directory (shared by the ranks of a node)"),
-    "cache_limit": (str, "shard cache size limit, e.g. 150GB"),
-    "image_size": (int, "training resolution (the final one under progressive resizing)"),
-    "decode_on": (str, "where JPEGs are decoded: worker (CPU processes) or device (nvJPEG on the GPU)"),
     "eval_image_size": (int, "evaluation resolution (default: --image-size)"),
     "resize_min": (int, "progressive resizing: the starting resolution (off when not given)"),
     "resize_start_epoch": (int, "progressive resizing: last epoch at --resize-min"),
@@ -189,19 +195,19 @@ _CLI: dict[str, tuple[Any, str]] = {
     "checkpoint_every_minutes": (float, "checkpoint every M minutes (0: off)"),
     "keep_checkpoints": (int, "keep the newest N checkpoints"),
     "resume": (str, "none, auto (the latest checkpoint under --checkpoint-url, if any) or a checkpoint URL"),
+    "resume_any_data": (bool, "resume even if the dataset or its plan settings changed since the checkpoint"),
     "log_every": (int, "steps per metrics record"),
     "progress": (bool, "progress bar on rank 0"),
     "tensorboard": (bool, "TensorBoard events on rank 0"),
-    "seed": (int, "seed for weights, data order and augmentation"),
     "deterministic": (bool, "torch.use_deterministic_algorithms(True); bit-exact resume on the CPU"),
     "dist_timeout_minutes": (float, "timeout of collective operations"),
 }
 
 
-def add_train_arguments(parser: Any) -> None:
-    """Add every `TrainConfig` field to an argparse parser (`train_url` positional)."""
-    import argparse
-
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every `TrainConfig` field to an argparse parser: `train_url` positional, the data
+    settings as `DataConfig` adds them, the rest from `_CLI`."""
+    DataConfig.add_arguments(parser)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     parser.add_argument("train_url", help="dataset URL of the training split, e.g. swift://imagenet/train")
     for name, (kind, text) in _CLI.items():
@@ -216,8 +222,9 @@ def add_train_arguments(parser: Any) -> None:
             parser.add_argument(flag, type=kind, default=default, help=text + shown)
 
 
-def config_from_args(args: Any) -> TrainConfig:
-    """The `TrainConfig` of parsed `dlstore train` arguments."""
-    values = {name: getattr(args, name) for name in ("train_url", *_CLI)}
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> TrainConfig:
+    """The `TrainConfig` of parsed `dlstore train` arguments; the environment (`env`, default
+    `os.environ`) is read here, once, for the cache directory and the store's settings."""
+    values = {name: getattr(args, name) for name in _CLI}
     values["step_milestones"] = tuple(values["step_milestones"])
-    return TrainConfig(**values)
+    return TrainConfig(DataConfig.from_args(args.train_url, args, env), **values)

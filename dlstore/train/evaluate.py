@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlstore.config import StoreConfig
 from dlstore.manifest import MANIFEST_NAME
 from dlstore.storage import open_store
 from dlstore.train.dist import DistContext
@@ -19,12 +20,12 @@ __all__ = ["score", "sibling_val_url"]
 log = logging.getLogger(__name__)
 
 
-def sibling_val_url(train_url: str) -> str | None:
+def sibling_val_url(train_url: str, store_config: StoreConfig | None = None) -> str | None:
     """`.../val` beside a train URL ending in `/train`, when a dataset is there."""
     if not train_url.rstrip("/").endswith("/train"):
         return None
     candidate = train_url.rstrip("/")[: -len("train")] + "val"
-    if not open_store(candidate).exists(MANIFEST_NAME):
+    if not open_store(candidate, store_config).exists(MANIFEST_NAME):
         return None
     log.info("evaluating on %s (the val split beside the train split)", candidate)
     return candidate

@@ -29,15 +29,17 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+from dlstore.config import DataConfig
 from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError
 from dlstore.loader import Loader
+from dlstore.storage import open_store
 from dlstore.train.checkpoint import CheckpointStore
 from dlstore.train.config import TrainConfig, image_size_for_epoch
 from dlstore.train.dist import DistContext, setup_distributed
 from dlstore.train.evaluate import score, sibling_val_url
 from dlstore.train.metrics import MetricsLog
-from dlstore.train.resume import CheckpointSchedule, changed_settings, find_resume_state
+from dlstore.train.resume import CheckpointSchedule, changed_settings, find_resume_state, flat_settings
 from dlstore.train.seeding import rng_state, seed_everything, set_determinism, set_rng_state
 from dlstore.train.signals import EXIT_PREEMPTED, StopSignals
 from dlstore.train.step import amp_dtype_for, build_model, lr_factor, param_groups, training_step
@@ -53,8 +55,8 @@ def main(config: TrainConfig) -> int:
     checkpoint. Launch one process per GPU (torchrun, srun) or just call it.
 
     >>> from dlstore.train import TrainConfig, main
-    >>> main(TrainConfig(train_url="file:///data/cifar/train", val_url="file:///data/cifar/val",
-    ...                  model="resnet18", image_size=32, epochs=2, batch_size=128))  # doctest: +SKIP
+    >>> data = DataConfig.from_env("file:///data/cifar/train", image_size=32, batch_size=128)
+    >>> main(TrainConfig(data, val_url="file:///data/cifar/val", model="resnet18", epochs=2))  # doctest: +SKIP
     0
     """
     ctx = setup_distributed(device=config.device, timeout_minutes=config.dist_timeout_minutes)
@@ -85,10 +87,12 @@ class Trainer:
         if self.amp_dtype is not None and not self.cuda:
             log.warning("AMP %s on the CPU is slow on most CPUs; use --amp none there", self.amp_dtype)
         set_determinism(cfg.deterministic)
-        seed_everything(cfg.seed)  # same seed on every rank: identical initial weights
+        seed_everything(cfg.data.seed)  # same seed on every rank: identical initial weights
         self._build_data()
         self._build_model()
-        self.ckpts = CheckpointStore(cfg.checkpoint_url, keep=cfg.keep_checkpoints) if cfg.checkpoint_url else None
+        self.ckpts = None
+        if cfg.checkpoint_url:
+            self.ckpts = CheckpointStore(open_store(cfg.checkpoint_url, cfg.data.store), keep=cfg.keep_checkpoints)
         self.schedule = CheckpointSchedule(cfg.checkpoint_every_minutes, cfg.checkpoint_every_steps)
         self.metrics = MetricsLog(cfg.output_dir, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
         self.window = StepWindow(self.device)
@@ -102,25 +106,25 @@ class Trainer:
     def _build_data(self) -> None:
         """The train and (when there is one) val datasets and loaders, and the step counts."""
         cfg = self.cfg
-        self.train_set = self._dataset(cfg.train_url, "train", image_size_for_epoch(cfg, 0))
+        self.train_set = self._dataset(cfg.data.replace(image_size=image_size_for_epoch(cfg, 0)))
         self.classes = list(self.train_set.manifest.classes)
         if len(self.classes) < 2:
-            raise ConfigError(f"{cfg.train_url}: the manifest lists {len(self.classes)} classes; training needs labels")
+            raise ConfigError(f"{cfg.data.url}: the manifest lists {len(self.classes)} classes; training needs labels")
         self.train_loader = self._loader(self.train_set)
         self.val_set = self.val_loader = None
-        self.val_url = cfg.val_url or sibling_val_url(cfg.train_url)
+        self.val_url = cfg.val_url or sibling_val_url(cfg.data.url, cfg.data.store)
         if self.val_url:
             # return_keys: the loader then says which samples are padding (repeats that keep
             # the ranks equal), so evaluation can count each real sample exactly once.
-            self.val_set = self._dataset(
-                self.val_url, "eval", cfg.eval_image_size or cfg.image_size, shuffle=False, return_keys=True
-            )
+            size = cfg.eval_image_size or cfg.image_size
+            val = cfg.data.replace(url=self.val_url, transform="eval", image_size=size, shuffle=False, return_keys=True)
+            self.val_set = self._dataset(val)
             # Batch slots stay allocated (and on a GPU page-locked) for the loader's life; the
             # val loader, idle but for a few % of the run, hands its batches over without them.
             self.val_loader = self._loader(self.val_set, shared_slots=False)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"{cfg.train_url}: no full batch of {cfg.batch_size} per rank; lower --batch-size")
+            raise ConfigError(f"{cfg.data.url}: no full batch of {cfg.data.batch_size} per rank; lower --batch-size")
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -130,7 +134,7 @@ class Trainer:
         cfg = self.cfg
         self.module = build_model(cfg.model, len(self.classes))
         self._build_parallel_model()
-        self.global_batch = cfg.batch_size * self.ctx.world_size
+        self.global_batch = cfg.data.batch_size * self.ctx.world_size
         self.peak_lr = cfg.base_lr * self.global_batch / 256
         self.optimizer = torch.optim.SGD(
             param_groups(self.module, cfg.weight_decay),
@@ -144,20 +148,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16 and self.cuda)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
-    def _dataset(self, url: str, preset: str, image_size: int, **options: Any):
-        cfg = self.cfg
-        return Dataset(
-            url,
-            cache_dir=cfg.cache_dir,
-            cache_limit=cfg.cache_limit,
-            transform=preset,
-            image_size=image_size,
-            batch_size=cfg.batch_size,
-            seed=cfg.seed,
-            world=self.ctx.world,
-            decode_on=cfg.decode_on,
-            **options,
-        )
+    def _dataset(self, data: DataConfig) -> Dataset:
+        return Dataset(data, world=self.ctx.world)
 
     def _loader(self, dataset, shared_slots: bool = True):
         # bf16 images straight from the prefetcher: the first convolution under autocast
@@ -165,7 +157,6 @@ class Trainer:
         dtype = "bfloat16" if self.amp_dtype == torch.bfloat16 else "float32"
         return Loader(
             dataset,
-            num_workers=self.cfg.workers,
             device=str(self.device),
             dtype=dtype,
             channels_last=self.cfg.channels_last,
@@ -309,7 +300,7 @@ class Trainer:
         self.train_set = self.train_set.with_transform(replace(transform, image_size=size))
         self.train_loader.close()  # its workers and batch slots are for the old size
         self.train_loader = self._loader(self.train_set)
-        self.train_loader.load_state_dict(state)
+        self.train_loader.load_state_dict(state, strict=not self.cfg.resume_any_data)
         log.info("epoch %d: training at %d px", epoch, size)
 
     def _progress_bar(self, epoch: int, initial: int) -> tqdm | None:
@@ -482,13 +473,13 @@ class Trainer:
     def _load_state(self, state: dict) -> None:
         if list(state["classes"]) != self.classes:
             raise ConfigError("the checkpoint was trained on other classes than this dataset's")
-        saved = state.get("config", {})
-        changed = changed_settings(saved, self.cfg.to_dict())
+        saved, current = flat_settings(state.get("config", {})), flat_settings(self.cfg.to_dict())
+        changed = changed_settings(saved, current)
         if changed and self.ctx.is_main:
             # Allowed (e.g. more epochs), but the curves will not be those of one run.
             log.warning(
                 "resuming with changed settings: %s",
-                ", ".join(f"{k} {saved.get(k)!r} -> {getattr(self.cfg, k)!r}" for k in changed),
+                ", ".join(f"{k} {saved.get(k)!r} -> {current[k]!r}" for k in changed),
             )
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -497,7 +488,7 @@ class Trainer:
         self.step, self.epoch, self.finished = state["step"], state["epoch"], state["finished"]
         self.schedule.saved_step = self.step
         self._set_train_resolution(state["loader"]["epoch"])
-        self.train_loader.load_state_dict(state["loader"])
+        self.train_loader.load_state_dict(state["loader"], strict=not self.cfg.resume_any_data)
         self._load_rank_state(state["ranks"])
 
     def _load_rank_state(self, ranks: list[dict]) -> None:
@@ -510,7 +501,7 @@ class Trainer:
         # Another world size: the data position carries over exactly (the plan re-deals it),
         # but per-rank RNG streams and partial metric windows cannot.
         log.warning("checkpoint from %d ranks resumed on %d: RNG streams are reseeded", len(ranks), self.ctx.world_size)
-        seed_everything(self.cfg.seed + 1_000_003 * self.step + self.ctx.rank)
+        seed_everything(self.cfg.data.seed + 1_000_003 * self.step + self.ctx.rank)
 
     def close(self) -> None:
         self.metrics.close()

@@ -11,7 +11,7 @@ from dlstore.train.checkpoint import CheckpointStore, load_checkpoint_url
 from dlstore.train.config import TrainConfig
 from dlstore.train.dist import DistContext
 
-__all__ = ["RESULT_SHAPING", "CheckpointSchedule", "changed_settings", "find_resume_state"]
+__all__ = ["RESULT_SHAPING", "CheckpointSchedule", "changed_settings", "find_resume_state", "flat_settings"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,18 @@ RESULT_SHAPING = (
     "seed",
     "amp",
 )
+
+
+def flat_settings(config: dict) -> dict:
+    """A `TrainConfig.to_dict()` with its data settings beside the others (older checkpoints
+    saved them flat), so settings are compared by name wherever they live.
+
+    >>> flat_settings({"data": {"batch_size": 64}, "epochs": 3})
+    {'batch_size': 64, 'epochs': 3}
+    """
+    data = config.get("data")
+    rest = {k: v for k, v in config.items() if k != "data"}
+    return {**data, **rest} if isinstance(data, dict) else rest
 
 
 def changed_settings(saved: dict, current: dict) -> list[str]:
