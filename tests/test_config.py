@@ -7,7 +7,16 @@ import pickle
 
 import pytest
 
-from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig, parse_size
+from dlstore.config import (
+    DataConfig,
+    RetryConfig,
+    S3Config,
+    Secret,
+    StoreConfig,
+    SwiftConfig,
+    TransformConfig,
+    parse_size,
+)
 from dlstore.errors import ConfigError
 
 OPENRC_V3_PASSWORD = {
@@ -263,3 +272,45 @@ def test_parse_size(text, expected):
 def test_parse_size_rejects(text):
     with pytest.raises(ConfigError, match="size"):
         parse_size(text)
+
+
+# -- DataConfig: one data config for the dataset, the loader, the trainer and the bench -------------
+def test_data_config_validates_where_defined():
+    with pytest.raises(ConfigError, match="decode_on"):
+        DataConfig("file:///x", decode_on="gpu")
+    with pytest.raises(ConfigError, match="image_size"):
+        DataConfig("file:///x", transform=TransformConfig("eval", 128), image_size=224)
+    with pytest.raises(ConfigError, match="shuffle_window"):
+        DataConfig("file:///x", shuffle_window=0)
+    with pytest.raises(ConfigError, match="size"):
+        DataConfig("file:///x", cache_limit="lots")
+    cfg = DataConfig("file:///x", transform="eval", image_size=96, cache_limit="2GB")
+    assert cfg.transform == TransformConfig("eval", 96) and cfg.cache_limit == 2 * 10**9
+    # A new size alone resizes the transform; a new transform alone brings its size.
+    assert cfg.replace(image_size=64).transform == TransformConfig("eval", 64)
+    assert cfg.replace(transform=TransformConfig("train", 32)).image_size == 32
+
+
+def test_data_config_reads_the_environment_only_in_from_env():
+    env = {"DLSTORE_CACHE_DIR": "/scratch/cache", "ST_AUTH": "http://h/auth/v1.0", "ST_USER": "u", "ST_KEY": "hunter2-key"}
+    cfg = DataConfig.from_env("swift://c/ds", env, batch_size=64)
+    assert cfg.cache_dir == "/scratch/cache" and cfg.store.swift.user == "u" and cfg.batch_size == 64
+    assert DataConfig("swift://c/ds").store is None and DataConfig("swift://c/ds").cache_dir == ""
+    # Saved configs carry no credentials, and read back equal.
+    saved = cfg.to_dict()
+    assert "store" not in saved and "hunter2-key" not in repr(saved) + repr(cfg)
+    assert DataConfig.from_dict(saved) == cfg
+
+
+def test_a_data_setting_reaches_train_and_bench_from_one_flag():
+    # --shuffle-window is one DataConfig field and one DATA_FLAGS line; both commands take it.
+    from dlstore.bench import BenchConfig
+    from dlstore.cli import _BENCH_OWN, build_parser
+    from dlstore.train.config import config_from_args
+
+    train = build_parser().parse_args(["train", "file:///d/train", "--shuffle-window", "7", "--image-size", "96"])
+    cfg = config_from_args(train, env={})
+    assert (cfg.data.shuffle_window, cfg.data.image_size) == (7, 96)
+    bench = build_parser().parse_args(["bench", "file:///d/train", "--shuffle-window", "7", "--workers", "1,2"])
+    data = DataConfig.from_args(bench.url, bench, env={}, exclude=_BENCH_OWN)
+    assert BenchConfig(data, workers=(1, 2)).data.shuffle_window == 7 and data.workers is None
