@@ -27,7 +27,7 @@ from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.plan import EpochState
 from dlstore.sample_path import BatchRequest
-from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD
+from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD, decode_on_device
 from dlstore.world import World, available_cores
 
 __all__ = ["GpuPrefetcher", "Loader", "LoaderConfig", "default_workers"]
@@ -216,8 +216,6 @@ class GpuPrefetcher:
 
     def _to_device(self, batch: dict) -> dict:
         if batch.get("encoded") is not None:
-            from dlstore.transforms import decode_on_device
-
             size = batch["images"].shape[1]
             # nvJPEG reads the encoded bytes from (pinned) host memory itself.
             data, lengths = batch["encoded"]

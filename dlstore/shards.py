@@ -42,6 +42,7 @@ from typing import BinaryIO, NamedTuple
 
 from dlstore.errors import CorruptSample, CorruptShard
 from dlstore.manifest import SampleIndex, SampleSpan
+from dlstore.storage.base import IterReader
 
 __all__ = [
     "IMAGE_FIELDS",
@@ -337,8 +338,6 @@ class _Reader:
             self._init_buffer(memoryview(source).cast("B"))
         else:
             if not hasattr(source, "read"):
-                from dlstore.storage.base import IterReader
-
                 source = io.BufferedReader(IterReader(source), buffer_size=1 << 20)  # type: ignore[arg-type]
             self._init_file(source)  # type: ignore[arg-type]
 
@@ -393,6 +392,33 @@ class _Reader:
         self.read, self.skip = read, skip
 
 
+def _name_and_size(
+    block: bytes, size: int, long_name: bytes | None, pax: dict[str, bytes] | None, offset: int
+) -> tuple[str, int]:
+    """A member's name (ustar prefix, GNU long name, pax path) and size (pax size wins)."""
+    raw_name = block[:100].split(b"\0", 1)[0]
+    if block[257:263] == b"ustar\x00" and block[345]:
+        raw_name = block[345:500].split(b"\0", 1)[0] + b"/" + raw_name
+    if long_name is not None:
+        raw_name = long_name
+    if pax is not None:
+        raw_name = pax.get("path", raw_name)
+        if "size" in pax:
+            if not pax["size"].isdigit():
+                raise CorruptShard(f"pax header before byte {offset}: size {pax['size'][:16]!r}")
+            size = int(pax["size"])
+    return _decode_name(raw_name, offset), size
+
+
+def _check_member(name: str, typeflag: bytes, size: int, start: int, max_member_size: int) -> None:
+    if typeflag in _REJECTED:
+        raise CorruptShard(
+            f"tar member {name[:100]!r} at byte {start} is {_REJECTED[typeflag]}; shards hold regular files only"
+        )
+    if size > max_member_size:
+        raise CorruptShard(f"tar member {name[:100]!r} at byte {start} claims {size} bytes (limit {max_member_size})")
+
+
 def iter_members(
     source: Source, *, data: bool = True, max_member_size: int = MAX_MEMBER_SIZE, base_offset: int = 0
 ) -> Iterator[TarMember]:
@@ -433,27 +459,9 @@ def iter_members(
             elif typeflag == b"x":
                 pax = _parse_pax(payload[:size], offset)
             continue  # `g` (global) and `K` (long link name) change nothing we keep
-        raw_name = block[:100].split(b"\0", 1)[0]
-        if block[257:263] == b"ustar\x00" and block[345]:
-            raw_name = block[345:500].split(b"\0", 1)[0] + b"/" + raw_name
-        if long_name is not None:
-            raw_name = long_name
-        if pax is not None:
-            raw_name = pax.get("path", raw_name)
-            if "size" in pax:
-                if not pax["size"].isdigit():
-                    raise CorruptShard(f"pax header before byte {offset}: size {pax['size'][:16]!r}")
-                size = int(pax["size"])
-        name = _decode_name(raw_name, offset)
+        name, size = _name_and_size(block, size, long_name, pax, offset)
         member_start, first_header, long_name, pax = first_header, None, None, None
-        if typeflag in _REJECTED:
-            raise CorruptShard(
-                f"tar member {name[:100]!r} at byte {member_start} is {_REJECTED[typeflag]}; shards hold regular files only"
-            )
-        if size > max_member_size:
-            raise CorruptShard(
-                f"tar member {name[:100]!r} at byte {member_start} claims {size} bytes (limit {max_member_size})"
-            )
+        _check_member(name, typeflag, size, member_start, max_member_size)
         pad = -size % BLOCK
         data_offset = base_offset + reader.position
         if reader.length is not None and reader.position + size + pad > reader.length:

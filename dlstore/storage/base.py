@@ -36,7 +36,7 @@ from typing import BinaryIO, Union
 from urllib.parse import urlsplit
 
 from dlstore.config import StoreConfig
-from dlstore.errors import ConfigError
+from dlstore.errors import ConfigError, NotFound
 from dlstore.storage.retry import call_with_retry, retrying
 
 __all__ = ["ObjectInfo", "PutSource", "Store", "IterReader", "read_block", "remaining_size"]
@@ -158,8 +158,6 @@ class Store(ABC):
         return call_with_retry(self.config.retry, lambda: self._stat(key))
 
     def exists(self, key: str) -> bool:
-        from dlstore.errors import NotFound
-
         try:
             self.stat(key)
         except NotFound:
