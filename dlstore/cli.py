@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from dlstore.cache import cache_report, clear_cache
-from dlstore.config import DataConfig, parse_size
+from dlstore.config import DataConfig, format_size, parse_size
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
 from dlstore.errors import DlstoreError
@@ -32,14 +32,6 @@ from dlstore.storage.transfer import copy_object
 from dlstore.train.config import add_train_arguments, config_from_args
 
 __all__ = ["main"]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 # -- ls ------------------------------------------------------------------------------------
@@ -54,7 +46,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         total += info.size
         print(f"{info.size:>14}  {info.key}" if args.long else info.key, flush=count % 1000 == 0)
     if args.long:
-        print(f"{count} objects, {_human(total)}", file=sys.stderr)
+        print(f"{count} objects, {format_size(total)}", file=sys.stderr)
     return 0
 
 
@@ -95,12 +87,12 @@ def _cmd_cache_stats(args: argparse.Namespace) -> int:
     rows = [
         ("cache", report.cache_dir),
         ("shards", f"{report.files}"),
-        ("bytes", _human(report.bytes)),
-        ("limit", _human(report.limit_bytes) if report.limit_bytes else "unknown"),
-        ("in flight", f"{report.in_flight} downloads ({_human(report.in_flight_bytes)} reserved)"),
+        ("bytes", format_size(report.bytes)),
+        ("limit", format_size(report.limit_bytes) if report.limit_bytes else "unknown"),
+        ("in flight", f"{report.in_flight} downloads ({format_size(report.in_flight_bytes)} reserved)"),
         ("hits", f"{totals.hits}" + (f" ({totals.hits / lookups:.1%})" if lookups else "")),
         ("misses", f"{totals.misses}"),
-        ("fetched", _human(totals.bytes_fetched)),
+        ("fetched", format_size(totals.bytes_fetched)),
         ("evictions", f"{totals.evictions}"),
         ("corrupt replaced", f"{totals.corrupt_replaced}"),
         ("wait", f"{totals.wait_time_s:.1f} s"),
@@ -112,10 +104,10 @@ def _cmd_cache_stats(args: argparse.Namespace) -> int:
 
 def _cmd_cache_clear(args: argparse.Namespace) -> int:
     result = clear_cache(args.dir, reset_stats=args.reset_stats)
-    print(f"removed {result.removed} shards ({_human(result.removed_bytes)}) from {args.dir}")
+    print(f"removed {result.removed} shards ({format_size(result.removed_bytes)}) from {args.dir}")
     if result.skipped_held:
         print(
-            f"kept {result.skipped_held} shards ({_human(result.skipped_bytes)}) that readers hold; "
+            f"kept {result.skipped_held} shards ({format_size(result.skipped_bytes)}) that readers hold; "
             "run again once they finish",
             file=sys.stderr,
         )
@@ -247,7 +239,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(problem)
     what = "every sample decoded, labels and counts checked" if report.deep else "sizes and checksums"
     if report.ok:
-        print(f"OK: {report.shards} shards, {report.samples:,} samples, {_human(report.bytes)} ({what})")
+        print(f"OK: {report.shards} shards, {report.samples:,} samples, {format_size(report.bytes)} ({what})")
         return 0
     print(f"{report.url}: {len(report.problems)} problem(s)", file=sys.stderr)
     return 1

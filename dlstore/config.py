@@ -23,6 +23,7 @@ __all__ = [
     "StoreConfig",
     "SwiftConfig",
     "TransformConfig",
+    "format_size",
     "parse_size",
 ]
 
@@ -116,6 +117,19 @@ def parse_size(text: str | int) -> int:
         return int(float(number) * _SIZE_UNITS[unit])
     except ValueError:
         raise ConfigError(f"cannot read {text!r} as a size; use e.g. 500MB, 64MiB or 1048576") from None
+
+
+def format_size(n: float) -> str:
+    """`"1.5 GB"`: decimal units, as `parse_size` reads `"1.5GB"` and `df -H` prints them.
+
+    >>> format_size(1500), format_size(50 * 10**9)
+    ('1.5 KB', '50.0 GB')
+    """
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
 
 
 @dataclass(frozen=True)
@@ -449,10 +463,15 @@ class DataConfig:
     ) -> DataConfig:
         """The settings of parsed flags (those `add_arguments` added: the same `exclude`) over
         `base`, the rest from the environment (`from_env`)."""
+        return cls.from_flags(url, args, exclude, **base).resolved(env)
+
+    @classmethod
+    def from_flags(cls, url: str, args: argparse.Namespace, exclude: tuple[str, ...] = (), **base: Any) -> DataConfig:
+        """`from_args` without reading the environment (for `dlstore doctor`, which checks it)."""
         names = [name for name in DATA_FLAGS if name not in exclude and hasattr(args, name)]
         given = {name: getattr(args, name) for name in names}
         given = {k: v for k, v in given.items() if v is not None}
-        return cls.from_env(url, env, **{**base, **given})
+        return cls(url, **{**base, **given})
 
 
 # DataConfig field -> (type, help) of its command-line flag. A new data setting is a field above

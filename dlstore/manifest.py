@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from dlstore.config import format_size
 from dlstore.errors import FormatError
 
 __all__ = [
@@ -506,12 +507,6 @@ def _parse_manifest(raw: Any) -> Manifest:
 
 
 # -- summary for `dlstore ls` ----------------------------------------------------------------
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _describe_options(options: Mapping[str, Any]) -> str:
@@ -529,8 +524,8 @@ def describe_dataset(store) -> str:
     m = Manifest.load(store)
     n, size = m.total_samples, m.total_size
     lines = [f"{store.url}: dlstore dataset, format {m.format_version}"]
-    per_sample = f" ({_human(size / n)} per sample)" if n else ""
-    lines.append(f"  samples  {n:,} in {len(m.shards)} shards, {_human(size)}{per_sample}")
+    per_sample = f" ({format_size(size / n)} per sample)" if n else ""
+    lines.append(f"  samples  {n:,} in {len(m.shards)} shards, {format_size(size)}{per_sample}")
     if m.classes:
         shown = ", ".join(m.classes[:5]) + (", …" if len(m.classes) > 5 else "")
         lines.append(f"  classes  {len(m.classes)}: {shown}")
@@ -541,7 +536,7 @@ def describe_dataset(store) -> str:
         sizes = [s.size for s in m.shards]
         first, last = m.shards[0].name, m.shards[-1].name
         span = first if len(m.shards) == 1 else f"{first} … {last}"
-        lines.append(f"  shards   {span}; {_human(min(sizes))} to {_human(max(sizes))}")
+        lines.append(f"  shards   {span}; {format_size(min(sizes))} to {format_size(max(sizes))}")
         indexed = sum(1 for s in m.shards if s.index)
         if indexed < len(m.shards):
             lines.append(f"  indexes  {indexed} of {len(m.shards)} shards have a sample index")

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from dlstore.cli import main as cli_main
-from dlstore.config import StoreConfig
+from dlstore.config import DataConfig, StoreConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_imagefolder
 from dlstore.doctor import FAIL, OK, WARN, Check, DoctorOptions, exit_code, format_check, run_doctor
@@ -276,7 +276,7 @@ def clean_env(extra: dict[str, str]) -> dict[str, str]:
 def small_run(url: str, tmp_path, **changes) -> DoctorOptions:
     """Loader and cache sizes any test machine has room for."""
     settings = dict(cache_dir=str(tmp_path / "cache"), cache_limit=10**8, batch_size=2, workers=1, image_size=32)
-    return DoctorOptions(url, **{**settings, **changes})
+    return DoctorOptions(DataConfig(url, **{**settings, **changes}))
 
 
 @pytest.mark.parametrize("api", ["swift", "s3"])
@@ -343,5 +343,7 @@ def test_cache_limits_against_the_dataset(swift_server, dataset, tmp_path):
     assert below_a_shard.status == FAIL and "largest shard" in below_a_shard.summary
     beyond_the_disk = by_name(run_doctor(small_run(dataset, tmp_path, cache_limit=10**18), env))["cache"]
     assert beyond_the_disk.status == OK  # the dataset is small: the cache never grows past it
-    no_url = run_doctor(DoctorOptions(cache_dir=str(tmp_path / "c"), cache_limit=10**18, batch_size=2), env)
+    no_url = run_doctor(
+        DoctorOptions(DataConfig("", cache_dir=str(tmp_path / "c"), cache_limit=10**18, batch_size=2)), env
+    )
     assert by_name(no_url)["cache"].status == FAIL and exit_code(no_url) == 1

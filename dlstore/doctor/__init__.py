@@ -14,7 +14,7 @@ one that failed does not run. Each check is a function of explicit inputs (an en
 mapping, paths, facts gathered once), so tests can call it with any situation.
 
 >>> from dlstore.doctor import DoctorOptions, run_doctor, exit_code
->>> checks = run_doctor(DoctorOptions("swift://imagenet/train"), dict(os.environ))   # doctest: +SKIP
+>>> checks = run_doctor(DoctorOptions(DataConfig("swift://imagenet/train")), dict(os.environ))   # doctest: +SKIP
 """
 
 from __future__ import annotations

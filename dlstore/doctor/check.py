@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-__all__ = ["FAIL", "OK", "WARN", "Check", "exit_code", "format_check", "human_size", "redact"]
+__all__ = ["FAIL", "OK", "WARN", "Check", "exit_code", "format_check", "redact"]
 
 OK = "ok"
 WARN = "warn"
@@ -53,12 +53,3 @@ def redact(check: Check, secrets: Iterable[str]) -> Check:
         if secret:
             summary, fix = summary.replace(secret, "***"), fix.replace(secret, "***")
     return replace(check, summary=summary, fix=fix)
-
-
-def human_size(n: float) -> str:
-    """`1.5 GB` (decimal units, as `df -H` and the cache limit's `50GB` mean them)."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"

@@ -8,7 +8,8 @@ import shutil
 from dataclasses import dataclass
 
 from dlstore.cache import STATS_FILE_BYTES, cache_report
-from dlstore.doctor.check import FAIL, OK, WARN, Check, human_size
+from dlstore.config import format_size
+from dlstore.doctor.check import FAIL, OK, WARN, Check
 from dlstore.errors import DlstoreError
 from dlstore.manifest import Manifest
 
@@ -68,21 +69,21 @@ def cache_check(cache_dir: str, limit_bytes: int, manifest: Manifest | None = No
     room = free + (_cached_bytes(cache_dir) if where == cache_dir else 0)
     share = -(-manifest.total_size // max(num_nodes, 1)) if manifest is not None else None
     will_hold = min(limit_bytes, share + STATS_FILE_BYTES) if share is not None else limit_bytes
-    seen = f"{cache_dir} ({fstype or 'unknown fs'}): limit {human_size(limit_bytes)}, {human_size(free)} free"
+    seen = f"{cache_dir} ({fstype or 'unknown fs'}): limit {format_size(limit_bytes)}, {format_size(free)} free"
     biggest = max((s.size for s in manifest.shards), default=0) if manifest is not None else 0
     if biggest and limit_bytes - STATS_FILE_BYTES < biggest:
         return Check(
             "cache",
             FAIL,
-            f"{seen}; the largest shard is {human_size(biggest)}: it does not fit",
-            f"raise --cache-limit (the trainer's cache_limit) to several shards, e.g. {human_size(8 * biggest)}",
+            f"{seen}; the largest shard is {format_size(biggest)}: it does not fit",
+            f"raise --cache-limit (the trainer's cache_limit) to several shards, e.g. {format_size(8 * biggest)}",
         )
     if room < will_hold:
-        suggestion = human_size(max(int(room * 0.9), 0)).replace(" ", "")
+        suggestion = format_size(max(int(room * 0.9), 0)).replace(" ", "")
         return Check(
             "cache",
             FAIL,
-            f"{seen}: the cache may grow to {human_size(will_hold)} and fill the disk (NoSpace mid-run)",
+            f"{seen}: the cache may grow to {format_size(will_hold)} and fill the disk (NoSpace mid-run)",
             f"lower --cache-limit (the trainer's cache_limit) to {suggestion}, free space, or {_CACHE_FIX_DIR}",
         )
     if fstype in _NETWORK_FS or (fstype or "").startswith("fuse."):
@@ -93,10 +94,10 @@ def cache_check(cache_dir: str, limit_bytes: int, manifest: Manifest | None = No
         return Check(
             "cache",
             WARN,
-            f"{seen}; this node's share of the dataset is {human_size(share)}: epochs after the first read "
+            f"{seen}; this node's share of the dataset is {format_size(share)}: epochs after the first read "
             f"{100 * (1 - limit_bytes / share):.0f}% of it from the store again",
-            f"raise --cache-limit to {human_size(share + STATS_FILE_BYTES)} if the disk allows "
-            f"({human_size(room)} available) to keep later epochs local",
+            f"raise --cache-limit to {format_size(share + STATS_FILE_BYTES)} if the disk allows "
+            f"({format_size(room)} available) to keep later epochs local",
         )
     return Check("cache", OK, seen)
 
@@ -124,9 +125,9 @@ def shm_check(shape: LoaderShape, shm_dir: str = "/dev/shm") -> Check:
     need = shape.shm_bytes
     how = (
         f"{shape.ranks_per_node} rank(s) x {shape.slots} slots x batch {shape.batch_size} x "
-        f"{shape.image_size}² x 3 B = {human_size(need)}"
+        f"{shape.image_size}² x 3 B = {format_size(need)}"
     )
-    seen = f"{shm_dir}: {human_size(usage.free)} free of {human_size(usage.total)}; the loader takes {how}"
+    seen = f"{shm_dir}: {format_size(usage.free)} free of {format_size(usage.total)}; the loader takes {how}"
     size = f"{-(-int(need * 1.5) // 10**9)}g"
     fix = (
         f"give it more: `docker run --shm-size={size}`, on Kubernetes an emptyDir with medium: Memory and "

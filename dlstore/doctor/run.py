@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from dlstore.config import DataConfig, StoreConfig, default_cache_dir, parse_size
-from dlstore.doctor.check import FAIL, Check, human_size, redact
+from dlstore.doctor.check import FAIL, Check, redact
 from dlstore.doctor.credentials import credentials_check
 from dlstore.doctor.gpu import TorchFacts, cuda_check, gather_torch_facts, nccl_check, torch_check
 from dlstore.doctor.launch import distributed_check
@@ -20,25 +20,26 @@ from dlstore.world import World
 
 __all__ = ["DoctorOptions", "add_doctor_arguments", "options_from_args", "run_doctor"]
 
-# The loader the trainer and the bench build by default: their data settings are a DataConfig.
-_DATA_DEFAULTS = DataConfig("")
-
 
 @dataclass(frozen=True)
 class DoctorOptions:
-    """What to check against: the dataset URL (optional) and the loader the run will use
-    (`DataConfig`'s defaults, the trainer's). `cache_dir=None`: `DLSTORE_CACHE_DIR` or the
-    default; `workers=None`: the loader's default (the node's cores shared by its ranks);
-    `ranks_per_node=None`: the launcher's, else one per visible GPU."""
+    """What to check against: the data settings the run will use (a `DataConfig`, the
+    trainer's and the bench's; its URL may be "" for no dataset, its `cache_dir` "" for
+    `DLSTORE_CACHE_DIR` or the default, its `workers` None for the loader's default),
+    the training processes per node (None: the launcher's, else one per visible GPU) and the
+    size of the timed ranged GET.
 
-    url: str | None = None
-    cache_dir: str | None = None
-    cache_limit: int = parse_size(_DATA_DEFAULTS.cache_limit)
-    batch_size: int = _DATA_DEFAULTS.batch_size
-    workers: int | None = _DATA_DEFAULTS.workers
-    image_size: int = _DATA_DEFAULTS.transform.image_size
+    >>> DoctorOptions(DataConfig("swift://imagenet/train", batch_size=128)).url
+    'swift://imagenet/train'
+    """
+
+    data: DataConfig = field(default_factory=lambda: DataConfig(""))
     ranks_per_node: int | None = None
     read_bytes: int = 16 * 2**20
+
+    @property
+    def url(self) -> str | None:
+        return self.data.url or None
 
 
 def _secret_values(config: StoreConfig) -> list[str]:
@@ -61,9 +62,10 @@ def _loader_shape(options: DoctorOptions, ranks_per_node: int) -> LoaderShape:
     # dlstore.loader imports torch: called only once torch is known to import.
     from dlstore.loader import LoaderConfig, default_workers
 
-    workers = default_workers(options.workers, World(0, ranks_per_node, ranks_per_node))
+    data = options.data
+    workers = default_workers(data.workers, World(0, ranks_per_node, ranks_per_node))
     slots = LoaderConfig().prefetch_factor * workers + 2 if workers > 0 else 0
-    return LoaderShape(options.batch_size, options.image_size, slots, ranks_per_node)
+    return LoaderShape(data.batch_size, data.image_size, slots, ranks_per_node)
 
 
 def _scheme(url: str | None) -> str | None:
@@ -110,7 +112,7 @@ def run_doctor(
     `env` is the environment, read once by the caller; boto3's credential chain and torch
     also look at the process's own.
 
-    >>> checks = run_doctor(DoctorOptions("swift://imagenet/train"), dict(os.environ))   # doctest: +SKIP
+    >>> checks = run_doctor(DoctorOptions(DataConfig("swift://imagenet/train")), dict(os.environ))   # doctest: +SKIP
     >>> exit_code(checks)                                                                # doctest: +SKIP
     0
     """
@@ -133,25 +135,20 @@ def run_doctor(
         secrets += _secret_values(config)
         manifest = _store_checks(options, env, config, emit)
     world = _world(env)
-    cache_dir = options.cache_dir or default_cache_dir(env)
-    emit(cache_check(cache_dir, options.cache_limit, manifest, world.num_nodes))
+    cache_dir = options.data.cache_dir or default_cache_dir(env)
+    emit(cache_check(cache_dir, options.data.cache_limit, manifest, world.num_nodes))
     facts = _torch_checks(options, env, world, emit)
     emit(distributed_check(env, len(facts.devices) or None))
     return checks
 
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `dlstore doctor` (the loader's default to the trainer's)."""
-    defaults = DoctorOptions()
-    parser.add_argument("url", nargs="?", help="dataset URL to check, e.g. swift://imagenet/train (optional)")
-    parser.add_argument("--cache-dir", help="shard cache directory (default: DLSTORE_CACHE_DIR or ~/.cache/dlstore)")
-    limit = human_size(defaults.cache_limit).replace(" ", "")
-    parser.add_argument("--cache-limit", default=limit, help=f"the cache's size limit (default {limit})")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, help="per rank (default %(default)s)")
+    """The options of `dlstore doctor`: the data flags of `dlstore train` (so a run's own flags
+    can be checked as they are), the ranks per node and the probe's size."""
     parser.add_argument(
-        "--workers", type=int, help="loader workers per rank (default: the node's cores shared by its ranks)"
+        "url", nargs="?", default="", help="dataset URL to check, e.g. swift://imagenet/train (optional)"
     )
-    parser.add_argument("--image-size", type=int, default=defaults.image_size, help="pixels (default %(default)s)")
+    DataConfig.add_arguments(parser)
     parser.add_argument(
         "--ranks-per-node", type=int, help="training processes per node (default: the launcher's, else one per GPU)"
     )
@@ -159,13 +156,9 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> DoctorOptions:
+    """The options of parsed arguments; the environment is left to `run_doctor`, which checks it."""
     return DoctorOptions(
-        url=args.url,
-        cache_dir=args.cache_dir,
-        cache_limit=parse_size(args.cache_limit),
-        batch_size=args.batch_size,
-        workers=args.workers,
-        image_size=args.image_size,
+        data=DataConfig.from_flags(args.url or "", args),
         ranks_per_node=args.ranks_per_node,
         read_bytes=parse_size(args.read_bytes),
     )

@@ -13,8 +13,8 @@ import time
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from dlstore.config import RetryConfig, StoreConfig
-from dlstore.doctor.check import FAIL, OK, WARN, Check, human_size
+from dlstore.config import RetryConfig, StoreConfig, format_size
+from dlstore.doctor.check import FAIL, OK, WARN, Check
 from dlstore.errors import AuthError, DlstoreError, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, Manifest
 from dlstore.storage import ObjectInfo, Store, open_store
@@ -190,7 +190,7 @@ def _manifest(store: Store, checks: list[Check]) -> Manifest | None:
             "manifest",
             OK,
             f"{MANIFEST_NAME}: {manifest.total_samples:,} samples in {len(manifest.shards):,} shards "
-            f"({human_size(manifest.total_size)}), {manifest.num_classes:,} classes",
+            f"({format_size(manifest.total_size)}), {manifest.num_classes:,} classes",
         )
     )
     return manifest
@@ -232,7 +232,7 @@ def _ranged_read(store: Store, target: tuple[str, int], read_bytes: int) -> Chec
     if received != length:
         return Check("read", FAIL, f"ranged GET of {key}: {received} of {length} bytes", "report it: a short read")
     rate = received / elapsed / 1e6
-    text = f"ranged GET of {human_size(received)} from {key}: first byte {(first_byte or 0) * 1000:.0f} ms, "
+    text = f"ranged GET of {format_size(received)} from {key}: first byte {(first_byte or 0) * 1000:.0f} ms, "
     if received < SPEED_NEEDS_BYTES:
         return Check("read", OK, text + f"{rate:.1f} MB/s (too little to judge the bandwidth)")
     if rate < SLOW_STREAM_MB_S:
