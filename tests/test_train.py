@@ -36,8 +36,10 @@ from dlstore.train import (
 )
 from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_url
 from dlstore.train.config import config_from_args
+from dlstore.train.demand import precision_name
 from dlstore.train.dist import Rendezvous, first_slurm_host
 from dlstore.train.loop import EXIT_PREEMPTED
+from dlstore.train.step import amp_dtype_for
 
 # What is compared between an interrupted and an uninterrupted run (not the timings).
 DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "top5", "lr", "image_size", "samples")
@@ -350,3 +352,17 @@ def test_measure_training_rate_times_the_training_step_on_cpu():
     )
     assert result.device == "cpu" and result.precision == "float32" and result.steps == 2
     assert result.images_per_s == pytest.approx(4 * 2 / result.seconds)
+
+
+@pytest.mark.parametrize("amp", ["bf16", "fp16", "none"])
+def test_the_measured_precision_is_named_as_the_amp_flag_names_it(amp):
+    """`--amp bf16` is reported as "bf16" (test_gpu checks it on CUDA, where "auto" is bf16)."""
+    name = precision_name(amp_dtype_for(amp, torch.device("cpu")))
+    assert name == {"none": "float32"}.get(amp, amp)
+
+
+def test_measure_training_rate_reports_bf16_as_bf16_on_cpu():
+    result = measure_training_rate(
+        "resnet18", batch_size=2, image_size=32, num_classes=10, device="cpu", amp="bf16", warmup_steps=0, steps=1
+    )
+    assert result.precision == "bf16"

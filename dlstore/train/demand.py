@@ -27,7 +27,7 @@ from dlstore.train.step import (
     training_step,
 )
 
-__all__ = ["DemandResult", "measure_training_rate"]
+__all__ = ["DemandResult", "measure_training_rate", "precision_name"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,19 @@ class DemandResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# The names of `--amp` (what users type and read in the bench report); float32 without AMP.
+_PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "float32"}
+
+
+def precision_name(amp_dtype: torch.dtype | None) -> str:
+    """The precision a step runs in, named as `--amp` names it ("bf16", "fp16"), or "float32".
+
+    >>> precision_name(torch.bfloat16)
+    'bf16'
+    """
+    return _PRECISION_NAMES[amp_dtype]
 
 
 def _sync(device: torch.device) -> None:
@@ -112,13 +125,12 @@ def measure_training_rate(
 
     one_step = functools.partial(training_step, step_model, criterion, optimizer, scaler, amp_dtype, images, labels)
     seconds = _time_steps(one_step, warmup_steps, steps, dev)
-    precision = str(amp_dtype).replace("torch.", "") if amp_dtype is not None else "float32"
     return DemandResult(
         model=model,
         batch_size=batch_size,
         image_size=image_size,
         device=str(dev),
-        precision=precision,
+        precision=precision_name(amp_dtype),
         channels_last=channels_last,
         compiled=compile,
         steps=steps,
