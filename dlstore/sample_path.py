@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ from dlstore.plan import locate
 from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample_from_file, read_shard_index
 from dlstore.transforms import augment_image, crop_plan, decode_image, device_jpeg, sample_rng
 
-__all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock"]
+__all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "join_encoded"]
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +96,19 @@ class SamplePath:
         # Shards whose cached copy this process has checked against the manifest's checksum
         # after a read failed (see `_recheck`): a second failure is the shard's own.
         self._rechecked: set[str] = set()
+        # The stages run in several threads at once (the loader's decode threads): the two
+        # caches above are shared between them.
+        self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_indexes"], state["_rechecked"] = OrderedDict(), set()
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def with_config(self, cfg: DataConfig) -> SamplePath:
         """The same data and caches under another config (e.g. a new transform)."""
@@ -129,11 +138,15 @@ class SamplePath:
 
     def _index(self, shard: int, path: str):
         name = self.manifest.shards[shard].name
-        if name not in self._indexes:
-            self._indexes[name] = read_shard_index(path)
-            while len(self._indexes) > 64:
-                self._indexes.popitem(last=False)
-        return self._indexes[name]
+        with self._lock:
+            index = self._indexes.get(name)
+        if index is None:
+            index = read_shard_index(path)  # outside the lock: a file read
+            with self._lock:
+                self._indexes[name] = index
+                while len(self._indexes) > 64:
+                    self._indexes.popitem(last=False)
+        return index
 
     def _read_from_shard(
         self, shard: int, positions: list[int], offsets: np.ndarray, samples: list, clock: StageClock | None
@@ -161,10 +174,11 @@ class SamplePath:
 
         The check costs a hash of the shard, so it runs only after a failure, never per read."""
         name, size, checksum = self.shard_ref(shard)
-        if checksum is None or name in self._rechecked:
-            return False
-        self._rechecked.add(name)
-        self._indexes.pop(name, None)  # built from the damaged file, maybe
+        with self._lock:
+            if checksum is None or name in self._rechecked:
+                return False
+            self._rechecked.add(name)
+            self._indexes.pop(name, None)  # built from the damaged file, maybe
         self.cache.fetch(name, size, checksum, recheck=True)
         return True
 
@@ -196,7 +210,9 @@ class SamplePath:
         box, flip = crop_plan(width, height, self.cfg.transform, rng)
         return (data, (*box, float(flip))), label
 
-    def _image(self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None):
+    def image(self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None):
+        """One sample through decode and augment: its uint8 HWC array (or, with
+        `decode_on="device"`, its JPEG and crop row) and its label; `CorruptSample` if bad."""
         if self.cfg.decode_on == "device":
             return self.plan_on_device(sample, epoch, sample_id)
         try:
@@ -224,7 +240,7 @@ class SamplePath:
         images, labels, keys, padding = [], [], [], []
         for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), samples):
             try:
-                image, label = self._image(sample, request.epoch, sample_id, clock)
+                image, label = self.image(sample, request.epoch, sample_id, clock)
             except CorruptSample as exc:
                 if self.cfg.on_corrupt == "raise":
                     raise
@@ -241,29 +257,35 @@ class SamplePath:
 
     def collate(self, index: int, images: list, labels: list, keys: list, padding: list, out=None) -> dict:
         """One batch dict from the samples' images (arrays, or device rows), labels and marks."""
+        if self.cfg.decode_on == "device":
+            batch = self.batch_dict(index, self.empty_images(), labels, keys, padding)
+            batch["encoded"], batch["boxes"] = join_encoded(images)
+        elif out is not None and images:
+            np.stack(images, out=out[: len(images)].numpy())
+            batch = self.batch_dict(index, out[: len(images)], labels, keys, padding)
+        else:
+            stacked = torch.from_numpy(np.stack(images)) if images else self.empty_images()
+            batch = self.batch_dict(index, stacked, labels, keys, padding)
+        return batch
+
+    def batch_dict(self, index: int, images: torch.Tensor, labels: list, keys: list, padding: list) -> dict:
+        """The batch as the loader hands it on: images (uint8 NHWC), labels, padding marks, keys."""
         batch: dict[str, Any] = {
+            "images": images,
             "labels": torch.tensor(labels, dtype=torch.int64),
             "index": index,
             "padding": torch.tensor(padding, dtype=torch.bool),
         }
-        if self.cfg.decode_on == "device":
-            batch["images"] = self._empty()
-            batch["encoded"], batch["boxes"] = _join_encoded(images)
-        elif out is not None and images:
-            np.stack(images, out=out[: len(images)].numpy())
-            batch["images"] = out[: len(images)]
-        else:
-            batch["images"] = torch.from_numpy(np.stack(images)) if images else self._empty()
         if self.cfg.return_keys:
             batch["keys"] = keys
         return batch
 
-    def _empty(self) -> torch.Tensor:
+    def empty_images(self) -> torch.Tensor:
         size = self.cfg.transform.image_size
         return torch.empty((0, size, size, 3), dtype=torch.uint8)
 
 
-def _join_encoded(rows: list[tuple[bytes, tuple]]) -> tuple[tuple[torch.Tensor, list[int]], torch.Tensor]:
+def join_encoded(rows: list[tuple[bytes, tuple]]) -> tuple[tuple[torch.Tensor, list[int]], torch.Tensor]:
     """The batch's JPEGs as one byte tensor with each one's length, and their crop rows.
 
     One tensor for the batch: each tensor a worker returns costs a shared-memory file and a

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import collections
 import json
+import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +25,8 @@ from dlstore.errors import ConfigError, CorruptSample
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.world import World
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 UNEVEN = [
     3,
@@ -84,6 +91,12 @@ def _epoch(loader):
     return [(k, bool(p)) for _, _, meta in loader for k, p in zip(meta["keys"], meta["padding"].tolist())]
 
 
+@pytest.fixture(params=["threads", "processes"])
+def engine(request):
+    """Both loader engines keep every promise the loader makes."""
+    return request.param
+
+
 @pytest.fixture
 def local_dataset(tmp_path):
     url = f"file://{tmp_path}/data"
@@ -91,9 +104,9 @@ def local_dataset(tmp_path):
     return url, keys
 
 
-def test_one_rank_reads_every_sample_once_per_epoch_on_the_device(local_dataset, tmp_path):
+def test_one_rank_reads_every_sample_once_per_epoch_on_the_device(local_dataset, tmp_path, engine):
     url, keys = local_dataset
-    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu")
+    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", engine=engine)
     orders = []
     for epoch in range(2):
         loader.set_epoch(epoch)
@@ -110,11 +123,11 @@ def test_one_rank_reads_every_sample_once_per_epoch_on_the_device(local_dataset,
     assert labels.dtype == torch.int64
 
 
-def test_order_does_not_depend_on_the_number_of_workers(local_dataset, tmp_path):
+def test_order_does_not_depend_on_the_number_of_workers(local_dataset, tmp_path, engine):
     url, _ = local_dataset
     runs = []
     for workers in (0, 1, 3):
-        loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=workers, device="cpu")
+        loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=workers, device="cpu", engine=engine)
         loader.set_epoch(3)
         runs.append(_epoch(loader))
     assert runs[0] == runs[1] == runs[2]
@@ -130,13 +143,13 @@ def test_labels_and_pixels_match_the_stored_samples(local_dataset, tmp_path):
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_path, workers):
+def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_path, workers, engine):
     url, _ = local_dataset
-    full = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu")
+    full = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu", engine=engine)
     full.set_epoch(5)
     expected = _epoch(full)
 
-    first = dlstore.Loader(_dataset(url, tmp_path), num_workers=workers, device="cpu")
+    first = dlstore.Loader(_dataset(url, tmp_path), num_workers=workers, device="cpu", engine=engine)
     first.set_epoch(5)
     seen = []
     for step, (_, _, meta) in enumerate(first):
@@ -145,7 +158,7 @@ def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_pat
             break
     state = json.loads(json.dumps(first.state_dict()))
 
-    second = dlstore.Loader(_dataset(url, tmp_path), num_workers=3 - workers, device="cpu")
+    second = dlstore.Loader(_dataset(url, tmp_path), num_workers=3 - workers, device="cpu", engine=engine)
     second.load_state_dict(state)
     second.set_epoch(5)
     assert len(second) == 3
@@ -192,7 +205,7 @@ def _pixels_and_keys(loader, epochs, abandon_after):
     return out
 
 
-def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_dataset, tmp_path):
+def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_dataset, tmp_path, engine):
     """Batch size 2 over 23 samples with 3 slots: every slot is reused four times per epoch."""
     url, _ = local_dataset
     runs = []
@@ -201,6 +214,7 @@ def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_data
             _dataset(url, tmp_path, batch_size=2),
             num_workers=1,
             device="cpu",
+            engine=engine,
             normalize=False,  # float32 batches holding the uint8 values: compared exactly
             prefetch_factor=1,
             shared_slots=shared,
@@ -233,7 +247,7 @@ def test_close_stops_the_workers(local_dataset, tmp_path):
     import multiprocessing
 
     before = set(multiprocessing.active_children())
-    with dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu") as loader:
+    with dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", engine="processes") as loader:
         next(iter(loader))
         workers = set(multiprocessing.active_children()) - before
         assert len(workers) == 2
@@ -242,24 +256,89 @@ def test_close_stops_the_workers(local_dataset, tmp_path):
     assert len(_epoch(loader)) == 24  # a closed loader starts new workers when iterated again
 
 
-def test_corrupt_samples_are_skipped_and_counted(tmp_path):
+def test_close_stops_the_decode_threads(local_dataset, tmp_path):
+    def decode_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("dlstore-decode")}
+
+    url, _ = local_dataset
+    before = decode_threads()
+    with dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu") as loader:
+        assert loader.cfg.engine == "threads"  # the default
+        next(iter(loader))
+        assert len(decode_threads() - before) == 2
+    assert not decode_threads() - before
+
+
+_SHM_RUN = """
+import sys, torch, dlstore
+from loader_support import write_dataset
+from dlstore.storage import open_store
+url = sys.argv[1]
+write_dataset(open_store(url), [40, 40, 40])
+ds = dlstore.Dataset(url, cache_dir=sys.argv[2], transform="train", image_size=224, batch_size=64,
+                     world=dlstore.World(), return_keys=True)
+loader = dlstore.Loader(ds, num_workers=2, device="cpu", dtype=sys.argv[3])
+for epoch in range(2):
+    loader.set_epoch(epoch)
+    keys = [k for _, _, meta in loader for k in meta["keys"]]
+    assert len(set(keys)) == 120, len(set(keys))
+print("two epochs done")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])
+def test_two_epochs_with_a_64mb_dev_shm(tmp_path, dtype):
+    """A container's default /dev/shm (64 MB, here a private tmpfs in a mount namespace of our
+    own): batches of 64 x 224 px (9.6 MB each) through the default engine need none of it."""
+    script = tmp_path / "run.py"
+    script.write_text(_SHM_RUN)
+    inner = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script} file://{tmp_path}/data {tmp_path}/cache {dtype}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOLS), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "two epochs done" in done.stdout
+
+
+def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, monkeypatch):
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [6, 6])
+    ds = _dataset(url, tmp_path)
+    real = ds.samples.image
+
+    def failing(sample, epoch, sample_id, clock=None):
+        if sample_id == 7:
+            raise OSError("disk read error in a decode thread")
+        return real(sample, epoch, sample_id, clock)
+
+    monkeypatch.setattr(ds.samples, "image", failing)
+    loader = dlstore.Loader(ds, num_workers=2, device="cpu")
+    with pytest.raises(OSError, match="decode thread"):
+        list(loader)
+    loader.set_epoch(1)  # the loader is still usable: the abandoned batches freed their slots
+    monkeypatch.setattr(ds.samples, "image", real)
+    assert len(_epoch(loader)) == 12
+
+
+def test_corrupt_samples_are_skipped_and_counted(tmp_path, engine):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000003"}))
     ds = _dataset(url, tmp_path)
-    loader = dlstore.Loader(ds, num_workers=0, device="cpu")
+    loader = dlstore.Loader(ds, num_workers=0, device="cpu", engine=engine)
     real = [k for k, p in _epoch(loader) if not p]
     assert sorted(real) == [f"s{i:06d}" for i in range(12) if i != 3]
     assert ds.corrupt_samples == 1
 
 
 @pytest.mark.parametrize("on_corrupt", ["skip", "raise"])
-def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_path, on_corrupt, caplog):
+def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_path, on_corrupt, caplog, engine):
     """Its header reads (the worker plans its crop), its body does not decode: the loader
     drops it from its batch, with its label and key, or raises."""
     url = f"file://{tmp_path}/data"
     keys = write_dataset(open_store(url), [6, 6], truncated_keys=frozenset({"s000003"}))
     ds = _dataset(url, tmp_path, transform="train", decode_on="device", on_corrupt=on_corrupt)
-    loader = dlstore.Loader(ds, num_workers=1, device="cpu", dtype="uint8")
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine=engine, dtype="uint8")
     if on_corrupt == "raise":
         with pytest.raises(CorruptSample, match="do not decode"):
             list(loader)
@@ -274,10 +353,10 @@ def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_pa
     assert "skipping 1 sample(s) whose JPEG does not decode on cpu" in caplog.text  # not in the worker
 
 
-def test_a_worker_error_is_raised_in_the_training_loop_without_hanging(tmp_path):
+def test_a_worker_error_is_raised_in_the_training_loop_without_hanging(tmp_path, engine):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000007"}))
-    loader = dlstore.Loader(_dataset(url, tmp_path, on_corrupt="raise"), num_workers=2, device="cpu")
+    loader = dlstore.Loader(_dataset(url, tmp_path, on_corrupt="raise"), num_workers=2, device="cpu", engine=engine)
     result = {}
 
     def consume():
@@ -404,14 +483,14 @@ def test_four_ranks_two_workers_from_swift_then_resume_on_two_ranks(swift_server
     assert np.sum([p for _, p in rest]) <= 2 * 4  # a re-deal pads at most one batch per rank
 
 
-def test_decode_on_the_device_matches_decoding_in_workers(local_dataset, tmp_path):
+def test_decode_on_the_device_matches_decoding_in_workers(local_dataset, tmp_path, engine):
     """`decode_on="device"` (nvJPEG on a GPU) runs the same code on the CPU here: same samples,
     same crops and flips, pixels within the two JPEG decoders' rounding."""
     url, _ = local_dataset
     runs = {}
     for mode in ("worker", "device"):
         ds = _dataset(url, tmp_path, transform="train", decode_on=mode)
-        loader = dlstore.Loader(ds, num_workers=1, device="cpu", dtype="uint8")
+        loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine=engine, dtype="uint8")
         loader.set_epoch(2)
         runs[mode] = list(loader)
     assert len(runs["worker"]) == len(runs["device"]) == 6
@@ -421,10 +500,14 @@ def test_decode_on_the_device_matches_decoding_in_workers(local_dataset, tmp_pat
         assert (a.float() - b.float()).abs().mean() < 3
 
 
-def test_device_decode_in_the_background_stops_cleanly_when_a_pass_is_abandoned(local_dataset, tmp_path):
+def test_device_decode_in_the_background_stops_cleanly_when_a_pass_is_abandoned(local_dataset, tmp_path, engine):
     url, _ = local_dataset
-    expected = _epoch(dlstore.Loader(_dataset(url, tmp_path, transform="train"), num_workers=0, device="cpu"))
-    loader = dlstore.Loader(_dataset(url, tmp_path, transform="train", decode_on="device"), num_workers=2, device="cpu")
+    expected = _epoch(
+        dlstore.Loader(_dataset(url, tmp_path, transform="train"), num_workers=0, device="cpu", engine=engine)
+    )
+    loader = dlstore.Loader(
+        _dataset(url, tmp_path, transform="train", decode_on="device"), num_workers=2, device="cpu", engine=engine
+    )
     loader.set_epoch(4)
     for step, _ in enumerate(loader):
         if step == 1:

@@ -1,0 +1,57 @@
+"""The loader's settings: what the batches look like on the device and how they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlstore.errors import ConfigError
+from dlstore.world import World, available_cores
+
+__all__ = ["ENGINES", "LoaderConfig", "default_workers"]
+
+# "threads": decode threads in the training process (the default: no fork, no /dev/shm, no
+# per-batch hand-off); "processes": DataLoader worker processes, for transforms that hold the GIL.
+ENGINES = ("threads", "processes")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """`num_workers`: decode threads (thread engine) or worker processes (process engine).
+
+    >>> LoaderConfig(num_workers=4, device="cpu", dtype="uint8").engine
+    'threads'
+    """
+
+    num_workers: int = 8
+    device: str = "cuda"
+    engine: str = "threads"
+    # Batches decoded ahead (per worker for the process engine), and batches copied to the
+    # device ahead of the loop.
+    prefetch_factor: int = 2
+    device_lookahead: int = 2
+    dtype: str = "float32"  # or "bfloat16", "float16", "uint8" (no normalisation)
+    normalize: bool = True
+    channels_last: bool = True
+    timeout_s: float = 0.0
+    # Batches are written into a ring of buffers allocated once (see `BatchSlots`); False hands
+    # each batch over as a fresh tensor (torch's default, more page faults).
+    shared_slots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
+        if self.num_workers < 0 or self.prefetch_factor < 1 or self.device_lookahead < 0:
+            raise ConfigError("num_workers and device_lookahead must not be negative, prefetch_factor at least 1")
+
+    @property
+    def lookahead(self) -> int:
+        """Batches the thread engine builds ahead of the one the loop takes."""
+        return self.prefetch_factor * max(1, self.num_workers) if self.engine == "processes" else self.prefetch_factor
+
+
+def default_workers(workers: int | None, world: World) -> int:
+    """`workers`, or when None one per core this rank gets: the node's cores shared by the
+    node's ranks (more only makes them compete; torch warns about it)."""
+    if workers is not None:
+        return workers
+    return max(1, available_cores() // world.local_world_size)

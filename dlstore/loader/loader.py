@@ -1,0 +1,143 @@
+"""From the dataset to the training loop: an engine that builds this rank's batches in plan
+order (decode threads by default, or DataLoader worker processes), and a GPU prefetcher that
+copies them ahead on a side CUDA stream.
+
+What the training loop sees does not depend on the engine or the number of threads/workers.
+The loader counts batches *delivered to the loop* (not those built ahead), so `state_dict()`
+is the exact position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from dlstore.dataset import Dataset
+from dlstore.errors import ConfigError
+from dlstore.loader.config import LoaderConfig, default_workers
+from dlstore.loader.prefetch import GpuPrefetcher
+from dlstore.loader.processes import ProcessEngine
+from dlstore.loader.slots import BatchSlots
+from dlstore.loader.threads import ThreadEngine
+from dlstore.plan import EpochState
+
+__all__ = ["Loader"]
+
+log = logging.getLogger(__name__)
+
+
+class Loader:
+    """Batches of this rank, on the device, normalised, channels_last.
+
+    >>> ds = dlstore.Dataset("swift://imagenet/train", batch_size=256)     # doctest: +SKIP
+    >>> loader = dlstore.Loader(ds, num_workers=8, device="cuda")      # 8 decode threads
+    >>> loader.set_epoch(0)
+    >>> for images, labels in loader: ...
+
+    With `Dataset(..., return_keys=True)` each batch comes as `(images, labels, meta)`, where
+    `meta["keys"]` are the samples' keys and `meta["padding"]` marks the samples that repeat
+    one already delivered this epoch to keep the ranks equal (count them out of evaluation).
+    """
+
+    def __init__(self, dataset: Dataset, num_workers: int | None = None, device: str = "cuda", **options: Any) -> None:
+        if num_workers is None:
+            num_workers = default_workers(dataset.cfg.workers, dataset.world)
+        self.cfg = LoaderConfig(num_workers=num_workers, device=device, **options)
+        if self.cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            log.warning("CUDA is not available: the loader delivers batches on the CPU")
+            self.cfg = replace(self.cfg, device="cpu")
+        self.device = torch.device(self.cfg.device)
+        self.dataset = dataset
+        self.state = EpochState(epoch=0, history=())
+        engine = ThreadEngine if self.cfg.engine == "threads" else ProcessEngine
+        self.slots = self._slots(engine.slot_count(self.cfg))
+        self.engine: ThreadEngine | ProcessEngine = engine(dataset, self.cfg, self.slots)
+
+    def _slots(self, count: int) -> BatchSlots | None:
+        """Slots pay where the batch is copied out of them anyway: to the GPU, or into the float
+        batch on a CPU device. A uint8 batch on the CPU is handed over as it is (no copy)."""
+        cfg, data = self.cfg, self.dataset.cfg
+        copied_out = self.device.type == "cuda" or cfg.dtype != "uint8"
+        in_process = cfg.engine == "processes" and cfg.num_workers == 0
+        if in_process or not (cfg.shared_slots and copied_out and data.decode_on == "worker"):
+            return None
+        shared = cfg.engine == "processes"  # worker processes write them: in /dev/shm
+        return BatchSlots(count, data.batch_size, data.transform.image_size, self.device, shared=shared)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start `epoch` from its beginning, unless a loaded state resumes this very epoch."""
+        if epoch != self.state.epoch:
+            self.state = EpochState(epoch=epoch, history=())
+
+    def __len__(self) -> int:
+        """Batches this rank has left in the current epoch (the same on every rank)."""
+        return self.dataset.plan(self.state.epoch, self.state.history).num_batches
+
+    def __iter__(self) -> Iterator:
+        prefetcher = GpuPrefetcher(
+            self.engine.batches(self.state.epoch, self.state.history),
+            self.cfg,
+            self.device,
+            self.slots,
+            on_corrupt=self.dataset.cfg.on_corrupt,
+            background=self.dataset.cfg.decode_on == "device",
+        )
+        for batch in prefetcher:
+            self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
+            if self.engine.counts_in_workers:
+                # Skipped samples were counted in a worker's copy of the dataset; count them here.
+                self.dataset.corrupt_samples += batch.get("corrupt", 0)
+            self.dataset.corrupt_samples += batch.get("undecodable", 0)
+            if self.dataset.cfg.return_keys:
+                yield batch["images"], batch["labels"], {"keys": batch["keys"], "padding": batch["padding"]}
+            else:
+                yield batch["images"], batch["labels"]
+        # A finished epoch resumes at the next one.
+        self.state = EpochState(epoch=self.state.epoch + 1, history=())
+
+    def close(self) -> None:
+        """Stop the decode threads or worker processes now (they also stop when the loader is
+        garbage-collected)."""
+        self.engine.close()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def state_dict(self) -> dict:
+        """The exact position: epoch and the steps done in it (per world layout), with the
+        fingerprint of what decides the order (the manifest's shards, the plan settings)."""
+        return {"version": 1, "seed": self.dataset.cfg.seed, **self.state.to_dict(), "data": self._fingerprint()}
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Continue from `state`. A state saved on other data (a dataset converted again) or
+        other plan settings would replay another order, skipping and repeating samples: that
+        is a `ConfigError` naming what changed, unless `strict=False` (then a warning)."""
+        if state.get("version") != 1:
+            raise ConfigError(f"unknown loader state version {state.get('version')!r}")
+        if state.get("seed") != self.dataset.cfg.seed:
+            raise ConfigError("loader state was saved with another seed; resuming would change the data order")
+        saved, now = state.get("data"), self._fingerprint()
+        changed = [k for k in now if saved is not None and saved.get(k) != now[k]]
+        if changed:
+            what = ", ".join(f"{k} (saved {saved.get(k)!r}, now {now[k]!r})" for k in changed)
+            message = f"loader state was saved on other data or plan settings: {what}"
+            if strict:
+                raise ConfigError(message + "; pass strict=False (dlstore train --resume-any-data) to resume anyway")
+            log.warning("%s; resuming anyway, as asked", message)
+        self.state = EpochState.from_dict(state)
+
+    def _fingerprint(self) -> dict:
+        cfg = self.dataset.cfg
+        return {
+            "manifest": self.dataset.manifest_digest,
+            "drop_last": cfg.drop_last,
+            "shuffle": cfg.shuffle,
+            "shuffle_window": cfg.shuffle_window,
+        }

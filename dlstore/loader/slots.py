@@ -1,0 +1,88 @@
+"""Batch slots: a ring of uint8 image buffers allocated once, page-locked on CUDA."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["BatchSlots"]
+
+log = logging.getLogger(__name__)
+
+
+class BatchSlots:
+    """A ring of image buffers that batches are written into, allocated once.
+
+    Why: handing a batch from a worker as an ordinary tensor puts it into a fresh
+    shared-memory file each time, which the worker faults in page by page and the training
+    process maps again and, on a GPU node, copies once more into pinned memory. Slots are
+    allocated once; on CUDA they are page-locked (`cudaHostRegister`), so the host-to-device
+    copy reads the worker's bytes directly.
+
+    Batch `i` goes into slot `i % count`. The engine keeps at most a known number of batches
+    requested but not yet handed on (the DataLoader `prefetch_factor x workers`, the thread
+    engine its lookahead), so with two more slots than that, a slot is requested again only
+    after the batch in it has been taken; `claim` checks that, and waits for that batch's
+    copy to the device to finish.
+
+    `shared=True` puts the ring in shared memory (`/dev/shm`), for worker processes; the
+    thread engine writes into ordinary memory of its own process.
+    """
+
+    def __init__(self, count: int, batch_size: int, image_size: int, device: torch.device, shared: bool = True) -> None:
+        self.count = count
+        self.buffers = torch.empty((count, batch_size, image_size, image_size, 3), dtype=torch.uint8)
+        if shared:
+            self.buffers.share_memory_()
+        self.device = device
+        self.claimed: set[int] = set()
+        self.copies: dict[int, Any] = {}  # slot -> CUDA event of the copy out of it
+        self.page_locked = device.type == "cuda" and _page_lock(self.buffers)
+        if self.page_locked:
+            weakref.finalize(self, _page_unlock, self.buffers, device)
+
+    def slot_of(self, index: int) -> int:
+        return index % self.count
+
+    def claim(self, index: int) -> None:
+        """Before batch `index` is requested from a worker: its slot must be free."""
+        slot = self.slot_of(index)
+        if slot in self.claimed:
+            raise RuntimeError(f"batch slot {slot} requested again before its batch was taken (a loader bug)")
+        event = self.copies.pop(slot, None)
+        if event is not None:
+            event.synchronize()
+        self.claimed.add(slot)
+
+    def view(self, slot: int, count: int) -> torch.Tensor:
+        return self.buffers[slot, :count]
+
+    def release(self, slot: int, copied: Any = None) -> None:
+        """The batch in `slot` was taken; `copied` (a CUDA event) marks the end of its copy."""
+        self.claimed.discard(slot)
+        if copied is not None:
+            self.copies[slot] = copied
+
+    def forget_claims(self) -> None:
+        """A new pass: batches requested by an abandoned one were drained by the DataLoader."""
+        self.claimed.clear()
+
+
+def _page_lock(buffers: torch.Tensor) -> bool:
+    try:
+        # 1 = cudaHostRegisterPortable: page-locked for every device, not only the current one.
+        error = torch.cuda.cudart().cudaHostRegister(buffers.data_ptr(), buffers.nbytes, 1)
+        if int(error) == 0:
+            return True
+        log.warning("cudaHostRegister failed (%s): batches are copied to the device from pageable memory", error)
+    except Exception as exc:  # an old or CPU-only build of torch
+        log.warning("cannot page-lock the batch buffers (%s): copies to the device are synchronous", exc)
+    return False
+
+
+def _page_unlock(buffers: torch.Tensor, device: torch.device) -> None:
+    torch.cuda.synchronize(device)  # no copy out of the buffers may still be running
+    torch.cuda.cudart().cudaHostUnregister(buffers.data_ptr())

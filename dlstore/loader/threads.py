@@ -1,0 +1,170 @@
+"""The thread engine: a pool of decode threads in the training process builds this rank's
+batches in plan order, with a bounded lookahead.
+
+Why threads: JPEG decode (libjpeg-turbo) and the resize (Pillow) release the GIL, so threads
+do the work of worker processes without what processes cost: a fork of a threaded process
+(unsafe: a child can inherit a lock held by another thread), a torch import per worker,
+shared memory for every batch (a container's 64 MB `/dev/shm` stalls them), a pickled
+hand-off per batch, and a restart at every epoch and resize.
+
+How: each batch is cut into `threads` chunks of consecutive samples; a chunk reads its samples
+from the node cache (one `pread` each) and writes each decoded, augmented image straight into
+its row of the batch's buffer. The first batch is therefore built by every thread at once
+(time to first batch), and later batches queue behind it in plan order. The loop takes batch
+`j` when all its chunks are done; by then batches `j+1 .. j+lookahead` are in the pool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dlstore.dataset import Dataset
+from dlstore.errors import CorruptSample
+from dlstore.loader.config import LoaderConfig
+from dlstore.loader.slots import BatchSlots
+from dlstore.sample_path import BatchRequest, join_encoded
+
+__all__ = ["ThreadEngine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Row:
+    """One sample's outcome: its image went into its row of the buffer (or, for the device,
+    `image` holds its JPEG and crop row); None in a chunk's list marks a corrupt sample."""
+
+    label: int
+    key: str | None
+    padding: bool
+    image: object = None
+
+
+@dataclass
+class _Job:
+    request: BatchRequest
+    images: torch.Tensor | None  # the buffer rows are written into (None: device decode)
+    slot: int | None
+    chunks: list[futures.Future]
+
+
+class ThreadEngine:
+    """Batches of an epoch from a pool of decode threads, in plan order."""
+
+    counts_in_workers = False  # skipped samples are counted in this process's dataset
+
+    def __init__(self, dataset: Dataset, cfg: LoaderConfig, slots: BatchSlots | None) -> None:
+        self.dataset = dataset
+        self.path = dataset.samples
+        self.threads = max(1, cfg.num_workers)
+        self.lookahead = max(1, cfg.lookahead)
+        self.slots = slots
+        self.pool = futures.ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
+
+    @staticmethod
+    def slot_count(cfg: LoaderConfig) -> int:
+        # Batches being built, plus one handed to the prefetcher and one spare.
+        return max(1, cfg.lookahead) + 2
+
+    def batches(self, epoch: int, history: tuple) -> Iterator[dict]:
+        """This epoch's batches after `history`, in plan order. Leaving early (a break, an
+        error) cancels what is queued and waits only for the chunks already running."""
+        plan = self.dataset.plan(epoch, history)
+        pending: deque[_Job] = deque()
+        submitted = 0
+        if self.slots is not None:
+            self.slots.forget_claims()
+        try:
+            while pending or submitted < plan.num_batches:
+                while submitted < plan.num_batches and len(pending) <= self.lookahead:
+                    pending.append(self._submit(self.dataset.request(plan, epoch, submitted)))
+                    self.dataset.prefetch_after(plan, submitted)
+                    submitted += 1
+                yield self._finish(pending.popleft())
+        finally:
+            self._abandon(pending)
+
+    def _submit(self, request: BatchRequest) -> _Job:
+        n = len(request.ids)
+        images, slot = None, None
+        if self.path.cfg.decode_on != "device":
+            if self.slots is not None:
+                slot = self.slots.slot_of(request.index)
+                self.slots.claim(request.index)
+                images = self.slots.view(slot, n)
+            else:
+                size = self.path.cfg.transform.image_size
+                images = torch.empty((n, size, size, 3), dtype=torch.uint8)
+        bounds = np.linspace(0, n, min(self.threads, max(n, 1)) + 1).astype(int)
+        chunks = [
+            self.pool.submit(self._chunk, request, int(lo), int(hi), images)
+            for lo, hi in zip(bounds[:-1], bounds[1:])
+            if hi > lo
+        ]
+        return _Job(request, images, slot, chunks)
+
+    def _chunk(self, request: BatchRequest, lo: int, hi: int, images: torch.Tensor | None) -> list[_Row | None]:
+        """Samples `lo:hi` of the batch: read, decode, augment, each into its row."""
+        ids = request.ids[lo:hi]
+        rows: list[_Row | None] = []
+        out = images.numpy() if images is not None else None
+        samples = self.path.read(ids)
+        for k, (sample_id, sample) in enumerate(zip(ids.tolist(), samples)):
+            try:
+                image, label = self.path.image(sample, request.epoch, sample_id)
+            except CorruptSample as exc:
+                if self.path.cfg.on_corrupt == "raise":
+                    raise
+                log.warning("skipping corrupt sample %s: %s", sample.get("__key__"), exc)
+                rows.append(None)
+                continue
+            row = _Row(label, sample.get("__key__"), bool(request.is_padding[lo + k]))
+            if out is not None:
+                out[lo + k] = image
+            else:
+                row.image = image
+            rows.append(row)
+        return rows
+
+    def _finish(self, job: _Job) -> dict:
+        """The batch dict of a job whose chunks are done (a chunk's error is raised here)."""
+        rows = [row for chunk in job.chunks for row in chunk.result()]
+        kept = [i for i, row in enumerate(rows) if row is not None]
+        real = [rows[i] for i in kept]
+        labels, keys, padding = [r.label for r in real], [r.key for r in real], [r.padding for r in real]
+        if job.images is None:
+            batch = self.path.batch_dict(job.request.index, self.path.empty_images(), labels, keys, padding)
+            batch["encoded"], batch["boxes"] = join_encoded([r.image for r in real])
+        elif len(kept) < len(rows):
+            # Corrupt samples were skipped: the good rows move up (a copy, but a rare one).
+            images = job.images[torch.as_tensor(kept, dtype=torch.long)]
+            if job.slot is not None:
+                job.images[: len(kept)] = images
+                images = job.images[: len(kept)]
+            batch = self.path.batch_dict(job.request.index, images, labels, keys, padding)
+        else:
+            batch = self.path.batch_dict(job.request.index, job.images, labels, keys, padding)
+        if job.slot is not None:
+            batch["images"], batch["slot"] = None, job.slot  # the prefetcher reads the slot
+        batch["corrupt"] = len(rows) - len(kept)
+        self.dataset.corrupt_samples += batch["corrupt"]
+        return batch
+
+    def _abandon(self, pending: deque[_Job]) -> None:
+        """Cancel queued chunks, wait for running ones (they write into slots), free the slots."""
+        for job in pending:
+            for chunk in job.chunks:
+                chunk.cancel()
+        futures.wait([chunk for job in pending for chunk in job.chunks])
+        if self.slots is not None:
+            self.slots.forget_claims()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
