@@ -6,9 +6,14 @@ Each compares the GPU path with the CPU path that the rest of the suite tests.
 
 from __future__ import annotations
 
+import io
+
+import loader_support
+import numpy as np
 import pytest
 import torch
 from loader_support import tiny_jpeg, write_dataset
+from PIL import Image
 
 import dlstore
 from dlstore.config import DataConfig
@@ -36,6 +41,25 @@ def _dataset(url, tmp_path, **kw):
 @pytest.fixture
 def local_url(tmp_path):
     url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [5, 9, 2, 7, 6, 3])
+    return url
+
+
+def _gradient_jpeg(label: int, seed: int) -> bytes:
+    """A 48x40 sample whose red rises to the right and green downwards (4 levels a pixel), so
+    that every crop box and flip shows in the pixels; blue tells the samples apart."""
+    ramp_x, ramp_y = 4 * np.arange(48) + 30, 4 * np.arange(40) + 30
+    pixels = np.stack(np.broadcast_arrays(ramp_x[None, :], ramp_y[:, None], np.uint8(seed * 7 % 256)), axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, "JPEG", quality=95, subsampling=0)
+    return out.getvalue()
+
+
+@pytest.fixture
+def gradient_url(tmp_path, monkeypatch):
+    """`local_url`'s dataset with `_gradient_jpeg` images instead of flat grey noise."""
+    monkeypatch.setattr(loader_support, "tiny_jpeg", _gradient_jpeg)
+    url = f"file://{tmp_path}/gradient"
     write_dataset(open_store(url), [5, 9, 2, 7, 6, 3])
     return url
 
@@ -104,15 +128,22 @@ def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_ur
         assert ka == kb and torch.equal(la, lb) and torch.equal(a, b)
 
 
-def test_nvjpeg_decode_matches_decoding_in_workers(local_url, tmp_path):
+def test_nvjpeg_decode_matches_decoding_in_workers(gradient_url, tmp_path):
+    """On gradients a crop box off by a pixel or a missed flip is off by 4 levels or more a
+    pixel; tests/test_transforms.py checks the positions themselves, on CUDA too."""
     runs = {}
     for mode in ("worker", "device"):
         loader = dlstore.Loader(
-            _dataset(local_url, tmp_path, decode_on=mode), num_workers=1, device="cuda", normalize=False
+            _dataset(gradient_url, tmp_path, decode_on=mode, image_size=24),
+            num_workers=1,
+            device="cuda",
+            normalize=False,
         )
         runs[mode] = _passes(loader)
-    for (a, la, ka), (b, lb, kb) in zip(runs["worker"], runs["device"]):
-        assert ka == kb and torch.equal(la, lb)
+        loader.close()
+    assert len(runs["worker"]) == len(runs["device"]) == 3 + 2 * 8
+    for (a, la, ka), (b, lb, kb) in zip(runs["worker"], runs["device"], strict=True):
+        assert ka == kb and torch.equal(la, lb) and a.shape == b.shape
         assert (a - b).abs().mean() < 3  # two JPEG decoders' rounding
 
 
