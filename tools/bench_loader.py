@@ -72,12 +72,14 @@ def make_shards(workdir: Path, classes: int, per_class: int, samples_per_shard: 
     return url
 
 
-def read_all_samples(url: str, cache_dir: str, image_size: int) -> tuple[SamplePath, list[tuple[int, dict]]]:
+def read_all_samples(
+    url: str, cache_dir: str, image_size: int, limit: int | None = None
+) -> tuple[SamplePath, list[tuple[int, dict]]]:
     """The dataset's sample path (train preset at `image_size`) and (global sample id, raw
-    sample) of every sample, in manifest order, read through that very path."""
+    sample) of every sample (or the first `limit`), in manifest order, read through that very path."""
     ds = dlstore.Dataset(url, cache_dir=cache_dir, cache_limit="4GB", transform="train", image_size=image_size,
                          world=World())  # fmt: skip
-    ids = np.arange(int(ds.shard_sizes.sum()))
+    ids = np.arange(int(ds.shard_sizes.sum()))[:limit]
     return ds.samples, list(zip(ids.tolist(), ds.samples.read(ids)))
 
 
@@ -132,8 +134,16 @@ def epochs_rate(batches: Callable[[int], Iterator], epochs: range) -> Rate:
 
 
 def dlstore_loader(
-    url: str, cache_dir: str, args, dtype: str, store_config: StoreConfig | None = None, shared_slots: bool = True
+    url: str,
+    cache_dir: str,
+    args,
+    dtype: str,
+    store_config: StoreConfig | None = None,
+    shared_slots: bool = True,
+    **loader_options,
 ):
+    """A loader of `args`' workers, image size and batch size on the CPU, and `batches(epoch)`;
+    `loader_options` go to `dlstore.Loader` as they are (e.g. `engine=`)."""
     ds = dlstore.Dataset(
         url,
         cache_dir=cache_dir,
@@ -145,7 +155,9 @@ def dlstore_loader(
         world=World(),
         store_config=store_config,
     )
-    loader = dlstore.Loader(ds, num_workers=args.workers, device="cpu", dtype=dtype, shared_slots=shared_slots)
+    loader = dlstore.Loader(
+        ds, num_workers=args.workers, device="cpu", dtype=dtype, shared_slots=shared_slots, **loader_options
+    )
 
     def batches(epoch: int) -> Iterator:
         loader.set_epoch(epoch)
