@@ -19,7 +19,6 @@ from dlstore.doctor.credentials import credentials_check
 from dlstore.doctor.gpu import TorchFacts, cuda_check, nccl_check, torch_check
 from dlstore.doctor.launch import distributed_check
 from dlstore.doctor.node import LoaderShape, cache_check, filesystem_type, shm_check
-from dlstore.logs import THIRD_PARTY
 from dlstore.manifest import Manifest, ShardInfo, checksum_of
 
 
@@ -292,18 +291,6 @@ def test_good_settings_all_ok(swift_server, dataset, tmp_path, api):
     assert exit_code(checks) == 0, "\n".join(map(format_check, checks))
 
 
-@pytest.fixture
-def restore_log_levels():
-    """`cli_main` sets up logging for a terminal (the SDKs' loggers at WARNING); later tests
-    that read swiftclient's log lines need the levels back."""
-    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in THIRD_PARTY)]
-    levels = [logger.level for logger in loggers]
-    yield
-    for logger, level in zip(loggers, levels):
-        logger.setLevel(level)
-
-
-@pytest.mark.usefixtures("restore_log_levels")
 def test_cli_wrong_key_fails_auth_without_showing_it(swift_server, dataset, tmp_path, monkeypatch, capsys, caplog):
     caplog.set_level(logging.DEBUG)
     wrong = f"wrong-key-{uuid.uuid4().hex}"

@@ -27,7 +27,6 @@ from dlstore.cli import main as cli_main
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
 from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import AuthError, ConfigError, NotFound
-from dlstore.logs import THIRD_PARTY
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 
@@ -45,17 +44,6 @@ pytestmark = pytest.mark.swift
 LISTING_CONTAINER = "dlstore-test-listing-12k"
 LISTING_COUNT = 12_000
 LISTING_PREFIX = "many"
-
-
-@pytest.fixture(autouse=True)
-def restore_log_levels():
-    """`cli_main` sets up logging for a terminal (the SDKs' loggers at WARNING); the tests
-    after one that ran it and read swiftclient's log lines need the levels back."""
-    loggers = [logging.getLogger(), *(logging.getLogger(name) for name in THIRD_PARTY)]
-    levels = [logger.level for logger in loggers]
-    yield
-    for logger, level in zip(loggers, levels):
-        logger.setLevel(level)
 
 
 def _listing_names() -> list[str]:
