@@ -166,6 +166,23 @@ def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_pat
     assert second.state_dict()["epoch"] == 6
 
 
+@pytest.mark.parametrize(("before", "after"), [("processes", "threads"), ("threads", "processes")])
+def test_a_state_saved_by_one_engine_resumes_in_the_other(local_dataset, tmp_path, before, after):
+    url, _ = local_dataset
+    expected = _epoch(dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu", engine=after))
+    first = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", engine=before)
+    first.set_epoch(0)
+    seen = []
+    for step, (_, _, meta) in enumerate(first):
+        seen += list(zip(meta["keys"], meta["padding"].tolist()))
+        if step == 1:
+            break
+    second = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", engine=after)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    second.set_epoch(0)
+    assert seen + _epoch(second) == expected
+
+
 def test_resume_on_other_data_or_plan_settings_is_refused(local_dataset, tmp_path):
     url, _ = local_dataset
     first = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu")
