@@ -30,11 +30,16 @@ Invariants (DESIGN.md, "Cache invariants") and how they hold:
   would count the shard twice and a reservation or `cache_report` would see the directory
   over the limit when it is not. A failed download gives up its temp file's lock before
   unlinking it, so no scan misses bytes still allocated to an open, unlinked file.
-* **Atomic publish.** A shard is streamed into its temp file, hashed while written, its size
-  and checksum verified, fsynced, then `os.replace`d to its final name (under the cache-wide
-  lock, see above): a name under `shards/` always holds a complete, verified file.
-* **One download per node.** The downloader holds the shard's lock exclusively; other
-  processes poll it (shared, non-blocking) and find the published file when it is released.
+* **Atomic publish.** A shard is fetched into its temp file as ranged GETs written at their
+  offsets (`engine`), its contiguous prefix hashed as it grows, its size and checksum
+  verified (a copy that fails its checksum is fetched once more, then `CorruptShard`),
+  fsynced, then `os.replace`d to its final name (under the cache-wide lock, see above): a
+  name under `shards/` always holds a complete, verified file. No part writes past the
+  reserved size, and a failed download waits until none of its parts can write any more
+  before it gives up its temp file.
+* **One download per node.** The downloader holds the shard's lock exclusively (however
+  many parts and connections it uses); other processes poll it (shared, non-blocking) and
+  find the published file when it is released.
 * **Crash safety.** `flock`s die with their process. A temp file whose lock can be taken
   belongs to a dead process and is removed (at start and at every scan); lock files are
   empty and kept (deleting a lock file others may have open would split the lock).
@@ -55,12 +60,19 @@ A `ShardCache` pickles into DataLoader workers and survives `fork`: it holds no 
 lock or thread in its pickled state, and rebuilds its per-process state (counters, prefetch
 thread) the first time it is used in a new process.
 
+Downloads: each process has one `engine.DownloadEngine` (worker threads, at most
+`CacheConfig.connections`), shared by its reader and its prefetch threads: a shard is
+fetched as up to `parts_in_flight` ranged GETs at once, each retried on its own and
+resumed from its next byte; the prefetch keeps up to `shards_in_flight` shards of its
+window in flight; the shard a reader waits for goes first. Each in-flight shard holds its
+own reservation, so the limit holds with several shards in flight.
+
 The modules, in the order data flows through them: `config` (`CacheConfig`, `ShardSpec`),
 `layout` (the directory: paths, locks, temp files, the scan that counts bytes, the stats
-file), `shard_cache` (`ShardCache`: hold, fetch, reserve, evict), `download` (stream one
-shard into its temp file and verify it), `prefetch` (the background thread) with `runtime`
-(the per-process state it shares with the reader), and `report` (`cache_report`,
-`clear_cache` for the CLI).
+file), `shard_cache` (`ShardCache`: hold, fetch, reserve, evict), `download` (fetch one
+shard into its temp file and verify it) on `engine` (parallel ranged GETs), `prefetch`
+(the background threads) with `runtime` (the per-process state it shares with the
+reader), and `report` (`cache_report`, `clear_cache` for the CLI).
 """
 
 from __future__ import annotations

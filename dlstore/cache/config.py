@@ -28,6 +28,14 @@ class CacheConfig:
     survive a power loss, not only a process crash. `preallocate` reserves the blocks of a
     download up front (so a full disk shows at once). `wait_timeout_s` bounds every wait: for
     another process's download of the same shard, and for room under the limit.
+
+    Downloads (`dlstore.cache.engine`): a shard larger than `part_size` is fetched as ranged
+    GETs of at least `part_size` bytes (more when the measured round trip and rate say a part
+    that small would spend too much of its time waiting for its first byte), up to
+    `parts_in_flight` of them at once, each on its own connection (1: one GET stream per
+    shard). The prefetch keeps up to `shards_in_flight` shards of its window downloading at
+    once. A process opens at most `parts_in_flight * shards_in_flight` connections; the shard
+    a reader waits for goes before the prefetch's.
     """
 
     cache_dir: str
@@ -37,16 +45,28 @@ class CacheConfig:
     fsync: bool = True
     preallocate: bool = True
     wait_timeout_s: float = 600.0
+    part_size: int = 16 * 2**20
+    parts_in_flight: int = 8
+    shards_in_flight: int = 2
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", os.path.abspath(os.fspath(self.cache_dir)))
         object.__setattr__(self, "limit_bytes", parse_size(self.limit_bytes))
+        object.__setattr__(self, "part_size", parse_size(self.part_size))
         if self.limit_bytes <= STATS_FILE_BYTES:
             raise ConfigError(f"cache limit {self.limit_bytes} bytes is too small to hold any shard")
         if self.prefetch < 0:
             raise ConfigError(f"CacheConfig.prefetch must be 0 or more, not {self.prefetch}")
         if self.wait_timeout_s <= 0:
             raise ConfigError(f"CacheConfig.wait_timeout_s must be positive, not {self.wait_timeout_s}")
+        for name in ("part_size", "parts_in_flight", "shards_in_flight"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"CacheConfig.{name} must be at least 1, not {getattr(self, name)}")
+
+    @property
+    def connections(self) -> int:
+        """The most connections one process's downloads open at once."""
+        return self.parts_in_flight * self.shards_in_flight
 
 
 class ShardSpec(NamedTuple):

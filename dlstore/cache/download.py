@@ -1,17 +1,25 @@
-"""One download: stream a shard from the store into its reserved temp file, hashing as it is
-written, and check its size and checksum before the cache publishes it."""
+"""One download: fetch a shard from the store into its reserved temp file through the
+process's `DownloadEngine` (parallel ranged GETs), hash it as its prefix grows, and check
+its size and checksum before the cache publishes it."""
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import logging
 import os
+import time
+from dataclasses import dataclass
 
 from dlstore.cache.config import CacheConfig, ShardSpec
+from dlstore.cache.engine import DownloadEngine
 from dlstore.errors import ConfigError, CorruptShard
 from dlstore.storage.base import Store
 
+log = logging.getLogger(__name__)
+
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_HASH_BLOCK = 4 * 2**20
 
 
 def _parse_checksum(checksum: str) -> tuple[str, str]:
@@ -33,9 +41,48 @@ def _file_digest(path: str, algo: str) -> str:
     return hasher.hexdigest()
 
 
-def _write_verified(fd: int, store: Store, spec: ShardSpec, size: int, config: CacheConfig) -> None:
-    """Write shard `spec` of `store` into `fd` (exactly `size` bytes, never more), then check
-    its size and, when `config.verify`, its checksum; raises `CorruptShard` if either fails."""
+class _PrefixHash:
+    """Hash a file's bytes as its written prefix grows, reading them back with `pread` (from
+    the page cache: they were written moments ago). Runs in the thread that waits for the
+    download, so the parts' threads only write; after the last byte, only the parts that
+    ended last remain to hash."""
+
+    def __init__(self, fd: int, algo: str) -> None:
+        self.fd = fd
+        self.hasher = hashlib.new(algo)
+        self.hashed = 0
+        self._buffer = bytearray(_HASH_BLOCK)
+
+    def update(self, start: int, end: int) -> None:
+        view = memoryview(self._buffer)
+        while start < end:
+            n = os.preadv(self.fd, [view[: min(_HASH_BLOCK, end - start)]], start)
+            if n <= 0:
+                raise CorruptShard(f"the cache's temp file ended at byte {start} while hashing it")
+            self.hasher.update(view[:n])
+            start += n
+        self.hashed = end
+
+
+@dataclass(frozen=True)
+class DownloadReport:
+    """How one shard was fetched: for the log line and the benchmarks."""
+
+    parts: int
+    connections: int  # parts in flight at once, at most
+    seconds: float
+    hash_tail_s: float  # from the last byte written to the checksum's verdict
+    attempts: int  # 2 when the first copy failed its checksum
+
+
+def write_verified(
+    fd: int, engine: DownloadEngine, store: Store, spec: ShardSpec, size: int, config: CacheConfig, priority: int
+) -> DownloadReport:
+    """Fetch shard `spec` of `store` into `fd` (exactly `size` bytes, never more) through
+    `engine`, then check its size and, when `config.verify`, its checksum, which the bytes
+    are hashed for as they arrive. A copy that fails its checksum is fetched once more (the
+    bytes may have been damaged on the way); a second failure, or a size that differs from
+    the manifest's, raises `CorruptShard` naming the shard."""
     if config.preallocate and size:
         try:
             os.posix_fallocate(fd, 0, size)
@@ -43,26 +90,38 @@ def _write_verified(fd: int, store: Store, spec: ShardSpec, size: int, config: C
             if exc.errno in _NO_SPACE_ERRNOS:
                 raise
             # EOPNOTSUPP, EINVAL: the file system cannot preallocate; writing still works.
-    hasher = expected = None
+    algo = expected = None
     if config.verify and spec.checksum is not None:
         algo, expected = _parse_checksum(spec.checksum)
-        hasher = hashlib.new(algo)
-    written = 0
-    for chunk in store.get(spec.name):
-        if written + len(chunk) > size:
-            raise CorruptShard(f"shard {spec.name!r} in {store.url} is larger than the {size} bytes its manifest says")
-        view = memoryview(chunk)
-        while view:
-            view = view[os.pwrite(fd, view, written + len(chunk) - len(view)) :]
-        if hasher is not None:
-            hasher.update(chunk)
-        written += len(chunk)
-    if written != size:
-        raise CorruptShard(f"shard {spec.name!r} in {store.url} has {written} bytes; its manifest says {size}")
-    if hasher is not None and hasher.hexdigest() != expected:
-        raise CorruptShard(
-            f"shard {spec.name!r} in {store.url} fails its checksum: "
-            f"{hasher.name} {hasher.hexdigest()}, manifest {expected}"
+    started = time.monotonic()
+    for attempt in (1, 2):
+        download = engine.start(
+            store,
+            spec.name,
+            fd,
+            size,
+            priority=priority,
+            parts_in_flight=config.parts_in_flight,
+            part_size=config.part_size,
         )
+        prefix = _PrefixHash(fd, algo) if algo is not None else None
+        download.wait(prefix.update if prefix is not None else None)
+        verdict = time.monotonic()
+        if prefix is None or prefix.hasher.hexdigest() == expected:
+            break
+        message = (
+            f"shard {spec.name!r} in {store.url} fails its checksum: "
+            f"{prefix.hasher.name} {prefix.hasher.hexdigest()}, manifest {expected}"
+        )
+        if attempt == 2:
+            raise CorruptShard(message + " (fetched twice)")
+        log.warning("%s; fetching it once more", message)
     if config.fsync:
         os.fsync(fd)
+    return DownloadReport(
+        parts=len(download.parts),
+        connections=download.most_running,
+        seconds=time.monotonic() - started,
+        hash_tail_s=max(verdict - download.last_write, 0.0) if prefix is not None else 0.0,
+        attempts=attempt,
+    )

@@ -1,11 +1,13 @@
-"""The background prefetch of one process: a daemon thread that keeps the next
-`CacheConfig.prefetch` shards of the reader's list cached, and the window that the reader
+"""The background prefetch of one process: daemon threads (`CacheConfig.shards_in_flight`
+of them, each fetching one shard at a time) that keep the next `CacheConfig.prefetch`
+shards of the reader's list cached, sooner shards first, and the window that the reader
 moves on as it reaches each shard. All of its state lives in the process's `_Runtime`."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from dlstore.cache.config import ShardSpec
@@ -19,32 +21,34 @@ log = logging.getLogger(__name__)
 PrefetchFetch = Callable[[ShardSpec, frozenset[str]], "int | None"]
 
 
-def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch) -> None:
-    """Replace the list of upcoming shards, and start the thread unless it runs already."""
+def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, threads: int) -> None:
+    """Replace the list of upcoming shards, and start the threads that do not run already."""
     with rt.lock:
         rt.upcoming = specs
         rt.position = 0
         rt.done = set()
         rt.generation += 1
         rt.closing = False
-        if rt.thread is None or not rt.thread.is_alive():
-            rt.thread = threading.Thread(
+        rt.threads = [thread for thread in rt.threads if thread.is_alive()]
+        while len(rt.threads) < min(threads, depth):
+            thread = threading.Thread(
                 target=_prefetch_loop, args=(rt, depth, fetch), name="dlstore-cache-prefetch", daemon=True
             )
-            rt.thread.start()
+            thread.start()
+            rt.threads.append(thread)
         rt.wake.notify_all()
 
 
 def stop_prefetch(rt: _Runtime, timeout_s: float) -> None:
-    """Stop the thread after its current download (waiting up to `timeout_s`)."""
+    """Stop the threads after their current downloads (waiting up to `timeout_s`)."""
     with rt.lock:
         rt.closing = True
         rt.upcoming = []
         rt.wake.notify_all()
-        thread = rt.thread
-    if thread is not None:
-        thread.join(timeout=timeout_s)
-        rt.thread = None
+        threads, rt.threads = rt.threads, []
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 def raise_prefetch_error(rt: _Runtime, name: str) -> None:
@@ -69,11 +73,12 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
 
 def _next_prefetch(rt: _Runtime, depth: int) -> tuple[ShardSpec, frozenset[str]] | None:
     """The next shard to prefetch, and the shards its eviction must spare: those sooner in
-    the list, and the one the reader has just reached (it may not hold its lock yet)."""
+    the list, and the one the reader has just reached (it may not hold its lock yet). A shard
+    another prefetch thread is fetching is skipped."""
     start = rt.position
     window = rt.upcoming[start : start + depth]
     for index, spec in enumerate(window):
-        if spec.name not in rt.done:
+        if spec.name not in rt.done and spec.name not in rt.active:
             return spec, frozenset(s.name for s in rt.upcoming[max(start - 1, 0) : start + index])
     return None
 
@@ -87,20 +92,22 @@ def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch) -> None:
             if rt.closing or job is None:
                 return
             generation = rt.generation
-        spec, sooner = job
+            spec, sooner = job
+            rt.active.add(spec.name)
+        error: Exception | None = None
         try:
             fd = fetch(spec, sooner)
         except Exception as exc:  # kept for the reader: raised when it reaches this shard
             log.warning("prefetch of shard %r failed: %s: %s", spec.name, type(exc).__name__, exc)
-            with rt.lock:
-                rt.errors[spec.name] = exc
-                rt.done.add(spec.name)
-            continue
-        if fd is None:  # no room without evicting what is needed sooner: try again later
-            with rt.lock:
-                rt.wake.wait(timeout=0.2)
-            continue
-        _release(fd)
+            fd, error = None, exc
+        if fd is not None:
+            _release(fd)
         with rt.lock:
-            if generation == rt.generation:
+            rt.active.discard(spec.name)  # and marked done in the same breath: no thread fetches it twice
+            if error is not None:
+                rt.errors[spec.name] = error
+                rt.done.add(spec.name)
+            elif fd is None:  # no room without evicting what is needed sooner: try again later
+                rt.wake.wait(timeout=0.2)
+            elif generation == rt.generation:
                 rt.done.add(spec.name)

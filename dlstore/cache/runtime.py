@@ -1,5 +1,5 @@
-"""The state a `ShardCache` keeps in one process (counters, the prefetch list and thread):
-rebuilt after fork or unpickling, never pickled."""
+"""The state a `ShardCache` keeps in one process (counters, the prefetch list and threads,
+the download engine): rebuilt after fork or unpickling, never pickled."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 import time
 
 from dlstore.cache.config import ShardSpec
+from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.layout import CacheStats
 
 
@@ -28,5 +29,8 @@ class _Runtime:
         self.generation = 0
         self.done: set[str] = set()
         self.errors: dict[str, BaseException] = {}
-        self.thread: threading.Thread | None = None
+        self.active: set[str] = set()  # shards a prefetch thread is fetching now
+        self.threads: list[threading.Thread] = []
         self.closing = False
+        # downloads: made when the cache is first used in this process
+        self.engine: DownloadEngine | None = None

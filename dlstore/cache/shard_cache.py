@@ -18,8 +18,10 @@ from collections.abc import Iterable
 from urllib.parse import quote
 
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
-from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, _write_verified
+from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, write_verified
+from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.layout import CacheStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
+from dlstore.cache.policy import HintWriter, read_next_use, victim_order
 from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
 from dlstore.cache.runtime import _Runtime
 from dlstore.errors import ConfigError, NoSpace, TransientError
@@ -70,6 +72,7 @@ class ShardCache:
         # with the same shard names apart when they share one cache directory.
         self._namespace = hashlib.sha256(store.url.encode()).hexdigest()[:12]
         self._rt: _Runtime | None = None
+        self._hints: HintWriter | None = None  # this process's hint file, made on the first `hint`
 
     def __repr__(self) -> str:
         return f"ShardCache({self.config.cache_dir!r}, limit={self.config.limit_bytes}, store={self.store!r})"
@@ -158,8 +161,32 @@ class ShardCache:
             rt,
             specs,
             self.config.prefetch,
-            lambda spec, sooner: self._acquire(rt, spec, protect=sooner, prefetching=True),
+            # Sooner shards download first: priority 1 + their place in the window (the reader's own is 0).
+            lambda spec, sooner: self._acquire(rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner)),
+            self.config.shards_in_flight,
         )
+
+    def hint(self, names: Iterable[str]) -> None:
+        """Tell the cache the order in which this process will need shards, soonest first:
+        the rest of this epoch, then the next one. Every process of the node sees it, and
+        evictions then keep the shards needed soonest (`dlstore.cache.policy`); without hints
+        the cache evicts least recently used shards. Replaces this process's earlier order;
+        an empty one withdraws it. Hints are advice: one that cannot be written is logged.
+
+        >>> cache.hint(name for name in shard_names_in_read_order)  # doctest: +SKIP
+        """
+        self._runtime()
+        writer = self._hints
+        if writer is None or writer.pid != os.getpid():  # none yet, or the parent's (after a fork)
+            writer = self._hints = HintWriter(self._dir, self._namespace)
+        stems = list(dict.fromkeys(self._stem(name) for name in names))
+        try:
+            if stems:
+                writer.write(stems)
+            else:
+                writer.close()
+        except OSError as exc:
+            log.warning("could not record the shard order in cache %s: %s", self.config.cache_dir, exc)
 
     def usage(self) -> int:
         """Bytes the cache directory holds now, counted as the limit counts them."""
@@ -174,11 +201,14 @@ class ShardCache:
             self._flush(rt, force=True)
 
     def close(self) -> None:
-        """Stop the prefetch thread (after its current download) and record the counters."""
+        """Stop the prefetch threads (after their current downloads), let the download
+        workers end, and record the counters."""
         rt = self._rt
         if rt is None or rt.pid != os.getpid():
             return
         stop_prefetch(rt, self.config.wait_timeout_s)
+        if rt.engine is not None:
+            rt.engine.close()
         self._flush(rt, force=True)
 
     # -- per-process state -------------------------------------------------------------------------
@@ -192,6 +222,7 @@ class ShardCache:
                 rt = self._rt = _Runtime()  # new process: fresh counters, no thread
             if not rt.started:
                 self._start()
+                rt.engine = DownloadEngine(self.config.connections)
                 rt.started = True
                 _live_caches.add(self)
         return rt
@@ -275,9 +306,11 @@ class ShardCache:
         recheck: bool = False,
         protect: frozenset[str] = frozenset(),
         prefetching: bool = False,
+        priority: int = 0,
     ) -> int | None:
         """Return the shard's lock file descriptor holding LOCK_SH, with the shard published
-        and valid; None only when `prefetching` and there is no room for it now."""
+        and valid; None only when `prefetching` and there is no room for it now. A download
+        goes by `priority` in the engine (lower first)."""
         if spec.checksum is not None:
             _parse_checksum(spec.checksum)
         if spec.size is not None:
@@ -301,7 +334,7 @@ class ShardCache:
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     if _try_flock(fd, fcntl.LOCK_EX):
                         fetched = self._fetch_exclusively(
-                            rt, spec, stem, path, recheck and not downloaded, protect, prefetching
+                            rt, spec, stem, path, recheck and not downloaded, protect, prefetching, priority
                         )
                         if fetched is None:
                             _release(fd)
@@ -333,6 +366,7 @@ class ShardCache:
         recheck: bool,
         protect: frozenset[str],
         prefetching: bool,
+        priority: int,
     ) -> bool | None:
         """Holding the shard's lock exclusively, so nobody reads or downloads it: check again
         (another process may have published it since), then fetch it unless it is there.
@@ -344,7 +378,7 @@ class ShardCache:
             os.unlink(path)
             self._count(rt, corrupt_replaced=1)
             log.warning("cached shard %r is corrupt; fetching it again", spec.name)
-        if not self._download(rt, spec, stem, path, protect, prefetching):
+        if not self._download(rt, spec, stem, path, protect, prefetching, priority):
             return None
         return True
 
@@ -367,19 +401,27 @@ class ShardCache:
         return "ok"
 
     def _download(
-        self, rt: _Runtime, spec: ShardSpec, stem: str, path: str, protect: frozenset[str], prefetching: bool
+        self,
+        rt: _Runtime,
+        spec: ShardSpec,
+        stem: str,
+        path: str,
+        protect: frozenset[str],
+        prefetching: bool,
+        priority: int,
     ) -> bool:
-        """Stream the shard into a reserved temp file, verify, publish. Called holding the
-        shard's lock exclusively. False if `prefetching` and there is no room now."""
+        """Fetch the shard into a reserved temp file (parallel ranged GETs), verify, publish.
+        Called holding the shard's lock exclusively. False if `prefetching` and there is no
+        room now."""
         size = spec.size if spec.size is not None else self.store.stat(spec.name).size
         self._check_size(ShardSpec(spec.name, size))
         reserved = self._reserve(rt, spec.name, stem, size, protect, wait=not prefetching)
         if reserved is None:
             return False
         fd, temp = reserved
-        started = time.monotonic()
+        assert rt.engine is not None
         try:
-            _write_verified(fd, self.store, spec, size, self.config)
+            report = write_verified(fd, rt.engine, self.store, spec, size, self.config, priority)
             # Under the cache-wide lock: a scan (which holds it) must not see the bytes leave
             # tmp/ after it counted them there and then find them again under shards/.
             with self._dir.locked():
@@ -400,10 +442,13 @@ class ShardCache:
             if temp is not None:
                 _unlink_quietly(temp)
         log.info(
-            "fetched shard %r (%d bytes, %.2fs)%s",
+            "fetched shard %r (%d bytes, %.2fs, %d parts on up to %d connections, hash tail %.3fs)%s",
             spec.name,
             size,
-            time.monotonic() - started,
+            report.seconds,
+            report.parts,
+            report.connections,
+            report.hash_tail_s,
             " [prefetch]" * prefetching,
         )
         self._count(rt, misses=1, bytes_fetched=size)
@@ -423,7 +468,7 @@ class ShardCache:
                     usage = self._dir.scan()
                     excess = usage.total + size - self.config.limit_bytes
                     if excess > 0:
-                        freed, count = self._evict(usage, excess, protect, strict=not wait)
+                        freed, count = self._evict(usage, excess, protect, strict=not wait, incoming=None if wait else stem)
                         excess -= freed
                         evicted += count
                     if excess <= 0:
@@ -444,13 +489,21 @@ class ShardCache:
                 self._count(rt, evictions=evicted, wait_time_s=waited)
 
     def _evict(
-        self, usage: _Usage, need: int, protect: frozenset[str], strict: bool, partial: bool = False
+        self,
+        usage: _Usage,
+        need: int,
+        protect: frozenset[str],
+        strict: bool,
+        partial: bool = False,
+        incoming: str | None = None,
     ) -> tuple[int, int]:
-        """Under the cache-wide lock: evict least recently used shards no one holds until
-        `need` bytes are free, or none at all if that is impossible (unless `partial`).
-        Shards in `protect` go last, and never when `strict`. Returns (bytes, shards)."""
+        """Under the cache-wide lock: evict shards no one holds until `need` bytes are free,
+        or none at all if that is impossible (unless `partial`): those needed furthest ahead
+        by the readers' hints first, else least recently used (`policy.victim_order`; a
+        prefetch of stem `incoming` spares shards needed no later than it). Shards in
+        `protect` go last, and never when `strict`. Returns (bytes, shards)."""
         protected = {self._stem(name) for name in protect}
-        ordered = sorted(usage.shards)
+        ordered = victim_order(usage.shards, read_next_use(self._dir), incoming)
         candidates = [s for s in ordered if s[1] not in protected]
         if not strict:
             candidates += [s for s in ordered if s[1] in protected]

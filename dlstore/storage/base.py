@@ -7,8 +7,9 @@ Contract (every backend passes `tests/test_store_contract.py` unchanged):
 * `list(prefix)` yields `ObjectInfo` in lexicographic key order, lazily, page by page,
   for any number of objects (well past 10,000).
 * `get(key, start, end)` streams bytes; a read cut off mid-body resumes from the last
-  byte received, so the caller sees each byte once. `get_range` returns exactly the
-  bytes asked for.
+  byte received, so the caller sees each byte once; the retry budget (attempts and
+  deadline) starts again after any attempt that made progress. `get_range` returns
+  exactly the bytes asked for.
 * `put(key, data)` takes bytes, a path, a binary file or an iterator of bytes and
   streams it; objects larger than `segment_size` go as S3 multipart uploads or Swift
   static large objects. A put is atomic: readers see the old object or the new one.
@@ -36,8 +37,8 @@ from typing import BinaryIO, Union
 from urllib.parse import urlsplit
 
 from dlstore.config import StoreConfig
-from dlstore.errors import ConfigError, NotFound
-from dlstore.storage.retry import call_with_retry, retrying
+from dlstore.errors import ConfigError, NotFound, TransientError
+from dlstore.storage.retry import ProgressRetry, call_with_retry
 
 __all__ = ["ObjectInfo", "PutSource", "Store", "IterReader", "read_block", "remaining_size"]
 
@@ -174,15 +175,20 @@ class Store(ABC):
         if start < 0 or (end is not None and end < start):
             raise ConfigError(f"invalid byte range [{start}, {end}) for {key!r}")
         position = start
-        for attempt in retrying(self.config.retry):
-            with attempt:
-                if end is not None and position >= end:
-                    return
+        # The budget restarts after every attempt that moved bytes (`ProgressRetry`): one
+        # budget for a whole stream would kill a healthy but slow download of a large object.
+        retry = ProgressRetry(self.config.retry)
+        while end is None or position < end:
+            reached = position
+            try:
                 # `_read` compares what arrived with the length the server announced, so
                 # ending before `end` here means the object ended first, not a short read.
                 for chunk in self._read(key, position, end):
                     position += len(chunk)
                     yield chunk
+                return
+            except TransientError as exc:
+                retry.failed(exc, progressed=position > reached)
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Exactly `length` bytes from offset `start` (fewer only if the object ends first)."""

@@ -1,8 +1,17 @@
-"""Retry only what is transient, with jittered exponential backoff and an overall deadline."""
+"""Retry only what is transient, with jittered exponential backoff and an overall deadline.
+
+Two shapes: `retrying`/`call_with_retry` for a call that either succeeds or fails whole
+(its attempts and deadline count from the first try), and `ProgressRetry` for a streamed
+read that resumes where it was cut, whose budget starts again after every attempt that
+moved bytes: a healthy but slow 1 GB download outlives any fixed deadline, and a stream
+cut every few minutes is never killed for it; only a stream that stops moving is.
+"""
 
 from __future__ import annotations
 
 import logging
+import random
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -11,7 +20,7 @@ import tenacity
 from dlstore.config import RetryConfig
 from dlstore.errors import TransientError
 
-__all__ = ["call_with_retry", "retrying"]
+__all__ = ["ProgressRetry", "call_with_retry", "retrying"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,3 +56,38 @@ def retrying(policy: RetryConfig) -> tenacity.Retrying:
 def call_with_retry(policy: RetryConfig, fn: Callable[[], T]) -> T:
     """Call `fn()` under `policy`; see `retrying`."""
     return retrying(policy)(fn)
+
+
+class ProgressRetry:
+    """The retry budget of one resumable stream: `max_attempts` attempts in a row that move no
+    byte, within `deadline_s` of the last attempt that moved one (or of the start).
+
+    >>> retry = ProgressRetry(RetryConfig(deadline_s=30))
+    >>> while True:                                            # doctest: +SKIP
+    ...     try:
+    ...         moved = read_some_more()                        # resumes from the next byte
+    ...         break
+    ...     except TransientError as exc:
+    ...         retry.failed(exc, progressed=moved_anything)    # raises exc once the budget is spent
+    """
+
+    def __init__(self, policy: RetryConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._clock = clock
+        self._failures = 0
+        self._since = clock()
+
+    def failed(self, exc: TransientError, progressed: bool) -> None:
+        """Count a failed attempt; sleep the backoff and return, or raise `exc` when the
+        budget is spent. An attempt that `progressed` first starts a fresh budget."""
+        if progressed:  # the attempt that moved bytes is not counted: a fresh budget follows it
+            self._failures, self._since = 0, self._clock()
+        else:
+            self._failures += 1
+            if self._failures >= self.policy.max_attempts or self._clock() - self._since >= self.policy.deadline_s:
+                raise exc
+        # Full jitter over an exponential cap, as `retrying` waits (tenacity's wait_random_exponential).
+        cap = min(self.policy.max_backoff_s, self.policy.initial_backoff_s * 2 ** max(self._failures - 1, 0))
+        pause = random.uniform(0, cap)
+        log.warning("transient storage error (attempt %d, next in %.2fs): %s", self._failures + 1, pause, exc)
+        time.sleep(pause)

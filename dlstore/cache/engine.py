@@ -1,0 +1,335 @@
+"""The download engine of one process: worker threads that fetch shards as ranged GETs,
+several parts of a shard and several shards at once, each part written into the shard's
+temp file at its own offset.
+
+    engine = DownloadEngine(connections=16)
+    job = engine.start(store, "train/shard-000003.tar", fd, size, priority=0, parts_in_flight=8, part_size=16 * 2**20)
+    job.wait(on_prefix=hash_bytes)     # (start, end) of each new stretch of the written prefix; raises a part's error
+
+How it works, and why:
+
+* **Parts are cut when a worker takes one**, in offset order, not all up front: the written
+  prefix grows steadily behind the parts in flight, so the caller can hash it as it grows
+  and only the last parts remain to hash once the bytes are in; and a part's size can use
+  what the parts before it measured.
+* **Part size** is at least `part_size`, and large enough that waiting for a part's first
+  byte (a round trip, plus the server's latency) costs at most 1/32 of its transfer at the
+  rate one connection has been getting (`_LinkEstimate`), but no larger than the shard's
+  share of `parts_in_flight` connections. With `parts_in_flight=1` a shard is one GET.
+* **Scheduling**: downloads by (priority, arrival); an idle worker takes the next part of
+  the first download that has bytes left and fewer than its `parts_in_flight` parts
+  running. The reader's shard (priority 0) goes before the prefetch's.
+* **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes
+  from the next byte after a cut, and whose retry budget starts again after any attempt
+  that moved bytes (`storage.retry.ProgressRetry`).
+* **The last part asks for one byte more** than the manifest's size, so an object longer
+  than its manifest shows (`CorruptShard`) without a stat; a part that ends early shows
+  one that is shorter. Nothing is ever written past `size`: the reservation holds.
+* **Errors**: the first part that fails for good fails the download: no new part starts,
+  running parts stop at their next chunk, and `Download.wait` raises that error (store
+  errors re-raised naming the shard and the part's bytes) only once no part can write to
+  the file any more, so the caller may close and unlink it.
+* **Workers** are made on demand, at most `connections`, and end after `idle_s` without
+  work. A backend's per-thread connection (Swift) therefore stays open across parts.
+
+No state survives a fork: the engine lives in the cache's per-process runtime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from dlstore.errors import CorruptShard, DlstoreError
+from dlstore.storage.base import Store
+
+log = logging.getLogger(__name__)
+
+#: A part is sized so that waiting for its first byte costs at most 1/_LATENCY_SHARE of it.
+_LATENCY_SHARE = 32
+_ALIGN = 64 * 1024
+_MIN_SAMPLE_BYTES = 1 << 20
+
+
+@dataclass
+class _Part:
+    index: int
+    start: int
+    end: int  # exclusive; the manifest's size bounds it
+    written: int  # bytes [start, written) are in the file
+
+
+class _LinkEstimate:
+    """Time to first byte and bytes per second of one connection, smoothed over recent parts."""
+
+    def __init__(self) -> None:
+        self.first_byte_s: float | None = None
+        self.rate: float | None = None
+
+    def add(self, first_byte_s: float, nbytes: int, transfer_s: float) -> None:
+        if nbytes < _MIN_SAMPLE_BYTES or transfer_s <= 0.005:
+            return
+        rate = nbytes / transfer_s
+        if self.rate is None or self.first_byte_s is None:
+            self.first_byte_s, self.rate = first_byte_s, rate
+        else:
+            self.first_byte_s = 0.7 * self.first_byte_s + 0.3 * first_byte_s
+            self.rate = 0.7 * self.rate + 0.3 * rate
+
+    def part_size(self, floor: int, ceiling: int) -> int:
+        if self.rate is None or self.first_byte_s is None:
+            return floor
+        want = _LATENCY_SHARE * self.first_byte_s * self.rate
+        want = math.ceil(want / _ALIGN) * _ALIGN
+        return max(floor, min(ceiling, want))
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        offset += (n := os.pwrite(fd, view, offset))
+        view = view[n:]
+
+
+class Download:
+    """One shard in flight: its parts, who runs them, and the first error. Made by
+    `DownloadEngine.start`; the caller then calls `wait` exactly once."""
+
+    def __init__(
+        self,
+        engine: DownloadEngine,
+        store: Store,
+        name: str,
+        fd: int,
+        size: int,
+        *,
+        priority: int,
+        parts_in_flight: int,
+        part_size: int,
+    ) -> None:
+        self.store, self.name, self.fd, self.size = store, name, fd, size
+        self.order = (priority, 0)  # (priority, arrival), set by the engine
+        self.parts_in_flight = parts_in_flight
+        self.part_floor = size if parts_in_flight == 1 else part_size
+        self.part_ceiling = max(self.part_floor, -(-size // parts_in_flight))
+        self.parts: list[_Part] = []
+        self.running = 0
+        self.most_running = 0
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.started = self.last_write = time.monotonic()
+        self._engine = engine
+        self._progress = threading.Condition(engine._lock)
+
+    # -- under the engine's lock --------------------------------------------------------------------
+    def _next_offset(self) -> int:
+        return self.parts[-1].end if self.parts else 0
+
+    def _has_work(self) -> bool:
+        if self.error is not None or self.cancelled:
+            return False
+        # An empty shard is one part too: [0, 1) asked for, to see that nothing is there.
+        return not self.parts or self._next_offset() < self.size
+
+    def _claim(self, length: int) -> _Part:
+        start = self._next_offset()
+        part = _Part(len(self.parts), start, min(self.size, start + max(length, 1)), start)
+        self.parts.append(part)
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        return part
+
+    def _prefix(self) -> int:
+        """End of the bytes written from offset 0 without a gap."""
+        end = 0
+        for part in self.parts:
+            end = part.written
+            if part.written < part.end:
+                break
+        return end
+
+    def _finished(self) -> bool:
+        """No part runs, and none will start."""
+        return self.running == 0 and not self._has_work()
+
+    # -- the caller's side ---------------------------------------------------------------------------
+    def wait(self, on_prefix: Callable[[int, int], None] | None = None) -> None:
+        """Block until every part has ended, calling `on_prefix(start, end)` (in this thread)
+        for each new stretch of the contiguous prefix written. Raises the first part's error,
+        or `on_prefix`'s, once no part writes to the file any more."""
+        done = 0
+        try:
+            while True:
+                with self._engine._lock:
+                    while not self._finished() and self.error is None:
+                        if on_prefix is not None and self._prefix() > done:
+                            break
+                        self._progress.wait()
+                    prefix, finished, failed = self._prefix(), self._finished(), self.error is not None
+                if failed:
+                    break
+                if on_prefix is not None and prefix > done:
+                    on_prefix(done, prefix)
+                    done = prefix
+                elif finished:
+                    break
+        except BaseException:
+            self._stop()
+            raise
+        finally:
+            self._drain()
+        if self.error is not None:
+            raise self.error
+
+    def _stop(self) -> None:
+        with self._engine._lock:
+            self.cancelled = True
+
+    def _drain(self) -> None:
+        """Wait until no part runs (a running part stops at its next chunk once failed or cancelled)."""
+        with self._engine._lock:
+            while self.running:
+                self._progress.wait(timeout=1.0)
+            self._engine._forget(self)
+
+    @property
+    def stopped(self) -> bool:
+        return self.error is not None or self.cancelled
+
+
+class DownloadEngine:
+    """Worker threads fetching the parts of the downloads started on it; see the module
+    docstring. Thread-safe; one per process (it does not survive a fork)."""
+
+    def __init__(self, connections: int, idle_s: float = 30.0) -> None:
+        self.connections = connections
+        self.idle_s = idle_s
+        self.link = _LinkEstimate()
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._downloads: list[Download] = []
+        self._arrivals = itertools.count()
+        self._workers = 0
+        self._idle = 0
+        self._closing = False
+
+    def start(
+        self, store: Store, name: str, fd: int, size: int, *, priority: int, parts_in_flight: int, part_size: int
+    ) -> Download:
+        """Begin fetching object `name` of `store` (`size` bytes, as the manifest says) into
+        `fd`; lower `priority` goes first. Call `wait` on the result."""
+        download = Download(
+            self, store, name, fd, size, priority=priority, parts_in_flight=parts_in_flight, part_size=part_size
+        )
+        with self._lock:
+            self._closing = False
+            download.order = (priority, next(self._arrivals))
+            self._downloads.append(download)
+            self._downloads.sort(key=lambda d: d.order)
+            self._spawn(min(parts_in_flight, self.connections))
+            self._work.notify_all()
+        return download
+
+    def close(self) -> None:
+        """Let idle workers end now (running parts finish; a later `start` makes new workers)."""
+        with self._lock:
+            self._closing = True
+            self._work.notify_all()
+
+    # -- under the lock --------------------------------------------------------------------------------
+    def _spawn(self, wanted: int) -> None:
+        missing = min(wanted - self._idle, self.connections - self._workers)
+        for _ in range(max(missing, 0)):
+            self._workers += 1
+            threading.Thread(target=self._work_loop, name="dlstore-cache-download", daemon=True).start()
+
+    def _forget(self, download: Download) -> None:
+        if download in self._downloads:
+            self._downloads.remove(download)
+        self._work.notify_all()
+
+    def _take(self) -> tuple[Download, _Part] | None:
+        for download in self._downloads:
+            if download._has_work() and download.running < download.parts_in_flight:
+                length = self.link.part_size(download.part_floor, download.part_ceiling)
+                return download, download._claim(length)
+        return None
+
+    # -- the workers ------------------------------------------------------------------------------------
+    def _work_loop(self) -> None:
+        while True:
+            with self._lock:
+                idle_until = time.monotonic() + self.idle_s
+                while (job := self._take()) is None:
+                    left = idle_until - time.monotonic()
+                    if self._closing or left <= 0:
+                        self._workers -= 1
+                        return
+                    self._idle += 1
+                    self._work.wait(timeout=left)
+                    self._idle -= 1
+            download, part = job
+            try:
+                self._fetch(download, part)
+            except BaseException as exc:  # kept for the caller, who raises it in `wait`
+                with self._lock:
+                    if download.error is None and not download.cancelled:
+                        download.error = _naming_the_part(exc, download, part)
+            finally:
+                with self._lock:
+                    download.running -= 1
+                    download._progress.notify_all()
+                    self._work.notify_all()
+
+    def _fetch(self, download: Download, part: _Part) -> None:
+        """One part: a ranged GET written at its offset; the last part asks for one byte more."""
+        request_end = part.end + 1 if part.end == download.size else part.end
+        with contextlib.closing(download.store.get(download.name, part.start, request_end)) as chunks:
+            self._write_part(download, part, chunks)
+
+    def _write_part(self, download: Download, part: _Part, chunks: Iterator[bytes]) -> None:
+        size, position = download.size, part.start
+        asked = time.monotonic()
+        first_byte = None
+        for chunk in chunks:
+            if download.stopped:
+                return
+            if first_byte is None:
+                first_byte = time.monotonic()
+            if position + len(chunk) > part.end:  # only the last part can get here
+                raise CorruptShard(
+                    f"shard {download.name!r} in {download.store.url} is larger than the {size} bytes its manifest says"
+                )
+            _pwrite_all(download.fd, chunk, position)
+            position += len(chunk)
+            with self._lock:
+                part.written = position
+                download.last_write = time.monotonic()
+                download._progress.notify_all()
+        if position < part.end:
+            known = "" if position > part.start or part.start == 0 else "at most "
+            raise CorruptShard(
+                f"shard {download.name!r} in {download.store.url} has {known}{position} bytes; its manifest says {size}"
+            )
+        if first_byte is not None:
+            with self._lock:
+                self.link.add(first_byte - asked, position - part.start, time.monotonic() - first_byte)
+
+
+def _naming_the_part(exc: BaseException, download: Download, part: _Part) -> BaseException:
+    """A store error re-raised with the shard and the part's bytes in its message (same type)."""
+    if not isinstance(exc, DlstoreError) or isinstance(exc, CorruptShard):
+        return exc  # CorruptShard names the shard already; OSError (a full disk) is the cache's to map
+    try:
+        named = type(exc)(f"shard {download.name!r}, part {part.index} (bytes {part.start}-{part.end - 1}): {exc}")
+    except TypeError:
+        return exc
+    named.__cause__ = exc
+    return named

@@ -1,0 +1,340 @@
+"""The cache's download engine (issue 12): a shard fetched as parallel ranged GETs written
+at their offsets, several shards in flight, retries per part that resume from the next
+byte, and the verdicts (size, checksum, full disk) a download ends with.
+
+Everything runs on a local `file://` store whose reads can be gated, cut or damaged;
+the same behaviour against the real Swift server, through the fault proxy and the WAN
+emulator, is in `test_reliability_faults.py`. Times are never asserted.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import os
+import threading
+import time
+
+import pytest
+from test_cache import FORK, cached_names, config, make_remote, read
+
+from dlstore.cache import CacheConfig, ShardCache
+from dlstore.cache.engine import DownloadEngine
+from dlstore.config import RetryConfig, StoreConfig
+from dlstore.errors import CorruptShard, NotFound, TransientError
+from dlstore.storage.local import LocalStore
+from dlstore.storage.retry import ProgressRetry
+
+QUICK = RetryConfig(max_attempts=3, initial_backoff_s=0.0, max_backoff_s=0.0, deadline_s=30)
+
+
+class PartStore(LocalStore):
+    """A local store that records every read as (key, start, end), counts reads running at
+    once, and can be told to cut, damage or hold back reads."""
+
+    def __init__(self, url: str, chunk_size: int = 1024, retry: RetryConfig = QUICK) -> None:
+        super().__init__(url, StoreConfig(chunk_size=chunk_size, retry=retry))
+        self.reads: list[tuple[str, int, int | None]] = []
+        self.running = 0
+        self.most_running = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.cut_after: dict[int, list[int]] = {}  # read start -> bytes after which to cut (one per read)
+        self.damage_starts: dict[int, int] = {}  # read start -> how many more reads to damage
+        self.fail_always: set[int] = set()  # read starts that always fail before a byte
+        self._lock = threading.Lock()
+
+    def _read(self, key, start, end):
+        with self._lock:
+            self.reads.append((key, start, end))
+            self.running += 1
+            self.most_running = max(self.most_running, self.running)
+            cut = self.cut_after.get(start, [None]).pop(0) if self.cut_after.get(start) else None
+            damage = self.damage_starts.get(start, 0) > 0
+            if damage:
+                self.damage_starts[start] -= 1
+        try:
+            assert self.gate.wait(10)
+            if start in self.fail_always:
+                raise TransientError(f"{self.url}/{key}: injected failure")
+            sent = 0
+            for chunk in super()._read(key, start, end):
+                if cut is not None and sent + len(chunk) > cut:
+                    yield chunk[: cut - sent]
+                    raise TransientError(f"short read of {self.url}/{key}")
+                sent += len(chunk)
+                yield bytes(b ^ 0xFF for b in chunk) if damage else chunk
+        finally:
+            with self._lock:
+                self.running -= 1
+
+    def reads_of(self, key: str) -> list[tuple[int, int | None]]:
+        return [(s, e) for k, s, e in self.reads if k == key]
+
+
+@pytest.fixture
+def parts_remote(tmp_path):
+    def build(sizes, **kwargs):
+        specs, contents = make_remote(tmp_path / "remote", sizes)
+        return PartStore(str(tmp_path / "remote"), **kwargs), specs, contents
+
+    return build
+
+
+def parts_config(tmp_path, limit=10_000_000, **kwargs) -> CacheConfig:
+    kwargs.setdefault("part_size", 4096)
+    kwargs.setdefault("parts_in_flight", 4)
+    return config(tmp_path, limit, **kwargs)
+
+
+# -- the retry budget --------------------------------------------------------------------------------
+def test_progress_restarts_the_retry_budget():
+    now = [0.0]
+    retry = ProgressRetry(
+        RetryConfig(max_attempts=3, initial_backoff_s=0, max_backoff_s=0, deadline_s=10), clock=lambda: now[0]
+    )
+    error = TransientError("cut")
+    for _ in range(50):  # far more failures than attempts, and far longer than the deadline
+        now[0] += 9.0
+        retry.failed(error, progressed=True)
+    retry.failed(error, progressed=False)
+    retry.failed(error, progressed=False)
+    with pytest.raises(TransientError):
+        retry.failed(error, progressed=False)  # three attempts in a row without a byte
+    retry = ProgressRetry(
+        RetryConfig(max_attempts=100, initial_backoff_s=0, max_backoff_s=0, deadline_s=10), clock=lambda: now[0]
+    )
+    now[0] += 11.0
+    with pytest.raises(TransientError):
+        retry.failed(error, progressed=False)  # no byte within the deadline
+
+
+def test_a_stream_cut_again_and_again_completes_while_it_moves(tmp_path):
+    data = os.urandom(40_000)
+    (tmp_path / "obj").write_bytes(data)
+    store = PartStore(str(tmp_path), chunk_size=1000)
+    store.cut_after[0] = [500]
+    position = 500
+    for _ in range(12):  # 13 cuts, each after some progress: more than max_attempts=3
+        store.cut_after[position] = [700]
+        position += 700
+    assert store.get_bytes("obj") == data
+    assert len(store.reads) == 14
+    assert [s for _, s, _ in store.reads[:3]] == [0, 500, 1200]  # each resumed from the next byte
+    store.cut_after[0] = [position]
+    store.fail_always.add(position)
+    store.reads.clear()
+    with pytest.raises(TransientError):
+        store.get_bytes("obj")
+    assert sum(1 for _, s, _ in store.reads if s == position) == 3  # no progress: the budget runs out
+
+
+# -- parts ------------------------------------------------------------------------------------------------
+def test_a_shard_is_fetched_as_parallel_ranged_parts(tmp_path, parts_remote):
+    store, specs, contents = parts_remote([50_000, 3000, 0])
+    store.gate.clear()  # hold every read until several are running
+    cache = ShardCache(parts_config(tmp_path), store)
+    fetched = {}
+    thread = threading.Thread(target=lambda: fetched.setdefault("path", cache.fetch(*specs[0])))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while store.running < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store.gate.set()
+    thread.join(10)
+    name = specs[0][0]
+    assert read(fetched["path"]) == contents[name]
+    reads = store.reads_of(name)
+    assert len(reads) == 13  # ceil(50,000 / 4096) parts, each read once
+    assert store.most_running == 4  # parts_in_flight
+    starts = sorted(s for s, _ in reads)
+    assert starts == list(range(0, 50_000, 4096))
+    assert sorted(e for _, e in reads)[-1] == 50_001  # the last part asks one byte more
+    for small in specs[1:]:  # a shard no larger than a part: one GET, as before
+        assert read(cache.fetch(*small)) == contents[small[0]]
+        assert store.reads_of(small[0]) == [(0, small[1] + 1)]
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+
+
+def test_one_part_in_flight_is_one_get_per_shard(tmp_path, parts_remote):
+    store, specs, contents = parts_remote([50_000])
+    cache = ShardCache(parts_config(tmp_path, parts_in_flight=1), store)
+    assert read(cache.fetch(*specs[0])) == contents[specs[0][0]]
+    assert store.reads_of(specs[0][0]) == [(0, 50_001)]
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_a_part_cut_mid_body_resumes_from_its_next_byte(tmp_path, parts_remote, where):
+    store, specs, contents = parts_remote([40_000], chunk_size=1000)
+    start = {"first": 0, "middle": 4 * 4096, "last": 9 * 4096}[where]
+    store.cut_after[start] = [1500]  # cut twice: after 1,500 bytes, then after 300 more
+    store.cut_after[start + 1500] = [300]
+    cache = ShardCache(parts_config(tmp_path), store)
+    assert read(cache.fetch(*specs[0])) == contents[specs[0][0]]
+    starts = collections.Counter(s for s, _ in store.reads_of(specs[0][0]))
+    assert starts[start] == 1 and starts[start + 1500] == 1 and starts[start + 1800] == 1
+    assert len(store.reads) == 10 + 2
+
+
+def test_a_part_that_fails_for_good_fails_the_shard_naming_it(tmp_path, parts_remote):
+    store, specs, _ = parts_remote([40_000])
+    store.fail_always.add(2 * 4096)
+    cache = ShardCache(parts_config(tmp_path), store)
+    with pytest.raises(TransientError, match=r"shard-000000\.tar.*part 2 \(bytes 8192-12287\)"):
+        cache.fetch(*specs[0])
+    assert cached_names(tmp_path / "cache") == set()
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+    assert store.running == 0  # no part still writing into a file given up
+
+
+def test_a_missing_object_is_not_found_naming_the_shard(tmp_path, parts_remote):
+    store, _, _ = parts_remote([10])
+    cache = ShardCache(parts_config(tmp_path), store)
+    with pytest.raises(NotFound, match="absent.tar"):
+        cache.fetch("train/absent.tar", 50_000)
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+
+
+def test_a_corrupt_part_is_fetched_once_more_then_corrupt_shard(tmp_path, parts_remote):
+    store, specs, contents = parts_remote([40_000])
+    name = specs[0][0]
+    store.damage_starts[3 * 4096] = 1  # damaged on the way, once
+    cache = ShardCache(parts_config(tmp_path), store)
+    assert read(cache.fetch(*specs[0])) == contents[name]
+    assert len(store.reads_of(name)) == 2 * 10  # the whole shard once more
+
+    store.damage_starts[3 * 4096] = 2  # damaged both times
+    store.reads.clear()
+    fresh = ShardCache(parts_config(tmp_path / "b"), store)
+    with pytest.raises(CorruptShard, match=r"shard-000000\.tar.*fails its checksum"):
+        fresh.fetch(*specs[0])
+    assert len(store.reads_of(name)) == 2 * 10  # fetched twice, then given up
+    assert cached_names(tmp_path / "b" / "cache") == set()
+    assert os.listdir(tmp_path / "b" / "cache" / "tmp") == []
+
+
+@pytest.mark.parametrize("damage", ["longer", "shorter", "much shorter"])
+def test_a_size_other_than_the_manifest_is_corrupt_with_parts(tmp_path, parts_remote, damage):
+    store, specs, _ = parts_remote([40_000])
+    name, size, checksum = specs[0]
+    size += {"longer": -10, "shorter": 10, "much shorter": 3 * 4096}[damage]
+    cache = ShardCache(parts_config(tmp_path), store)
+    with pytest.raises(CorruptShard, match=r"shard-000000\.tar.*(larger than|has .*bytes)"):
+        cache.fetch(name, size, checksum)
+    assert len(store.reads_of(name)) <= -(-size // 4096)  # no second fetch: the sizes disagree
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+
+
+def _fetch_under_file_size_limit(cache, spec, max_file_bytes, result_path):
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+    try:
+        cache.fetch(*spec)
+        outcome = "fetched"
+    except BaseException as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    with open(result_path, "w") as file:
+        file.write(outcome[:300])
+
+
+def test_a_full_disk_mid_download_leaves_no_partial_file(tmp_path, parts_remote):
+    store, specs, _ = parts_remote([60_000])
+    cache = ShardCache(parts_config(tmp_path, preallocate=False), store)
+    cache.usage()  # the layout and stats file exist before the limit
+    child = FORK.Process(target=_fetch_under_file_size_limit, args=(cache, specs[0], 30_000, tmp_path / "result"))
+    child.start()
+    child.join(30)
+    outcome = (tmp_path / "result").read_text()
+    assert outcome.startswith("NoSpace:") and "shard-000000.tar" in outcome, outcome
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+    assert cached_names(tmp_path / "cache") == set()
+
+
+# -- several shards, several processes ----------------------------------------------------------------
+def _read_all(cache, specs, digests, barrier):
+    barrier.wait(10)
+    for spec in specs:
+        with cache.hold(*spec) as path:
+            assert hashlib.sha256(read(path)).hexdigest() == digests[spec[0]]
+    cache.close()
+
+
+class LoggingPartStore(PartStore):
+    """Appends "key start" for every read to a file many processes share."""
+
+    def __init__(self, url: str, log_path: str) -> None:
+        super().__init__(url)
+        self.log_path = log_path
+
+    def _read(self, key, start, end):
+        with open(self.log_path, "a") as log:
+            log.write(f"{key} {start}\n")
+        time.sleep(0.005)
+        yield from super()._read(key, start, end)
+
+
+def test_processes_fetch_each_part_once_per_node(tmp_path):
+    specs, contents = make_remote(tmp_path / "remote", [30_000] * 4)
+    store = LoggingPartStore(str(tmp_path / "remote"), str(tmp_path / "reads.log"))
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}
+    cache = ShardCache(parts_config(tmp_path, prefetch=0), store)
+    barrier = FORK.Barrier(4)
+    children = [FORK.Process(target=_read_all, args=(cache, specs, digests, barrier)) for _ in range(4)]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(30)
+    assert [c.exitcode for c in children] == [0] * 4
+    reads = collections.Counter((tmp_path / "reads.log").read_text().split("\n")[:-1])
+    assert set(reads.values()) == {1} and len(reads) == 4 * 8  # 8 parts a shard, each once on the node
+
+
+def test_prefetch_keeps_several_shards_in_flight(tmp_path, parts_remote):
+    store, specs, contents = parts_remote([20_000] * 5)
+    store.gate.clear()
+    cache = ShardCache(parts_config(tmp_path, prefetch=3, shards_in_flight=2, parts_in_flight=2), store)
+    cache.prefetch(specs)
+    deadline = time.monotonic() + 10
+    while store.running < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    in_flight = {k for k, _, _ in store.reads}
+    store.gate.set()
+    assert in_flight == {specs[0][0], specs[1][0]}  # two shards, two parts each, the sooner ones
+    assert store.most_running == 4
+    for spec in specs:
+        with cache.hold(*spec) as path:
+            assert read(path) == contents[spec[0]]
+    cache.close()
+
+
+def test_the_reader_s_shard_goes_before_the_prefetch_s(tmp_path):
+    """With every connection busy, the next free one takes a part of the shard a reader waits
+    for (priority 0), not the next part of a prefetch (priority 1 or more)."""
+    specs, contents = make_remote(tmp_path / "remote", [40_000, 40_000])
+    store = PartStore(str(tmp_path / "remote"))
+    store.gate.clear()
+    engine = DownloadEngine(connections=2)
+    files = [os.open(tmp_path / f"out-{i}", os.O_RDWR | os.O_CREAT) for i in range(2)]
+    try:
+        background = engine.start(store, specs[0][0], files[0], 40_000, priority=2, parts_in_flight=2, part_size=4096)
+        deadline = time.monotonic() + 10
+        while store.running < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        urgent = engine.start(store, specs[1][0], files[1], 40_000, priority=0, parts_in_flight=2, part_size=4096)
+        store.gate.set()
+        urgent.wait()
+        order = [k for k, _, _ in store.reads]
+        last_urgent = len(order) - 1 - order[::-1].index(specs[1][0])
+        # Before the urgent shard's last part: the two background parts that were running,
+        # and at most one more, taken while that last part ran.
+        assert order[:last_urgent].count(specs[0][0]) <= 3
+        background.wait()
+        for fd, spec in zip(files, specs):
+            assert os.pread(fd, 40_000, 0) == contents[spec[0]]
+    finally:
+        for fd in files:
+            os.close(fd)
+        engine.close()
