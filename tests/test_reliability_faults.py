@@ -4,6 +4,12 @@
   object's bytes, with one extra request (a ranged one from the next byte after a cut body).
 * Case 1: 10% of GETs faulted in every way during 2 epochs on 2 gloo ranks: the keys each
   rank delivers are exactly those of a fault-free run.
+* The cache's parallel parts (issue 12): every fault once on one part of a shard fetched
+  as ranged GETs: that part alone is asked again (from its next byte after a cut body) and
+  the shard's bytes are exact; a part damaged on the way fails the checksum, the shard is
+  fetched once more, and damaged again it is a `CorruptShard`; and a shard fetched through
+  the WAN emulator (`tools/wan_proxy.py`) as parts, from a Swift SLO and an S3 multipart
+  object.
 * Case 2: the Swift server (a dedicated instance, not the session's: all its processes,
   memcached and so its tokens included) stopped for 20 s mid-epoch and started again on the
   same port: the loader waits within its retry deadline and loses nothing; kept down past
@@ -17,8 +23,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -32,10 +40,12 @@ import torch.multiprocessing as tmp
 from fault_proxy import ALL_FAULTS, FaultProxy
 from loader_support import run_rank, write_dataset
 from test_loader import _CacheSampler
+from wan_proxy import WanProxy
 
 import dlstore
+from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.errors import TransientError
+from dlstore.errors import CorruptShard, TransientError
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -126,6 +136,98 @@ def test_each_fault_is_retried_and_the_bytes_are_exact(swift_server, swift_conta
         assert store.get_range("obj", 1000, 5000) == OBJECT[1000:6000]
         assert took < 30  # no hang (a stall is given up after the read timeout)
     report(f"fault {kind} ({api})", detected_and_recovered_s=f"{took:.2f}")
+
+
+# -- the cache's parallel parts under each fault (issue 12) --------------------------------------
+PART = 64 * 1024  # below the 1 MiB the engine needs to adapt part sizes: the parts are as cut here
+SHARD = random.Random(12).randbytes(5 * PART + 1000)  # 6 parts
+SHARD_SUM = "sha256:" + hashlib.sha256(SHARD).hexdigest()
+
+
+def parts_cache(tmp_path, store, **kwargs) -> ShardCache:
+    kwargs.setdefault("part_size", PART)
+    kwargs.setdefault("parts_in_flight", 4)
+    return ShardCache(CacheConfig(str(tmp_path / "cache"), "10MB", prefetch=0, fsync=False, **kwargs), store)
+
+
+def _range_of(header: str) -> tuple[int, int]:
+    first, _, last = header.removeprefix("bytes=").partition("-")
+    return int(first), int(last)
+
+
+@pytest.mark.parametrize("kind", ALL_FAULTS)
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_each_fault_on_a_part_resumes_that_part(swift_server, swift_container, tmp_path, api, kind):
+    with FaultProxy(server_port(swift_server), stall_s=4.0) as proxy:
+        env = proxied_env(swift_server, proxy, api)
+        store = open_store(f"{api}://{swift_container}/parts", config_for(env, PATIENT_READS))
+        store.put("shard.tar", SHARD)
+        assert store.get_range("shard.tar", 0, 1) == SHARD[:1]  # authenticated
+        proxy.reset_counts()
+        proxy.add_rule(kind, method="GET", path=r"/parts/shard\.tar(\?|$)")
+        with open(parts_cache(tmp_path, store).fetch("shard.tar", len(SHARD), SHARD_SUM), "rb") as file:
+            assert file.read() == SHARD
+        assert proxy.injected_kinds() == {kind: 1}
+        ranges = [_range_of(r) for m, p, r in proxy.log if m == "GET" and p.endswith("/parts/shard.tar")]
+    assert len(ranges) == 6 + 1  # six parts, the faulted one asked twice
+    (start, last), later = ranges[0], ranges[1:]  # the proxy faulted the first GET it saw
+    again = [first for first, end in later if end == last]  # the same part: its range ends where it did
+    length = min(last + 1, len(SHARD)) - start
+    if kind == "short_body":  # half the part, then a clean end: the rest is asked for
+        assert again == [start + length // 2]
+    elif kind in ("reset_body", "stall_body"):  # from the next byte the client kept
+        assert len(again) == 1 and start <= again[0] <= start + length // 2
+    else:
+        assert again == [start]
+    # Six parts in all; the last asks for one byte past the end.
+    assert sorted({end for _, end in ranges}) == [(i + 1) * PART - 1 for i in range(5)] + [len(SHARD)]
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_a_part_damaged_on_the_way_is_fetched_once_more_then_corrupt(swift_server, swift_container, tmp_path, api):
+    """The proxy answers one ranged GET with 206 and the right length of wrong bytes."""
+    data = SHARD[: 2 * PART]  # two parts of one length: the damaged answer fits either
+    checksum = "sha256:" + hashlib.sha256(data).hexdigest()
+    with FaultProxy(server_port(swift_server)) as proxy:
+        env = proxied_env(swift_server, proxy, api)
+        store = open_store(f"{api}://{swift_container}/damaged", config_for(env, PATIENT_READS))
+        store.put("shard.tar", data)
+        assert store.get_range("shard.tar", 0, 1) == data[:1]
+        proxy.reset_counts()
+        proxy.add_rule(206, method="GET", path=r"/damaged/shard\.tar(\?|$)", body=b"\0" * PART)
+        with open(parts_cache(tmp_path / "a", store).fetch("shard.tar", len(data), checksum), "rb") as file:
+            assert file.read() == data
+        assert proxy.count("GET", r"/damaged/shard\.tar$") == 2 * 2  # the whole shard once more
+
+        proxy.reset_counts()
+        proxy.add_rule(206, method="GET", path=r"/damaged/shard\.tar(\?|$)", body=b"\0" * PART, times=None)
+        with pytest.raises(CorruptShard, match=r"shard\.tar.*fails its checksum"):
+            parts_cache(tmp_path / "b", store).fetch("shard.tar", len(data), checksum)
+        assert proxy.count("GET", r"/damaged/shard\.tar$") == 2 * 2  # fetched twice, then given up
+        proxy.clear()
+    assert os.listdir(tmp_path / "b" / "cache" / "tmp") == []
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_parts_through_the_wan_emulator(swift_server, swift_container, tmp_path, api):
+    """8 MB at 4 MB/s per connection and 5 ms per request, in 4 parts of 2 MiB: on one
+    connection it would take about 2 s, in parts about 0.5 s (shown, not asserted). The
+    object is a Swift SLO (3 MB segments) or an S3 multipart upload, so parts cross segments."""
+    data = random.Random(7).randbytes(8_000_000)
+    checksum = "sha256:" + hashlib.sha256(data).hexdigest()
+    direct = swift_server.swift_env() if api == "swift" else swift_server.s3_env()
+    segmented = {**direct, "DLSTORE_SEGMENT_SIZE": "3MB"}
+    open_store(f"{api}://{swift_container}/wan", config_for(segmented)).put("shard.tar", data)
+    with WanProxy(server_port(swift_server), rate=4e6, delay_s=0.005, lifetime_s=120) as wan:
+        proxied = open_store(f"{api}://{swift_container}/wan", config_for(proxied_env(swift_server, wan, api)))
+        cache = parts_cache(tmp_path, proxied, part_size="2MiB")
+        started = time.monotonic()
+        with open(cache.fetch("shard.tar", len(data), checksum), "rb") as file:
+            assert file.read() == data
+        took = time.monotonic() - started
+        gets = wan.gets(r"/wan/shard\.tar$")
+    assert sorted(_range_of(r)[0] for _, r in gets) == [i * 2 * 2**20 for i in range(4)]
+    report(f"wan parts ({api})", parts=len(gets), most_open=wan.most_open, fetch_s=f"{took:.2f}")
 
 
 # -- case 1: 10% of GETs faulted during 2 epochs on 2 gloo ranks ----------------------------------
