@@ -468,7 +468,9 @@ class ShardCache:
                     usage = self._dir.scan()
                     excess = usage.total + size - self.config.limit_bytes
                     if excess > 0:
-                        freed, count = self._evict(usage, excess, protect, strict=not wait, incoming=None if wait else stem)
+                        freed, count = self._evict(
+                            usage, excess, protect, strict=not wait, incoming=None if wait else stem
+                        )
                         excess -= freed
                         evicted += count
                     if excess <= 0:

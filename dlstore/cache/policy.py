@@ -1,0 +1,177 @@
+"""Plan-aware eviction: which cached shards go first when the cache must make room.
+
+The epoch plan is a pure function, so a reader knows the order in which it will need
+shards for the rest of this epoch and for the whole next one. `ShardCache.hint` records that
+order where every process of the node sees it, and eviction follows Belady's rule: evict
+the shard needed furthest in the future. With a cache that holds a fraction f of the node's
+share, a node then fetches about (1 - f) of its share per epoch, where LRU, against a
+shuffled sweep it cannot see, refetches nearly all of it.
+
+How the hints are kept (the cache is multi-process: only files and `flock` are shared)::
+
+    hints/<namespace>.<pid>.<token>.json    {"version": 1, "order": [stem, ...]}, soonest first
+
+* One file per writer (a `ShardCache` in one process, normally each rank's main process),
+  rewritten in place, always under the cache-wide lock; eviction reads them under the same
+  lock, so it never sees a half-written file.
+* The writer holds `LOCK_SH` on its file for as long as it lives (the lock is taken under
+  the cache-wide lock when the file is made, so no reader ever finds it unlocked). A file
+  whose lock can be taken belongs to a dead process: the reader removes it. A writer's
+  file is removed when its `ShardCache` is collected or the process exits.
+* A shard's next use is its smallest position over all writers' orders. The ranks of a node
+  read the same window of shards at the same time (`dlstore.plan`), so their positions
+  agree to within a few shards and the smallest is the node's next need of it.
+* A hint file holds about 60 bytes per shard of the writer's share (this epoch's rest plus
+  the next epoch). These bytes are not counted against the cache limit.
+
+Victim order, given the hints (`victim_order`): first the shards no hint names (not needed
+this epoch or the next: another dataset's, or left from an earlier run), least recently used
+first; then the hinted ones, furthest next use first. With no live hints at all the order is
+plain LRU, as before. A prefetch (which may wait) never evicts a shard needed no later than
+the one it fetches; a reader that needs a shard now may evict any shard no one holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import secrets
+import weakref
+from collections.abc import Sequence
+
+from dlstore.cache.layout import _CacheDir, _try_flock, _unlink_quietly
+
+log = logging.getLogger(__name__)
+
+HINTS_DIR = "hints"
+_HINT_VERSION = 1
+
+#: A cached shard as a scan lists it: (mtime_ns, stem, size).
+CachedShard = tuple[int, str, int]
+
+
+def hints_dir(directory: _CacheDir) -> str:
+    return os.path.join(directory.root, HINTS_DIR)
+
+
+class HintWriter:
+    """The hint file of one `ShardCache` in one process. Not shared across a fork: the child
+    makes its own (and never unlocks the parent's, whose lock its inherited descriptor shares)."""
+
+    def __init__(self, directory: _CacheDir, namespace: str) -> None:
+        self.pid = os.getpid()
+        self._dir = directory
+        self._path = os.path.join(hints_dir(directory), f"{namespace}.{self.pid}.{secrets.token_hex(4)}.json")
+        self._fd: int | None = None
+        self._last: list[str] | None = None
+        self._finalizer: weakref.finalize | None = None
+
+    def write(self, order: list[str]) -> None:
+        """Record `order` (stems, soonest first), replacing this writer's earlier order."""
+        if order == self._last:
+            return
+        payload = json.dumps({"version": _HINT_VERSION, "order": order}, separators=(",", ":")).encode()
+        with self._dir.locked():
+            if self._fd is None:
+                self._fd = self._open()
+            os.pwrite(self._fd, payload, 0)
+            os.ftruncate(self._fd, len(payload))
+        self._last = order
+
+    def _open(self) -> int:
+        """Create the file and lock it shared; called under the cache-wide lock, so no reader
+        sees the file before it is locked."""
+        os.makedirs(os.path.dirname(self._path), exist_ok=True)
+        fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new file: nobody else holds it
+        self._finalizer = weakref.finalize(self, _remove_hint_file, fd, self._path, self.pid)
+        return fd
+
+    def close(self) -> None:
+        """Remove the hint file: this writer has no more to say."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._fd, self._last, self._finalizer = None, None, None
+
+
+def _remove_hint_file(fd: int, path: str, owner_pid: int) -> None:
+    """Remove a writer's file and release its lock; in a forked child only close the
+    descriptor (unlocking there would release the parent's lock too)."""
+    if os.getpid() != owner_pid:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        return
+    with contextlib.suppress(OSError):
+        _unlink_quietly(path)
+    with contextlib.suppress(OSError):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def read_next_use(directory: _CacheDir) -> dict[str, int]:
+    """Under the cache-wide lock: each hinted stem's next use (its smallest position over the
+    live writers' orders). Removes the files of dead writers; skips unreadable ones."""
+    try:
+        entries = list(os.scandir(hints_dir(directory)))
+    except FileNotFoundError:
+        return {}
+    next_use: dict[str, int] = {}
+    for entry in entries:
+        if not entry.name.endswith(".json"):
+            continue
+        order = _read_live_order(entry.path)
+        for position, stem in enumerate(order):
+            if next_use.get(stem, position) >= position:
+                next_use[stem] = position
+    return next_use
+
+
+def _read_live_order(path: str) -> list[str]:
+    """The order in a writer's file; [] (and the file removed) if its writer is dead."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return []
+    try:
+        if _try_flock(fd, fcntl.LOCK_EX):  # no writer holds it: a dead process's hints
+            _unlink_quietly(path)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            log.debug("removed the hint file %s of a dead process", path)
+            return []
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = json.loads(file.read() or b"{}")
+    except (OSError, ValueError) as exc:
+        log.debug("ignoring unreadable hint file %s: %s", path, exc)
+        return []
+    finally:
+        os.close(fd)
+    order = data.get("order") if isinstance(data, dict) and data.get("version") == _HINT_VERSION else None
+    return [stem for stem in order if isinstance(stem, str)] if isinstance(order, list) else []
+
+
+def victim_order(
+    shards: Sequence[CachedShard], next_use: dict[str, int], incoming: str | None = None
+) -> list[CachedShard]:
+    """The cached shards in the order eviction should try them (see the module docstring).
+
+    `incoming` is the stem a prefetch makes room for: shards needed no later than it are left
+    out (with hints; an unhinted incoming shard may then only displace unhinted ones). Without
+    hints the order is LRU and `incoming` changes nothing.
+
+    >>> victim_order([(1, "a", 9), (2, "b", 9), (3, "c", 9)], {"a": 0, "b": 5})
+    [(3, 'c', 9), (2, 'b', 9), (1, 'a', 9)]
+    """
+    lru = sorted(shards)
+    if not next_use:
+        return lru
+    unhinted = [s for s in lru if s[1] not in next_use]
+    hinted = sorted((s for s in lru if s[1] in next_use), key=lambda s: -next_use[s[1]])  # stable: LRU breaks ties
+    if incoming is None:
+        return unhinted + hinted
+    if incoming not in next_use:
+        return unhinted
+    return unhinted + [s for s in hinted if next_use[s[1]] > next_use[incoming]]
