@@ -17,7 +17,8 @@ Counters: `connections` (accepted), `most_open` (open at once, at most), `bytes_
 and `log`, every request as (method, path, Range header); `gets()` lists the GETs of
 paths matching a regex.
 
-Importable (tests and benchmarks put tools/ on `sys.path`), like `fault_proxy.FaultProxy`::
+Importable (tests and benchmarks put tools/ on `sys.path`), like `fault_proxy.FaultProxy`
+(`WanProxyProcess` runs one in a child process, for benchmarks)::
 
     with WanProxy(swift_port, rate=40e6, delay_s=0.005) as wan:
         env = {"ST_AUTH": f"{wan.url}/auth/v1.0", ...}   # tempauth hands out the proxy's URL
@@ -33,10 +34,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import multiprocessing
 import re
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -46,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dlstore.config import parse_size  # noqa: E402
 
-__all__ = ["WanProxy"]
+__all__ = ["WanProxy", "WanProxyProcess"]
 
 _HEAD_LIMIT = 1 << 20
 _MAX_BLOCK = 256 * 1024
@@ -256,6 +260,89 @@ class WanProxy(LoopThreadServer):
                 self.bytes_down += len(data)
             client_w.write(data)
             await client_w.drain()
+
+
+def _serve(commands: Connection, target_port: int, options: dict) -> None:
+    """The child of `WanProxyProcess`: run a proxy, answer the parent's commands."""
+    with WanProxy(target_port, **options) as proxy:
+        commands.send(proxy.port)
+        while True:
+            command = commands.recv()
+            if command == "reset":
+                proxy.reset_counts()
+                commands.send(None)
+            elif command == "stats":
+                with proxy._lock:
+                    commands.send(
+                        {
+                            "connections": proxy.connections,
+                            "most_open": proxy.most_open,
+                            "bytes_down": proxy.bytes_down,
+                            "log": list(proxy.log),
+                        }
+                    )
+            else:
+                return
+
+
+class WanProxyProcess:
+    """A `WanProxy` in a process of its own, for benchmarks: its event loop then competes
+    with no client thread for the interpreter lock. Same arguments; counters by `stats()`.
+
+    >>> with WanProxyProcess(swift_port, rate=40e6, delay_s=0.005) as wan:   # doctest: +SKIP
+    ...     wan.reset_counts(); fetch(); print(wan.stats()["connections"])
+    """
+
+    def __init__(self, target_port: int, **options: object) -> None:
+        self.target_port = target_port
+        self.options = options
+        self.port = 0
+        self._commands: Connection | None = None
+        self._process: multiprocessing.process.BaseProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> WanProxyProcess:
+        context = multiprocessing.get_context("spawn")
+        self._commands, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, self.target_port, self.options), daemon=True)
+        self._process.start()
+        if not self._commands.poll(60):
+            self.close()
+            raise RuntimeError("the WAN emulator's process did not start within 60 s")
+        self.port = self._commands.recv()
+        return self
+
+    def reset_counts(self) -> None:
+        self._ask("reset")
+
+    def stats(self) -> dict:
+        """connections, most_open, bytes_down, and log: [(method, path, Range header)]."""
+        return self._ask("stats")
+
+    def _ask(self, command: str):
+        assert self._commands is not None, "start() first"
+        self._commands.send(command)
+        return self._commands.recv()
+
+    def close(self) -> None:
+        if self._commands is not None:
+            with contextlib.suppress(OSError):
+                self._commands.send("stop")
+        if self._process is not None:
+            self._process.join(10)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(10)
+        self._commands = self._process = None
+
+    def __enter__(self) -> WanProxyProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def main(argv: list[str] | None = None) -> int:
