@@ -136,34 +136,106 @@ def decode_on_device(encoded, boxes, image_size: int, device):
 
     Decode is most of a sample's CPU cost; on a GPU node with few cores per GPU moving it to
     the device is what lets the loader keep up."""
-    import torch
-    from torch.nn import functional as F
+    import torch  # loaded on first use, as torchvision below: not needed to decode on the CPU
 
     device = torch.device(device)
-    if not len(encoded):
-        return torch.empty((0, image_size, image_size, 3), dtype=torch.uint8, device=device), []
-    bad: list[int] = []
-    try:
-        images = _decode_jpegs(list(encoded), device)
-    except (RuntimeError, ValueError):
-        # A batched decode gives nothing when one JPEG fails: one at a time finds which.
-        images = []
-        for position, data in enumerate(encoded):
-            try:
-                images += _decode_jpegs([data], device)
-            except (RuntimeError, ValueError):
-                bad.append(position)
+    images, bad = _decode_all(list(encoded), device)
+    if bad:
         boxes = boxes[[i for i in range(len(encoded)) if i not in bad]]
     out = torch.empty((len(images), image_size, image_size, 3), dtype=torch.uint8, device=device)
-    for i, (image, (left, top, right, bottom, flip)) in enumerate(zip(images, boxes.tolist())):
-        crop = image[:, int(round(top)) : int(round(bottom)), int(round(left)) : int(round(right))]
-        resized = F.interpolate(
-            crop[None].float(), size=(image_size, image_size), mode="bilinear", antialias=True, align_corners=False
-        )[0]
-        if flip:
-            resized = resized.flip(-1)
-        out[i] = resized.round_().clamp_(0, 255).permute(1, 2, 0).to(torch.uint8)
+    for start, end in _resample_chunks([image.shape[1:] for image in images], image_size):
+        _resample_chunk(images[start:end], boxes[start:end], out[start:end])
     return out, bad
+
+
+def _decode_all(encoded: list, device, first: int = 0) -> tuple[list, list[int]]:
+    """The images of `encoded` that decode, and the positions (counted from `first`) of those
+    that do not. A batched decode gives nothing when one JPEG fails; halving the batch until
+    each failure is alone finds a bad JPEG in about 2 log2(n) decodes rather than n."""
+    if not encoded:
+        return [], []
+    try:
+        return _decode_jpegs(encoded, device), []
+    except (RuntimeError, ValueError):
+        if len(encoded) == 1:
+            return [], [first]
+    half = len(encoded) // 2
+    head, bad_head = _decode_all(encoded[:half], device, first)
+    tail, bad_tail = _decode_all(encoded[half:], device, first + half)
+    return head + tail, bad_head + bad_tail
+
+
+# Floats that the resampling weights and the float copies of decoded images may take at
+# once (128 MiB): a batch of large images is resampled in parts rather than all at once.
+_RESAMPLE_FLOATS = 1 << 25
+
+
+def _resample_chunks(shapes: list, size: int, budget: int = _RESAMPLE_FLOATS):
+    """Ranges `(start, end)` of the images of decoded `shapes` ((height, width) each) whose
+    weights (two temporaries of `_triangle_weights` per axis) and float copies fit `budget`."""
+    start, tallest, widest, pixels = 0, 0, 0, 0
+    for i, (height, width) in enumerate(shapes):
+        tallest, widest, pixels = max(tallest, height), max(widest, width), pixels + 3 * height * width
+        if i > start and 2 * (i + 1 - start) * size * (tallest + widest) + pixels > budget:
+            yield start, i
+            start, tallest, widest, pixels = i, height, width, 3 * height * width
+    if start < len(shapes):
+        yield start, len(shapes)
+
+
+def _resample_chunk(images: list, boxes, out) -> None:
+    """Crop, resize and flip `images` ((3, h, w) uint8) by `boxes` rows into `out` (uint8 NHWC).
+
+    Each output is `rows @ image @ columns.T`: `_triangle_weights` matrices that use the box
+    exactly (fractional, as Pillow's `resize(box=...)` does) and put a flip in the columns'
+    order. Images of one decoded size go through as one batched product; the weights of the
+    whole chunk are made in a few operations: a handful of kernels per batch and per size,
+    not a chain per image, and no crop or flip rounded to whole pixels."""
+    import torch
+
+    size = out.shape[1]
+    shapes = [tuple(image.shape[1:]) for image in images]
+    boxes = boxes.to(torch.float64)
+    rows = _triangle_weights(boxes[:, 1], boxes[:, 3], [h for h, _ in shapes], size, None, out.device)
+    columns = _triangle_weights(boxes[:, 0], boxes[:, 2], [w for _, w in shapes], size, boxes[:, 4] > 0, out.device)
+    resampled = torch.empty((len(images), 3, size, size), dtype=torch.float32, device=out.device)
+    by_shape: dict[tuple, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        by_shape.setdefault(shape, []).append(i)
+    for (height, width), members in by_shape.items():
+        if len(members) == 1:
+            i = members[0]
+            torch.matmul(rows[i, :, :height] @ images[i].float(), columns[i, :, :width].T, out=resampled[i])
+            continue
+        index = torch.tensor(members, device=out.device)
+        stack = torch.stack([images[i] for i in members]).float()
+        product = rows[index, None, :, :height] @ stack @ columns[index, None, :, :width].transpose(-1, -2)
+        resampled.index_copy_(0, index, product)
+    # Under TF32 matmuls (the trainer allows them) a pixel may round one level off.
+    out.copy_(resampled.round_().clamp_(0, 255).permute(0, 2, 3, 1))
+
+
+def _triangle_weights(starts, ends, lengths: list[int], size: int, flips, device):
+    """Resampling weights (n, size, max(lengths)) along one axis: output pixel i of a box from
+    `start` to `end` takes source point `start + (i + 0.5) * scale` (pixel edges at integers;
+    `scale` = source pixels per output pixel), through Pillow's bilinear filter, a triangle of
+    half-width max(scale, 1): interpolation when enlarging, antialiasing when shrinking. Rows
+    are normalised over the image's own pixels (as Pillow does at edges); `flips` reverses the
+    rows of flipped boxes. Made on the host per output pixel, on the device per weight."""
+    import torch
+
+    scale = (ends - starts) / size
+    centres = starts[:, None] + (torch.arange(size, dtype=torch.float64) + 0.5) * scale[:, None]
+    if flips is not None:
+        centres = torch.where(flips[:, None], centres.flip(1), centres)
+    lengths = torch.tensor(lengths, dtype=torch.float64)
+    # Pixel centres; past an image's own length, infinitely far: a weight of 0.
+    pixels = torch.arange(int(lengths.max()), dtype=torch.float64) + 0.5
+    pixels = torch.where(pixels[None, :] < lengths[:, None], pixels[None, :], math.inf)
+    centres, pixels, reach = (t.to(device=device, dtype=torch.float32) for t in (centres, pixels, scale.clamp(min=1)))
+    weights = (pixels[:, None, :] - centres[:, :, None]).abs_()
+    weights = (reach[:, None, None] - weights).clamp_(min=0)
+    return weights.div_(weights.sum(-1, keepdim=True))
 
 
 def _decode_jpegs(encoded: list, device) -> list:
