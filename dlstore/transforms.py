@@ -15,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 from PIL import Image
@@ -27,13 +28,21 @@ try:  # libjpeg-turbo through simplejpeg: ~1.2x Pillow's JPEG decode here
 except ImportError:  # pragma: no cover - optional speed-up
     simplejpeg = None
 
+try:  # OpenCV's SIMD resize: ~1.6x Pillow's resize of a crop here (tools/bench_transform.py)
+    import cv2
+except ImportError:  # pragma: no cover - optional speed-up; Pillow resizes instead
+    cv2 = None
+
 __all__ = [
     "crop_plan",
     "decode_on_device",
     "device_jpeg",
     "TransformConfig",
     "augment_image",
+    "CropSource",
+    "decode_for_crop",
     "decode_image",
+    "resize_crop",
     "sample_rng",
     "transform_image",
     "IMAGENET_MEAN",
@@ -271,22 +280,132 @@ def transform_image(data: bytes, cfg: TransformConfig, rng: np.random.Generator 
     >>> transform_image(jpeg_bytes, TransformConfig("eval", 224)).shape   # doctest: +SKIP
     (224, 224, 3)
     """
-    return augment_image(decode_image(data), cfg, rng)
+    return resize_crop(decode_for_crop(data, cfg, rng), cfg)
 
 
-def augment_image(image: Image.Image, cfg: TransformConfig, rng: np.random.Generator | None = None) -> np.ndarray:
-    """The crop, resize and flip of `transform_image`, on an image already decoded (the
-    second half of `transform_image`, apart so that `dlstore bench` can time the two).
+@dataclass(frozen=True)
+class CropSource:
+    """A decoded image (uint8 HWC RGB) with its crop box, in the image's pixel coordinates,
+    and its flip: what `decode_for_crop` gives and `resize_crop` takes."""
+
+    pixels: np.ndarray
+    box: tuple[float, float, float, float]
+    flip: bool
+
+
+def decode_for_crop(data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None) -> CropSource:
+    """Decode `data` and draw its crop (`crop_plan`, the same draws as `augment_image`): the
+    first half of `transform_image`, apart so that a caller can time decode and resize.
+
+    A JPEG whose crop box stays at least `cfg.image_size` on both sides at 1/2, 1/4 or 1/8
+    of the stored size is decoded at the smallest such scale (libjpeg-turbo's DCT scaling,
+    itself an antialiased shrink): the inverse DCT, upsampling and colour conversion then
+    run on a quarter of the pixels or fewer. The box is scaled with the image.
+
+    >>> resize_crop(decode_for_crop(jpeg_bytes, cfg, rng), cfg).shape   # doctest: +SKIP
+    (224, 224, 3)
+    """
+    if simplejpeg is None or data[:2] != _JPEG_MAGIC:
+        image = decode_image(data)
+        box, flip = crop_plan(image.width, image.height, cfg, rng)
+        return CropSource(np.asarray(image), box, flip)
+    height, width = _jpeg_size(data)
+    box, flip = crop_plan(width, height, cfg, rng)
+    scale = _decode_scale(box, cfg)
+    scaled = (math.ceil(height * scale), math.ceil(width * scale))
+    pixels = _decode_jpeg(data, scaled)
+    if pixels.shape[:2] != scaled:  # libjpeg-turbo chose another scale (tiny images only)
+        pixels, scale = _decode_jpeg(data, (height, width)), 1.0
+    return CropSource(pixels, tuple(v * scale for v in box), flip)
+
+
+def resize_crop(source: CropSource, cfg: TransformConfig) -> np.ndarray:
+    """The crop, resize and flip of `transform_image` (its second half), on `decode_for_crop`'s
+    output; the "none" preset keeps the decoded image as it is."""
+    if cfg.preset == "none":
+        return source.pixels
+    return _resize(source.pixels, source.box, source.flip, cfg.image_size)
+
+
+def augment_image(
+    image: Image.Image | np.ndarray, cfg: TransformConfig, rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """The crop, resize and flip of `transform_image`, on an image already decoded at its
+    stored size (a Pillow image or a uint8 HWC RGB array). `decode_for_crop` + `resize_crop`
+    is the cheaper split: it may decode at a reduced scale and never builds a Pillow image.
 
     >>> augment_image(decode_image(jpeg_bytes), TransformConfig("train", 224), rng).shape   # doctest: +SKIP
     (224, 224, 3)
     """
-    size = (cfg.image_size, cfg.image_size)
     if cfg.preset == "none":
         return np.asarray(image)
-    box, flip = crop_plan(image.width, image.height, cfg, rng)
+    height, width = (image.height, image.width) if isinstance(image, Image.Image) else image.shape[:2]
+    box, flip = crop_plan(width, height, cfg, rng)
+    return _resize(image, box, flip, cfg.image_size)
+
+
+def _jpeg_size(data: bytes) -> tuple[int, int]:
+    try:
+        height, width, _, _ = simplejpeg.decode_jpeg_header(data)
+    except Exception as exc:  # decoders raise many types; all mean "bad bytes"
+        raise CorruptSample(f"cannot decode image ({len(data)} bytes): {exc}") from None
+    return height, width
+
+
+def _decode_jpeg(data: bytes, size: tuple[int, int]) -> np.ndarray:
+    """The JPEG as uint8 HWC RGB, at the smallest libjpeg-turbo scale that gives at least
+    `size` (height, width)."""
+    try:
+        return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=size[0], min_width=size[1])
+    except Exception as exc:  # decoders raise many types; all mean "bad bytes"
+        raise CorruptSample(f"cannot decode image ({len(data)} bytes): {exc}") from None
+
+
+def _decode_scale(box, cfg: TransformConfig) -> float:
+    """The smallest of 1/8, 1/4 and 1/2 at which `box` still covers the output size (so that
+    the resize after the decode shrinks, antialiased, and no detail the output could show is
+    lost), else 1. Other k/8 scales do not pay: libjpeg-turbo has no SIMD inverse DCT for them."""
+    if cfg.preset == "none":
+        return 1.0
+    short_side = min(box[2] - box[0], box[3] - box[1])
+    return next((scale for scale in (0.125, 0.25, 0.5) if short_side * scale >= cfg.image_size), 1.0)
+
+
+def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int) -> np.ndarray:
+    """Crop `box`, resize to size x size (antialiased when shrinking), flip if asked.
+
+    OpenCV takes whole-pixel boxes (the train preset's at the stored scale); a fractional box
+    (the eval preset's centre box, a box mapped into a scaled decode) goes to Pillow, which
+    resamples it exactly: rounded, it would move the crop by up to half an output pixel."""
+    if cv2 is None or not all(float(v).is_integer() for v in box):
+        return _resize_with_pillow(image, box, flip, size)
+    return _resize_with_opencv(np.asarray(image), box, flip, size)
+
+
+def _resize_with_pillow(image: Image.Image | np.ndarray, box, flip: bool, size: int) -> np.ndarray:
+    if isinstance(image, np.ndarray):
+        pixels = np.ascontiguousarray(image)
+        image = Image.frombuffer("RGB", (pixels.shape[1], pixels.shape[0]), pixels, "raw", "RGB", 0, 1)
     # One resample from the crop box: crop and resize in a single pass over the pixels.
-    out = image.resize(size, Image.Resampling.BILINEAR, box=box, reducing_gap=None)
+    out = image.resize((size, size), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
     if flip:
         out = out.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     return np.asarray(out)
+
+
+def _resize_with_opencv(pixels: np.ndarray, box, flip: bool, size: int) -> np.ndarray:
+    """OpenCV's resize of the crop (whole-pixel `box`): INTER_AREA (area averaging,
+    antialiased) where it shrinks, INTER_LINEAR where it grows. OpenCV releases the GIL and
+    keeps no state between calls."""
+    left, top, right, bottom = (int(v) for v in box)
+    crop = pixels[top:bottom, left:right]
+    crop_height, crop_width = crop.shape[:2]
+    # One side shrinks and the other grows: INTER_AREA would sample the shrinking side then,
+    # not average it, so that side is shrunk alone first.
+    if crop_width > size > crop_height:
+        crop = cv2.resize(crop, (size, crop_height), interpolation=cv2.INTER_AREA)
+    elif crop_height > size > crop_width:
+        crop = cv2.resize(crop, (crop_width, size), interpolation=cv2.INTER_AREA)
+    shrinks = crop.shape[0] >= size and crop.shape[1] >= size
+    out = cv2.resize(crop, (size, size), interpolation=cv2.INTER_AREA if shrinks else cv2.INTER_LINEAR)
+    return cv2.flip(out, 1) if flip else out
