@@ -309,9 +309,11 @@ class WanProxyProcess:
         self._commands, child = context.Pipe()
         self._process = context.Process(target=_serve, args=(child, self.target_port, self.options), daemon=True)
         self._process.start()
-        if not self._commands.poll(60):
-            self.close()
-            raise RuntimeError("the WAN emulator's process did not start within 60 s")
+        deadline = time.monotonic() + 60
+        while not self._commands.poll(0.1):
+            if not self._process.is_alive() or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError("the WAN emulator's process did not start (spawned: is the caller's main guarded?)")
         self.port = self._commands.recv()
         return self
 

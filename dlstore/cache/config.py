@@ -34,8 +34,8 @@ class CacheConfig:
     that small would spend too much of its time waiting for its first byte), up to
     `parts_in_flight` of them at once, each on its own connection (1: one GET stream per
     shard). The prefetch keeps up to `shards_in_flight` shards of its window downloading at
-    once. A process opens at most `parts_in_flight * shards_in_flight` connections; the shard
-    a reader waits for goes before the prefetch's.
+    once. A process opens at most `parts_in_flight * (shards_in_flight + 1)` connections (room
+    for the reader's own download beside the prefetch's); the reader's shard goes first.
     """
 
     cache_dir: str
@@ -65,8 +65,9 @@ class CacheConfig:
 
     @property
     def connections(self) -> int:
-        """The most connections one process's downloads open at once."""
-        return self.parts_in_flight * self.shards_in_flight
+        """The most connections one process's downloads open at once: the prefetch's shards
+        and the reader's own, each `parts_in_flight` wide."""
+        return self.parts_in_flight * (self.shards_in_flight + 1)
 
 
 class ShardSpec(NamedTuple):
