@@ -435,3 +435,76 @@ def test_cpu_transform_gives_the_same_outputs_from_4_threads():
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(run, tasks))
     assert all(np.array_equal(a, b) for a, b in zip(alone, together, strict=True))
+
+
+# -- the frames the device decoder takes -------------------------------------------------------
+def _jpeg_with(**options) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.asarray(decode_image(_quadrant_jpeg()))).save(out, "JPEG", **options)
+    return out.getvalue()
+
+
+def _frame_edited(data: bytes, marker: int | None = None, precision: int | None = None, luma=None) -> bytes:
+    """Baseline JPEG `data` with its frame header changed: the SOF marker, the sample precision
+    or the luma sampling factors. The scan stays as it was, so the result may not decode."""
+    edited = bytearray(data)
+    at = edited.index(b"\xff\xc0")
+    if marker is not None:
+        edited[at + 1] = marker
+    if precision is not None:
+        edited[at + 4] = precision
+    if luma is not None:
+        edited[at + 11] = luma[0] << 4 | luma[1]
+    return bytes(edited)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"subsampling": 0}, {"subsampling": 1}, {"progressive": True}, {"optimize": True}, {"comment": b"c" * 300}],
+)
+def test_device_jpeg_passes_the_jpegs_nvjpeg_decodes_as_they_are(options):
+    """Baseline and progressive, 4:2:0, 4:4:4 and 4:2:2, with segments before the frame."""
+    data = _jpeg_with(quality=90, **options)
+    assert device_jpeg(data) == (data, 96, 64)
+    grey = io.BytesIO()
+    Image.new("L", (30, 20), 99).save(grey, "JPEG", **options)
+    assert device_jpeg(grey.getvalue()) == (grey.getvalue(), 30, 20)
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        {"marker": 0xC1},  # extended sequential
+        {"marker": 0xC3},  # lossless
+        {"marker": 0xC5},  # hierarchical
+        {"marker": 0xC9},  # arithmetic coding
+        {"marker": 0xCA},  # arithmetic coding, progressive
+        {"marker": 0xCB},  # arithmetic coding, lossless
+        {"precision": 12},
+        {"luma": (1, 2)},  # 4:4:0
+        {"luma": (4, 1)},  # 4:1:1
+        {"luma": (3, 1)},
+    ],
+)
+def test_device_jpeg_reencodes_the_frames_nvjpeg_does_not_take(frame):
+    """Never handed to the device as it is: re-encoded (as a baseline 8-bit JPEG) when the CPU
+    path reads it, a `CorruptSample` as on the CPU path when it does not."""
+    edited = _frame_edited(_jpeg_with(quality=95, subsampling=0), **frame)
+    try:
+        cpu = decode_image(edited)
+    except CorruptSample:
+        with pytest.raises(CorruptSample):
+            device_jpeg(edited)
+        return
+    data, width, height = device_jpeg(edited)
+    assert data != edited and (width, height) == cpu.size == (96, 64)
+    assert device_jpeg(data) == (data, 96, 64)  # a frame the device takes
+    assert np.abs(np.asarray(decode_image(data)).astype(int) - np.asarray(cpu)).mean() < 3
+
+
+def test_device_jpeg_reencodes_an_extended_sequential_jpeg_to_the_same_picture():
+    """0xC1 differs from baseline only in what it allows: the CPU decodes it as the original."""
+    original = _jpeg_with(quality=95, subsampling=0)
+    data, width, height = device_jpeg(_frame_edited(original, marker=0xC1))
+    assert data[:2] == b"\xff\xd8" and (width, height) == (96, 64) and device_jpeg(data)[0] == data
+    assert np.abs(np.asarray(decode_image(data)).astype(int) - np.asarray(decode_image(original))).mean() < 2
