@@ -262,12 +262,15 @@ def _resample_chunk(images: list, boxes, out) -> None:
     by_shape: dict[tuple, list[int]] = {}
     for i, shape in enumerate(shapes):
         by_shape.setdefault(shape, []).append(i)
+    # Every group's positions in one upload (a copy from pageable memory waits for the stream).
+    order = torch.tensor([i for members in by_shape.values() for i in members], device=out.device)
+    start = 0
     for (height, width), members in by_shape.items():
+        index, start = order[start : start + len(members)], start + len(members)
         if len(members) == 1:
             i = members[0]
             torch.matmul(rows[i, :, :height] @ images[i].float(), columns[i, :, :width].T, out=resampled[i])
             continue
-        index = torch.tensor(members, device=out.device)
         stack = torch.stack([images[i] for i in members]).float()
         product = rows[index, None, :, :height] @ stack @ columns[index, None, :, :width].transpose(-1, -2)
         resampled.index_copy_(0, index, product)
@@ -292,7 +295,10 @@ def _triangle_weights(starts, ends, lengths: list[int], size: int, flips, device
     # Pixel centres; past an image's own length, infinitely far: a weight of 0.
     pixels = torch.arange(int(lengths.max()), dtype=torch.float64) + 0.5
     pixels = torch.where(pixels[None, :] < lengths[:, None], pixels[None, :], math.inf)
-    centres, pixels, reach = (t.to(device=device, dtype=torch.float32) for t in (centres, pixels, scale.clamp(min=1)))
+    # One upload (a copy from pageable memory waits for the stream), then views of it.
+    packed = torch.cat([centres.flatten(), pixels.flatten(), scale.clamp(min=1)]).to(device, torch.float32)
+    centres, pixels, reach = packed.split([centres.numel(), pixels.numel(), len(scale)])
+    centres, pixels = centres.view(len(scale), size), pixels.view(len(scale), -1)
     weights = (pixels[:, None, :] - centres[:, :, None]).abs_()
     weights = (reach[:, None, None] - weights).clamp_(min=0)
     return weights.div_(weights.sum(-1, keepdim=True))
