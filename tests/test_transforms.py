@@ -34,6 +34,14 @@ DEVICES = [
 QUADRANTS = np.array([[[220, 30, 30], [30, 220, 30]], [[30, 30, 220], [220, 220, 220]]], dtype=np.uint8)
 
 
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    """Each of `DEVICES`; on CUDA with TF32 matrix products, as the trainer runs them."""
+    if request.param == "cuda":
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    return request.param
+
+
 def _jpeg(width: int = 120, height: int = 90, fmt: str = "JPEG") -> bytes:
     rng = np.random.default_rng(0)
     pixels = np.zeros((height, width, 3), dtype=np.uint8)
@@ -164,7 +172,6 @@ def _assert_quadrants(image: np.ndarray, box, flip: bool, width: int, height: in
 QUADRANT_BOXES = [(0, 0, 96, 64), (0, 0, 48, 32), (48, 0, 96, 64), (0, 0, 72, 64), (30, 10, 90, 60), (40, 20, 56, 36)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_device_decode_crops_and_flips_where_the_boxes_say(device):
     """Each crop box and flip lands the quadrant colours at the output positions the box
     defines: a decoder that ignored a box or a flip would show other colours there."""
@@ -184,7 +191,6 @@ def _pillow_crop(data: bytes, box, flip: bool, size: int) -> np.ndarray:
     return np.asarray(out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else out)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_device_decode_of_random_crops_matches_the_cpu_path(device):
     """The train preset's random boxes and flips, decoded on the device and by `augment_image`:
     the same quadrants in the same places, pixels as Pillow's resize of the same box, and
@@ -235,10 +241,10 @@ def _assert_gradient(image: np.ndarray, box, flip: bool, image_px: int) -> None:
     red, green = red[:, inside_x], green[inside_y, :]
     assert np.abs(red).mean() < 1 and np.abs(green).mean() < 1, (box, flip, np.abs(red).mean(), np.abs(green).mean())
     assert np.abs(red).max() <= 4 and np.abs(green).max() <= 4, (box, flip)
-    # Each column's (row's) mean error: a box shifted or scaled by a fraction of a pixel shows
-    # as a bias of the columns at its ends, which rounding (±0.5) and the JPEG do not reach.
+    # Each column's (row's) mean error: a box end off by half a pixel shows as a bias of 2 at
+    # the columns there, which rounding (±0.5), the JPEG, another decoder and TF32 do not reach.
     biases = np.abs(red.mean(axis=0)).max(), np.abs(green.mean(axis=1)).max()
-    assert max(biases) < 1.25, (box, flip, biases)
+    assert max(biases) < 1.5, (box, flip, biases)
 
 
 # Whole-pixel boxes, and fractional ones, which the device path uses exactly as Pillow does
@@ -247,7 +253,6 @@ GRADIENT_BOXES = [(0, 0, 64, 64), (8, 4, 40, 60), (20, 30, 36, 46), (3, 17, 61, 
 GRADIENT_BOXES += [(8.5, 4.5, 40.5, 60.5), (10.25, 3.7, 50.6, 40.1), (20.5, 30.5, 36.25, 45.75)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_device_decode_samples_the_source_points_the_box_defines(device):
     data = _gradient_jpeg()
     rows = [(*box, flip) for box in GRADIENT_BOXES for flip in (0, 1)]
@@ -258,7 +263,6 @@ def test_device_decode_samples_the_source_points_the_box_defines(device):
         _assert_gradient(image, row[:4], bool(row[4]), 64)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_device_decode_uses_the_eval_box_exactly(device):
     """The eval preset's centre box is fractional (a 49 px square from (3.5, 3.5) here): on the
     device it is used as it is, as by Pillow on the CPU, not rounded to whole pixels."""
