@@ -147,6 +147,36 @@ def test_nvjpeg_decode_matches_decoding_in_workers(gradient_url, tmp_path):
         assert (a - b).abs().mean() < 3  # two JPEG decoders' rounding
 
 
+def test_nvjpeg_waits_for_work_queued_on_the_callers_stream():
+    """torchvision's CUDA decoder allocates its outputs on the current stream but writes them
+    from its own stream, without waiting for the current one (torchcodec synchronises first;
+    torchvision's fix was not merged). A block freed on the current stream while a kernel
+    queued there is still to write it goes to the next allocation on that stream: the
+    decode's output. `_decode_jpegs` waits for the current stream before decoding; without
+    that wait, the zero fill queued behind a slow kernel lands on the decoded pixels."""
+    from dlstore.transforms import decode_on_device
+
+    ramp = np.arange(256) // 2 + 40
+    pixels = np.stack(np.broadcast_arrays(ramp[None, :], ramp[:, None], np.full((256, 256), 200)), axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8)).save(out, "JPEG", quality=95, subsampling=0)
+    encoded = torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+    box = torch.tensor([[0, 0, 256, 256, 0]], dtype=torch.float64)  # 256 px out: the decoded pixels
+    expected = decode_on_device([encoded], box, 256, "cpu")[0].float()
+    for _ in range(3):
+        trap = torch.empty(3 * 256 * 256, dtype=torch.uint8, device="cuda")  # a decoded image's size
+        block = trap.data_ptr()
+        torch.cuda._sleep(100_000_000)  # tens of ms of GPU cycles on the current stream
+        trap.fill_(0)  # queued behind the sleep
+        del trap
+        probe = torch.empty(3 * 256 * 256, dtype=torch.uint8, device="cuda")
+        assert probe.data_ptr() == block, "the allocator did not hand the block on: this test would see nothing"
+        del probe
+        images, bad = decode_on_device([encoded], box, 256, "cuda")
+        assert bad == [] and images.shape == (1, 256, 256, 3)
+        assert (images.float().cpu() - expected).abs().mean() < 3  # zeros would be ~120 off
+
+
 def test_a_jpeg_nvjpeg_cannot_decode_is_skipped(tmp_path):
     from dlstore.transforms import decode_on_device
 
