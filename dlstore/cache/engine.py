@@ -104,7 +104,8 @@ class Download:
 
     def __init__(
         self,
-        engine: DownloadEngine,
+        lock: threading.Lock,
+        on_done: Callable[[Download], None],
         store: Store,
         name: str,
         fd: int,
@@ -125,8 +126,9 @@ class Download:
         self.error: BaseException | None = None
         self.cancelled = False
         self.started = self.last_write = time.monotonic()
-        self._engine = engine
-        self._progress = threading.Condition(engine._lock)
+        self._lock = lock  # the engine's: parts are claimed and counted under it
+        self._on_done = on_done
+        self._progress = threading.Condition(lock)
 
     # -- under the engine's lock --------------------------------------------------------------------
     def _next_offset(self) -> int:
@@ -167,7 +169,7 @@ class Download:
         done = 0
         try:
             while True:
-                with self._engine._lock:
+                with self._lock:
                     while not self._finished() and self.error is None:
                         if on_prefix is not None and self._prefix() > done:
                             break
@@ -189,15 +191,15 @@ class Download:
             raise self.error
 
     def _stop(self) -> None:
-        with self._engine._lock:
+        with self._lock:
             self.cancelled = True
 
     def _drain(self) -> None:
         """Wait until no part runs (a running part stops at its next chunk once failed or cancelled)."""
-        with self._engine._lock:
+        with self._lock:
             while self.running:
                 self._progress.wait(timeout=1.0)
-            self._engine._forget(self)
+            self._on_done(self)
 
     @property
     def stopped(self) -> bool:
@@ -226,7 +228,15 @@ class DownloadEngine:
         """Begin fetching object `name` of `store` (`size` bytes, as the manifest says) into
         `fd`; lower `priority` goes first. Call `wait` on the result."""
         download = Download(
-            self, store, name, fd, size, priority=priority, parts_in_flight=parts_in_flight, part_size=part_size
+            self._lock,
+            self._forget,
+            store,
+            name,
+            fd,
+            size,
+            priority=priority,
+            parts_in_flight=parts_in_flight,
+            part_size=part_size,
         )
         with self._lock:
             self._closing = False
