@@ -18,12 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 from launch_support import REPO, launch_ranks, logs, wait_all
+from loader_support import write_dataset
 
+import dlstore
 from dlstore.cli import build_parser
 from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
 from dlstore.errors import ConfigError
+from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
 from dlstore.train import (
     CheckpointStore,
@@ -38,8 +41,9 @@ from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_url
 from dlstore.train.config import config_from_args
 from dlstore.train.demand import precision_name
 from dlstore.train.dist import Rendezvous, first_slurm_host
-from dlstore.train.loop import EXIT_PREEMPTED
+from dlstore.train.loop import EXIT_PREEMPTED, main
 from dlstore.train.step import amp_dtype_for
+from dlstore.world import World
 
 # What is compared between an interrupted and an uninterrupted run (not the timings).
 DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "top5", "lr", "image_size", "samples")
@@ -366,3 +370,73 @@ def test_measure_training_rate_reports_bf16_as_bf16_on_cpu():
         "resnet18", batch_size=2, image_size=32, num_classes=10, device="cpu", amp="bf16", warmup_steps=0, steps=1
     )
     assert result.precision == "bf16"
+
+
+# -- batches with no samples ------------------------------------------------------------------
+EMPTY_BATCH_DATA = dict(batch_size=4, seed=5, image_size=16, workers=1)
+
+
+def _dataset_with_an_empty_batch(tmp_path: Path, world: World, sizes: list[int], batch: int) -> str:
+    """A dataset of `sizes` shards in which every sample of the `batch`-th batch that `world`'s
+    rank reads in epoch 0 is corrupt: that batch arrives empty. Which samples those are comes
+    from a clean copy (the plan depends on the sample counts, the seed and the world only)."""
+    clean = f"file://{tmp_path}/clean"
+    write_dataset(open_store(clean), sizes)
+    cfg = DataConfig(clean, cache_dir=str(tmp_path / "clean-cache"), return_keys=True, **EMPTY_BATCH_DATA)
+    loader = dlstore.Loader(dlstore.Dataset(cfg, world=world), device="cpu")
+    loader.set_epoch(0)
+    keys = [meta["keys"] for _, _, meta in loader][batch]
+    loader.close()
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), sizes, corrupt_keys=frozenset(keys))
+    return url
+
+
+def _assert_finite_weights(checkpoint: Path) -> None:
+    state = torch.load(checkpoint, weights_only=True, map_location="cpu")
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+
+
+def test_a_batch_of_only_corrupt_samples_is_skipped_not_trained_on(tmp_path, caplog):
+    """Its samples all corrupt, a batch arrives empty: cross-entropy over nothing is NaN, and
+    so are BatchNorm's statistics of nothing. The step is skipped; the others train as usual."""
+    url = _dataset_with_an_empty_batch(tmp_path, World(0, 1, 1), [4, 4, 4], batch=1)
+    cfg = TrainConfig(
+        DataConfig(url, cache_dir=str(tmp_path / "cache"), **EMPTY_BATCH_DATA),
+        output_dir=str(tmp_path / "run"),
+        model="resnet18",
+        device="cpu",
+        amp="none",
+        epochs=1,
+        log_every=1,
+        checkpoint_url=f"file://{tmp_path}/ckpt",
+        progress=False,
+        tensorboard=False,
+        warmup_epochs=0,
+    )
+    assert main(cfg) == 0
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert [(r["step"], r["samples"]) for r in records] == [(1, 4), (2, 4)]
+    assert all(r["loss"] == r["loss"] for r in records)  # not NaN
+    _assert_finite_weights(tmp_path / "ckpt" / checkpoint_key(2))
+    assert "no samples" in caplog.text
+
+
+@pytest.mark.slow
+def test_two_ranks_skip_the_step_where_one_rank_has_an_empty_batch(tmp_path):
+    """Rank 1's first batch is empty, rank 0's is not: both skip that step (a rank that skipped
+    alone would leave the other waiting in DDP's all-reduce), train on their second batches,
+    and end with finite weights (a step on nothing would have spread NaN to both)."""
+    url = _dataset_with_an_empty_batch(tmp_path, World(1, 2, 2), [4, 4, 4, 4], batch=0)
+    args = [
+        *(url, "--model", "resnet18", "--device", "cpu", "--amp", "none", "--epochs", "1", "--log-every", "1"),
+        *("--batch-size", "4", "--seed", "5", "--image-size", "16", "--workers", "1", "--warmup-epochs", "0"),
+        *("--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "run")),
+        *("--checkpoint-url", f"file://{tmp_path}/ckpt", "--no-progress", "--no-tensorboard"),
+    ]
+    assert wait_all(launch_ranks(args, 2, tmp_path / "logs", child_env()), tmp_path / "logs") == [0, 0]
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert [(r["step"], r["samples"]) for r in records] == [(1, 8)] and records[0]["loss"] == records[0]["loss"]
+    _assert_finite_weights(tmp_path / "ckpt" / checkpoint_key(1))
+    assert "no samples" in (tmp_path / "logs" / "rank1.log").read_text()
+    assert "no samples" not in (tmp_path / "logs" / "rank0.log").read_text()

@@ -98,6 +98,7 @@ class Trainer:
         self.window = StepWindow(self.device)
         self.signals = StopSignals()
         self.step = 0
+        self.skipped_steps = 0  # batches every rank skipped because one rank's was empty
         self.epoch = 0
         self.finished = False
         self._started = time.monotonic()
@@ -243,7 +244,7 @@ class Trainer:
         first = True
         while not self._reached_max_steps():
             started = time.perf_counter()
-            batch = self._next_batch(batches, first)
+            batch = self._next_trainable_batch(batches, first)
             if batch is None:
                 return None
             first = False
@@ -260,6 +261,30 @@ class Trainer:
             if code is not None:
                 return code
         return None
+
+    def _next_trainable_batch(self, batches, first: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The next batch that every rank trains on, or None at the end of the epoch.
+
+        A batch whose samples were all corrupt arrives empty, and a step on it is NaN (the mean
+        loss over nothing, BatchNorm's statistics of nothing) that DDP's all-reduce would hand
+        to every rank. All ranks skip such a step together, when any rank's batch is empty: a
+        rank that skipped alone would leave the others waiting in a gradient all-reduce it never
+        joins, and one that stepped on a stand-in with zero loss weight would still move its
+        BatchNorm statistics, the momentum and the weight decay. The ranks deliver equally many
+        batches (the plan's invariant), so they agree on each one over the gloo control group:
+        a few bytes per step, nothing with one rank. The other ranks' samples of that step go
+        untrained; a whole batch corrupt is rare."""
+        while True:
+            batch = self._next_batch(batches, first)
+            first = False
+            if batch is None:
+                return None
+            (empty,) = self.ctx.any_flags(len(batch[1]) == 0)
+            if not empty:
+                return batch
+            self.skipped_steps += 1
+            if len(batch[1]) == 0:
+                log.warning("after step %d: a batch with no samples (all corrupt): every rank skips a step", self.step)
 
     @staticmethod
     def _next_batch(batches, first: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
