@@ -1,57 +1,142 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, on a CUDA node: the CUDA tests (tests/test_gpu.py), the
-# synthetic-vs-fed training rates (tools/bench_gpu.py), and `dlstore bench` on the same
-# shards (the stage split and verdict on this GPU). Results go to $OUT (default ./gpu-check).
+# The GPU checks in one run, on a CUDA node: the CUDA tests (tests/test_gpu.py, and the CUDA cases
+# of tests/test_transforms.py), the synthetic-vs-fed training rates (tools/bench_gpu.py), and
+# `dlstore bench` on the same shards (the stage split and verdict on this GPU). Results go to $OUT
+# (default ./gpu-check).
 #
-#   bash tools/gpu_check.sh --wheels   # here, with pip: wheels of what a bare GPU image lacks -> .whl/
-#   bash tools/gpu_check.sh            # on the GPU node (installs .whl/*.whl first, if any)
+#   bash tools/gpu_check.sh --wheels               # here, with pip: wheels a bare GPU image lacks -> .whl/
+#   bash tools/gpu_check.sh --wheels --with-torch  # ... and the pinned torch pair with its CUDA libraries
+#   bash tools/gpu_check.sh                        # on the GPU node (installs what .whl/ holds and it lacks)
 #
+# It fails (non-zero, with the reason) when there is no GPU, when torch sees no CUDA device (e.g. a
+# CUDA 13 wheel on an older driver), when torch and torchvision are not the pinned pair of
+# tools/setup.sh (or DLSTORE_TORCH_SPEC, e.g. "torch torchvision" for any), when a CUDA test is
+# skipped for want of a device, or when a step fails.
+# The interpreter is setup.sh's: .venv/bin/python when there is one, else python3 (or $PYTHON).
 # Budget: about 5 minutes on an H100 node with 16 cores; the steps' timeouts add up to 9 minutes.
-# On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git).
-set -uo pipefail
+# On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git);
+# the torch wheels (GBs) do not travel there: its image's torch must be the pair, or say which is.
+set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ "${1:-}" = "--wheels" ]; then
-    # The packages dlstore's local-store path needs beyond torch, numpy, pillow and tqdm, for
-    # the Python of the GPU node (3.12 unless DLSTORE_WHEEL_PY says otherwise).
-    version() { python3 -c "import importlib.metadata as m; print(m.version('$1'))"; }
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${DLSTORE_WHEEL_PY:-3.12}" \
-        --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-        --platform manylinux2014_x86_64 -d .whl "tenacity==$(version tenacity)" "simplejpeg==$(version simplejpeg)"
+if [[ -z ${PYTHON:-} ]]; then
+    PYTHON=python3
+    if [[ -x .venv/bin/python ]] && .venv/bin/python -c "" 2>/dev/null; then
+        PYTHON=.venv/bin/python
+    fi
+fi
+# The pinned pair, read from tools/setup.sh (one place says it).
+TORCH_SPEC=${DLSTORE_TORCH_SPEC:-$(sed -n 's/^TORCH_SPEC=\${DLSTORE_TORCH_SPEC:-"\(.*\)"}$/\1/p' tools/setup.sh)}
+[[ -n $TORCH_SPEC ]] || { echo "gpu_check: cannot read the pinned torch pair from tools/setup.sh" >&2; exit 1; }
+
+if [[ ${1:-} == "--wheels" ]]; then
+    # For the Python of the GPU node (3.12 unless DLSTORE_WHEEL_PY says otherwise), manylinux x86-64.
+    version() { "$PYTHON" -c "import importlib.metadata as m; print(m.version('$1'))"; }
+    target=(--only-binary=:all: --python-version "${DLSTORE_WHEEL_PY:-3.12}" --implementation cp
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+    # What dlstore's local-store path needs beyond torch, numpy, pillow and tqdm (their own
+    # dependencies are in any torch image), then the test tools with theirs.
+    "$PYTHON" -m pip download -q --no-deps "${target[@]}" -d .whl \
+        "tenacity==$(version tenacity)" "simplejpeg==$(version simplejpeg)"
+    "$PYTHON" -m pip download -q "${target[@]}" -d .whl \
+        "pytest==$(version pytest)" "pytest-timeout==$(version pytest-timeout)"
+    if [[ ${2:-} == "--with-torch" ]]; then
+        # shellcheck disable=SC2086
+        "$PYTHON" -m pip download -q "${target[@]}" -d .whl/torch $TORCH_SPEC
+    fi
     ls -l .whl
     exit
 fi
 
+# -- preflight: a GPU, a torch that sees it, the pinned pair ----------------------------------
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/dlstore-site .whl/*.whl || exit 1
-    export PYTHONPATH=/tmp/dlstore-site
+if ! command -v nvidia-smi >/dev/null; then
+    echo "gpu_check: no GPU here (no nvidia-smi): run it on a GPU node" >&2
+    exit 2
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DLSTORE_SKIP_SWIFT=1
-python3 -c "import tenacity, simplejpeg, pytest" || { echo "missing packages: see --wheels"; exit 1; }
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+if ! nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1; then
+    echo "gpu_check: nvidia-smi fails (no usable GPU or driver):" >&2
+    cat "$OUT/nvidia-smi.txt" >&2
+    exit 2
+fi
 
-nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+torch_matches() {  # whether this interpreter's torch and torchvision satisfy TORCH_SPEC
+    "$PYTHON" - "$TORCH_SPEC" <<'EOF' >/dev/null 2>&1
+import importlib.metadata as metadata
+import sys
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+for requirement in map(Requirement, sys.argv[1].split()):
+    if not requirement.specifier.contains(metadata.version(requirement.name), prereleases=True):
+        sys.exit(1)
+EOF
+}
+
+site=$(mktemp -d -t dlstore-site-XXXXXX)
+work=$(mktemp -d -t dlstore-gpu-XXXXXX)
+trap 'rm -rf "$work" "$site"' EXIT
+wheels=()
+if compgen -G ".whl/*.whl" >/dev/null; then
+    wheels+=(.whl/*.whl)
+fi
+if ! torch_matches && compgen -G ".whl/torch/*.whl" >/dev/null; then
+    echo "gpu_check: this torch is not $TORCH_SPEC: installing the pair from .whl/torch"
+    wheels+=(.whl/torch/*.whl)
+fi
+if ((${#wheels[@]})); then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}"
+fi
+export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DLSTORE_SKIP_SWIFT=1
+"$PYTHON" -c "import tenacity, simplejpeg, pytest, pytest_timeout" ||
+    { echo "gpu_check: packages missing: bash tools/gpu_check.sh --wheels (with pip), then carry .whl/" >&2; exit 1; }
+"$PYTHON" - <<'EOF' | tee "$OUT/versions.txt"
+import sys
+
+import torch
+import torchvision
+
+print(sys.executable, "torch", torch.__version__, "torchvision", torchvision.__version__, "CUDA", torch.version.cuda)
+EOF
+if ! torch_matches; then
+    echo "gpu_check: torch and torchvision are not $TORCH_SPEC (tools/setup.sh's pair, or DLSTORE_TORCH_SPEC):" \
+        "put that pair's wheels in .whl/torch (--wheels --with-torch), or set DLSTORE_TORCH_SPEC to the pair to check" >&2
+    exit 3
+fi
+if ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+    driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+    echo "gpu_check: torch sees no CUDA device, though nvidia-smi does (driver ${driver:-?}, this torch" \
+        "built for CUDA $("$PYTHON" -c "import torch; print(torch.version.cuda)")): a wheel newer than the" \
+        "driver, CUDA_VISIBLE_DEVICES, or a CPU-only torch; see $OUT/nvidia-smi.txt" >&2
+    exit 3
+fi
+"$PYTHON" -c "import torch; print(torch.cuda.get_device_name(0))" | tee -a "$OUT/versions.txt"
 # The batch slots live in /dev/shm (prefetch x workers + 2 batches per rank).
-{ nproc; df -h /dev/shm; ulimit -n; } > "$OUT/host.txt" 2>&1
-python3 -c "import torch, torchvision; print('torch', torch.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/versions.txt"
+{ nproc; df -h /dev/shm; ulimit -n; } >"$OUT/host.txt" 2>&1
 
+# -- the checks: each runs to its end, the exit status says whether all passed ----------------
 echo "== CUDA tests"
-timeout -k 15 150 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py 2>&1 | tee "$OUT/gpu-tests.txt"
-tests=${PIPESTATUS[0]}
+tests=0
+timeout -k 15 180 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_transforms.py 2>&1 |
+    tee "$OUT/gpu-tests.txt" || tests=$?
+if grep -q "needs a CUDA device" "$OUT/gpu-tests.txt" || ! grep -Eq "[0-9]+ passed" "$OUT/gpu-tests.txt"; then
+    echo "gpu_check: CUDA tests were skipped or none passed: they did not run on the GPU" >&2
+    if [[ $tests == 0 ]]; then tests=1; fi
+fi
 
 echo "== synthetic vs fed training rate"
-timeout -k 15 300 python3 tools/bench_gpu.py --workdir "$work" --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt"
-bench=${PIPESTATUS[0]}
+bench=0
+timeout -k 15 270 "$PYTHON" tools/bench_gpu.py --workdir "$work" --json "$OUT/bench_gpu.json" 2>&1 |
+    tee "$OUT/bench_gpu.txt" || bench=$?
 
 echo "== dlstore bench (stage split, verdict)"
-workers=$(( $(nproc) - 2 ))
-timeout -k 15 90 python3 -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" --batches 10 \
-    --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt"
-verdict=${PIPESTATUS[0]}
+verdict=0
+workers=$(($(nproc) - 2))
+timeout -k 15 90 "$PYTHON" -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" \
+    --batches 10 --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt" || verdict=$?
 
 echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict"
-[ "$tests" = 0 ] && [ "$bench" = 0 ] && [ "$verdict" = 0 ]
+[[ $tests == 0 && $bench == 0 && $verdict == 0 ]]
