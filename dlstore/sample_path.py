@@ -6,9 +6,10 @@ instead of copying it. Each stage is a method with one job:
 
 * `read`     the samples' bytes: the shard from the node cache (`fetch`), then one `pread`
              per sample through the shard's sample index (`read`);
-* `decode`   the image member and the label (`shards.image_field`, `shards.parse_label`) and
-             the decoded image;
-* `augment`  the preset's crop, resize and flip, with the sample's own random generator;
+* `decode`   the image member and the label (`shards.image_field`, `shards.parse_label`), the
+             crop drawn with the sample's own random generator, and the pixels (decoded at
+             the smallest scale the crop allows);
+* `augment`  the preset's crop, resize and flip;
 * `plan_on_device`  (for `decode_on="device"`) the JPEG and its crop row, left undecoded;
 * `collate`  the batch dict the loader hands on.
 """
@@ -26,7 +27,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image
 
 from dlstore.cache import ShardCache
 from dlstore.config import DataConfig
@@ -34,7 +34,7 @@ from dlstore.errors import CorruptSample, CorruptShard
 from dlstore.manifest import Manifest
 from dlstore.plan import locate
 from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample_from_file, read_shard_index
-from dlstore.transforms import augment_image, crop_plan, decode_image, device_jpeg, sample_rng
+from dlstore.transforms import CropSource, crop_plan, decode_for_crop, device_jpeg, resize_crop, sample_rng
 
 __all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "join_encoded"]
 
@@ -192,15 +192,20 @@ class SamplePath:
     def label(self, sample: dict) -> int:
         return parse_label(sample, len(self.manifest.classes))
 
-    def decode(self, sample: dict, clock: StageClock | None = None) -> tuple[Image.Image, int]:
-        """The sample's decoded RGB image and its label; `CorruptSample` when either is bad."""
+    def decode(
+        self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None
+    ) -> tuple[CropSource, int]:
+        """The sample's pixels with its crop drawn (its own random generator), decoded at the
+        smallest scale the crop allows, and its label; `CorruptSample` when either is bad."""
         data, label = self.image_bytes(sample), self.label(sample)
+        rng = sample_rng(self.cfg.seed, epoch, sample_id)
         with _timed(clock, "decode"):
-            return decode_image(data), label
+            return decode_for_crop(data, self.cfg.transform, rng), label
 
-    def augment(self, image: Image.Image, epoch: int, sample_id: int, clock: StageClock | None = None) -> np.ndarray:
+    def augment(self, source: CropSource, clock: StageClock | None = None) -> np.ndarray:
+        """The crop, resize and flip drawn by `decode`: uint8 HWC at the preset's size."""
         with _timed(clock, "augment"):
-            return augment_image(image, self.cfg.transform, sample_rng(self.cfg.seed, epoch, sample_id))
+            return resize_crop(source, self.cfg.transform)
 
     def plan_on_device(self, sample: dict, epoch: int, sample_id: int) -> tuple[tuple, int]:
         """For `decode_on="device"`: the JPEG bytes and the crop row, without decoding."""
@@ -216,14 +221,14 @@ class SamplePath:
         if self.cfg.decode_on == "device":
             return self.plan_on_device(sample, epoch, sample_id)
         try:
-            image, label = self.decode(sample, clock)
+            source, label = self.decode(sample, epoch, sample_id, clock)
         except CorruptSample:
             # Once more from a rechecked cached copy of the shard: the damage may be the cache's.
             shard = int(locate([sample_id], self.shard_sizes)[0][0])
             if not self._recheck(shard):
                 raise
-            image, label = self.decode(self.read(np.array([sample_id]))[0], clock)
-        return self.augment(image, epoch, sample_id, clock), label
+            source, label = self.decode(self.read(np.array([sample_id]))[0], epoch, sample_id, clock)
+        return self.augment(source, clock), label
 
     # -- the whole path ----------------------------------------------------------------------
     def build_batch(

@@ -87,7 +87,7 @@ def read_all_samples(
 def _decode_and_augment(path: SamplePath, samples: list[tuple[int, dict]]) -> int:
     """dlstore's own per-sample work (the loader's `decode` and `augment` stages), no loader."""
     for sample_id, sample in samples:
-        path.augment(path.decode(sample)[0], 0, sample_id)
+        path.augment(path.decode(sample, 0, sample_id)[0])
     return len(samples)
 
 
