@@ -30,6 +30,11 @@ __all__ = ["BatchRequest", "Dataset"]
 
 log = logging.getLogger(__name__)
 
+#: How many batches before the one just requested the loader may still be building (the
+#: thread engine's lookahead is 2 by default). Their shards stay in front of the cache's
+#: order; more costs cache room at each change of shuffle window, fewer risks a refetch.
+_BATCHES_IN_FLIGHT = 4
+
 
 def _data_config(data: str | DataConfig, store_config: StoreConfig | None, settings: dict[str, Any]) -> DataConfig:
     """The `DataConfig` of `Dataset`'s arguments, with what it leaves to the environment read
@@ -131,6 +136,45 @@ class Dataset(torch.utils.data.Dataset):
             if len(upcoming) >= self.cfg.prefetch_shards:
                 break
         self.cache.prefetch([self.samples.shard_ref(s) for s in upcoming[: self.cfg.prefetch_shards]])
+        self.hint_cache(plan, index)
+
+    def hint_cache(self, plan: RankPlan, index: int) -> None:
+        """Tell the node cache the order this rank needs shards in from batch `index` on: the
+        rest of this epoch, then the whole next epoch (a pure function of the plan's inputs,
+        so known now). Its evictions then drop the shard needed furthest ahead instead of the
+        least recently used one, which against a shuffled sweep is nearly the worst choice.
+
+        A cache with no room for two shuffle windows and the prefetch (the window being read
+        and the next one coming in) gets no hints: refetches are unavoidable there, and LRU,
+        which evicts the finished window first, does no worse.
+
+        >>> ds.hint_cache(ds.plan(epoch), 0)  # doctest: +SKIP
+        """
+        shards = self.manifest.shards
+        working_set = 2 * self.cfg.shuffle_window + self.cfg.prefetch_shards
+        if self.cfg.cache_limit < working_set * max((s.size for s in shards), default=0):
+            return
+        ahead = plan.shards_needed(index).tolist()
+        # The loader asks for batch `index` while the batches before it may still be being
+        # built (its lookahead). Shards those batches read last go after the ones in use and
+        # before any not yet started: no prefetch evicts one under a builder, and a reader
+        # short of room evicts one before a shard it reads again soon.
+        lo, hi = max(index - _BATCHES_IN_FLIGHT, 0) * plan.batch_size, (index + 1) * plan.batch_size
+        recent = dict.fromkeys(plan.shards[lo:hi].tolist())
+        needed = set(ahead)
+        order = [s for s in ahead if s in recent] + [s for s in recent if s not in needed]
+        order += [s for s in ahead if s not in recent]
+        # The plan's epoch is the key it is cached under; a plan no longer cached gets no look
+        # beyond its own epoch (the next epoch's plan is cached too, and reused when it comes).
+        epoch = next((key[0] for key, cached in self._plans.items() if cached is plan), None)
+        if epoch is not None:
+            # The next epoch's order, computed once per epoch (a pure function of its epoch).
+            memo = self.__dict__.get("_following_order")
+            if memo is None or memo[0] != (epoch + 1, self.cfg.batch_size):
+                following = self.plan(epoch + 1).shards_needed(0).tolist()
+                memo = self.__dict__["_following_order"] = ((epoch + 1, self.cfg.batch_size), following)
+            order += memo[1]
+        self.cache.hint(shards[shard].name for shard in dict.fromkeys(order))
 
     # -- the batches (workers) ----------------------------------------------------------
     def __getitem__(self, request: BatchRequest) -> dict:

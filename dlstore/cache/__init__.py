@@ -4,6 +4,7 @@ DataLoader worker of a node (many processes, no shared memory, only files and `f
     cache = ShardCache(CacheConfig("/mnt/ssd/dlstore", "150GB"), store)
     cache.check_fits(max_shard_size)              # a limit below one shard fails here, not later
     cache.prefetch(upcoming)                      # (name, size, checksum) in read order
+    cache.hint(names_in_order)                    # this epoch's rest, then the next: evict by the plan
     with cache.hold("train/shard-000007.tar", size, "sha256:...") as path:
         read(path)                                # not evicted while held
 
@@ -16,13 +17,17 @@ Layout of the directory::
     tmp/<stem>.<pid>.<token>.<size>.part
                         downloads in flight; the name records the bytes reserved, the
                         downloader holds LOCK_EX on the file itself while it lives
+    hints/<namespace>.<pid>.<token>.json
+                        each reader's order of upcoming shards (`ShardCache.hint`); its
+                        writer holds LOCK_SH on it while it lives (`policy`)
 
 Invariants (DESIGN.md, "Cache invariants") and how they hold:
 
 * **Byte limit.** Bytes on disk = published shards + reservations of downloads in flight
-  + the 1 KiB stats file. A download reserves its full size under the cache-wide lock
-  (creating its temp file, whose name carries the size) after evicting least recently used
-  shards that no reader holds; if they cannot make room it waits, and raises `CacheFull`
+  + the 1 KiB stats file (not counted: the readers' hint files, about 60 bytes per shard
+  of a reader's share). A download reserves its full size under the cache-wide lock
+  (creating its temp file, whose name carries the size) after evicting shards that no
+  reader holds (in `policy`'s order); if they cannot make room it waits, and raises `CacheFull`
   after `wait_timeout_s`. So the directory never exceeds the limit, not even by the shard
   being fetched. Every scan holds the cache-wide lock, and a download moves from `tmp/` to
   `shards/` only under that lock too, so a scan counts it exactly once: were the rename
@@ -60,6 +65,10 @@ A `ShardCache` pickles into DataLoader workers and survives `fork`: it holds no 
 lock or thread in its pickled state, and rebuilds its per-process state (counters, prefetch
 thread) the first time it is used in a new process.
 
+Eviction (`policy`): with hints, the shard needed furthest ahead goes first (Belady's
+rule), shards no hint names before any hinted one, and a prefetch never evicts a shard
+needed no later than its own; without hints, the least recently used goes first.
+
 Downloads: each process has one `engine.DownloadEngine` (worker threads, at most
 `CacheConfig.connections`), shared by its reader and its prefetch threads: a shard is
 fetched as up to `parts_in_flight` ranged GETs at once, each retried on its own and
@@ -70,7 +79,8 @@ own reservation, so the limit holds with several shards in flight.
 The modules, in the order data flows through them: `config` (`CacheConfig`, `ShardSpec`),
 `layout` (the directory: paths, locks, temp files, the scan that counts bytes, the stats
 file), `shard_cache` (`ShardCache`: hold, fetch, reserve, evict), `download` (fetch one
-shard into its temp file and verify it) on `engine` (parallel ranged GETs), `prefetch`
+shard into its temp file and verify it) on `engine` (parallel ranged GETs), `policy`
+(which shard to evict, from the readers' hint files), `prefetch`
 (the background threads) with `runtime` (the per-process state it shares with the
 reader), and `report` (`cache_report`, `clear_cache` for the CLI).
 """

@@ -5,7 +5,11 @@ shards for the rest of this epoch and for the whole next one. `ShardCache.hint` 
 order where every process of the node sees it, and eviction follows Belady's rule: evict
 the shard needed furthest in the future. With a cache that holds a fraction f of the node's
 share, a node then fetches about (1 - f) of its share per epoch, where LRU, against a
-shuffled sweep it cannot see, refetches nearly all of it.
+shuffled sweep it cannot see, refetches nearly all of it. What it takes: room for the window
+being read, the one coming in and the prefetch beside the shards kept (`Dataset.hint_cache`
+gives no hints to a smaller cache); the window change costs a little more where that room is
+a large part of the cache (`tools/bench_cache_policy.py`: one rank, f = 0.5, 24 shards:
+0.54-0.67 per epoch, 48 shards: 0.50; LRU 0.8-0.9).
 
 How the hints are kept (the cache is multi-process: only files and `flock` are shared)::
 
@@ -40,7 +44,7 @@ import logging
 import os
 import secrets
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from dlstore.cache.layout import _CacheDir, _try_flock, _unlink_quietly
 
@@ -61,16 +65,24 @@ class HintWriter:
     """The hint file of one `ShardCache` in one process. Not shared across a fork: the child
     makes its own (and never unlocks the parent's, whose lock its inherited descriptor shares)."""
 
-    def __init__(self, directory: _CacheDir, namespace: str) -> None:
+    def __init__(self, directory: _CacheDir, namespace: str, stem_of: Callable[[str], str]) -> None:
         self.pid = os.getpid()
         self._dir = directory
+        self._stem_of = stem_of
+        self._stems: dict[str, str] = {}  # shard name -> file name, for the names seen so far
         self._path = os.path.join(hints_dir(directory), f"{namespace}.{self.pid}.{secrets.token_hex(4)}.json")
         self._fd: int | None = None
         self._last: list[str] | None = None
         self._finalizer: weakref.finalize | None = None
 
-    def write(self, order: list[str]) -> None:
-        """Record `order` (stems, soonest first), replacing this writer's earlier order."""
+    def write(self, names: Iterable[str]) -> None:
+        """Record the order of shard `names` (soonest first), replacing this writer's earlier
+        order; an empty order removes the file."""
+        stems = self._stems
+        order = list(dict.fromkeys(stems.get(n) or stems.setdefault(n, self._stem_of(n)) for n in names))
+        if not order:
+            self.close()
+            return
         if order == self._last:
             return
         payload = json.dumps({"version": _HINT_VERSION, "order": order}, separators=(",", ":")).encode()

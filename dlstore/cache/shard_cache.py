@@ -178,13 +178,9 @@ class ShardCache:
         self._runtime()
         writer = self._hints
         if writer is None or writer.pid != os.getpid():  # none yet, or the parent's (after a fork)
-            writer = self._hints = HintWriter(self._dir, self._namespace)
-        stems = list(dict.fromkeys(self._stem(name) for name in names))
+            writer = self._hints = HintWriter(self._dir, self._namespace, self._stem)
         try:
-            if stems:
-                writer.write(stems)
-            else:
-                writer.close()
+            writer.write(names)
         except OSError as exc:
             log.warning("could not record the shard order in cache %s: %s", self.config.cache_dir, exc)
 

@@ -1,0 +1,249 @@
+"""Plan-aware eviction (issue 12): the victim order given the readers' hints, the hint files
+shared by the processes of a node, a prefetch that never evicts what is needed sooner, and
+the bytes fetched per epoch through the real `Dataset` and `Loader` when the dataset is twice
+the cache."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import signal
+import time
+
+from bench_cache_policy import fetched_per_epoch, write_bench_dataset
+
+import dlstore
+from dlstore.cache import STATS_FILE_BYTES, CacheConfig, ShardCache, _CacheDir, cache_report
+from dlstore.cache.policy import HINTS_DIR, read_next_use, victim_order
+from dlstore.manifest import Manifest
+from dlstore.storage import open_store
+from dlstore.storage.local import LocalStore
+from dlstore.world import World
+
+FORK = multiprocessing.get_context("fork")
+SHARD = 1000
+
+
+def make_store(root, count: int) -> tuple[LocalStore, list[tuple[str, int, str]]]:
+    """`count` shards of SHARD random bytes; returns the store and their (name, size, checksum)."""
+    rng = random.Random(0)
+    specs = []
+    for index in range(count):
+        data = rng.randbytes(SHARD)
+        name = f"train/shard-{index:06d}.tar"
+        os.makedirs(root / "train", exist_ok=True)
+        (root / name).write_bytes(data)
+        specs.append((name, SHARD, "sha256:" + hashlib.sha256(data).hexdigest()))
+    return LocalStore(str(root)), specs
+
+
+def open_cache(tmp_path, shards_held: int, count: int = 6, prefetch: int = 0):
+    store, specs = make_store(tmp_path / "remote", count)
+    limit = shards_held * SHARD + STATS_FILE_BYTES
+    config = CacheConfig(str(tmp_path / "cache"), limit, prefetch=prefetch, fsync=False)
+    return ShardCache(config, store), specs
+
+
+def cached(cache: ShardCache, specs) -> set[int]:
+    """Which of `specs` are in the cache, by index (the file names end with the shard's)."""
+    files = os.listdir(os.path.join(cache.config.cache_dir, "shards"))
+    return {i for i, (name, _, _) in enumerate(specs) if any(f.endswith(name.replace("/", "%2F")) for f in files)}
+
+
+def hint_files(cache: ShardCache) -> list[str]:
+    with contextlib.suppress(FileNotFoundError):
+        return sorted(os.listdir(os.path.join(cache.config.cache_dir, HINTS_DIR)))
+    return []
+
+
+def names(specs, *indexes: int) -> list[str]:
+    return [specs[i][0] for i in indexes]
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# -- the victim order ------------------------------------------------------------------------------
+SHARDS = [(30, "a", 1), (10, "b", 1), (20, "c", 1), (50, "d", 1), (40, "e", 1)]  # (mtime, stem, size)
+
+
+def test_without_hints_the_order_is_least_recently_used():
+    assert [s[1] for s in victim_order(SHARDS, {})] == ["b", "c", "a", "e", "d"]
+    assert [s[1] for s in victim_order(SHARDS, {}, incoming="x")] == ["b", "c", "a", "e", "d"]
+
+
+def test_unhinted_shards_go_first_then_the_one_needed_furthest_ahead():
+    # d and e are needed neither this epoch nor the next: least recently used first among them.
+    # Then furthest next use first; a tie goes to the least recently used.
+    next_use = {"a": 0, "b": 7, "c": 3}
+    assert [s[1] for s in victim_order(SHARDS, next_use)] == ["e", "d", "b", "c", "a"]
+    assert [s[1] for s in victim_order(SHARDS, {"a": 2, "b": 2, "c": 2, "d": 2, "e": 2})] == ["b", "c", "a", "e", "d"]
+
+
+def test_a_prefetch_spares_shards_needed_no_later_than_its_own():
+    next_use = {"a": 0, "b": 7, "c": 3, "x": 3}
+    assert [s[1] for s in victim_order(SHARDS, next_use, incoming="x")] == ["e", "d", "b"]
+    # A prefetch of a shard no hint names may displace only shards no hint names either.
+    assert [s[1] for s in victim_order(SHARDS, next_use, incoming="y")] == ["e", "d"]
+
+
+# -- through the cache -----------------------------------------------------------------------------
+def test_eviction_keeps_the_shards_needed_soonest_and_is_lru_without_hints(tmp_path):
+    cache, specs = open_cache(tmp_path, shards_held=3)
+    for spec in specs[:3]:
+        cache.fetch(*spec)
+    # LRU would evict shard 0; the order says shard 1 is needed furthest ahead.
+    cache.hint(names(specs, 3, 0, 2, 1))
+    cache.fetch(*specs[3])
+    assert cached(cache, specs) == {0, 2, 3}
+    # A shard no hint names goes before any hinted one.
+    cache.hint(names(specs, 4, 3, 0))
+    cache.fetch(*specs[4])
+    assert cached(cache, specs) == {0, 3, 4}
+    # Hints withdrawn: least recently used again (shard 0, fetched first).
+    cache.hint([])
+    assert hint_files(cache) == []
+    cache.fetch(*specs[1])
+    assert cached(cache, specs) == {1, 3, 4}
+    cache.close()
+
+
+def test_prefetch_waits_rather_than_evict_a_shard_needed_sooner(tmp_path):
+    cache, specs = open_cache(tmp_path, shards_held=2, prefetch=2)
+    cache.fetch(*specs[0])
+    cache.fetch(*specs[1])
+    cache.hint(names(specs, 0, 1, 2))
+    cache.prefetch([specs[2]])
+    time.sleep(0.6)  # the prefetch retries every 0.2 s
+    assert cached(cache, specs) == {0, 1}
+    assert cache.stats.evictions == 0
+    # Now shard 2 is needed before shard 1: the prefetch may evict shard 1, and only it.
+    cache.hint(names(specs, 0, 2, 1))
+    wait_for(lambda: cached(cache, specs) == {0, 2})
+    cache.close()
+
+
+def hint_stems(cache: ShardCache, specs, *indexes: int) -> list[str]:
+    """The cache's names for the given shards, as its `shards/` files and hints spell them."""
+    prefix = next(iter(os.listdir(os.path.join(cache.config.cache_dir, "shards")))).split("-", 1)[0]
+    return [f"{prefix}-{specs[i][0].replace('/', '%2F')}" for i in indexes]
+
+
+def _hint_and_sleep(cache, order, ready):
+    cache.hint(order)
+    ready.set()
+    time.sleep(60)  # until killed
+
+
+def test_hints_of_every_live_process_count_and_a_dead_ones_are_removed(tmp_path):
+    cache, specs = open_cache(tmp_path, shards_held=3)
+    for spec in specs[:3]:
+        cache.fetch(*spec)
+    ready = FORK.Event()
+    child = FORK.Process(target=_hint_and_sleep, args=(cache, names(specs, 1), ready))
+    child.start()
+    try:
+        assert ready.wait(30)
+        # This process needs shard 1 last, but the other needs it first: shard 2 goes.
+        cache.hint(names(specs, 3, 0, 2, 1))
+        assert len(hint_files(cache)) == 2
+        cache.fetch(*specs[3])
+        assert cached(cache, specs) == {0, 1, 3}
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+    # The dead process's hint file is removed and its order no longer counts.
+    assert set(read_next_use(_CacheDir(cache.config.cache_dir))) == set(hint_stems(cache, specs, 3, 0, 2, 1))
+    assert len(hint_files(cache)) == 1
+    cache.fetch(*specs[2])
+    assert cached(cache, specs) == {0, 2, 3}  # shard 1, needed last, went
+    cache.close()
+
+
+def test_a_hint_file_goes_with_its_cache(tmp_path):
+    cache, specs = open_cache(tmp_path, shards_held=3)
+    cache.hint(names(specs, 0, 1))
+    assert len(hint_files(cache)) == 1
+    directory = cache.config.cache_dir
+    del cache
+    gc.collect()
+    assert os.listdir(os.path.join(directory, HINTS_DIR)) == []
+
+
+# -- end to end: Dataset + Loader, the dataset twice the cache ---------------------------------------
+def test_a_cache_holding_half_the_data_fetches_half_of_it_per_epoch(tmp_path):
+    """One rank, 48 shards, the cache limit at half the dataset, three epochs through the real
+    `Dataset` and `Loader` (default shuffle window and prefetch): after the first epoch, each
+    fetches about half the dataset (LRU: 0.8-0.9)."""
+    url = write_bench_dataset(str(tmp_path / "data"), shards=48, samples=16)
+    planned = fetched_per_epoch(url, str(tmp_path / "plan"), 0.5, epochs=3)
+    lru = fetched_per_epoch(url, str(tmp_path / "lru"), 0.5, epochs=3, plan_aware=False)
+    shares = [round(share, 3) for share in planned.shares]
+    print(f"fraction of the dataset fetched per epoch: plan-aware {shares}, LRU {[round(x, 3) for x in lru.shares]}")
+    assert planned.hinted and not lru.hinted
+    assert planned.fetched[0] == planned.dataset_bytes  # a cold cache fetches every shard once
+    assert all(share <= 0.55 for share in shares[1:]), shares
+    assert sum(planned.fetched[1:]) < sum(lru.fetched[1:])
+    report = cache_report(tmp_path / "plan")
+    assert report.limit_bytes is not None and report.bytes <= report.limit_bytes
+
+
+def _small_dataset(tmp_path, name: str, limit_in_shards: int) -> dlstore.Dataset:
+    url = f"file://{tmp_path / 'data'}"
+    if not (tmp_path / "data").exists():
+        write_bench_dataset(str(tmp_path / "data"), shards=8, samples=8)
+    size = max(s.size for s in Manifest.load(open_store(url)).shards)
+    return dlstore.Dataset(
+        url,
+        cache_dir=str(tmp_path / name),
+        cache_limit=limit_in_shards * size + STATS_FILE_BYTES,
+        world=World(0, 1, 1),
+        transform="eval",
+        image_size=8,
+        batch_size=4,
+        shuffle_window=1,
+        prefetch_shards=2,
+    )
+
+
+def _hinted_order(ds: dlstore.Dataset) -> list[int]:
+    """The shards (indexes) in the order the dataset's hint file gives them."""
+    (path,) = [e.path for e in os.scandir(os.path.join(ds.cache.config.cache_dir, HINTS_DIR))]
+    with open(path) as file:
+        stems = json.load(file)["order"]
+    names = [s.name.replace("/", "%2F") for s in ds.manifest.shards]
+    return [next(i for i, name in enumerate(names) if stem.endswith(name)) for stem in stems]
+
+
+def test_the_hint_puts_shards_in_use_first_then_those_builders_may_still_read(tmp_path):
+    ds = _small_dataset(tmp_path, "cache", limit_in_shards=8)
+    plan = ds.plan(0)
+    index = 4  # shards of 8 samples, batches of 4, one shard per window: batch 4 starts the third shard
+    ds.hint_cache(plan, index)
+    order = _hinted_order(ds)
+    in_use, earlier = plan.batch_shards(index).tolist(), plan.shards_needed(0).tolist()[:2]
+    upcoming = [s for s in plan.shards_needed(index).tolist() if s not in in_use]
+    assert order[: len(in_use)] == in_use
+    # The two shards batches 0-3 read (maybe still being built) come before any not started,
+    assert set(order[len(in_use) : len(in_use) + 2]) == set(earlier)
+    assert order[len(in_use) + 2 : len(in_use) + 2 + len(upcoming)] == upcoming
+    # and every shard of the dataset is named: the next epoch needs them all.
+    assert sorted(order) == list(range(8))
+
+
+def test_a_cache_without_room_for_two_windows_and_the_prefetch_gets_no_hints(tmp_path):
+    roomy = _small_dataset(tmp_path, "roomy", limit_in_shards=2 * 1 + 2)
+    roomy.hint_cache(roomy.plan(0), 0)
+    assert len(os.listdir(os.path.join(roomy.cache.config.cache_dir, HINTS_DIR))) == 1
+    tight = _small_dataset(tmp_path, "tight", limit_in_shards=2 * 1 + 2 - 1)
+    tight.hint_cache(tight.plan(0), 0)
+    assert not os.path.exists(os.path.join(tight.cache.config.cache_dir, HINTS_DIR))
