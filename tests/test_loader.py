@@ -339,6 +339,28 @@ def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, m
     assert len(_epoch(loader)) == 12
 
 
+def test_batches_built_ahead_across_an_epoch_boundary_are_the_next_epochs(local_dataset, tmp_path):
+    """The thread engine starts the next epoch's first batches while the last ones are taken;
+    whatever epoch the loop goes on to, it gets exactly that epoch."""
+    url, _ = local_dataset
+
+    def fresh(epoch):
+        loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", normalize=False)
+        loader.set_epoch(epoch)
+        return [(k, p, img) for img, _, meta in loader for k, p, img in zip(meta["keys"], meta["padding"], img)]
+
+    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", normalize=False)
+    for epoch in (0, 1, 5, 6):  # 1 and 6 follow on; 5 is not the epoch started ahead
+        loader.set_epoch(epoch)
+        got = [(k, p, img) for img, _, meta in loader for k, p, img in zip(meta["keys"], meta["padding"], img)]
+        want = fresh(epoch)
+        assert [(k, bool(p)) for k, p, _ in got] == [(k, bool(p)) for k, p, _ in want]
+        assert all(torch.equal(a, b) for (_, _, a), (_, _, b) in zip(got, want))
+    assert loader.engine._ahead is not None  # epoch 7's first batches, abandoned by close()
+    loader.close()
+    assert loader.engine._ahead is None
+
+
 def test_corrupt_samples_are_skipped_and_counted(tmp_path, engine):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000003"}))

@@ -66,7 +66,7 @@ class GpuPrefetcher:
 
     def _to_device(self, batch: dict) -> dict:
         if batch.get("encoded") is not None:
-            size = batch["images"].shape[1]
+            size = batch["image_size"]  # the data config's, carried by the batch
             # nvJPEG reads the encoded bytes from (pinned) host memory itself.
             data, lengths = batch["encoded"]
             parts = data.split(lengths) if lengths else []
@@ -148,13 +148,18 @@ class GpuPrefetcher:
         if self.background:
             yield from self._iter_background()
             return
-        while len(self.pending) < max(1, self.cfg.device_lookahead) and self._enqueue():
-            pass
+        # The copies ahead are topped up after each batch is handed over, not before the first:
+        # taking a batch from the engine waits for its decode, and the loop should start as
+        # soon as the first one is ready. On a CPU device a batch is ready when prepared, so
+        # nothing is prepared ahead there.
+        ahead = max(1, self.cfg.device_lookahead) if self.cuda else 1
+        self._enqueue()
         while self.pending:
             batch, event = self.pending.pop(0)
             self._hand_over(batch, event)
-            self._enqueue()
             yield batch
+            while len(self.pending) < ahead and self._enqueue():
+                pass
 
     def _iter_background(self) -> Iterator[dict]:
         """`__iter__` with the batches prepared by a thread. Why: decoding on the device

@@ -66,6 +66,13 @@ class BatchSlots:
         if copied is not None:
             self.copies[slot] = copied
 
+    def claim_next(self) -> int:
+        """Claim the slot after the last one claimed this way (the thread engine's order, which
+        runs on across epochs: batch indexes start again at 0 each epoch)."""
+        slot = self._turn = (getattr(self, "_turn", -1) + 1) % self.count
+        self.claim(slot)
+        return slot
+
     def forget_claims(self) -> None:
         """A new pass: batches requested by an abandoned one were drained by the DataLoader."""
         self.claimed.clear()
