@@ -265,6 +265,7 @@ class SamplePath:
         if self.cfg.decode_on == "device":
             batch = self.batch_dict(index, self.empty_images(), labels, keys, padding)
             batch["encoded"], batch["boxes"] = join_encoded(images)
+            batch["image_size"] = self.cfg.transform.image_size  # what the device decodes to
         elif out is not None and images:
             np.stack(images, out=out[: len(images)].numpy())
             batch = self.batch_dict(index, out[: len(images)], labels, keys, padding)

@@ -292,7 +292,12 @@ def test_data_config_validates_where_defined():
 
 
 def test_data_config_reads_the_environment_only_in_from_env():
-    env = {"DLSTORE_CACHE_DIR": "/scratch/cache", "ST_AUTH": "http://h/auth/v1.0", "ST_USER": "u", "ST_KEY": "hunter2-key"}
+    env = {
+        "DLSTORE_CACHE_DIR": "/scratch/cache",
+        "ST_AUTH": "http://h/auth/v1.0",
+        "ST_USER": "u",
+        "ST_KEY": "hunter2-key",
+    }
     cfg = DataConfig.from_env("swift://c/ds", env, batch_size=64)
     assert cfg.cache_dir == "/scratch/cache" and cfg.store.swift.user == "u" and cfg.batch_size == 64
     assert DataConfig("swift://c/ds").store is None and DataConfig("swift://c/ds").cache_dir == ""
