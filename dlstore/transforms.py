@@ -35,6 +35,7 @@ except ImportError:  # pragma: no cover - optional speed-up; Pillow resizes inst
 
 __all__ = [
     "crop_plan",
+    "jpeg_frame",
     "decode_on_device",
     "device_jpeg",
     "TransformConfig",
@@ -127,7 +128,7 @@ def device_jpeg(data: bytes) -> tuple[bytes, int, int]:
     JPEGs and a PNG named .JPEG; arithmetic-coded, lossless and 12-bit JPEGs exist) is
     decoded and re-encoded here, on the worker's CPU, as the CPU path would read it.
     `CorruptSample` when it is no image."""
-    frame = _jpeg_frame(data)
+    frame = jpeg_frame(data)
     if frame is not None and _device_decodes(*frame):
         return data, frame[2], frame[3]
     image = decode_image(data)
@@ -147,7 +148,7 @@ _DEVICE_FRAMES = frozenset({0xC0, 0xC2})
 _DEVICE_LUMA_SAMPLING = frozenset({(1, 1), (2, 1), (2, 2)})
 
 
-def _jpeg_frame(data: bytes) -> tuple[int, int, int, int, tuple] | None:
+def jpeg_frame(data: bytes) -> tuple[int, int, int, int, tuple] | None:
     """The frame header of JPEG `data`: (SOF marker, sample precision, width, height, each
     component's (horizontal, vertical) sampling factors), found by walking the marker segments
     before it (no decode, ~100x cheaper than `PIL.Image.open`); None when `data` does not
@@ -180,7 +181,7 @@ def _jpeg_frame(data: bytes) -> tuple[int, int, int, int, tuple] | None:
 
 
 def _device_decodes(marker: int, precision: int, width: int, height: int, sampling: tuple) -> bool:
-    """Whether nvJPEG decodes a JPEG of this frame header (`_jpeg_frame`; see `_DEVICE_FRAMES`)."""
+    """Whether nvJPEG decodes a JPEG of this frame header (`jpeg_frame`; see `_DEVICE_FRAMES`)."""
     if marker not in _DEVICE_FRAMES or precision != 8 or not (width and height):
         return False
     if len(sampling) == 1:
