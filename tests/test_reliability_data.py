@@ -228,6 +228,10 @@ def test_a_full_cache_disk_is_a_clear_error_and_leaves_nothing_partial(tmp_path)
         for epoch in range(2):
             loader.set_epoch(epoch)
             assert sorted(delivered(loader)) == sorted(keys)
+        # The loader builds the next epoch's first batches ahead and the prefetch runs on: stop
+        # both, as for the first cache above (their temp files are downloads in flight).
+        loader.close()
+        loader.dataset.cache.close()
         assert_cache_clean(disk / "cache2", store)
         assert cache_report(disk / "cache2").totals.evictions > 0
 
