@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
 import pytest
+import torch
 from botocore.stub import Stubber
 from swiftclient.exceptions import ClientException
 
@@ -29,6 +30,7 @@ from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import AuthError, ConfigError, NotFound
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
+from dlstore.train.checkpoint import CheckpointStore
 
 try:  # tests/ as a package
     from .swift_fixtures import _delete_container as delete_container
@@ -491,6 +493,15 @@ def test_ensure_container_creates_a_missing_container(swift_server, new_containe
     # The other API sees the same container.
     other = "s3" if scheme == "swift" else "swift"
     assert open_store(f"{other}://{new_container}/ds", config).get_bytes("small") == b"small"
+
+
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
+def test_checkpoints_into_a_container_that_does_not_exist(swift_server, new_container, scheme, tmp_path):
+    store = open_store(f"{scheme}://{new_container}/run1", swift_store_config(swift_server))
+    ckpts = CheckpointStore(store, tmp_dir=str(tmp_path))
+    key = ckpts.save({"weights": torch.arange(6)}, step=7)
+    assert ckpts.latest_key() == key
+    assert torch.equal(ckpts.load(key)["weights"], torch.arange(6))
 
 
 @pytest.mark.parametrize("scheme", ["swift", "s3"])

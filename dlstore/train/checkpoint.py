@@ -89,6 +89,7 @@ class CheckpointStore:
         self.store = open_store(target) if isinstance(target, str) else target
         self.keep = keep
         self.tmp_dir = tmp_dir
+        self._container_ready = False
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.store.url!r}, keep={self.keep})"
@@ -100,6 +101,11 @@ class CheckpointStore:
         The state is serialised to a temporary file first (not to memory), and the store
         streams that file, in segments when it is large.
         """
+        if not self._container_ready:
+            # A run pointed at a new container (`swift://ckpt-run7/...`) makes it, as `convert`
+            # does, before its first checkpoint rather than failing at it.
+            self.store.ensure_container()
+            self._container_ready = True
         key = checkpoint_key(step)
         state = {"format": CHECKPOINT_FORMAT, "step": step, **to_cpu(state)}
         started = time.monotonic()
