@@ -38,7 +38,7 @@ import pytest
 import swiftclient
 import torch.multiprocessing as tmp
 from fault_proxy import ALL_FAULTS, FaultProxy
-from loader_support import run_rank, write_dataset
+from loader_support import fault_free_run, run_rank, write_dataset
 from test_loader import _CacheSampler
 from wan_proxy import WanProxy
 
@@ -235,33 +235,6 @@ def test_parts_through_the_wan_emulator(swift_server, swift_container, tmp_path,
 SHARDS = [2, 3, 1, 4, 2, 3, 2, 1, 3, 2, 4, 2, 3, 1, 2, 3, 2, 4, 1, 3, 2, 2, 3, 1, 4, 2, 3, 2, 1, 3]
 
 
-def _fault_free_run(url: str, env: dict[str, str], world: int, cache_dir: str, spec: dict) -> list[dict]:
-    """What each rank delivers without faults, read in this process straight from the server."""
-    records = []
-    for rank in range(world):
-        ds = dlstore.Dataset(
-            url,
-            cache_dir=cache_dir,
-            cache_limit=spec["cache_limit"],
-            transform="eval",
-            image_size=8,
-            batch_size=spec["batch_size"],
-            seed=spec["seed"],
-            world=World(rank, world, world),
-            store_config=config_for(env),
-            return_keys=True,
-        )
-        loader = dlstore.Loader(ds, num_workers=0, device="cpu")
-        epochs = {}
-        for epoch in range(spec["epochs"]):
-            loader.set_epoch(epoch)
-            epochs[str(epoch)] = [
-                [[k, bool(p)] for k, p in zip(meta["keys"], meta["padding"].tolist())] for _, _, meta in loader
-            ]
-        records.append(epochs)
-    return records
-
-
 def _spawn(spec: dict, nprocs: int) -> list[dict]:
     tmp.start_processes(run_rank, args=(spec,), nprocs=nprocs, start_method="spawn")
     records = []
@@ -290,7 +263,7 @@ def test_ten_percent_of_gets_faulted_two_ranks_two_epochs(swift_server, swift_co
         epochs=2,
         out=str(tmp_path),
     )
-    expected = _fault_free_run(url, direct, 2, str(tmp_path / "cache-reference"), spec)
+    expected = fault_free_run(url, spec, str(tmp_path / "cache-reference"), config_for(direct))
 
     with FaultProxy(server_port(swift_server), seed=46, stall_s=STALL_S) as proxy:
         proxy.set_rate(0.1, kinds=ALL_FAULTS, method="GET", cycle=True)

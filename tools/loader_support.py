@@ -10,9 +10,12 @@ import os
 import numpy as np
 from PIL import Image
 
+import dlstore
+from dlstore.config import StoreConfig
 from dlstore.manifest import Manifest, ShardInfo, index_name
 from dlstore.shards import TarShardWriter, shard_name
 from dlstore.storage import Store
+from dlstore.world import World
 
 NUM_CLASSES = 5
 
@@ -58,32 +61,50 @@ def write_dataset(
     return keys
 
 
+def spec_dataset(url: str, spec: dict, cache_dir: str, world: World, store_config: StoreConfig | None):
+    """The dataset every rank of these runs reads: 8 px eval images, keys returned."""
+    return dlstore.Dataset(
+        url,
+        cache_dir=cache_dir,
+        cache_limit=spec["cache_limit"],
+        transform="eval",
+        image_size=8,
+        batch_size=spec["batch_size"],
+        seed=spec["seed"],
+        world=world,
+        store_config=store_config,
+        return_keys=True,
+    )
+
+
+def fault_free_run(url: str, spec: dict, cache_dir: str, store_config: StoreConfig) -> list[dict]:
+    """What each rank of `spec`'s world delivers without faults, each epoch's (key, padding)
+    per batch, read in this process straight from the server: the reference of a fault run."""
+    records = []
+    for rank in range(spec["world_size"]):
+        world = World(rank, spec["world_size"], spec["local_world_size"])
+        loader = dlstore.Loader(spec_dataset(url, spec, cache_dir, world, store_config), num_workers=0, device="cpu")
+        epochs = {}
+        for epoch in range(spec["epochs"]):
+            loader.set_epoch(epoch)
+            epochs[str(epoch)] = [
+                [[k, bool(p)] for k, p in zip(meta["keys"], meta["padding"].tolist())] for _, _, meta in loader
+            ]
+        records.append(epochs)
+    return records
+
+
 def run_rank(rank: int, spec: dict) -> None:
     """One DDP rank: read `spec["epochs"]` epochs (or stop after `stop_after` batches of the
     first), and write what it delivered to `spec["out"]/rank-N.json`."""
-    import torch.distributed as dist
-
-    import dlstore
-    from dlstore.config import StoreConfig
-    from dlstore.world import World
+    import torch.distributed as dist  # only the spawned rank joins a process group
 
     os.environ.update(spec.get("env", {}))
     world = World(rank, spec["world_size"], spec["local_world_size"])
     dist.init_process_group("gloo", init_method=spec["init"], rank=rank, world_size=world.world_size)
     try:
         config = StoreConfig.from_env(spec.get("env") or None)
-        ds = dlstore.Dataset(
-            spec["url"],
-            cache_dir=spec["cache_dir"],
-            cache_limit=spec["cache_limit"],
-            transform="eval",
-            image_size=8,
-            batch_size=spec["batch_size"],
-            seed=spec["seed"],
-            world=world,
-            store_config=config,
-            return_keys=True,
-        )
+        ds = spec_dataset(spec["url"], spec, spec["cache_dir"], world, config)
         loader = dlstore.Loader(ds, num_workers=spec["workers"], device="cpu")
         if spec.get("state"):
             loader.load_state_dict(spec["state"])

@@ -68,6 +68,7 @@ from swift_server import (
     kill_recorded,
     read_pids,
     spawn,
+    watch,
 )
 
 DEBIAN_SLURM_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
@@ -343,18 +344,6 @@ def status(data_dir: Path) -> int:
     return 0 if len(alive) == len(pids) else 1
 
 
-def watch(data_dir: Path, pid: int, pid_start: int) -> int:
-    """Stop DATA_DIR's cluster once process PID is gone (a test run that was killed)."""
-    me = os.getpid()
-    while True:
-        time.sleep(1.0)
-        if not (data_dir / "pids").exists():
-            return 0  # stopped by someone else
-        stat = _proc_stat(pid)
-        if stat is None or stat[0] in ("Z", "X") or stat[1] != pid_start:
-            return stop(data_dir, spare=me)
-
-
 def _spawn_watchdog(data_dir: Path, watched_pid: int) -> None:
     with file_lock(data_dir / ".lock"):
         pids = read_pids(data_dir)
@@ -404,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         return stop(Path(args.data_dir))
     if args.command == "status":
         return status(Path(args.data_dir))
-    return watch(Path(args.data_dir), args.pid, args.pid_start)
+    return watch(Path(args.data_dir), args.pid, args.pid_start, stop_all=stop)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,10 @@ from urllib.parse import urlsplit
 import swiftclient
 import torch.multiprocessing as torch_mp
 from fault_proxy import ALL_FAULTS, FaultProxy
-from loader_support import run_rank, write_dataset
+from loader_support import fault_free_run, run_rank, write_dataset
 
 import dlstore
 from dlstore.config import StoreConfig
-from dlstore.world import World
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -64,34 +63,6 @@ def _outages(data_dir: Path, port: str, every: float, length: float, stop: threa
         _tool("start", "--data-dir", str(data_dir), "--port", port)
         log.append(time.monotonic() - started)
         print(f"soak: server was down {log[-1]:.1f} s", flush=True)
-
-
-def _expected(url: str, env: dict[str, str], spec: dict, cache_dir: str) -> list[dict]:
-    """Each rank's deliveries without faults, read in this process straight from the server."""
-    config = StoreConfig.from_env(env)
-    records = []
-    for rank in range(spec["world_size"]):
-        ds = dlstore.Dataset(
-            url,
-            cache_dir=cache_dir,
-            cache_limit=spec["cache_limit"],
-            transform="eval",
-            image_size=8,
-            batch_size=spec["batch_size"],
-            seed=spec["seed"],
-            world=World(rank, spec["world_size"], spec["local_world_size"]),
-            store_config=config,
-            return_keys=True,
-        )
-        loader = dlstore.Loader(ds, num_workers=0, device="cpu")
-        epochs = {}
-        for epoch in range(spec["epochs"]):
-            loader.set_epoch(epoch)
-            epochs[str(epoch)] = [
-                [[k, bool(p)] for k, p in zip(meta["keys"], meta["padding"].tolist())] for _, _, meta in loader
-            ]
-        records.append(epochs)
-    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             out=str(work),
         )
         print(f"soak: {sum(sizes)} samples in {args.shards} shards; fault-free pass first", flush=True)
-        expected = _expected(url, direct, spec, str(work / "cache-reference"))
+        expected = fault_free_run(url, spec, str(work / "cache-reference"), StoreConfig.from_env(direct))
 
         with FaultProxy(int(port), seed=args.seed) as proxy:
             proxy.set_rate(args.rate, kinds=ALL_FAULTS, method="GET")

@@ -641,8 +641,10 @@ def status(data_dir: Path) -> int:
     return 0 if len(alive) == len(pids) else 1
 
 
-def watch(data_dir: Path, pid: int, pid_start: int) -> int:
-    """Stop DATA_DIR's servers once process PID is gone (a test run that was killed)."""
+def watch(data_dir: Path, pid: int, pid_start: int, stop_all=None) -> int:
+    """Stop DATA_DIR's servers (with `stop_all`, default this tool's `stop`) once process PID
+    is gone (a test run that was killed); `tools/slurm_server.py` watches its cluster with it."""
+    stop_all = stop_all or stop
     me = os.getpid()
     while True:
         time.sleep(1.0)
@@ -650,7 +652,7 @@ def watch(data_dir: Path, pid: int, pid_start: int) -> int:
             return 0  # stopped by someone else
         stat = _proc_stat(pid)
         if stat is None or stat[0] in ("Z", "X") or stat[1] != pid_start:
-            return stop(data_dir, spare=me)
+            return stop_all(data_dir, spare=me)
 
 
 def main(argv: list[str] | None = None) -> int:
