@@ -505,6 +505,20 @@ def test_checkpoints_into_a_container_that_does_not_exist(swift_server, new_cont
 
 
 @pytest.mark.parametrize("scheme", ["swift", "s3"])
+def test_cp_into_a_container_that_does_not_exist(swift_server, new_container, scheme, tmp_path, monkeypatch):
+    source = tmp_path / "shard.bin"
+    source.write_bytes(payload(300_000, seed=5))
+    for name in ("OS_AUTH_URL", "OS_AUTH_TOKEN", "OS_STORAGE_URL", "OS_APPLICATION_CREDENTIAL_ID", "ST_AUTH"):
+        monkeypatch.delenv(name, raising=False)
+    env = swift_server.swift_env() if scheme == "swift" else swift_server.s3_env()
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert cli_main(["cp", "-q", str(source), f"{scheme}://{new_container}/ds/"]) == 0
+    store = open_store(f"{scheme}://{new_container}/ds", swift_store_config(swift_server))
+    assert store.get_bytes("shard.bin") == source.read_bytes()
+
+
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
 def test_convert_into_a_container_that_does_not_exist(swift_server, new_container, scheme, tmp_path, monkeypatch):
     source = make_imagefolder(tmp_path / "src", num_classes=2, per_class=3)
     for name in ("OS_AUTH_URL", "OS_AUTH_TOKEN", "OS_STORAGE_URL", "OS_APPLICATION_CREDENTIAL_ID", "ST_AUTH"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from dlstore.errors import AuthError
 from dlstore.storage.base import Store
 from dlstore.storage.registry import open_object, open_store
 
@@ -15,7 +16,8 @@ def copy_object(
 ) -> tuple[Store, str]:
     """Stream `src_key` of `src_store` to the object URL (or local path) `dst`; a `dst` ending
     in "/" (or a bare "scheme://") keeps the source's name. `progress` is called with the size
-    of each chunk as it goes. Returns where the copy is.
+    of each chunk as it goes. A destination container or bucket that does not exist yet is made
+    first, as `swift upload` and `rclone copy` do. Returns where the copy is.
 
     >>> copy_object(*open_object("swift://data/train/shard-000000.tar"), "/tmp/")   # doctest: +SKIP
     (LocalStore('file:///tmp'), 'shard-000000.tar')
@@ -31,5 +33,9 @@ def copy_object(
                 progress(len(chunk))
             yield chunk
 
+    try:
+        dst_store.ensure_container()
+    except AuthError:
+        pass  # e.g. a write-only ACL may not even HEAD the container; the put says what is wrong
     dst_store.put(dst_key, chunks())
     return dst_store, dst_key
