@@ -59,6 +59,7 @@ from pathlib import Path
 # tools/ is this script's directory, so its sibling is importable: the same process handling as Swift's.
 from swift_server import (
     _proc_stat,
+    add_stop_status_watch,
     apt_install,
     dump_logs,
     env_lines,
@@ -366,13 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     p_start.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for an idle node")
     p_start.add_argument("--stop-with-pid", type=int, help="stop the cluster when this process exits")
 
-    for name, text in (("stop", "cancel the jobs, stop the daemons"), ("status", "show what runs")):
-        sub.add_parser(name, help=text).add_argument("--data-dir", default=str(default_data_dir()))
-
-    p_watch = sub.add_parser("_watch")  # internal: the --stop-with-pid watchdog
-    p_watch.add_argument("--data-dir", required=True)
-    p_watch.add_argument("--pid", type=int, required=True)
-    p_watch.add_argument("--pid-start", type=int, required=True)
+    add_stop_status_watch(sub, "cancel the jobs, stop the daemons", default_data_dir())
 
     args = parser.parse_args(argv)
     if args.command == "install":

@@ -655,6 +655,17 @@ def watch(data_dir: Path, pid: int, pid_start: int, stop_all=None) -> int:
             return stop_all(data_dir, spare=me)
 
 
+def add_stop_status_watch(sub: argparse._SubParsersAction, stop_help: str, data_dir: Path) -> None:
+    """The `stop`, `status` and internal `_watch` subcommands, the same for every server tool
+    (`tools/slurm_server.py` too): each takes the data dir the servers were started in."""
+    for name, text in (("stop", stop_help), ("status", "show what runs")):
+        sub.add_parser(name, help=text).add_argument("--data-dir", default=str(data_dir))
+    p_watch = sub.add_parser("_watch")  # internal: the --stop-with-pid watchdog
+    p_watch.add_argument("--data-dir", required=True)
+    p_watch.add_argument("--pid", type=int, required=True)
+    p_watch.add_argument("--pid-start", type=int, required=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{install,start,stop,status}")
@@ -683,13 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     p_start.add_argument("--fresh", action="store_true", help="delete the stored objects and logs first")
     p_start.add_argument("--stop-with-pid", type=int, help="stop the servers when this process exits")
 
-    for name, text in (("stop", "stop the processes that start recorded"), ("status", "show what runs")):
-        sub.add_parser(name, help=text).add_argument("--data-dir", default=str(default_data_dir()))
-
-    p_watch = sub.add_parser("_watch")  # internal: the --stop-with-pid watchdog
-    p_watch.add_argument("--data-dir", required=True)
-    p_watch.add_argument("--pid", type=int, required=True)
-    p_watch.add_argument("--pid-start", type=int, required=True)
+    add_stop_status_watch(sub, "stop the processes that start recorded", default_data_dir())
 
     args = parser.parse_args(argv)
     if args.command == "install":
