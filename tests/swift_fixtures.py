@@ -36,7 +36,6 @@ import hashlib
 import http.client
 import json
 import os
-import shlex
 import subprocess
 import sys
 import urllib.parse
@@ -47,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from swift_server import read_env_file  # tools/ is on sys.path (conftest.py)
 
 __all__ = ["SwiftEndpoint", "read_env_file", "swift_server", "swift_container", "s3_bucket"]
 
@@ -160,20 +160,6 @@ def _add_content_md5(request: Any, **_: Any) -> None:
     body = request.body or b""
     body = body.encode() if isinstance(body, str) else body
     request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
-
-
-def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
-    """Parse the ``export NAME=value`` lines of an env.sh written by ``swift_server.py start``."""
-    env = {}
-    for line in Path(path).read_text().splitlines():
-        words = shlex.split(line, comments=True)
-        if words and words[0] == "export":
-            words = words[1:]
-        for word in words:
-            name, sep, value = word.partition("=")
-            if sep:
-                env[name] = value
-    return env
 
 
 def _proxy_info(endpoint: SwiftEndpoint) -> dict:

@@ -28,7 +28,6 @@ import dataclasses
 import json
 import os
 import platform
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -40,24 +39,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from swift_server import read_env_file  # noqa: E402
+
 from dlstore.config import StoreConfig  # noqa: E402
 from dlstore.storage import Store, open_store  # noqa: E402
 
 CONTAINER = "dlstore-bench"
 KEY = "bench/object.bin"
-
-
-def read_env_file(path: str) -> dict[str, str]:
-    env: dict[str, str] = {}
-    for line in Path(path).read_text().splitlines():
-        words = shlex.split(line, comments=True)
-        if words and words[0] == "export":
-            words = words[1:]
-        for word in words:
-            name, sep, value = word.partition("=")
-            if sep:
-                env[name] = value
-    return env
 
 
 def make_payload(size: int) -> bytes:

@@ -416,6 +416,20 @@ def env_lines(env: dict[str, str]) -> str:
     return "".join(f"export {name}={shlex.quote(value)}\n" for name, value in env.items())
 
 
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    """Parse the ``export NAME=value`` lines `env_lines` wrote (an env.sh of `start`)."""
+    env = {}
+    for line in Path(path).read_text().splitlines():
+        words = shlex.split(line, comments=True)
+        if words and words[0] == "export":
+            words = words[1:]
+        for word in words:
+            name, sep, value = word.partition("=")
+            if sep:
+                env[name] = value
+    return env
+
+
 # ---------------------------------------------------------------------------- health
 
 
