@@ -4,6 +4,7 @@ temp file at its own offset.
 
     engine = DownloadEngine(connections=16)
     job = engine.start(store, "train/shard-000003.tar", fd, size, priority=0, parts_in_flight=8, part_size=16 * 2**20)
+    # or bytes [offset, offset + size) of the object, written at 0: engine.start(..., object_offset=offset)
     job.wait(on_prefix=hash_bytes)     # (start, end) of each new stretch of the written prefix; raises a part's error
 
 How it works, and why:
@@ -24,7 +25,9 @@ How it works, and why:
   that moved bytes (`storage.retry.ProgressRetry`).
 * **The last part asks for one byte more** than the manifest's size, so an object longer
   than its manifest shows (`CorruptShard`) without a stat; a part that ends early shows
-  one that is shorter. Nothing is ever written past `size`: the reservation holds.
+  one that is shorter. Nothing is ever written past `size`: the reservation holds. A
+  download of a byte range of the object (`object_offset`, for the cache's partial entries)
+  asks for exactly its bytes: the object goes on after them.
 * **Errors**: the first part that fails for good fails the download: no new part starts,
   running parts stop at their next chunk, and `Download.wait` raises that error (store
   errors re-raised naming the shard and the part's bytes) only once no part can write to
@@ -114,8 +117,10 @@ class Download:
         priority: int,
         parts_in_flight: int,
         part_size: int,
+        object_offset: int | None = None,
     ) -> None:
         self.store, self.name, self.fd, self.size = store, name, fd, size
+        self.object_offset = object_offset  # None: the whole object, else where the file's byte 0 is in it
         self.order = (priority, 0)  # (priority, arrival), set by the engine
         self.parts_in_flight = parts_in_flight
         self.part_floor = size if parts_in_flight == 1 else part_size
@@ -223,10 +228,20 @@ class DownloadEngine:
         self._closing = False
 
     def start(
-        self, store: Store, name: str, fd: int, size: int, *, priority: int, parts_in_flight: int, part_size: int
+        self,
+        store: Store,
+        name: str,
+        fd: int,
+        size: int,
+        *,
+        priority: int,
+        parts_in_flight: int,
+        part_size: int,
+        object_offset: int | None = None,
     ) -> Download:
         """Begin fetching object `name` of `store` (`size` bytes, as the manifest says) into
-        `fd`; lower `priority` goes first. Call `wait` on the result."""
+        `fd`, or with `object_offset` its bytes [object_offset, object_offset + size); lower
+        `priority` goes first. Call `wait` on the result."""
         download = Download(
             self._lock,
             self._forget,
@@ -237,6 +252,7 @@ class DownloadEngine:
             priority=priority,
             parts_in_flight=parts_in_flight,
             part_size=part_size,
+            object_offset=object_offset,
         )
         with self._lock:
             self._closing = False
@@ -299,9 +315,14 @@ class DownloadEngine:
                     self._work.notify_all()
 
     def _fetch(self, download: Download, part: _Part) -> None:
-        """One part: a ranged GET written at its offset; the last part asks for one byte more."""
-        request_end = part.end + 1 if part.end == download.size else part.end
-        with contextlib.closing(download.store.get(download.name, part.start, request_end)) as chunks:
+        """One part: a ranged GET written at its offset; the last part of a whole object asks for
+        one byte more."""
+        base = download.object_offset
+        if base is None:
+            start, end = part.start, part.end + 1 if part.end == download.size else part.end
+        else:
+            start, end = base + part.start, base + part.end
+        with contextlib.closing(download.store.get(download.name, start, end)) as chunks:
             self._write_part(download, part, chunks)
 
     def _write_part(self, download: Download, part: _Part, chunks: Iterator[bytes]) -> None:
