@@ -226,6 +226,7 @@ class DownloadEngine:
         self._workers = 0
         self._idle = 0
         self._closing = False
+        self.most_running = 0  # the most parts running at once (connections), for the cache's stats
 
     def start(
         self,
@@ -285,7 +286,9 @@ class DownloadEngine:
         for download in self._downloads:
             if download._has_work() and download.running < download.parts_in_flight:
                 length = self.link.part_size(download.part_floor, download.part_ceiling)
-                return download, download._claim(length)
+                part = download._claim(length)
+                self.most_running = max(self.most_running, sum(d.running for d in self._downloads))
+                return download, part
         return None
 
     # -- the workers ------------------------------------------------------------------------------------
