@@ -5,8 +5,9 @@ every request, and expected misses (a checkpoint that does not exist yet) stay s
 from __future__ import annotations
 
 import logging
+import re
 
-__all__ = ["THIRD_PARTY", "configure_logging"]
+__all__ = ["STORAGE_SECRETS", "THIRD_PARTY", "configure_logging", "redact_storage_secrets"]
 
 # Loggers of the libraries under the storage layer; python-swiftclient logs every failed
 # request (404 probes included) with its curl line and headers at INFO.
@@ -27,3 +28,54 @@ def configure_logging(verbosity: int = 0, level: int | None = None) -> None:
     logging.getLogger().setLevel(level)
     for name in THIRD_PARTY:
         logging.getLogger(name).setLevel(logging.DEBUG if verbosity >= 2 else logging.WARNING)
+
+
+# Secrets the storage SDKs write into their own log lines, and the loggers that write them (a
+# filter on a logger sees only the records logged on that very logger, hence the lists).
+# python-swiftclient logs failed requests at INFO as `curl -H "X-Auth-Token: AUTH_tk0123..."` and
+# response headers as a dict, with a token's first 16 characters. At DEBUG, botocore.auth logs
+# the canonical request (`x-amz-security-token:<token>`) and botocore.endpoint the headers
+# (`'X-Amz-Security-Token': b'<token>'`): a temporary credential in clear (the secret key itself
+# is never logged, only what is signed with it). Group 1 is what is kept before each secret.
+STORAGE_SECRETS: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = (
+    (
+        ("swiftclient",),
+        re.compile(
+            r"""(?ix)
+            (x-(?:auth|storage|service|subject)-(?:token|key)   # header name
+             ['"]?\s*[:=]\s*['"]?)                             # separator, maybe quoted (dict repr or curl -H)
+            [^'"\s,}]+                                         # the value
+            """
+        ),
+    ),
+    (
+        ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession"),
+        re.compile(r"""(?i)(x-amz-security-token['"]?\s*[:=]\s*b?['"]?)[^'"\s&,}]+"""),
+    ),
+)
+
+
+class _RedactSecrets(logging.Filter):
+    """Replaces each secret `pattern` finds with `***`."""
+
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = self.pattern.sub(r"\1***", message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return True
+
+
+def redact_storage_secrets() -> None:
+    """Blank the secrets of `STORAGE_SECRETS` in the storage SDKs' log lines. Called when
+    `dlstore.storage` is imported, before any client exists (an SDK call made before the first
+    store, e.g. a user's own swiftclient Connection, is covered too). Idempotent."""
+    for loggers, pattern in STORAGE_SECRETS:
+        for name in loggers:
+            logger = logging.getLogger(name)
+            if not any(isinstance(f, _RedactSecrets) and f.pattern is pattern for f in logger.filters):
+                logger.addFilter(_RedactSecrets(pattern))

@@ -17,7 +17,6 @@ import base64
 import hashlib
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -86,35 +85,6 @@ def _new_lock_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
-# -- keeping session tokens out of botocore's log lines ----------------------------------------
-# At DEBUG, botocore.auth logs the canonical request (`x-amz-security-token:<token>`) and
-# botocore.endpoint the request's headers (`'X-Amz-Security-Token': b'<token>'`): a temporary
-# credential in clear. The secret key itself is never logged, only what is signed with it.
-_SENSITIVE = re.compile(r"""(?i)(x-amz-security-token['"]?\s*[:=]\s*b?['"]?)[^'"\s&,}]+""")
-_REDACTED_LOGGERS = ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession")
-
-
-class _RedactTokens(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        redacted = _SENSITIVE.sub(r"\1***", message)
-        if redacted != message:
-            record.msg, record.args = redacted, ()
-        return True
-
-
-def _install_log_filter() -> None:
-    # A filter on a logger sees only the records logged on that very logger, hence the list.
-    for name in _REDACTED_LOGGERS:
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _RedactTokens) for f in logger.filters):
-            logger.addFilter(_RedactTokens())
-
-
-# At import, so that a boto3 client made before the first S3Store is covered too. Idempotent.
-_install_log_filter()
 
 
 def _add_content_md5(request: Any, **_: Any) -> None:

@@ -53,6 +53,7 @@ from swiftclient.exceptions import ClientException
 
 from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
+from dlstore.logs import redact_storage_secrets
 from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size, split_bucket_url
 from dlstore.storage.retry import call_with_retry
 
@@ -91,39 +92,6 @@ class _RangeNotSatisfiable(DlstoreError):
 
 class _Forbidden(AuthError):
     """HTTP 403: the credentials work, but not for this container or operation."""
-
-
-# -- keeping tokens out of swiftclient's log lines ------------------------------------------
-_SENSITIVE = re.compile(
-    r"""(?ix)
-    (x-(?:auth|storage|service|subject)-(?:token|key)   # header name
-     ['"]?\s*[:=]\s*['"]?)                             # separator, maybe quoted (dict repr or curl -H)
-    [^'"\s,}]+                                         # the value
-    """
-)
-
-
-class _RedactTokens(logging.Filter):
-    """swiftclient logs failed requests at INFO as `curl -H "X-Auth-Token: AUTH_tk0123456789..."`
-    and response headers as a dict; it shows the first 16 characters of a token. Blank them."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        redacted = _SENSITIVE.sub(r"\1***", message)
-        if redacted != message:
-            record.msg, record.args = redacted, ()
-        return True
-
-
-def _install_log_filter() -> None:
-    logger = logging.getLogger("swiftclient")
-    if not any(isinstance(f, _RedactTokens) for f in logger.filters):
-        logger.addFilter(_RedactTokens())
-
-
-# At import, not at first use: a swiftclient call made before the first SwiftStore (a test
-# fixture, a user's own Connection) would log a token prefix otherwise. Idempotent.
-_install_log_filter()
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -273,7 +241,7 @@ class SwiftStore(Store):
             # A fresh token was refused: the next one is the last try (see `_on_unauthorized`).
             self._client_fresh_refused = False
             self._client_pid = os.getpid()
-        _install_log_filter()
+        redact_storage_secrets()
 
     def _token(self) -> _Token:
         self._process_state()
