@@ -94,6 +94,18 @@ def read_block(stream: BinaryIO, size: int) -> bytes:
     return b"".join(parts)
 
 
+def read_chunks(file: BinaryIO, length: int | None, chunk_size: int) -> Iterator[bytes]:
+    """`length` bytes of `file` from where it stands (all that is left if None), in chunks of
+    up to `chunk_size`: the file-like backends' streamed read."""
+    while length is None or length > 0:
+        chunk = file.read(chunk_size if length is None else min(chunk_size, length))
+        if not chunk:
+            return
+        if length is not None:
+            length -= len(chunk)
+        yield chunk
+
+
 def remaining_size(stream: BinaryIO) -> int | None:
     """Bytes left in a seekable stream, or None when it cannot tell."""
     try:

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from dlstore.config import StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store
+from dlstore.storage.base import ObjectInfo, Store, read_chunks
 
 __all__ = ["FsspecStore"]
 
@@ -143,14 +143,7 @@ class FsspecStore(Store):
                     if not skipped:
                         return
                     skip -= skipped
-            remaining = None if end is None else end - start
-            while remaining is None or remaining > 0:
-                chunk = file.read(chunk_size if remaining is None else min(chunk_size, remaining))
-                if not chunk:
-                    return
-                if remaining is not None:
-                    remaining -= len(chunk)
-                yield chunk
+            yield from read_chunks(file, None if end is None else end - start, chunk_size)
 
     def _write(self, key: str, stream: BinaryIO) -> None:
         what = self.join(key)

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 
 from dlstore.config import StoreConfig
 from dlstore.errors import DlstoreError, NoSpace, NotFound
-from dlstore.storage.base import ObjectInfo, Store
+from dlstore.storage.base import ObjectInfo, Store, read_chunks
 
 __all__ = ["LocalStore"]
 
@@ -75,14 +75,7 @@ class LocalStore(Store):
         try:
             with open(self._path(key), "rb") as file:
                 file.seek(start)
-                remaining = None if end is None else end - start
-                while remaining is None or remaining > 0:
-                    chunk = file.read(chunk_size if remaining is None else min(chunk_size, remaining))
-                    if not chunk:
-                        return
-                    if remaining is not None:
-                        remaining -= len(chunk)
-                    yield chunk
+                yield from read_chunks(file, None if end is None else end - start, chunk_size)
         except OSError as exc:
             raise _os_error(exc, f"{self.url}/{key}") from None
 
