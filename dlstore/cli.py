@@ -96,9 +96,15 @@ def _cmd_cache_stats(args: argparse.Namespace) -> int:
         ("evictions", f"{totals.evictions}"),
         ("corrupt replaced", f"{totals.corrupt_replaced}"),
         ("wait", f"{totals.wait_time_s:.1f} s"),
+        ("connections", f"{totals.max_connections} at most at once in one process"),
     ]
     for label, value in rows:
         print(f"{label:<18}{value}")
+    if report.epochs:
+        print("\nper epoch (as the readers said which epoch they read)")
+        print(f"{'epoch':>7}  {'fetched':>10}  {'shards':>7}  {'hits':>9}")
+        for epoch, stats in report.epochs.items():
+            print(f"{epoch:>7}  {format_size(stats.bytes_fetched):>10}  {stats.misses:>7}  {stats.hits:>9}")
     return 0
 
 
@@ -117,7 +123,9 @@ def _cmd_cache_clear(args: argparse.Namespace) -> int:
 def _add_cache(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("cache", help="inspect or empty a node-local shard cache")
     actions = p.add_subparsers(dest="cache_action", required=True, metavar="ACTION")
-    stats = actions.add_parser("stats", help="files, bytes, limit and counters summed over all processes")
+    stats = actions.add_parser(
+        "stats", help="files, bytes, limit and counters summed over all processes, in all and per epoch"
+    )
     stats.add_argument("dir", help="the cache directory (the dataset's cache_dir)")
     stats.add_argument("--json", action="store_true", help="machine-readable output")
     stats.set_defaults(func=_cmd_cache_stats)

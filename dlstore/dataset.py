@@ -121,6 +121,8 @@ class Dataset(torch.utils.data.Dataset):
         return self._plans[key]
 
     def request(self, plan: RankPlan, epoch: int, index: int) -> BatchRequest:
+        # The cache counts this process's fetches and hits under the epoch it reads now.
+        self.cache.set_epoch(epoch)
         ids, is_padding = plan.batch(index)
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
 
@@ -185,6 +187,7 @@ class Dataset(torch.utils.data.Dataset):
     ) -> dict:
         """`SamplePath.build_batch`, counting the corrupt samples skipped in this process's
         `corrupt_samples` (the loader adds a worker's count to the main process's)."""
+        self.cache.set_epoch(request.epoch)  # a worker process knows its epoch from the request
         batch = self.samples.build_batch(request, out, clock)
         self.corrupt_samples += batch["corrupt"]
         return batch

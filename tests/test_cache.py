@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -640,3 +641,101 @@ def test_cli_stats_and_clear(tmp_path, remote, capsys):
 
     assert main(["cache", "stats", str(tmp_path / "nothing-here")]) == 2
     assert "not a dlstore cache" in capsys.readouterr().err
+
+
+# -- per-epoch counters ----------------------------------------------------------------------------
+def _read_in_epoch(cache, specs, epoch):
+    cache.set_epoch(epoch)
+    for spec in specs:
+        cache.fetch(*spec)
+    cache.close()
+
+
+def test_counters_per_epoch_are_summed_over_processes(tmp_path, remote):
+    store, specs, _ = remote([3000, 4000, 5000])
+    cache = ShardCache(config(tmp_path, "1MB"), store)
+    cache.fetch(*specs[0])  # before any epoch is said: in the totals only
+    cache.set_epoch(0)
+    for spec in specs:
+        cache.fetch(*spec)
+    cache.set_epoch(1)
+    cache.fetch(*specs[1])
+    cache.flush_stats()
+    # Another process in epoch 1 finds one shard cached and fetches one the first did not have.
+    extra = remote([3000, 4000, 5000, 6000])[1]
+    child = FORK.Process(target=_read_in_epoch, args=(cache, [extra[0], extra[3]], 1))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    cache.close()
+
+    report = cache_report(tmp_path / "cache")
+    assert report.totals.misses == 4 and report.totals.bytes_fetched == 18000 and report.totals.hits == 3
+    assert list(report.epochs) == [0, 1]
+    assert dataclasses.astuple(report.epochs[0]) == (1, 2, 9000)  # (hits, misses, bytes fetched)
+    assert dataclasses.astuple(report.epochs[1]) == (2, 1, 6000)
+
+
+def test_prefetched_shards_count_under_the_epoch_of_the_prefetch_list(tmp_path, remote):
+    """Near an epoch's end the loader starts the next epoch's batches while the prefetch is
+    still fetching this epoch's last shards: those count under the epoch that listed them."""
+    store, specs, _ = remote([3000, 4000, 5000])
+    cache = ShardCache(config(tmp_path, "1MB", prefetch=2), store)
+    cache.set_epoch(4)
+    cache.prefetch(specs[1:])
+    cache.set_epoch(5)  # the next epoch's first request, before the prefetch is done
+    wait_for(lambda: cached_names(tmp_path / "cache") >= {specs[1][0], specs[2][0]})
+    cache.fetch(*specs[0])  # not on the list: the epoch read now
+    cache.close()
+    epochs = cache_report(tmp_path / "cache").epochs
+    assert dataclasses.astuple(epochs[4]) == (0, 2, 9000)
+    assert dataclasses.astuple(epochs[5]) == (0, 1, 3000)
+
+
+def test_stats_file_keeps_the_latest_epochs_within_its_fixed_size(tmp_path, remote):
+    store, specs, _ = remote([3000])
+    cache = ShardCache(config(tmp_path, "1TB"), store)
+    for epoch in range(40):
+        cache.set_epoch(10**6 + epoch)
+        cache.fetch(*specs[0])
+        cache.flush_stats()
+    cache.close()
+    assert os.path.getsize(tmp_path / "cache" / "stats.json") == STATS_FILE_BYTES
+    epochs = cache_report(tmp_path / "cache").epochs
+    assert list(epochs) == [10**6 + e for e in range(24, 40)]
+    assert all(dataclasses.astuple(stats) == (1, 0, 0) for stats in epochs.values())
+
+
+def test_max_connections_is_the_most_parts_in_flight_at_once(tmp_path, remote):
+    store, specs, _ = remote([64 * 1024, 64 * 1024], delay_s=0.002)
+    cache = ShardCache(config(tmp_path, "1MB", part_size=16 * 1024, parts_in_flight=4), store)
+    cache.fetch(*specs[0])
+    assert 1 <= cache.stats.max_connections <= 4
+    cache.close()
+    assert cache_report(tmp_path / "cache").totals.max_connections == cache.stats.max_connections
+
+
+def test_cli_stats_per_epoch(tmp_path, remote, capsys):
+    store, specs, _ = remote([3000, 3000, 3000])
+    cache_dir = str(tmp_path / "cache")
+    cache = ShardCache(config(tmp_path, "1MB"), store)
+    for epoch, read_specs in enumerate((specs[:2], specs)):
+        cache.set_epoch(epoch)
+        for spec in read_specs:
+            cache.fetch(*spec)
+    cache.close()
+
+    assert main(["cache", "stats", cache_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["epochs"] == {
+        "0": {"hits": 0, "misses": 2, "bytes_fetched": 6000},
+        "1": {"hits": 2, "misses": 1, "bytes_fetched": 3000},
+    }
+    assert main(["cache", "stats", cache_dir]) == 0
+    out = capsys.readouterr().out
+    lines = out[out.index("per epoch") :].splitlines()
+    assert lines[2].split() == ["0", "6.0", "KB", "2", "0"]
+    assert lines[3].split() == ["1", "3.0", "KB", "1", "2"]
+
+    assert main(["cache", "clear", cache_dir, "--reset-stats"]) == 0
+    assert cache_report(cache_dir).epochs == {}

@@ -11,7 +11,8 @@ DataLoader worker of a node (many processes, no shared memory, only files and `f
 Layout of the directory::
 
     cache.lock          cache-wide lock: reservations, eviction, stats (held for milliseconds)
-    stats.json          counters summed over every process, padded to exactly 1 KiB
+    stats.json          counters summed over every process, in all and per epoch (the
+                        latest 16), padded to exactly 1 KiB
     shards/<stem>       published shards, complete and verified; mtime = last access (LRU)
     locks/<stem>.lock   per-shard lock: readers hold LOCK_SH, a downloader or evictor LOCK_EX
     tmp/<stem>.<pid>.<token>.<size>.part
@@ -79,7 +80,8 @@ own reservation, so the limit holds with several shards in flight.
 The modules, in the order data flows through them: `config` (`CacheConfig`, `ShardSpec`),
 `layout` (the directory: paths, locks, temp files, the scan that counts bytes, the stats
 file), `shard_cache` (`ShardCache`: hold, fetch, reserve, evict), `download` (fetch one
-shard into its temp file and verify it) on `engine` (parallel ranged GETs), `policy`
+shard into its temp file and verify it) on `engine` (parallel ranged GETs), `partial` (a
+run of samples of a shard as an entry of its own, each sample verified by its digest), `policy`
 (which shard to evict, from the readers' hint files), `prefetch`
 (the background threads) with `runtime` (the per-process state it shares with the
 reader), and `report` (`cache_report`, `clear_cache` for the CLI).
@@ -88,8 +90,9 @@ reader), and `report` (`cache_report`, `clear_cache` for the CLI).
 from __future__ import annotations
 
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
-from dlstore.cache.layout import CacheStats
+from dlstore.cache.layout import CacheStats, EpochStats
 from dlstore.cache.layout import _CacheDir as _CacheDir  # for the tests of the directory layout
+from dlstore.cache.partial import SampleRange
 from dlstore.cache.report import CacheReport, ClearResult, cache_report, clear_cache
 from dlstore.cache.shard_cache import CacheFull, ShardCache
 
@@ -100,6 +103,8 @@ __all__ = [
     "CacheReport",
     "CacheStats",
     "ClearResult",
+    "EpochStats",
+    "SampleRange",
     "ShardCache",
     "ShardSpec",
     "cache_report",

@@ -9,6 +9,7 @@ import dataclasses
 import fcntl
 import json
 import logging
+import operator
 import os
 import secrets
 from collections.abc import Iterator
@@ -19,10 +20,17 @@ from dlstore.errors import ConfigError, DlstoreError
 
 log = logging.getLogger(__name__)
 
+#: stats.json keeps the per-epoch counters of this many epochs (the latest ones): the file
+#: has a fixed size (`STATS_FILE_BYTES`), and one epoch's entry takes about 30 bytes.
+EPOCHS_KEPT = 16
+
 
 @dataclass
 class CacheStats:
-    """Counters of one process (`ShardCache.stats`), or summed over all (`cache_report`)."""
+    """Counters of one process (`ShardCache.stats`), or summed over all (`cache_report`).
+    A miss is one shard fetched (by a reader or the prefetch). `max_connections` is the
+    most connections one process had open to the store at once (parts in flight over all
+    its downloads); it is merged as a maximum, the others as sums."""
 
     hits: int = 0
     misses: int = 0
@@ -30,10 +38,12 @@ class CacheStats:
     evictions: int = 0
     wait_time_s: float = 0.0
     corrupt_replaced: int = 0
+    max_connections: int = dataclasses.field(default=0, metadata={"merge": max})
 
     def add(self, other: CacheStats) -> None:
         for f in dataclasses.fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+            merge = f.metadata.get("merge", operator.add)
+            setattr(self, f.name, merge(getattr(self, f.name), getattr(other, f.name)))
 
     def is_zero(self) -> bool:
         return not any(getattr(self, f.name) for f in dataclasses.fields(self))
@@ -46,6 +56,43 @@ class CacheStats:
             if isinstance(value, (int, float)):
                 setattr(out, name, type(getattr(out, name))(value))
         return out
+
+
+@dataclass
+class EpochStats:
+    """The counters of one epoch, summed over every process of the node: `ShardCache.set_epoch`
+    says which epoch a process is in. Stored in stats.json as ``[hits, misses, bytes_fetched]``."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_fetched: int = 0
+
+    def add(self, other: EpochStats) -> None:
+        self.hits += other.hits
+        self.misses += other.misses
+        self.bytes_fetched += other.bytes_fetched
+
+    def to_list(self) -> list[int]:
+        return [self.hits, self.misses, self.bytes_fetched]
+
+    @classmethod
+    def from_list(cls, value: object) -> EpochStats | None:
+        """None for anything but a list of three integers (a damaged entry is dropped)."""
+        if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, int) for v in value):
+            return None
+        return cls(*value)
+
+
+def read_epochs(data: dict) -> dict[int, EpochStats]:
+    """The per-epoch counters of a stats.json's contents, by epoch."""
+    raw = data.get("epochs")
+    out: dict[int, EpochStats] = {}
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            stats = EpochStats.from_list(value)
+            if stats is not None and key.lstrip("-").isdigit():
+                out[int(key)] = stats
+    return dict(sorted(out.items()))
 
 
 # -- flock helpers ------------------------------------------------------------------------------
@@ -212,7 +259,16 @@ class _CacheDir:
             return {}
 
     def write_stats(self, data: dict) -> None:
-        text = json.dumps(data, sort_keys=True)
+        """Rewrite stats.json. Per-epoch counters are kept for the latest `EPOCHS_KEPT`
+        epochs, and fewer if they would not fit: the oldest give way first."""
+        epochs = data.get("epochs")
+        if isinstance(epochs, dict) and len(epochs) > EPOCHS_KEPT:
+            data["epochs"] = {k: epochs[k] for k in sorted(epochs, key=_epoch_number)[-EPOCHS_KEPT:]}
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        while len(text) >= STATS_FILE_BYTES and data.get("epochs"):
+            oldest = min(data["epochs"], key=_epoch_number)
+            data["epochs"] = {k: v for k, v in data["epochs"].items() if k != oldest}
+            text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         if len(text) >= STATS_FILE_BYTES:
             raise DlstoreError(f"cache stats do not fit in {STATS_FILE_BYTES} bytes: {text[:80]}...")
         # Rewritten in place at a fixed size: no second file, no growth beyond what the limit counts.
@@ -224,9 +280,22 @@ class _CacheDir:
         finally:
             os.close(fd)
 
-    def add_stats(self, delta: CacheStats) -> None:
+    def add_stats(self, delta: CacheStats, epochs: dict[int, EpochStats] | None = None) -> None:
+        """Add one process's counters (and its per-epoch ones) to stats.json."""
         data = self.read_stats()
         totals = CacheStats.from_dict(data)
         totals.add(delta)
         data.update(dataclasses.asdict(totals))
+        if epochs:
+            merged = read_epochs(data)
+            for epoch, stats in epochs.items():
+                merged.setdefault(epoch, EpochStats()).add(stats)
+            data["epochs"] = {str(epoch): stats.to_list() for epoch, stats in merged.items()}
         self.write_stats(data)
+
+
+def _epoch_number(key: str) -> int:
+    try:
+        return int(key)
+    except ValueError:
+        return -(2**63)  # not an epoch: dropped first

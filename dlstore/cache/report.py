@@ -9,14 +9,15 @@ import logging
 import os
 from dataclasses import dataclass
 
-from dlstore.cache.layout import CacheStats, _CacheDir
+from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, read_epochs
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CacheReport:
-    """What `dlstore cache stats DIR` shows."""
+    """What `dlstore cache stats DIR` shows. `epochs`: the counters of each epoch the readers
+    said they were in (`ShardCache.set_epoch`; the latest 16 epochs), oldest first."""
 
     cache_dir: str
     files: int
@@ -25,6 +26,7 @@ class CacheReport:
     in_flight_bytes: int
     limit_bytes: int | None
     totals: CacheStats
+    epochs: dict[int, EpochStats] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,13 @@ class ClearResult:
 
 
 def cache_report(cache_dir: str | os.PathLike[str]) -> CacheReport:
-    """Files, bytes, limit and counters summed over every process that used `cache_dir`.
+    """Files, bytes, limit and counters summed over every process that used `cache_dir`,
+    in all and per epoch.
 
     >>> cache_report("/mnt/ssd/dlstore").totals.hits  # doctest: +SKIP
     1234
+    >>> cache_report("/mnt/ssd/dlstore").epochs[1].bytes_fetched  # doctest: +SKIP
+    150123456789
     """
     directory = _CacheDir(os.path.abspath(os.fspath(cache_dir)))
     directory.require()
@@ -58,6 +63,7 @@ def cache_report(cache_dir: str | os.PathLike[str]) -> CacheReport:
         in_flight_bytes=usage.in_flight_bytes,
         limit_bytes=limit if isinstance(limit, int) else None,
         totals=CacheStats.from_dict(data),
+        epochs=read_epochs(data),
     )
 
 
@@ -84,6 +90,7 @@ def clear_cache(cache_dir: str | os.PathLike[str], reset_stats: bool = False) ->
         if reset_stats:
             data = directory.read_stats()
             data.update(dataclasses.asdict(CacheStats()))
+            data.pop("epochs", None)
             directory.write_stats(data)
         elif removed:
             directory.add_stats(CacheStats(evictions=removed))

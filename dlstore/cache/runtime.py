@@ -9,7 +9,7 @@ import time
 
 from dlstore.cache.config import ShardSpec
 from dlstore.cache.engine import DownloadEngine
-from dlstore.cache.layout import CacheStats
+from dlstore.cache.layout import CacheStats, EpochStats
 
 
 class _Runtime:
@@ -23,6 +23,11 @@ class _Runtime:
         self.stats = CacheStats()
         self.pending = CacheStats()  # not yet added to stats.json
         self.last_flush = time.monotonic()
+        # per epoch (`ShardCache.set_epoch`): the epoch read now, that of the prefetch list,
+        # and the counters not yet added to stats.json
+        self.epoch: int | None = None
+        self.prefetch_epoch: int | None = None
+        self.pending_epochs: dict[int, EpochStats] = {}
         # prefetch
         self.upcoming: list[ShardSpec] = []
         self.position = 0  # index in `upcoming` of the first shard the reader has not reached

@@ -20,7 +20,7 @@ from urllib.parse import quote
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
 from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, write_verified
 from dlstore.cache.engine import DownloadEngine
-from dlstore.cache.layout import CacheStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
+from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
 from dlstore.cache.policy import HintWriter, read_next_use, victim_order
 from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
 from dlstore.cache.runtime import _Runtime
@@ -91,6 +91,15 @@ class ShardCache:
         with rt.lock:
             return dataclasses.replace(rt.stats)
 
+    def set_epoch(self, epoch: int) -> None:
+        """Say which epoch this process reads now: its downloads and hits from here on are
+        also counted under that epoch (`cache_report(...).epochs`, `dlstore cache stats`).
+        `Dataset` calls it with each batch it plans or builds; it costs an assignment.
+
+        >>> cache.set_epoch(3)  # doctest: +SKIP
+        """
+        self._runtime().epoch = epoch
+
     def check_fits(self, max_shard_size: int, readers: int = 1) -> None:
         """Raise `ConfigError` unless the largest shard fits under the limit; warn when
         `readers` processes each holding one shard of that size would not fit at once.
@@ -157,12 +166,15 @@ class ShardCache:
         if self.config.prefetch <= 0:
             return
         rt = self._runtime()
+        epoch = rt.prefetch_epoch = rt.epoch  # the list is of the epoch being read now
         start_prefetch(
             rt,
             specs,
             self.config.prefetch,
             # Sooner shards download first: priority 1 + their place in the window (the reader's own is 0).
-            lambda spec, sooner: self._acquire(rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner)),
+            lambda spec, sooner: self._acquire(
+                rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner), epoch=epoch
+            ),
             self.config.shards_in_flight,
         )
 
@@ -254,11 +266,28 @@ class ShardCache:
             assert rt is not None
             self._count(rt, evictions=evicted)
 
-    def _count(self, rt: _Runtime, **deltas: float) -> None:
+    def _count(self, rt: _Runtime, epoch: int | None = None, **deltas: float) -> None:
+        """Add to this process's counters (`CacheStats` fields); hits, misses and bytes also
+        under `epoch`, when it is known."""
+        delta = CacheStats(**deltas)
         with rt.lock:
-            for name, value in deltas.items():
-                setattr(rt.stats, name, getattr(rt.stats, name) + value)
-                setattr(rt.pending, name, getattr(rt.pending, name) + value)
+            rt.stats.add(delta)
+            rt.pending.add(delta)
+            if epoch is not None and (delta.hits or delta.misses):
+                rt.pending_epochs.setdefault(epoch, EpochStats()).add(
+                    EpochStats(delta.hits, delta.misses, delta.bytes_fetched)
+                )
+
+    @staticmethod
+    def _epoch_of(rt: _Runtime, name: str) -> int | None:
+        """The epoch a reader's hit or download of shard `name` counts under: that of the
+        prefetch list when the shard is on it (near an epoch's end the loader may already be
+        building the next epoch's first batches while this one's last shards come in), else
+        the epoch this process reads now."""
+        with rt.lock:
+            if rt.prefetch_epoch is not None and any(spec.name == name for spec in rt.upcoming):
+                return rt.prefetch_epoch
+            return rt.epoch
 
     def _flush(self, rt: _Runtime, force: bool = False) -> None:
         """Add pending counters to stats.json: at once for downloads and evictions, at most
@@ -268,14 +297,15 @@ class ShardCache:
             if not force and time.monotonic() - rt.last_flush < 1.0:
                 return
             pending, rt.pending = rt.pending, CacheStats()
+            epochs, rt.pending_epochs = rt.pending_epochs, {}
             rt.last_flush = time.monotonic()
-        if pending.is_zero():
+        if pending.is_zero() and not epochs:
             return
         if not os.path.isdir(self._dir.root):  # the cache was removed (a temporary one): nothing to record
             return
         try:
             with self._dir.locked():
-                self._dir.add_stats(pending)
+                self._dir.add_stats(pending, epochs)
         except OSError as exc:
             log.warning("could not record cache counters in %s: %s", self._dir.stats_path, exc)
 
@@ -303,10 +333,12 @@ class ShardCache:
         protect: frozenset[str] = frozenset(),
         prefetching: bool = False,
         priority: int = 0,
+        epoch: int | None = None,
     ) -> int | None:
         """Return the shard's lock file descriptor holding LOCK_SH, with the shard published
         and valid; None only when `prefetching` and there is no room for it now. A download
-        goes by `priority` in the engine (lower first)."""
+        goes by `priority` in the engine (lower first); it and a hit count under `epoch`
+        (default: `_epoch_of` the shard)."""
         if spec.checksum is not None:
             _parse_checksum(spec.checksum)
         if spec.size is not None:
@@ -316,13 +348,15 @@ class ShardCache:
         fd = self._dir.open_lock(stem)
         deadline = time.monotonic() + self.config.wait_timeout_s
         delay, waited, downloaded = 0.001, 0.0, False
+        if epoch is None:
+            epoch = self._epoch_of(rt, spec.name)
         try:
             while True:
                 if _try_flock(fd, fcntl.LOCK_SH):
                     if self._cached_state(path, spec, recheck and not downloaded) == "ok":
                         self._touch(path)
                         if not downloaded and not prefetching:
-                            self._count(rt, hits=1)
+                            self._count(rt, epoch, hits=1)
                         if waited:
                             self._count(rt, wait_time_s=waited)
                         self._flush(rt, force=downloaded)
@@ -330,7 +364,7 @@ class ShardCache:
                     fcntl.flock(fd, fcntl.LOCK_UN)
                     if _try_flock(fd, fcntl.LOCK_EX):
                         fetched = self._fetch_exclusively(
-                            rt, spec, stem, path, recheck and not downloaded, protect, prefetching, priority
+                            rt, spec, stem, path, recheck and not downloaded, protect, prefetching, priority, epoch
                         )
                         if fetched is None:
                             _release(fd)
@@ -363,10 +397,12 @@ class ShardCache:
         protect: frozenset[str],
         prefetching: bool,
         priority: int,
+        epoch: int | None,
     ) -> bool | None:
         """Holding the shard's lock exclusively, so nobody reads or downloads it: check again
         (another process may have published it since), then fetch it unless it is there.
-        Whether it was downloaded; None when `prefetching` and there is no room for it now."""
+        Whether it was downloaded (counted under `epoch`); None when `prefetching` and there
+        is no room for it now."""
         state = self._cached_state(path, spec, recheck)
         if state == "ok":
             return False
@@ -374,7 +410,7 @@ class ShardCache:
             os.unlink(path)
             self._count(rt, corrupt_replaced=1)
             log.warning("cached shard %r is corrupt; fetching it again", spec.name)
-        if not self._download(rt, spec, stem, path, protect, prefetching, priority):
+        if not self._download(rt, spec, stem, path, protect, prefetching, priority, epoch):
             return None
         return True
 
@@ -405,10 +441,11 @@ class ShardCache:
         protect: frozenset[str],
         prefetching: bool,
         priority: int,
+        epoch: int | None,
     ) -> bool:
-        """Fetch the shard into a reserved temp file (parallel ranged GETs), verify, publish.
-        Called holding the shard's lock exclusively. False if `prefetching` and there is no
-        room now."""
+        """Fetch the shard into a reserved temp file (parallel ranged GETs), verify, publish,
+        and count it (under `epoch`). Called holding the shard's lock exclusively. False if
+        `prefetching` and there is no room now."""
         size = spec.size if spec.size is not None else self.store.stat(spec.name).size
         self._check_size(ShardSpec(spec.name, size))
         reserved = self._reserve(rt, spec.name, stem, size, protect, wait=not prefetching)
@@ -447,7 +484,7 @@ class ShardCache:
             report.hash_tail_s,
             " [prefetch]" * prefetching,
         )
-        self._count(rt, misses=1, bytes_fetched=size)
+        self._count(rt, epoch, misses=1, bytes_fetched=size, max_connections=rt.engine.most_running)
         return True
 
     def _reserve(
