@@ -39,6 +39,7 @@ import swiftclient
 import torch.multiprocessing as tmp
 from fault_proxy import ALL_FAULTS, FaultProxy
 from loader_support import fault_free_run, run_rank, write_dataset
+from swift_server import read_env_file
 from test_loader import _CacheSampler
 from wan_proxy import WanProxy
 
@@ -299,18 +300,6 @@ def _swift_tool(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
     )
 
 
-def _read_env(path: Path) -> dict[str, str]:
-    import shlex
-
-    env = {}
-    for line in path.read_text().splitlines():
-        words = shlex.split(line)
-        if words and words[0] == "export":
-            name, _, value = words[1].partition("=")
-            env[name] = value
-    return env
-
-
 @pytest.fixture
 def own_swift_server(tmp_path_factory):
     """A second Swift server in its own data dir, so stopping it leaves the session's alone.
@@ -319,7 +308,7 @@ def own_swift_server(tmp_path_factory):
     started = _swift_tool("start", "--data-dir", str(data_dir), "--stop-with-pid", str(os.getpid()))
     if started.returncode != 0:
         pytest.fail(f"could not start a second Swift server:\n{started.stderr[-3000:]}")
-    env = _read_env(data_dir / "env.sh")
+    env = read_env_file(data_dir / "env.sh")
     port = str(urlsplit(env["ST_AUTH"]).port)
 
     def start() -> float:

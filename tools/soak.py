@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import swiftclient
 import torch.multiprocessing as torch_mp
 from fault_proxy import ALL_FAULTS, FaultProxy
 from loader_support import fault_free_run, run_rank, write_dataset
+from swift_server import read_env_file
 
 import dlstore
 from dlstore.config import StoreConfig
@@ -37,16 +37,6 @@ from dlstore.config import StoreConfig
 REPO = Path(__file__).resolve().parents[1]
 
 SERVER = [sys.executable, str(REPO / "tools" / "swift_server.py")]
-
-
-def _env_file(path: Path) -> dict[str, str]:
-    env = {}
-    for line in path.read_text().splitlines():
-        words = shlex.split(line)
-        if words and words[0] == "export":
-            name, _, value = words[1].partition("=")
-            env[name] = value
-    return env
 
 
 def _tool(*args: str) -> None:
@@ -82,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="dlstore-soak-"))
     data_dir = work / "swift"
     _tool("start", "--data-dir", str(data_dir), "--stop-with-pid", str(os.getpid()))
-    server = _env_file(data_dir / "env.sh")
+    server = read_env_file(data_dir / "env.sh")
     port = str(urlsplit(server["ST_AUTH"]).port)
     try:
         direct = (
