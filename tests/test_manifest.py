@@ -21,6 +21,7 @@ from dlstore.manifest import (
     describe_dataset,
     index_name,
     load_sample_index,
+    sample_digest,
 )
 from dlstore.storage import open_store
 
@@ -232,3 +233,48 @@ def test_load_sample_index_checks_it_matches_the_manifest(tmp_path):
     assert load_sample_index(store, shard) == index
     with pytest.raises(FormatError, match="describes a shard"):
         load_sample_index(store, dataclasses.replace(shard, samples=3))
+
+
+# -- sample index version 2: per-sample digests ----------------------------------------------------
+def test_sample_index_version_2_round_trip_with_sample_digests():
+    digests = [sample_digest(bytes([i]) * 7) for i in range(3)]
+    index = SampleIndex([0, 1536, 4096, 5120], 15360, sha256=b"s" * 32).with_sample_digests(digests)
+    data = index.to_bytes()
+    assert data[:8] == b"DLSIDX02" and len(data) == 88 + 8 * 4 + 16 * 3
+    again = SampleIndex.from_bytes(data)
+    assert again == index and again.version == 2 and [again.digest(i) for i in range(3)] == digests
+    assert again.digest(-1) == digests[2]
+    # Digests are part of what an index is: the same offsets without them are another index.
+    assert again != SampleIndex(index.offsets, index.shard_size, index.sha256)
+    with pytest.raises(FormatError, match="holds"):
+        SampleIndex.from_bytes(data[:-1])
+    with pytest.raises(FormatError, match="sample digests"):
+        SampleIndex([0, 512], 1024, sample_digests=bytes(15))
+
+
+def test_sample_index_version_1_is_still_read_and_has_no_digests():
+    index = SampleIndex([0, 1024, 2048], 10240, sha256=b"\x01" * 32)
+    data = index.to_bytes()
+    assert data[:8] == b"DLSIDX01" and len(data) == 88 + 8 * 3
+    again = SampleIndex.from_bytes(data)
+    assert again == index and again.version == 1 and again.sample_digests is None
+    with pytest.raises(FormatError, match="version 1"):
+        again.digest(0)
+    with pytest.raises(FormatError, match="not a dlstore sample index"):
+        SampleIndex.from_bytes(b"DLSIDX03" + data[8:])
+
+
+def test_load_sample_index_checks_the_index_checksum_in_the_manifest(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    index = SampleIndex([0, 1024, 2048], 10240, sha256=b"\x01" * 32).with_sample_digests([bytes(16), bytes(16)])
+    store.put("shard-000000.idx", index.to_bytes())
+    shard = ShardInfo(
+        "shard-000000.tar", 10240, 2, index.checksum, "shard-000000.idx", len(index.to_bytes()),
+        checksum_of(index.to_bytes()),
+    )  # fmt: skip
+    assert load_sample_index(store, shard) == index
+    damaged = bytearray(index.to_bytes())
+    damaged[-1] ^= 1  # a sample digest: the index still parses, only its checksum tells
+    store.put("shard-000000.idx", bytes(damaged))
+    with pytest.raises(FormatError, match="fails its checksum"):
+        load_sample_index(store, shard)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from dlstore.config import parse_size
 from dlstore.errors import ConfigError
+
+if TYPE_CHECKING:  # partial imports this module
+    from dlstore.cache.partial import SampleRange
 
 #: The stats file is rewritten in place at this fixed size, and counted against the limit,
 #: so the whole directory (not only the shards) stays within `limit_bytes`.
@@ -71,8 +74,10 @@ class CacheConfig:
 
 
 class ShardSpec(NamedTuple):
-    """A shard as the manifest describes it: its key in the store, byte size and checksum."""
+    """A shard as the manifest describes it: its key in the store, byte size and checksum; or,
+    with `samples`, a partial entry: `name` is `samples.key`, `size` its bytes, no checksum."""
 
     name: str
     size: int | None = None
     checksum: str | None = None
+    samples: SampleRange | None = None
