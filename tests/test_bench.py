@@ -6,12 +6,13 @@ there, positive and consistent, not how big it is.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 from loader_support import write_dataset
 
-from dlstore.bench import STAGES, BenchConfig, BenchReport, LoaderResult, LoaderRun, StageSplit, advise
+from dlstore.bench import STAGES, BenchConfig, BenchReport, LoaderResult, LoaderRun, StageSplit, advise, format_report
 from dlstore.bench.report import verdict_for
 from dlstore.cli import main as cli
 from dlstore.config import DataConfig
@@ -49,6 +50,14 @@ def test_bench_cli_writes_json_and_plot(dataset_url, tmp_path, capsys):
         for cache in ("cold", "warm"):
             run = row[cache]
             assert run["images"] > 0 and run["seconds"] > 0 and run["images_per_s"] > 0 and run["mb_per_s"] > 0
+            assert run["first_batch_s"] > 0
+        # Each cold pass starts from an empty cache: it fetches, on at least one connection,
+        # and no shard is fetched twice over the cold and the warm pass (the cache holds them all).
+        cold, warm = row["cold"], row["warm"]
+        assert cold["bytes_fetched"] > 0 and cold["fetch_mb_per_s"] > 0 and cold["connections"] >= 1
+        assert cold["bytes_fetched"] + warm["bytes_fetched"] <= report["dataset"]["bytes"]
+        assert warm["connections"] == 0
+    assert "cold cache" in printed and "first batch s" in printed
 
     stages = {s["cache"]: s for s in report["stages"]}
     assert set(stages) == {"cold", "warm"}
@@ -90,6 +99,32 @@ def test_bench_with_decode_on_the_device_runs_on_cpu(dataset_url, tmp_path, caps
     assert report["config"]["decode_on"] == "device"
     (row,) = report["loader"]
     assert row["warm"]["images"] > 0 and row["warm"]["images_per_s"] > 0
+
+
+def test_cold_cache_table_shows_fetches_connections_and_first_batch():
+    cold = LoaderRun(4, 100, 1.0, 0.5, 100.0, 1.0, first_batch_s=0.42, bytes_fetched=30_000_000, connections=24)
+    cold = dataclasses.replace(cold, fetch_mb_per_s=20.0)
+    report = BenchReport(
+        config={"batches": 4, "transform": {"preset": "eval"}, "image_size": 32},
+        environment={"device": "cpu", "device_name": "cpu", "cores": 2},
+        dataset={"url": "file:///x", "samples": 100, "shards": 4, "mean_sample_bytes": 3000.0},
+    )
+    report.loader = [LoaderResult(batch_size=16, workers=2, cold=cold, warm=_run(100.0))]
+    text = format_report(report)
+    lines = text[text.index("cold cache") :].splitlines()
+    assert lines[1].split() == [
+        "batch",
+        "workers",
+        "fetched",
+        "MB",
+        "fetch",
+        "MB/s",
+        "connections",
+        "first",
+        "batch",
+        "s",
+    ]
+    assert lines[3].split() == ["16", "2", "30.0", "20.0", "24", "0.42"]
 
 
 def _split(**ms: float) -> StageSplit:

@@ -4,6 +4,7 @@ goes stage by stage, and the model's demand (its training-step rate on synthetic
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -15,7 +16,7 @@ import torch
 
 from dlstore.bench.config import BenchConfig
 from dlstore.bench.report import BenchReport, LoaderResult, LoaderRun, StageSplit
-from dlstore.cache import clear_cache
+from dlstore.cache import CacheStats, cache_report, clear_cache
 from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError, CorruptSample, DlstoreError
 from dlstore.loader import GpuPrefetcher, Loader, LoaderConfig
@@ -52,6 +53,7 @@ def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str
     is therefore taken over whole rounds after the first one: from the arrival of batch
     `workers` to that of the last batch, the pass being a whole number of rounds long.
     """
+    created = time.perf_counter()
     loader = Loader(ds, num_workers=workers, device=str(device), dtype=dtype, channels_last=channels_last)
     loader.set_epoch(0)
     per_round, available = max(workers, 1), len(loader)
@@ -65,11 +67,13 @@ def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str
     else:
         raise ConfigError(f"{ds.store.url}: fewer than 2 batches of {ds.cfg.batch_size} per epoch; use smaller batches")
     started = time.perf_counter()
-    window_start = None
+    window_start = first_batch = None
     images = count = 0
     try:
         for batch in loader:
             count += 1
+            if first_batch is None:
+                first_batch = time.perf_counter()
             if count == untimed:
                 # The clock starts with this batch on the device; from here on the loop does not
                 # wait for the GPU per batch (a sync per batch would cancel the copies ahead that
@@ -98,23 +102,48 @@ def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str
         startup_s=window_start - started,
         images_per_s=rate,
         mb_per_s=rate * sample_bytes / 1e6,
+        first_batch_s=(first_batch or ended) - created,
     )
 
 
 def measure_loader(ds, cfg: BenchConfig, device: torch.device, workers: int, cache_dir: str) -> LoaderResult:
+    """A cold pass (the cache emptied and its counters zeroed first), then a warm one, each
+    with what the node cache fetched meanwhile (`LoaderRun`)."""
     dtype = image_dtype(cfg, device)
     log.info("loader: batch %d, %d workers, cold cache", ds.cfg.batch_size, workers)
     ds.cache.close()  # the last run's background prefetch must not refill the emptied cache
-    _empty_cache(cache_dir)
-    cold = time_loader(ds, workers, cfg.batches, device, dtype, cfg.channels_last)
-    log.info("loader: batch %d, %d workers, warm cache", ds.cfg.batch_size, workers)
-    warm = time_loader(ds, workers, cfg.batches, device, dtype, cfg.channels_last)
+    _empty_cache(cache_dir, reset_stats=True)
+    # A dataset of its own: its cache's counters and download engine start from zero in this
+    # process too, so the connections counted are this pass's.
+    run_ds = Dataset(ds.cfg, world=ds.world)
+    try:
+        cold = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last)
+        after_cold = _cache_totals(run_ds)
+        log.info("loader: batch %d, %d workers, warm cache", ds.cfg.batch_size, workers)
+        warm = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last)
+        after_warm = _cache_totals(run_ds)
+    finally:
+        run_ds.cache.close()
+    cold = _with_fetches(cold, after_cold.bytes_fetched, after_cold.max_connections)
+    warm = _with_fetches(warm, after_warm.bytes_fetched - after_cold.bytes_fetched, 0)
     return LoaderResult(batch_size=ds.cfg.batch_size, workers=workers, cold=cold, warm=warm)
 
 
-def _empty_cache(cache_dir: str) -> None:
+def _cache_totals(ds) -> CacheStats:
+    """The node cache's counters (every process's) once this process's prefetch has stopped."""
+    ds.cache.close()  # its downloads in flight end and are counted; the next pass starts it again
+    return cache_report(ds.cache.config.cache_dir).totals
+
+
+def _with_fetches(run: LoaderRun, fetched: int, connections: int) -> LoaderRun:
+    pass_s = run.startup_s + run.seconds
+    rate = fetched / pass_s / 1e6 if fetched and pass_s > 0 else None
+    return dataclasses.replace(run, bytes_fetched=fetched, fetch_mb_per_s=rate, connections=connections)
+
+
+def _empty_cache(cache_dir: str, reset_stats: bool = False) -> None:
     if os.path.isdir(cache_dir):
-        clear_cache(cache_dir)
+        clear_cache(cache_dir, reset_stats=reset_stats)
 
 
 # -- the stage split --------------------------------------------------------------------------------

@@ -37,7 +37,13 @@ STAGES = (*SAMPLE_STAGES, "host_to_device")
 class LoaderRun:
     """One timed pass of the loader over the first `batches` batches of epoch 0. The first
     round (one batch per worker: start-up, first fetches) is timed apart, in `startup_s`;
-    `images`, `seconds` and the rates are those of the batches after it."""
+    `images`, `seconds` and the rates are those of the batches after it. `first_batch_s` is
+    from making the loader to its first batch.
+
+    What the node cache fetched during the pass, from its counters (every process's):
+    `bytes_fetched`; `fetch_mb_per_s`, those bytes over the whole pass (start-up included),
+    for a pass that fetched any; `connections`, the most the cache had open to the store at
+    once in one process (measured for a pass from an empty cache, else 0)."""
 
     batches: int
     images: int
@@ -45,6 +51,10 @@ class LoaderRun:
     startup_s: float
     images_per_s: float
     mb_per_s: float
+    first_batch_s: float = 0.0
+    bytes_fetched: int = 0
+    fetch_mb_per_s: float | None = None
+    connections: int = 0
 
 
 @dataclass(frozen=True)
@@ -327,7 +337,7 @@ def _host_side_tip(warm: StageSplit, cuda: bool, workers: int) -> str | None:
 # -- the terminal tables --------------------------------------------------------------------------
 def format_report(report: BenchReport) -> str:
     """The report as the terminal tables `dlstore bench` prints."""
-    sections = (_loader_lines, _stage_lines, _demand_lines, _scaling_lines, _verdict_lines)
+    sections = (_loader_lines, _cold_lines, _stage_lines, _demand_lines, _scaling_lines, _verdict_lines)
     return "\n".join(_header_lines(report) + [line for section in sections for line in section(report)])
 
 
@@ -386,6 +396,27 @@ def _loader_lines(report: BenchReport) -> list[str]:
         "stall",
     ]
     title = f"loader (>= {report.config['batches']} batches per pass; the first batch of each worker not timed)"
+    return ["", title, *_table(headers, rows)]
+
+
+def _cold_lines(report: BenchReport) -> list[str]:
+    """The cold passes: what they fetched, how fast, on how many connections, and how long
+    the first batch took."""
+    rows = [
+        [
+            str(r.batch_size),
+            str(r.workers),
+            f"{r.cold.bytes_fetched / 1e6:,.1f}",
+            _fmt_rate(r.cold.fetch_mb_per_s),
+            str(r.cold.connections or "-"),
+            f"{r.cold.first_batch_s:.2f}",
+        ]
+        for r in report.loader
+    ]
+    if not rows:
+        return []
+    headers = ["batch", "workers", "fetched MB", "fetch MB/s", "connections", "first batch s"]
+    title = "cold cache (each pass from an empty cache; MB/s over the whole pass, start-up included)"
     return ["", title, *_table(headers, rows)]
 
 
