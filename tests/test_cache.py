@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import io
 import json
 import multiprocessing
 import os
@@ -22,15 +23,26 @@ import signal
 import tempfile
 import threading
 import time
+from urllib.parse import unquote
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dlstore.cache import STATS_FILE_BYTES, CacheConfig, CacheFull, ShardCache, _CacheDir, cache_report
+from dlstore.cache import (
+    STATS_FILE_BYTES,
+    CacheConfig,
+    CacheFull,
+    SampleRange,
+    ShardCache,
+    _CacheDir,
+    cache_report,
+)
 from dlstore.cli import main
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound
+from dlstore.manifest import SampleIndex, sample_digest
+from dlstore.shards import TarShardWriter, read_sample_from_file
 from dlstore.storage.local import LocalStore
 
 FORK = multiprocessing.get_context("fork")
@@ -563,6 +575,115 @@ def test_unverified_checksum_format_is_a_config_error(tmp_path, remote):
         cache.fetch(specs[0][0], 100, "deadbeef")
     with pytest.raises(ConfigError, match="unknown hash"):
         cache.fetch(specs[0][0], 100, "nosuchhash:00")
+
+
+# -- partial entries: a run of samples of a boundary shard ----------------------------------------------
+class RangeRecordingStore(LocalStore):
+    """A local store that records the byte range of every GET."""
+
+    def __init__(self, url: str):
+        super().__init__(url, StoreConfig(chunk_size=1024))
+        self.ranges: list[tuple[str, int, int | None]] = []
+
+    def _read(self, key, start, end):
+        self.ranges.append((key, start, end))
+        yield from super()._read(key, start, end)
+
+
+def cached_entries(cache_dir) -> set[str]:
+    """The names of the cached entries, partial entries' keys (`#samples=a-b`) unquoted."""
+    return {unquote(name) for name in cached_names(cache_dir)}
+
+
+def make_indexed_shard(root, samples=8, seed=0) -> tuple[str, bytes, SampleIndex]:
+    """A real tar shard under `root` and its version 2 sample index (digests of each sample's bytes)."""
+    rng = random.Random(seed)
+    buffer = io.BytesIO()
+    writer = TarShardWriter(buffer)
+    for i in range(samples):
+        writer.write(f"{i:06d}", {"bin": rng.randbytes(700 + 97 * i), "cls": b"%d" % i})
+    index = writer.close()
+    data = buffer.getvalue()
+    index = index.with_sample_digests(
+        sample_digest(data[index.offsets[i] : index.offsets[i + 1]]) for i in range(samples)
+    )
+    os.makedirs(os.path.join(root, "train"), exist_ok=True)
+    with open(os.path.join(root, "train", "shard-000000.tar"), "wb") as file:
+        file.write(data)
+    return "train/shard-000000.tar", data, index
+
+
+def test_partial_entry_fetches_only_its_samples_bytes_and_reads_them(tmp_path):
+    name, data, index = make_indexed_shard(tmp_path / "remote")
+    store = RangeRecordingStore(str(tmp_path / "remote"))
+    cache = ShardCache(config(tmp_path, 100_000), store)
+    part = SampleRange.of_index(name, index, 2, 6)
+    start, end = int(index.offsets[2]), int(index.offsets[6])
+    with cache.hold(*part.spec) as path:
+        assert read(path) == data[start:end]
+        with open(path, "rb") as file:
+            assert read_sample_from_file(file, part.span(3))["cls"] == b"3"
+    # Exactly the range's bytes were asked for (no probe byte past it), and counted as fetched.
+    assert store.ranges and all(key == name and start <= a and b <= end for key, a, b in store.ranges)
+    assert sum(b - a for _, a, b in store.ranges) == end - start == cache.stats.bytes_fetched
+    assert cached_entries(tmp_path / "cache") == {part.key}
+    store.ranges.clear()
+    assert read(cache.fetch(*part.spec)) == data[start:end] and store.ranges == []  # a hit
+    assert cache.usage() == end - start + STATS_FILE_BYTES
+
+
+def test_partial_entry_with_a_corrupt_byte_raises_naming_the_shard_and_publishes_nothing(tmp_path):
+    name, data, index = make_indexed_shard(tmp_path / "remote")
+    store = RangeRecordingStore(str(tmp_path / "remote"))
+    part = SampleRange.of_index(name, index, 2, 6)
+    damaged = bytearray(data)
+    damaged[int(index.offsets[4]) + 600] ^= 1  # inside sample 4's member data
+    (tmp_path / "remote" / name).write_bytes(bytes(damaged))
+    cache = ShardCache(config(tmp_path, 100_000), store)
+    with pytest.raises(CorruptShard, match=r"shard-000000\.tar.*samples \[4\]"):
+        cache.fetch(*part.spec)
+    assert cached_names(tmp_path / "cache") == set()
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
+    # Damage outside the range is not this entry's concern.
+    outside = SampleRange.of_index(name, index, 5, 8)
+    assert read(cache.fetch(*outside.spec)) == data[int(index.offsets[5]) : int(index.offsets[8])]
+
+
+def test_partial_entry_is_rechecked_counted_and_evicted_like_a_shard(tmp_path):
+    name, data, index = make_indexed_shard(tmp_path / "remote")
+    store = RangeRecordingStore(str(tmp_path / "remote"))
+    first, second = SampleRange.of_index(name, index, 0, 4), SampleRange.of_index(name, index, 4, 8)
+    limit = max(first.size, second.size) + STATS_FILE_BYTES + 100  # room for one at a time
+    cache = ShardCache(config(tmp_path, limit), store)
+    path = cache.fetch(*first.spec)
+    with open(path, "r+b") as file:
+        file.seek(700)
+        file.write(b"\0" * 16)  # same size: found when asked to recheck, through the digests
+    assert read(cache.fetch(*first.spec, recheck=True)) == data[: first.size]
+    assert cache.stats.corrupt_replaced == 1
+    cache.fetch(*second.spec)
+    assert cached_entries(tmp_path / "cache") == {second.key} and cache.stats.evictions == 1
+    assert disk_bytes(tmp_path / "cache") <= limit
+
+
+def _hold_range(cache, part, result_path):
+    with cache.hold(*part.spec) as path, open(result_path, "wb") as out:
+        out.write(hashlib.sha256(read(path)).digest())
+
+
+def test_processes_share_one_download_of_a_partial_entry(tmp_path):
+    name, data, index = make_indexed_shard(tmp_path / "remote", samples=64)
+    store = RecordingStore(str(tmp_path / "remote"), log_path=str(tmp_path / "gets.log"), delay_s=0.002)
+    part = SampleRange.of_index(name, index, 10, 50)
+    cache = ShardCache(config(tmp_path, 10**7), store)
+    procs = [FORK.Process(target=_hold_range, args=(cache, part, tmp_path / f"r{i}")) for i in range(3)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(60)
+    want = hashlib.sha256(data[part.byte_start : part.byte_start + part.size]).digest()
+    assert [(tmp_path / f"r{i}").read_bytes() for i in range(3)] == [want] * 3
+    assert store.downloads()[name] == 1
 
 
 # -- prefetch ------------------------------------------------------------------------------------------

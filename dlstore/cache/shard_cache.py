@@ -21,6 +21,7 @@ from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
 from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, write_verified
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
+from dlstore.cache.partial import SampleRange, write_verified_range
 from dlstore.cache.policy import HintWriter, read_next_use, victim_order
 from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
 from dlstore.cache.runtime import _Runtime
@@ -122,13 +123,23 @@ class ShardCache:
             )
 
     @contextlib.contextmanager
-    def hold(self, name: str, size: int | None = None, checksum: str | None = None, *, recheck: bool = False):
+    def hold(
+        self,
+        name: str,
+        size: int | None = None,
+        checksum: str | None = None,
+        samples: SampleRange | None = None,
+        *,
+        recheck: bool = False,
+    ):
         """Fetch shard `name` if needed and yield its local path, which is not evicted until
         the `with` block ends.
 
         `size` and `checksum` ("algo:hexdigest") come from the manifest; a cached copy of the
         wrong size is replaced, and with `recheck=True` so is one whose checksum fails. An
-        error of the background prefetch of this shard is raised here.
+        error of the background prefetch of this shard is raised here. With `samples` (and
+        `name`, `size` from it: `samples.spec`), the entry is that run of samples of a shard
+        (`dlstore.cache.partial`), checked against their digests instead of a checksum.
 
         >>> with cache.hold("shard-000003.tar", 300_000_000, "sha256:ab12...") as path:  # doctest: +SKIP
         ...     index = read_index(path)
@@ -136,7 +147,7 @@ class ShardCache:
         rt = self._runtime()
         raise_prefetch_error(rt, name)
         protect = advance_window(rt, name, self.config.prefetch)
-        fd = self._acquire(rt, ShardSpec(name, size, checksum), recheck=recheck, protect=protect)
+        fd = self._acquire(rt, ShardSpec(name, size, checksum, samples), recheck=recheck, protect=protect)
         path = self._dir.shard_path(self._stem(name))
         try:
             yield path
@@ -145,13 +156,21 @@ class ShardCache:
             # before the prefetched ones the reader has not reached yet.
             _release(fd)
 
-    def fetch(self, name: str, size: int | None = None, checksum: str | None = None, *, recheck: bool = False) -> str:
-        """Make sure shard `name` is cached and return its path. The shard may be evicted
-        once this returns; use `hold` around reads.
+    def fetch(
+        self,
+        name: str,
+        size: int | None = None,
+        checksum: str | None = None,
+        samples: SampleRange | None = None,
+        *,
+        recheck: bool = False,
+    ) -> str:
+        """Make sure shard `name` (or the run of `samples`, as in `hold`) is cached and return
+        its path. The entry may be evicted once this returns; use `hold` around reads.
 
         >>> path = cache.fetch("shard-000003.tar", 300_000_000, "sha256:ab12...")  # doctest: +SKIP
         """
-        with self.hold(name, size, checksum, recheck=recheck) as path:
+        with self.hold(name, size, checksum, samples, recheck=recheck) as path:
             return path
 
     def prefetch(self, shards: Iterable[ShardSpec | tuple]) -> None:
@@ -426,6 +445,9 @@ class ShardCache:
             return "missing"
         if spec.size is not None and size != spec.size:
             return "bad"
+        if recheck and spec.samples is not None:
+            with open(path, "rb") as file:
+                return "bad" if spec.samples.bad_samples(lambda at, n: os.pread(file.fileno(), n, at)) else "ok"
         if recheck and spec.checksum is not None:
             algo, digest = _parse_checksum(spec.checksum)
             if _file_digest(path, algo) != digest:
@@ -454,7 +476,10 @@ class ShardCache:
         fd, temp = reserved
         assert rt.engine is not None
         try:
-            report = write_verified(fd, rt.engine, self.store, spec, size, self.config, priority)
+            if spec.samples is not None:
+                report = write_verified_range(fd, rt.engine, self.store, spec.samples, self.config, priority)
+            else:
+                report = write_verified(fd, rt.engine, self.store, spec, size, self.config, priority)
             # Under the cache-wide lock: a scan (which holds it) must not see the bytes leave
             # tmp/ after it counted them there and then find them again under shards/.
             with self._dir.locked():
