@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import BinaryIO, NamedTuple
 
 from dlstore.errors import CorruptSample, CorruptShard
-from dlstore.manifest import SampleIndex, SampleSpan
+from dlstore.manifest import SampleIndex, SampleSpan, sample_digest
 from dlstore.storage.base import IterReader
 
 __all__ = [
@@ -554,21 +554,36 @@ def read_sample_from_file(file: BinaryIO, span: SampleSpan) -> dict:
 
 
 def scan_shard(
-    source: Source, *, on_sample: Callable[[dict], None] | None = None, max_member_size: int = MAX_MEMBER_SIZE
+    source: Source,
+    *,
+    on_sample: Callable[[dict], None] | None = None,
+    max_member_size: int = MAX_MEMBER_SIZE,
+    sample_digests: bool = False,
 ) -> SampleIndex:
     """Walk a whole shard (a stream is fine) and build its `SampleIndex`, hashing it on the way.
 
-    `on_sample` sees each sample (e.g. to collect labels and fields, or to decode it).
+    `on_sample` sees each sample (e.g. to collect labels and fields, or to decode it). With
+    `sample_digests`, the index is version 2: each sample's digest too, hashed from the bytes
+    as they stream past (only the samples not hashed yet are kept: about two at a time).
     """
     digest = hashlib.sha256()
     size = 0
+    pending, pending_at, digests = bytearray(), 0, []  # bytes from pending_at on, not yet hashed
 
     def hashed(chunks: Iterable[bytes]) -> Iterator[bytes]:
         nonlocal size
         for chunk in chunks:
             digest.update(chunk)
             size += len(chunk)
+            if sample_digests:
+                pending.extend(chunk)
             yield chunk
+
+    def digest_sample(start: int, end: int) -> None:
+        nonlocal pending_at
+        digests.append(sample_digest(pending[start - pending_at : end - pending_at]))
+        del pending[: end - pending_at]
+        pending_at = end
 
     if isinstance(source, (bytes, bytearray, memoryview)):
         stream: Iterator[bytes] = iter([bytes(source)])
@@ -580,13 +595,18 @@ def scan_shard(
     offsets: list[int] = []
     end = 0
     for sample, span in iter_samples_with_spans(chunks, max_member_size=max_member_size):
+        if sample_digests and offsets:
+            digest_sample(offsets[-1], span.offset)
         offsets.append(span.offset)
         end = span.end
         if on_sample is not None:
             on_sample(sample)
+    if sample_digests and offsets:
+        digest_sample(offsets[-1], end)
     for _ in chunks:  # the end-of-archive blocks and record padding count towards the checksum
         pass
-    return SampleIndex(offsets + [end], size, digest.digest())
+    index = SampleIndex(offsets + [end], size, digest.digest())
+    return index.with_sample_digests(digests) if sample_digests else index
 
 
 def read_shard_index(path: str | os.PathLike[str]) -> SampleIndex:

@@ -36,7 +36,7 @@ from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBui
 from dlstore.convert.shard_plan import plan_tasks
 from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, FormatError
-from dlstore.manifest import MANIFEST_NAME, Manifest, load_sample_index
+from dlstore.manifest import MANIFEST_NAME, Manifest, checksum_of, load_sample_index, sample_digest
 from dlstore.shards import iter_samples, read_sample
 from dlstore.storage import open_store
 
@@ -543,3 +543,44 @@ def test_convert_into_swift_over_both_apis(data, tmp_path, request, api, swift_s
     for info in summary.manifest.shards:
         assert store.get_bytes(info.name) == (tmp_path / "ref" / info.name).read_bytes()
     assert convert("imagenet", made.root, url, options, config=config).shards_reused == summary.shards
+
+
+# -- sample index version 2 (per-sample digests) ---------------------------------------------------
+def _check_sample_digests(store, manifest: Manifest) -> None:
+    for shard in manifest.shards:
+        index = load_sample_index(store, shard)
+        assert index.version == 2 and store.get_bytes(shard.index)[:8] == b"DLSIDX02"
+        data = store.get_bytes(shard.name)
+        for i in range(len(index)):
+            assert index.digest(i) == sample_digest(data[index.offsets[i] : index.offsets[i + 1]])
+
+
+def test_convert_and_index_write_version_2_sample_indexes(data, tmp_path):
+    made = data["imagenet"]
+    summary = convert("imagenet", made.root, f"file://{tmp_path}/conv", dataclasses.replace(OPTS, samples_per_shard=5))
+    store = open_store(f"file://{tmp_path}/conv")
+    _check_sample_digests(store, summary.manifest)
+    assert verify_dataset(store, deep=True).ok
+    # The same shards indexed in place (as foreign shards): the same version 2 indexes.
+    shutil.copytree(tmp_path / "conv", tmp_path / "foreign", ignore=shutil.ignore_patterns("*.idx", MANIFEST_NAME))
+    indexed = index_dataset(f"file://{tmp_path}/foreign")
+    _check_sample_digests(open_store(f"file://{tmp_path}/foreign"), indexed)
+    for shard in summary.manifest.shards:
+        assert (tmp_path / "foreign" / shard.index).read_bytes()[88:] == (tmp_path / "conv" / shard.index).read_bytes()[
+            88:
+        ]
+
+
+def test_deep_verify_catches_a_wrong_sample_digest(data, tmp_path):
+    made = data["imagenet"]
+    url = f"file://{tmp_path}/conv"
+    summary = convert("imagenet", made.root, url, dataclasses.replace(OPTS, samples_per_shard=5))
+    shard = summary.manifest.shards[0]
+    store = open_store(url)
+    damaged = bytearray(store.get_bytes(shard.index))
+    damaged[-1] ^= 1
+    store.put(shard.index, bytes(damaged))
+    new_info = dataclasses.replace(shard, index_checksum=checksum_of(bytes(damaged)))
+    summary.manifest.with_shards([new_info, *summary.manifest.shards[1:]]).save(store)
+    report = verify_dataset(store, deep=True)
+    assert not report.ok and any("sample digests do not match" in p for p in report.problems)

@@ -24,7 +24,7 @@ from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
 from dlstore.convert.shard_plan import ShardTask, sample_key, sample_metadata
 from dlstore.errors import CorruptSample, DlstoreError, FormatError, NotFound
-from dlstore.manifest import SampleIndex, ShardInfo, checksum_of, index_name
+from dlstore.manifest import SampleIndex, ShardInfo, checksum_of, index_name, sample_digest
 from dlstore.shards import TarShardWriter
 from dlstore.storage import Store
 
@@ -120,7 +120,8 @@ class ShardBuilder:
             raise BuildStopped(f"{task.name}: stopped, the conversion failed elsewhere")
 
     def _chunks(self, task: ShardTask, out: dict) -> Iterator[bytes]:
-        """The shard's bytes, one sample at a time; `out` receives the index and the skipped inputs."""
+        """The shard's bytes, one sample at a time; `out` receives the index (version 2: with
+        each sample's digest, of exactly the bytes the writer emitted for it) and the skipped inputs."""
         source, options, counters = self.context.source, self.context.options, self.counters
         parts: list[bytes] = []  # what the writer emitted since the last yield, without copying it
 
@@ -129,6 +130,7 @@ class ShardBuilder:
 
         writer = TarShardWriter(Sink)  # type: ignore[arg-type]
         skipped: list[SkippedInput] = []
+        digests: list[bytes] = []
         for position in task.positions:
             self._check_stop(task)
             item = source.items[position]
@@ -145,10 +147,11 @@ class ShardBuilder:
                 sample["json"] = sample_metadata(item, source.classes)
             span = writer.write(sample_key(position), sample)
             counters.add(1, span.size)
+            digests.append(sample_digest(b"".join(parts)))
             yield from parts
             parts.clear()
         self._check_stop(task)
-        out["index"] = writer.close(recipe=task.recipe)
+        out["index"] = writer.close(recipe=task.recipe).with_sample_digests(digests)
         out["skipped"] = tuple(skipped)
         yield from parts
 

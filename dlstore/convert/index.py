@@ -86,9 +86,11 @@ class _IndexedShard:
 
 
 def _index_shard(store: Store, name: str, label_field: str) -> _IndexedShard:
-    """Scan one shard, put its sample index beside it, and say what it holds."""
+    """Scan one shard, put its sample index (version 2, with sample digests) beside it, and say what it holds."""
     found = _IndexedShard()
-    index = scan_shard(store.get(name), on_sample=lambda sample: found.add(name, sample, label_field))
+    index = scan_shard(
+        store.get(name), on_sample=lambda sample: found.add(name, sample, label_field), sample_digests=True
+    )
     index_bytes = index.to_bytes()
     store.put(index_name(name), index_bytes)
     found.info = shard_info(name, index, index_bytes)

@@ -137,8 +137,9 @@ def _walk_shard(
         if problem:
             bad.append(problem)
 
+    digests = stored_index is not None and stored_index.version >= 2
     try:
-        index = scan_shard(store.get(shard.name), on_sample=check)
+        index = scan_shard(store.get(shard.name), on_sample=check, sample_digests=digests)
     except CorruptShard as exc:
         problems.append(f"{shard.name}: {exc}")
         return 0
@@ -148,6 +149,8 @@ def _walk_shard(
         problems.append(f"{shard.name}: holds {len(index)} samples, the manifest says {shard.samples}")
     if stored_index is not None and not np.array_equal(stored_index.offsets, index.offsets):
         problems.append(f"{shard.index}: sample offsets do not match the shard")
+    elif digests and stored_index.sample_digests != index.sample_digests:
+        problems.append(f"{shard.index}: sample digests do not match the shard")
     problems += [f"{shard.name}: {b}" for b in bad[:_MAX_BAD_SAMPLES_LISTED]]
     if len(bad) > _MAX_BAD_SAMPLES_LISTED:
         problems.append(f"{shard.name}: … {len(bad) - _MAX_BAD_SAMPLES_LISTED} more bad samples")
