@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlstore.cache import CacheConfig, ShardCache
+from dlstore.cache import CacheConfig, SampleRange, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
-from dlstore.errors import ConfigError
-from dlstore.manifest import Manifest, checksum_of
-from dlstore.plan import PlanConfig, RankPlan, rank_plan
+from dlstore.errors import ConfigError, FormatError
+from dlstore.manifest import Manifest, checksum_of, load_sample_index
+from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
 from dlstore.sample_path import BatchRequest, SamplePath, StageClock
 from dlstore.storage import open_store
 from dlstore.world import World
@@ -77,6 +77,7 @@ class Dataset(torch.utils.data.Dataset):
         if not self.samples.image_fields:
             fields = list(self.manifest.fields)
             raise ConfigError(f"{self.cfg.url}: the manifest lists no image field (fields: {fields})")
+        self.samples.partial = self._boundary_ranges()
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self.corrupt_samples = 0
 
@@ -99,6 +100,34 @@ class Dataset(torch.utils.data.Dataset):
         state = dict(self.__dict__)
         state["_plans"] = OrderedDict()
         return state
+
+    def _boundary_ranges(self) -> dict[int, SampleRange]:
+        """This node's boundary shards (`dlstore.plan`: those it reads only part of) as the runs
+        of samples its cache fetches instead of the shards; one small GET of each one's sample
+        index. A shard whose index has no sample digests (version 1) or fails its checksum is
+        left out: a part of it could not be verified, so it is fetched whole."""
+        parts = node_ranges(self.shard_sizes, self.plan_config, self.world).partial_shards(self.shard_sizes)
+        ranges = {}
+        for shard, (start, stop) in parts.items():
+            info = self.manifest.shards[shard]
+            try:
+                index = load_sample_index(self.store, info) if info.index is not None else None
+            except FormatError as exc:
+                log.warning("shard %r is fetched whole on this node: %s", info.name, exc)
+                continue
+            if index is None or index.version < 2:
+                log.info(
+                    "shard %r is fetched whole on this node, which reads only samples %d-%d of it: %s",
+                    info.name,
+                    start,
+                    stop - 1,
+                    "the manifest gives it no sample index"
+                    if index is None
+                    else "its sample index (version 1) has no per-sample digests to verify a part with",
+                )
+                continue
+            ranges[shard] = SampleRange.of_index(info.name, index, start, stop)
+        return ranges
 
     # -- the plan (main process) --------------------------------------------------------
     @property
@@ -137,7 +166,7 @@ class Dataset(torch.utils.data.Dataset):
                     upcoming.append(shard)
             if len(upcoming) >= self.cfg.prefetch_shards:
                 break
-        self.cache.prefetch([self.samples.shard_ref(s) for s in upcoming[: self.cfg.prefetch_shards]])
+        self.cache.prefetch([self.samples.cache_spec(s) for s in upcoming[: self.cfg.prefetch_shards]])
         self.hint_cache(plan, index)
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:
@@ -176,7 +205,7 @@ class Dataset(torch.utils.data.Dataset):
                 following = self.plan(epoch + 1).shards_needed(0).tolist()
                 memo = self.__dict__["_following_order"] = ((epoch + 1, self.cfg.batch_size), following)
             order += memo[1]
-        self.cache.hint(shards[shard].name for shard in dict.fromkeys(order))
+        self.cache.hint(self.samples.cache_spec(shard).name for shard in dict.fromkeys(order))
 
     # -- the batches (workers) ----------------------------------------------------------
     def __getitem__(self, request: BatchRequest) -> dict:

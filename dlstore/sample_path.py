@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlstore.cache import ShardCache
+from dlstore.cache import SampleRange, ShardCache, ShardSpec
 from dlstore.config import DataConfig
 from dlstore.errors import CorruptSample, CorruptShard
 from dlstore.manifest import Manifest
@@ -93,6 +93,9 @@ class SamplePath:
         # Only the fields this dataset has, in the one order of preference.
         self.image_fields = tuple(f for f in IMAGE_FIELDS if f in manifest.fields)
         self._indexes: OrderedDict[str, Any] = OrderedDict()
+        # The shards this node reads only part of, as the runs of samples its cache holds
+        # (set by `Dataset`; `dlstore.cache.partial`): {shard: SampleRange}.
+        self.partial: dict[int, SampleRange] = {}
         # Shards whose cached copy this process has checked against the manifest's checksum
         # after a read failed (see `_recheck`): a second failure is the shard's own.
         self._rechecked: set[str] = set()
@@ -121,6 +124,15 @@ class SamplePath:
         info = self.manifest.shards[shard]
         return info.name, info.size, info.checksum
 
+    def cache_spec(self, shard: int, samples: np.ndarray | None = None) -> ShardSpec:
+        """The cache entry that reads of `samples` (indexes within the shard; None: any of this
+        node's) of `shard` go to: the node's run of samples of a boundary shard when it holds
+        them all, else the whole shard."""
+        part = self.partial.get(shard)
+        if part is not None and (samples is None or part.contains(samples)):
+            return part.spec
+        return ShardSpec(*self.shard_ref(shard))
+
     # -- read ------------------------------------------------------------------------------
     def read(self, ids: np.ndarray, clock: StageClock | None = None) -> list[dict]:
         """The raw samples of `ids`, in order; each shard is held once for all its samples."""
@@ -128,9 +140,10 @@ class SamplePath:
         samples: list[dict | None] = [None] * len(ids)
         for shard in np.unique(shards).tolist():
             positions = np.flatnonzero(shards == shard).tolist()
-            error = self._read_from_shard(shard, positions, offsets, samples, clock)
-            if error is not None and self._recheck(shard):
-                error = self._read_from_shard(shard, positions, offsets, samples, clock)
+            spec = self.cache_spec(shard, offsets[positions])
+            error = self._read_from_shard(shard, positions, offsets, samples, clock, spec)
+            if error is not None and self._recheck(shard, spec):
+                error = self._read_from_shard(shard, positions, offsets, samples, clock, spec)
             if error is not None:
                 name = self.manifest.shards[shard].name
                 raise CorruptShard(f"shard {name!r} of {self.store_url}: {error}") from None
@@ -149,16 +162,24 @@ class SamplePath:
         return index
 
     def _read_from_shard(
-        self, shard: int, positions: list[int], offsets: np.ndarray, samples: list, clock: StageClock | None
+        self,
+        shard: int,
+        positions: list[int],
+        offsets: np.ndarray,
+        samples: list,
+        clock: StageClock | None,
+        spec: ShardSpec,
     ) -> CorruptShard | None:
-        """Read the samples at `positions` from the cached `shard` into `samples`; the tar
-        reader's error if the cached file is malformed (errors of the cache itself propagate)."""
+        """Read the samples at `positions` from the cache entry `spec` of `shard` (the shard, or
+        a run of its samples) into `samples`; the tar reader's error if the cached file is
+        malformed (errors of the cache itself propagate)."""
         with contextlib.ExitStack() as held:
             with _timed(clock, "fetch"):
-                path = held.enter_context(self.cache.hold(*self.shard_ref(shard)))
+                path = held.enter_context(self.cache.hold(*spec))
             try:
                 with _timed(clock, "read"):
-                    index = self._index(shard, path)
+                    # A run of samples maps each sample to its bytes in the entry's file itself.
+                    index = spec.samples if spec.samples is not None else self._index(shard, path)
                     with open(path, "rb") as file:
                         for position in positions:
                             samples[position] = read_sample_from_file(file, index[int(offsets[position])])
@@ -166,20 +187,21 @@ class SamplePath:
                 return exc
         return None
 
-    def _recheck(self, shard: int) -> bool:
-        """After a read of `shard` failed: check its cached copy against the manifest's checksum,
+    def _recheck(self, shard: int, spec: ShardSpec | None = None) -> bool:
+        """After a read of `shard` failed: check its cached copy (`spec`, the whole shard by
+        default) against the manifest's checksum (a run of samples: their digests),
         which replaces a damaged copy (a bad disk, a stray write after it was verified) with a
         fresh download. Once per shard and process, outside any hold (a hold of our own would
         keep the cache from replacing the file); False when done already, or impossible.
 
         The check costs a hash of the shard, so it runs only after a failure, never per read."""
-        name, size, checksum = self.shard_ref(shard)
+        spec = spec or ShardSpec(*self.shard_ref(shard))
         with self._lock:
-            if checksum is None or name in self._rechecked:
+            if (spec.checksum is None and spec.samples is None) or spec.name in self._rechecked:
                 return False
-            self._rechecked.add(name)
-            self._indexes.pop(name, None)  # built from the damaged file, maybe
-        self.cache.fetch(name, size, checksum, recheck=True)
+            self._rechecked.add(spec.name)
+            self._indexes.pop(spec.name, None)  # built from the damaged file, maybe
+        self.cache.fetch(*spec, recheck=True)
         return True
 
     # -- decode, augment, plan_on_device ---------------------------------------------------
@@ -224,8 +246,8 @@ class SamplePath:
             source, label = self.decode(sample, epoch, sample_id, clock)
         except CorruptSample:
             # Once more from a rechecked cached copy of the shard: the damage may be the cache's.
-            shard = int(locate([sample_id], self.shard_sizes)[0][0])
-            if not self._recheck(shard):
+            shard, offset = (int(a[0]) for a in locate([sample_id], self.shard_sizes))
+            if not self._recheck(shard, self.cache_spec(shard, np.array([offset]))):
                 raise
             source, label = self.decode(self.read(np.array([sample_id]))[0], epoch, sample_id, clock)
         return self.augment(source, clock), label

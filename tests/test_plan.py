@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from collections import Counter
 from dataclasses import replace
 
@@ -16,7 +17,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+import dlstore
+from dlstore.cache import cache_report
+from dlstore.config import StoreConfig
+from dlstore.convert import ConvertOptions, convert
+from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import ConfigError
+from dlstore.manifest import SampleIndex, checksum_of, load_sample_index
 from dlstore.plan import (
     EpochState,
     PlanConfig,
@@ -24,11 +31,13 @@ from dlstore.plan import (
     Segment,
     assign_ranges,
     locate,
+    node_ranges,
     rank_plan,
     shard_offsets,
     shard_order,
     world_plans,
 )
+from dlstore.storage import open_store
 from dlstore.world import World
 
 # Deterministic (derandomize) and small enough that the file runs in seconds on 2 cores.
@@ -209,6 +218,30 @@ def test_assign_ranges_is_balanced_and_contiguous(sizes, num_nodes, seed, shuffl
     again = assign_ranges(sizes, num_nodes, seed=seed, shuffle=shuffle)
     for name in ("node", "shard", "start", "count"):
         np.testing.assert_array_equal(getattr(again, name), getattr(ranges, name))
+
+
+@PROPERTY
+@given(shard_sizes_st, configs_st, worlds_st())
+def test_node_ranges_name_the_boundary_shards_and_cover_what_the_node_reads(sizes, cfg, world):
+    """What a node's cache fetches for a fresh epoch (whole shards, and its run of each boundary
+    shard in `partial_shards`) is exactly the samples the node owns: nothing twice across nodes."""
+    world_size, local = world
+    plans = world_plans(sizes, cfg, 0, world_size, local)
+    owner = np.full(sum(sizes), -1)
+    offsets = shard_offsets(sizes)
+    for node in range(world_size // local):
+        ranges = node_ranges(sizes, cfg, World(node * local, world_size, local))
+        partial = ranges.partial_shards(sizes)
+        assert set(partial) <= set(ranges.shard.tolist()) and len(partial) <= 2
+        for shard in ranges.shard.tolist():
+            first, stop = partial.get(shard, (0, sizes[shard]))
+            assert (owner[offsets[shard] + first : offsets[shard] + stop] == -1).all()
+            owner[offsets[shard] + first : offsets[shard] + stop] = node
+        # Every sample the node's ranks read (padding included) lies in what its cache holds;
+        # a node that owns no sample (fewer samples than nodes) pads from the whole epoch.
+        read = np.concatenate([p.ids for p in plans[node * local : (node + 1) * local]] + [np.zeros(0, np.int64)])
+        assert (owner[read] == node).all() or ranges.shard.size == 0
+    assert (owner >= 0).all()
 
 
 # ---------------------------------------------------------------------------- invariants 1-3
@@ -594,3 +627,90 @@ def test_docstring_examples(module):
 
     results = doctest.testmod(importlib.import_module(module), raise_on_error=False)
     assert results.failed == 0 and results.attempted > 0
+
+
+# ---------------------------------------------------------------------------- node reads over Swift
+
+
+def _run_node_epoch(url: str, config: StoreConfig, tmp_path, node: int, nodes: int, local: int) -> list:
+    """Every batch of epoch 0 of the `local` ranks of `node`, read through one node cache (with
+    the prefetch the loader asks for); returns the datasets (closed) and the keys read."""
+    datasets, keys = [], []
+    for rank in range(node * local, (node + 1) * local):
+        ds = dlstore.Dataset(
+            url,
+            store_config=config,
+            world=World(rank, nodes * local, local),
+            cache_dir=str(tmp_path / f"node{node}"),
+            cache_limit="100MB",
+            transform="eval",
+            image_size=8,
+            batch_size=3,
+            seed=5,
+            return_keys=True,
+        )
+        plan = ds.plan(0)
+        for j in range(plan.num_batches):
+            ds.prefetch_after(plan, j)
+            batch = ds.build_batch(ds.request(plan, 0, j))
+            keys += [k for k, pad in zip(batch["keys"], batch["padding"].tolist(), strict=True) if not pad]
+        ds.cache.close()
+        datasets.append(ds)
+    return [datasets, keys]
+
+
+def _node_share_bytes(ds: dlstore.Dataset, store) -> int:
+    """The bytes of the samples a node owns: its whole shards, and its runs of its boundary shards."""
+    ranges = node_ranges(ds.shard_sizes, ds.plan_config, ds.world)
+    partial = ranges.partial_shards(ds.shard_sizes)
+    total = 0
+    for shard in ranges.shard.tolist():
+        info = ds.manifest.shards[shard]
+        if shard in partial:
+            total += load_sample_index(store, info).run(*partial[shard]).size
+        else:
+            total += info.size
+    return total
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("index_version", [2, 1])
+def test_nodes_fetch_their_share_over_swift(swift_server, swift_container, tmp_path, caplog, index_version):
+    """3 nodes x 2 ranks over the local Swift: every sample once, and each node's cache fetches
+    exactly the bytes of the samples it owns (boundary shards as verified ranges). With version 1
+    indexes (no sample digests) a node fetches its boundary shards whole, and says why."""
+    config = StoreConfig.from_env(swift_server.swift_env())
+    url = f"swift://{swift_container}/data"
+    made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=14, image_size=(24, 20), formats=("jpg",))
+    options = ConvertOptions(samples_per_shard=5, workers=1)
+    manifest = convert("imagefolder", made.root, url, options, config=config).manifest
+    store = open_store(url, config)
+    if index_version == 1:
+        shards = []
+        for info in manifest.shards:
+            old = load_sample_index(store, info)
+            data = SampleIndex(old.offsets, old.shard_size, old.sha256, old.recipe).to_bytes()
+            store.put(info.index, data)
+            shards.append(replace(info, index_size=len(data), index_checksum=checksum_of(data)))
+        manifest = manifest.with_shards(shards)
+        manifest.save(store)
+    caplog.set_level(logging.INFO, logger="dlstore.dataset")
+    nodes, local, delivered, boundary = 3, 2, [], 0
+    for node in range(nodes):
+        datasets, keys = _run_node_epoch(url, config, tmp_path, node, nodes, local)
+        delivered += keys
+        ds = datasets[0]
+        partial = node_ranges(ds.shard_sizes, ds.plan_config, ds.world).partial_shards(ds.shard_sizes)
+        boundary += len(partial)
+        fetched = cache_report(str(tmp_path / f"node{node}")).totals.bytes_fetched
+        if index_version == 2:
+            assert fetched == _node_share_bytes(ds, store)
+            assert set(ds.samples.partial) == set(partial)
+        else:
+            owned = node_ranges(ds.shard_sizes, ds.plan_config, ds.world).shard.tolist()
+            assert fetched == sum(manifest.shards[s].size for s in owned) and ds.samples.partial == {}
+    assert boundary >= 2  # the test is about something: 42 samples in 9 shards cut 3 ways
+    assert len(delivered) == len(set(delivered)) == manifest.total_samples
+    whole = "no per-sample digests" in caplog.text
+    assert whole == (index_version == 1)

@@ -6,11 +6,13 @@ For ImageNet as `dlstore convert` cuts it (1,281,167 samples in 1000 shards of ~
 * padding: samples repeated to keep the ranks equal, as a share of the epoch, for the plan
   before issue 12 (nodes owned whole shards; ranks were padded to whole batches) and for
   today's `world_plans` (nodes own contiguous sample ranges; a short last batch);
-* reads per node, the largest node's over dataset / nodes: before (whole shards, each read by
-  one node), now with ranged reads of a boundary shard's part ("ranged"), and now if the
-  node cache fetches whole shards ("whole shards", a boundary shard fetched on both nodes).
-  Bytes are counted as samples: convert cuts shards by bytes, so a sample's share of a shard's
-  bytes is about the same everywhere.
+* reads per node over dataset / nodes: before (whole shards, each read by one node; the
+  largest node), and now what a node's cache fetches ("fetched", largest / mean node): whole
+  shards, and for a boundary shard (`node_ranges(...).partial_shards`) only the node's run
+  of samples, as `Dataset` asks the cache for it when the sample index is version 2; and
+  what it fetched with version 1 indexes, where a boundary shard is fetched whole on both
+  its nodes ("whole shards"). Bytes are counted as samples: convert cuts shards by bytes, so
+  a sample's share of a shard's bytes is about the same everywhere.
 
     python tools/bench_plan.py
     python tools/bench_plan.py --nodes 8,128 --batch 256 --json
@@ -26,7 +28,8 @@ import time
 
 import numpy as np
 
-from dlstore.plan import PlanConfig, shard_order, world_plans
+from dlstore.plan import PlanConfig, locate, node_ranges, shard_order, world_plans
+from dlstore.world import World
 
 IMAGENET_SAMPLES = 1_281_167
 IMAGENET_SHARDS = 1000
@@ -61,14 +64,31 @@ def before_issue_12(sizes: np.ndarray, nodes: int, gpus: int, batch: int, seed: 
     return int((length - counts).sum()), float(totals.max() / (sizes.sum() / nodes))
 
 
+def node_fetch(sizes: np.ndarray, cfg: PlanConfig, world: World, ids: np.ndarray) -> int:
+    """Samples' worth of bytes the cache of `world.node` fetches to read `ids` (the node's ranks'
+    samples): whole shards, and the node's run of samples of each boundary shard whose samples
+    it reads all lie in that run (as `SamplePath.cache_spec` asks the cache)."""
+    shards, within = locate(np.unique(ids), sizes)
+    partial = node_ranges(sizes, cfg, world).partial_shards(sizes)
+    fetched = 0
+    for shard in np.unique(shards).tolist():
+        run = partial.get(shard)
+        read = within[shards == shard]
+        inside = run is not None and run[0] <= read.min() and read.max() < run[1]
+        fetched += run[1] - run[0] if inside else int(sizes[shard])
+    return fetched
+
+
 def with_ranges(sizes: np.ndarray, nodes: int, gpus: int, batch: int, seed: int) -> dict:
     """Padding and per-node reads of today's plan, from `world_plans` for every rank."""
-    plans = world_plans(sizes, PlanConfig(seed=seed, batch_size=batch), 0, nodes * gpus, gpus)
+    cfg = PlanConfig(seed=seed, batch_size=batch)
+    plans = world_plans(sizes, cfg, 0, nodes * gpus, gpus)
     share = sizes.sum() / nodes
-    ranged, whole, fetches = [], [], 0
+    fetched, whole, fetches = [], [], 0
     for node in range(nodes):
         ranks = plans[node * gpus : (node + 1) * gpus]
-        ranged.append(np.unique(np.concatenate([p.ids for p in ranks])).size)
+        ids = np.concatenate([p.ids for p in ranks])
+        fetched.append(node_fetch(sizes, cfg, World(node * gpus, nodes * gpus, gpus), ids))
         shards = np.unique(np.concatenate([p.shards for p in ranks]))
         whole.append(int(sizes[shards].sum()))
         fetches += shards.size
@@ -77,7 +97,8 @@ def with_ranges(sizes: np.ndarray, nodes: int, gpus: int, batch: int, seed: int)
         "padding_rank_max": max(p.num_padding for p in plans),
         "batches": plans[0].num_batches,
         "last_batch": len(plans[0].ids) - (plans[0].num_batches - 1) * batch,
-        "ranged_max": max(ranged) / share,
+        "fetched_max": max(fetched) / share,
+        "fetched_mean": sum(fetched) / nodes / share,
         "whole_max": max(whole) / share,
         "whole_mean": sum(whole) / nodes / share,
         "boundary_fetches": fetches - int(np.count_nonzero(sizes)),
@@ -102,7 +123,8 @@ def measure(sizes: np.ndarray, nodes: int, gpus: int, batch: int, seed: int) -> 
         "batches_per_rank": now["batches"],
         "last_batch": now["last_batch"],
         "reads_before_max": old_max,
-        "reads_ranged_max": now["ranged_max"],
+        "fetched_max": now["fetched_max"],
+        "fetched_mean": now["fetched_mean"],
         "reads_whole_shards_max": now["whole_max"],
         "reads_whole_shards_mean": now["whole_mean"],
         "boundary_fetches": now["boundary_fetches"],
@@ -113,7 +135,8 @@ def measure(sizes: np.ndarray, nodes: int, gpus: int, batch: int, seed: int) -> 
 def markdown(rows: list[dict]) -> str:
     head = (
         "| nodes x GPUs | batch/GPU | shards/node | padding before | padding now | batches (last) "
-        "| reads/node before | now, ranged | now, whole shards (max / mean) | extra shard fetches |"
+        "| reads/node before | fetched/node now (max / mean) | v1 index: whole shards (max / mean) "
+        "| boundary shards |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -122,7 +145,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['padding_before_pct']:.2f}% ({r['padding_before']:,}) "
             f"| {r['padding_now_pct']:.3f}% ({r['padding_now']:,}; <= {r['padding_per_rank_max']}/rank) "
             f"| {r['batches_per_rank']} ({r['last_batch']}) "
-            f"| {r['reads_before_max']:.3f} | {r['reads_ranged_max']:.4f} "
+            f"| {r['reads_before_max']:.3f} | {r['fetched_max']:.4f} / {r['fetched_mean']:.4f} "
             f"| {r['reads_whole_shards_max']:.3f} / {r['reads_whole_shards_mean']:.3f} | {r['boundary_fetches']} |"
         )
     return "\n".join(lines)

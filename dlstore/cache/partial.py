@@ -48,7 +48,7 @@ class SampleRange:
 
     >>> index = SampleIndex([0, 1024, 2048, 4096], 10240, sample_digests=bytes(48))
     >>> r = SampleRange.of_index("s.tar", index, 1, 3)
-    >>> r.key, r.byte_start, r.size, r.span(2)
+    >>> r.key, r.byte_start, r.size, r[2]
     ('s.tar#samples=1-3', 1024, 3072, SampleSpan(offset=1024, size=2048))
     """
 
@@ -94,6 +94,8 @@ class SampleRange:
             raise IndexError(f"sample {sample} is outside {self.key}")
         i = sample - self.start
         return SampleSpan(self.offsets[i] - self.byte_start, self.offsets[i + 1] - self.offsets[i])
+
+    __getitem__ = span  # reads go through it as through a shard's `SampleIndex`
 
     def bad_samples(self, read) -> list[int]:
         """The samples whose bytes (`read(offset, size)`, in entry coordinates) fail their digest."""

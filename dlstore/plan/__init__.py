@@ -66,13 +66,18 @@ locality in the steady state, with no partition count fixed in advance, but it c
 
 * boundary shards: each cut between two nodes' ranges splits at most one shard, so up to
   ``num_nodes - 1`` shards are read in part by two nodes (a shard bigger than a node's share,
-  on a tiny dataset, by more). Read by ranges (the per-shard sample index gives each sample's
-  bytes), every byte is still read by one node. A cache that fetches whole shards fetches a
-  boundary shard on both its nodes: at most ``num_nodes - 1`` extra shard fetches per epoch,
-  about ``1 + 1 / (shards per node)`` times dataset / nodes per node on average and at most
-  ``1 + 2 / (shards per node)`` on one node. ImageNet in 1000 shards, largest node (mean): 1.01x
-  (1.01x) on 8 nodes, 1.06x (1.03x) on 32, 1.09x (1.06x) on 64, 1.15x (1.13x) on 128; ranged,
-  1.00x. Keep shards per node in the tens on large jobs, or read boundary shards by ranges;
+  on a tiny dataset, by more). `node_ranges(...).partial_shards(...)` names a node's
+  boundary shards and its samples of each, and the dataset has the node cache fetch only
+  those samples' bytes (a partial entry, `dlstore.cache.partial`, verified sample by sample
+  against the version 2 sample index's digests): every byte is then fetched by one node,
+  1.00x of dataset / nodes per node at any scale (tools/bench_plan.py). What that costs: a
+  boundary shard is two cache entries on two nodes, each a ranged GET more per epoch when
+  not cached; and a dataset whose indexes are version 1 (no per-sample digests) has its
+  boundary shards fetched whole, both nodes fetching the shard: at most ``num_nodes - 1``
+  extra shard fetches per epoch, at most ``1 + 2 / (shards per node)`` times dataset / nodes
+  on one node (ImageNet in 1000 shards, largest node (mean): 1.01x (1.01x) on 8 nodes, 1.06x
+  (1.03x) on 32, 1.09x (1.06x) on 64, 1.15x (1.13x) on 128). Re-index such a dataset
+  (`dlstore index`) to get version 2;
 * the epoch's order depends on the number of nodes: a run restarted at a new epoch on another
   node count sees a different (equally valid) order, and nodes own new ranges;
 * after a mid-epoch change of node count, each cut between new pieces can split one window,
@@ -93,7 +98,7 @@ exactly after the library under it was upgraded.
 
 from __future__ import annotations
 
-from dlstore.plan.epoch import RankPlan, rank_plan, world_plans
+from dlstore.plan.epoch import RankPlan, node_ranges, rank_plan, world_plans
 from dlstore.plan.ranges import NodeRanges, assign_ranges, locate, shard_offsets, shard_order
 from dlstore.plan.state import EpochState, PlanConfig, Segment
 
@@ -105,6 +110,7 @@ __all__ = [
     "Segment",
     "assign_ranges",
     "locate",
+    "node_ranges",
     "rank_plan",
     "shard_offsets",
     "shard_order",

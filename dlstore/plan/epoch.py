@@ -23,7 +23,7 @@ from dlstore.plan.ranges import (
 from dlstore.plan.state import PlanConfig, Segment, check_int, check_world
 from dlstore.world import World
 
-__all__ = ["RankPlan", "rank_plan", "world_plans"]
+__all__ = ["RankPlan", "node_ranges", "rank_plan", "world_plans"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -289,6 +289,19 @@ def world_plans(
     sizes = as_sizes(shard_sizes)
     plan, first_step = _replay(sizes, cfg, epoch, world_size, local_world_size, history)
     return tuple(_rank_plan(plan, sizes, rank, first_step) for rank in range(world_size))
+
+
+def node_ranges(shard_sizes: Sequence[int] | np.ndarray, cfg: PlanConfig, world: World) -> NodeRanges:
+    """The samples `world.node` owns in every epoch planned afresh for this world: what its
+    node cache should hold (`NodeRanges.partial_shards`: the shards it reads only part of).
+    A resumed epoch whose history has another node count reads outside them until it ends.
+
+    >>> r = node_ranges([10, 10, 10], PlanConfig(seed=0, batch_size=2, shuffle=False), World(2, 4, 2))
+    >>> r.shard.tolist(), r.partial_shards([10, 10, 10])
+    ([1, 2], {1: (5, 10)})
+    """
+    sizes = as_sizes(shard_sizes)
+    return assign_ranges(sizes, world.num_nodes, seed=cfg.seed, shuffle=cfg.shuffle).of_node(world.node)
 
 
 def _unique_in_order(values: np.ndarray) -> np.ndarray:

@@ -142,6 +142,21 @@ class NodeRanges:
         np.add.at(totals, self.node, self.count)
         return totals
 
+    def partial_shards(self, shard_sizes: Sequence[int] | np.ndarray) -> dict[int, tuple[int, int]]:
+        """The rows that cover only part of their shard, as {shard: (first sample, stop)}: for
+        the rows of one node (`of_node`), the boundary shards it reads a range of. A node
+        cache fetches those samples' bytes only (`dlstore.cache.partial`), not the shard.
+
+        >>> assign_ranges([4, 4, 4], 2, seed=0, shuffle=False).of_node(1).partial_shards([4, 4, 4])
+        {1: (2, 4)}
+        """
+        sizes = as_sizes(shard_sizes)
+        part = self.count < sizes[self.shard]
+        return {
+            int(shard): (int(start), int(start + count))
+            for shard, start, count in zip(self.shard[part], self.start[part], self.count[part], strict=True)
+        }
+
 
 def shard_order(shard_sizes: Sequence[int] | np.ndarray, *, seed: int, shuffle: bool = True) -> np.ndarray:
     """The fixed order of the shards whose samples nodes own in contiguous ranges: a seeded
