@@ -13,7 +13,9 @@ Layout of the directory::
     cache.lock          cache-wide lock: reservations, eviction, stats (held for milliseconds)
     stats.json          counters summed over every process, in all and per epoch (the
                         latest 16), padded to exactly 1 KiB
-    shards/<stem>       published shards, complete and verified; mtime = last access (LRU)
+    shards/<stem>       published shards, complete and verified; mtime = last access (LRU);
+                        a partial entry (`partial`: a run of samples of a boundary shard) is
+                        one too, under the stem of its key `<shard>#samples=<start>-<stop>`
     locks/<stem>.lock   per-shard lock: readers hold LOCK_SH, a downloader or evictor LOCK_EX
     tmp/<stem>.<pid>.<token>.<size>.part
                         downloads in flight; the name records the bytes reserved, the
