@@ -36,7 +36,7 @@ from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBui
 from dlstore.convert.shard_plan import plan_tasks
 from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, FormatError
-from dlstore.manifest import MANIFEST_NAME, Manifest, checksum_of, load_sample_index, sample_digest
+from dlstore.manifest import MANIFEST_NAME, Manifest, SampleIndex, checksum_of, load_sample_index, sample_digest
 from dlstore.shards import iter_samples, read_sample
 from dlstore.storage import open_store
 
@@ -584,3 +584,19 @@ def test_deep_verify_catches_a_wrong_sample_digest(data, tmp_path):
     summary.manifest.with_shards([new_info, *summary.manifest.shards[1:]]).save(store)
     report = verify_dataset(store, deep=True)
     assert not report.ok and any("sample digests do not match" in p for p in report.problems)
+
+
+def test_a_rerun_rebuilds_shards_whose_index_is_version_1(data, tmp_path):
+    made = data["imagenet"]
+    url = f"file://{tmp_path}/conv"
+    options = dataclasses.replace(OPTS, samples_per_shard=5)
+    first = convert("imagenet", made.root, url, options)
+    store = open_store(url)
+    tars = {s.name: store.get_bytes(s.name) for s in first.manifest.shards}
+    for shard in first.manifest.shards:  # as a dlstore before sample digests wrote them
+        index = load_sample_index(store, shard)
+        store.put(shard.index, SampleIndex(index.offsets, index.shard_size, index.sha256, index.recipe).to_bytes())
+    again = convert("imagenet", made.root, url, options)
+    assert again.shards_reused == 0 and again.shards_written == first.shards
+    _check_sample_digests(store, again.manifest)
+    assert {s.name: store.get_bytes(s.name) for s in again.manifest.shards} == tars

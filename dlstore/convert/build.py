@@ -164,7 +164,8 @@ def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
 
 
 def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool) -> Built | None:
-    """The shard as an earlier run left it, if it is complete and was built from the same recipe."""
+    """The shard as an earlier run left it, if it is complete, was built from the same recipe,
+    and has a version 2 sample index (an older one is rebuilt: same bytes, with sample digests)."""
     if task.name not in sizes or index_name(task.name) not in sizes:
         return None
     try:
@@ -173,6 +174,9 @@ def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash:
     except (NotFound, FormatError):
         return None
     if index.recipe != task.recipe or index.shard_size != sizes[task.name]:
+        return None
+    if index.version < 2:
+        log.info("%s: its sample index has no sample digests (version 1); rebuilding it", task.name)
         return None
     if rehash:
         digest = hashlib.sha256()
