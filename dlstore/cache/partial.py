@@ -2,8 +2,8 @@
 
 Why: the epoch plan gives each node a contiguous range of samples, so a node's first and last
 shard are usually split with its neighbours (`dlstore.plan`, "boundary shards"). Fetching such
-a shard whole makes every node fetch ~2 shards more than its share each epoch (1.15x its share
-on 128 nodes of ImageNet); fetching only the node's samples keeps it at 1.00x.
+a shard whole makes a node fetch up to two shards more than its share each epoch (1.15x its
+share on 128 nodes of ImageNet); fetching only the node's samples keeps it at 1.00x.
 
 What: a `SampleRange` names the samples and carries their byte offsets and digests from the
 shard's version 2 sample index (`dlstore.manifest`). Its cache entry is keyed by
@@ -16,7 +16,8 @@ each sample checked against its digest as the written prefix reaches its end.
 The trade-off: a partial entry and the whole shard are separate entries, so a node that
 reads both (after a mid-epoch change of node count re-deals the unread samples) caches the
 range twice; and a shard whose index is version 1 (no digests) cannot be verified in part,
-so it is fetched whole.
+so it is fetched whole. A range is not preallocated (it is a few hundred KB to a shard's
+size, and its reservation already counts it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,7 +98,7 @@ class SampleRange:
 
     __getitem__ = span  # reads go through it as through a shard's `SampleIndex`
 
-    def bad_samples(self, read) -> list[int]:
+    def bad_samples(self, read: Callable[[int, int], bytes]) -> list[int]:
         """The samples whose bytes (`read(offset, size)`, in entry coordinates) fail their digest."""
         return [s for s in range(self.start, self.stop) if not self._matches(s, read(*self._at(s)))]
 
