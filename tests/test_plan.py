@@ -707,6 +707,14 @@ def test_nodes_fetch_their_share_over_swift(swift_server, swift_container, tmp_p
         if index_version == 2:
             assert fetched == _node_share_bytes(ds, store)
             assert set(ds.samples.partial) == set(partial)
+            # A read outside the node's run (as after a re-deal to another node count) goes to the whole shard.
+            shard, (start, stop) = next(iter(partial.items()))
+            outside = start - 1 if start > 0 else stop
+            assert ds.samples.cache_spec(shard, np.array([outside])).name == manifest.shards[shard].name
+            ds.samples.read(shard_offsets(ds.shard_sizes)[shard] + np.array([outside]))
+            ds.cache.flush_stats()
+            grown = cache_report(str(tmp_path / f"node{node}")).totals.bytes_fetched - fetched
+            assert grown == manifest.shards[shard].size
         else:
             owned = node_ranges(ds.shard_sizes, ds.plan_config, ds.world).shard.tolist()
             assert fetched == sum(manifest.shards[s].size for s in owned) and ds.samples.partial == {}
