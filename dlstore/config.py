@@ -363,6 +363,10 @@ class DataConfig:
     on_corrupt: str = "skip"
     return_keys: bool = False
     prefetch_shards: int = 4
+    # How the cache downloads (`dlstore.cache.CacheConfig`); None: the cache's own default.
+    fetch_parts: int | None = None
+    fetch_shards: int | None = None
+    fetch_part_size: int | str | None = None
     # Credentials and retries: not part of what the data is (nor of equality, nor of `to_dict`).
     store: StoreConfig | None = field(default=None, repr=False, compare=False)
 
@@ -388,6 +392,11 @@ class DataConfig:
                 raise ConfigError(f"{name} must be at least 1")
         if (self.workers is not None and self.workers < 0) or self.prefetch_shards < 0:
             raise ConfigError("workers and prefetch_shards must not be negative")
+        if self.fetch_part_size is not None:
+            object.__setattr__(self, "fetch_part_size", parse_size(self.fetch_part_size))
+        for name in ("fetch_parts", "fetch_shards", "fetch_part_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
 
     @classmethod
     def from_env(cls, url: str, env: Mapping[str, str] | None = None, **settings: Any) -> DataConfig:
@@ -486,4 +495,7 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     "decode_on": (str, "where JPEGs are decoded: worker (CPU) or device (nvJPEG on the GPU)"),
     "seed": (int, "seed for data order and augmentation (and the trainer's weights)"),
     "shuffle_window": (int, "shards whose samples are mixed together; more mixes more and caches more"),
+    "fetch_parts": (int, "ranged GETs of one shard in flight at once, one connection each (default: the cache's)"),
+    "fetch_shards": (int, "shards the cache's prefetch downloads at once (default: the cache's)"),
+    "fetch_part_size": (str, "smallest ranged GET of a large shard, e.g. 16MiB (default: the cache's)"),
 }

@@ -46,6 +46,17 @@ def _data_config(data: str | DataConfig, store_config: StoreConfig | None, setti
     return DataConfig.from_env(data, **settings)
 
 
+def fetch_settings(cfg: DataConfig) -> dict[str, int]:
+    """The `CacheConfig` download settings a `DataConfig` sets (those it leaves at None keep the
+    cache's defaults)."""
+    given = {
+        "parts_in_flight": cfg.fetch_parts,
+        "shards_in_flight": cfg.fetch_shards,
+        "part_size": cfg.fetch_part_size,
+    }
+    return {name: value for name, value in given.items() if value is not None}
+
+
 class Dataset(torch.utils.data.Dataset):
     """A sharded dataset in any store, read through the node-local cache.
 
@@ -69,7 +80,10 @@ class Dataset(torch.utils.data.Dataset):
         self.store = open_store(self.cfg.url, self.cfg.store)
         self.manifest = Manifest.load(self.store)
         cache_cfg = CacheConfig(
-            cache_dir=self.cfg.cache_dir, limit_bytes=self.cfg.cache_limit, prefetch=self.cfg.prefetch_shards
+            cache_dir=self.cfg.cache_dir,
+            limit_bytes=self.cfg.cache_limit,
+            prefetch=self.cfg.prefetch_shards,
+            **fetch_settings(self.cfg),
         )
         self.cache = ShardCache(cache_cfg, self.store)
         self.cache.check_fits(max((s.size for s in self.manifest.shards), default=0))
@@ -156,17 +170,26 @@ class Dataset(torch.utils.data.Dataset):
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
-        """Ask the cache to fetch the shards of the next batches in the background."""
+        """Ask the cache to fetch in the background the shards batch `index` (just requested)
+        reads, then the next `prefetch_shards` shards the plan reads after them, in the order
+        it first needs them. The cache's prefetch keeps `prefetch_shards` shards cached beyond
+        the last one the readers have reached in that list.
+
+        Why the shards in use lead the list: from a cold cache, batch 0 needs every shard of
+        the first shuffle window, and the prefetch fetches them side by side while the readers
+        wait; and the next window's shards come in while this one is read (a list of only the
+        next `prefetch_shards` shards would hold no more than the window in use, and the
+        readers would fetch each shard of the next one as they reach it)."""
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
-        upcoming: list[int] = []
+        reading = plan.batch_shards(index).tolist()
+        wanted = len(reading) + self.cfg.prefetch_shards
+        upcoming = dict.fromkeys(reading)
         for j in range(index + 1, plan.num_batches):
-            for shard in plan.batch_shards(j).tolist():
-                if shard not in upcoming:
-                    upcoming.append(shard)
-            if len(upcoming) >= self.cfg.prefetch_shards:
+            if len(upcoming) >= wanted:
                 break
-        self.cache.prefetch([self.samples.cache_spec(s) for s in upcoming[: self.cfg.prefetch_shards]])
+            upcoming.update(dict.fromkeys(plan.batch_shards(j).tolist()))
+        self.cache.prefetch([self.samples.cache_spec(s) for s in list(upcoming)[:wanted]])
         self.hint_cache(plan, index)
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:

@@ -319,3 +319,26 @@ def test_a_data_setting_reaches_train_and_bench_from_one_flag():
     bench = build_parser().parse_args(["bench", "file:///d/train", "--shuffle-window", "7", "--workers", "1,2"])
     data = DataConfig.from_args(bench.url, bench, env={}, exclude=_BENCH_OWN)
     assert BenchConfig(data, workers=(1, 2)).data.shuffle_window == 7 and data.workers is None
+
+
+def test_the_fetch_settings_reach_the_cache_from_one_flag_each():
+    # --fetch-parts, --fetch-shards and --fetch-part-size: DataConfig fields that train and bench
+    # both take, and that Dataset hands to its CacheConfig; left out, the cache's defaults hold.
+    from dlstore.bench import BenchConfig
+    from dlstore.cache import CacheConfig
+    from dlstore.cli import _BENCH_OWN, build_parser
+    from dlstore.dataset import fetch_settings
+    from dlstore.train.config import config_from_args
+
+    flags = ["--fetch-parts", "3", "--fetch-shards", "5", "--fetch-part-size", "4MiB"]
+    train = config_from_args(build_parser().parse_args(["train", "file:///d/train", *flags]), env={})
+    bench = build_parser().parse_args(["bench", "file:///d/train", *flags])
+    data = BenchConfig(DataConfig.from_args(bench.url, bench, env={}, exclude=_BENCH_OWN)).data
+    for cfg in (train.data, data):
+        cache = CacheConfig("/tmp/cache", "1GB", **fetch_settings(cfg))
+        assert (cache.parts_in_flight, cache.shards_in_flight, cache.part_size) == (3, 5, 4 * 2**20)
+    defaults = CacheConfig("/tmp/cache", "1GB", **fetch_settings(DataConfig("file:///d/train")))
+    assert defaults == CacheConfig("/tmp/cache", "1GB")
+    assert DataConfig.from_dict(train.data.to_dict()) == train.data  # saved with the run's config
+    with pytest.raises(ConfigError):
+        DataConfig("file:///d/train", fetch_parts=0)

@@ -16,14 +16,17 @@ import threading
 import time
 
 import pytest
+from bench_cache_policy import write_bench_dataset
 from test_cache import FORK, cached_names, config, make_remote, read
 
+import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.cache.engine import DownloadEngine
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import CorruptShard, NotFound, TransientError
 from dlstore.storage.local import LocalStore
 from dlstore.storage.retry import ProgressRetry
+from dlstore.world import World
 
 QUICK = RetryConfig(max_attempts=3, initial_backoff_s=0.0, max_backoff_s=0.0, deadline_s=30)
 
@@ -338,3 +341,48 @@ def test_the_reader_s_shard_goes_before_the_prefetch_s(tmp_path):
         for fd in files:
             os.close(fd)
         engine.close()
+
+
+def test_a_shard_under_parts_in_flight_parts_is_spread_over_all_its_connections(tmp_path, parts_remote):
+    """A cold reader waits for a whole shard: one smaller than `parts_in_flight * part_size`
+    comes in `parts_in_flight` parts at once, not in a few parts of `part_size` (a 32 MB shard
+    with 16 MiB parts used 2 of its 8 connections); none is cut under 1 MiB."""
+    mib = 2**20
+    store, specs, contents = parts_remote([6 * mib, 2 * mib], chunk_size=64 * 1024)
+    cache = ShardCache(parts_config(tmp_path, part_size=16 * mib, parts_in_flight=4), store)
+    for spec in specs:
+        assert read(cache.fetch(*spec)) == contents[spec[0]]
+    spread = sorted(store.reads_of(specs[0][0]))
+    assert [start for start, _ in spread] == [0, 1.5 * mib, 3 * mib, 4.5 * mib]
+    assert spread[-1][1] == 6 * mib + 1  # the last part asks one byte more
+    assert sorted(store.reads_of(specs[1][0])) == [(0, mib), (mib, 2 * mib + 1)]  # 1 MiB parts at least
+
+
+def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monkeypatch):
+    """From batch 0 of a cold epoch the prefetch is given the shards batch 0 reads (the whole
+    first window: the readers wait for all of them) and then `prefetch_shards` more in plan
+    order, so the next window's shards come in while this one is read. (The list used to stop
+    at `prefetch_shards` shards from the next batch on, which with a window that wide held only
+    shards in use, and each shard of the next window was fetched by a reader that waited.)"""
+    url = write_bench_dataset(str(tmp_path / "data"), shards=24, samples=8)
+    ds = dlstore.Dataset(
+        url,
+        cache_dir=str(tmp_path / "cache"),
+        cache_limit="1GB",
+        world=World(0, 1, 1),
+        transform="eval",
+        image_size=8,
+        batch_size=16,
+        shuffle_window=4,
+        prefetch_shards=3,
+    )
+    lists: list[list[str]] = []
+    monkeypatch.setattr(ds.cache, "prefetch", lambda specs: lists.append([spec[0] for spec in specs]))
+    plan = ds.plan(0)
+    names = [s.name for s in ds.manifest.shards]
+    for index in (0, 4):
+        ds.prefetch_after(plan, index)
+        reading = plan.batch_shards(index).tolist()
+        following = [s for s in plan.shards_needed(index).tolist() if s not in reading][:3]
+        assert lists[-1] == [names[s] for s in reading + following]
+        assert len(following) == 3

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
-"""Cold fetch of one shard into the node cache across an emulated WAN, against curl.
+"""Cold against warm: one shard fetched into the node cache across an emulated WAN (against
+curl), or whole loader epochs from an empty cache (against a full one).
 
-For each per-connection rate (10, 40 and 200 MB/s by default) it puts a WAN emulator
+Two subcommands (``shard`` is the default when none is given).
+
+``shard``: for each per-connection rate (10, 40 and 200 MB/s by default) it puts a WAN emulator
 (`tools/wan_proxy.py`, in a process of its own: that rate per connection, `--delay-ms`
 per request) in front of the local Swift, and times a cold `ShardCache.fetch` of one object (a fresh cache each run):
 
@@ -19,15 +22,30 @@ it (or the local Swift) is the limit, for curl and the cache alike.
 Credentials come from the environment (``ST_*``, ``AWS_*``, as ``tools/swift_server.py
 start`` prints them) or ``--env-file``.
 
-Example (a small smoke run; the defaults are a full one)::
+``loader``: issue 12's setup. ~2,000 generated JPEGs (~95 KB, 400x350) in 6 shards of ~32 MB,
+made by `bench_peers.prepare_data` and written into the local Swift by
+`bench_loader.upload_to_swift`; `dlstore.Loader(ds, num_workers=2, device="cpu",
+dtype="uint8")`, batch 128, RandomResizedCrop 224, one rank. Each round times, for each
+setting (Swift on loopback, then Swift behind the WAN emulator at each rate with
+``--delay-ms`` per request), one warm epoch (a fresh loader over a full cache) and then one
+cold epoch (a fresh loader over an empty cache directory), each from `iter()` to its last
+batch. It reports per setting cold/warm img/s (median and range over the rounds: each
+round's cold run against the warm run just before it) and the time to the first batch when
+cold (from `iter()`). ``--fetch`` passes fetch settings (`DataConfig` fields) to the cold
+loaders, several ``--fetch`` compare variants in the same rounds.
+
+Examples (small smoke runs; the defaults are full ones)::
 
     eval "$(python tools/swift_server.py start)"
     python tools/bench_cold.py --size 16MB --rates 10MB --runs 1
+    python tools/bench_cold.py loader --rounds 3 --workdir /tmp/cold
+    python tools/bench_cold.py loader --rates 40MB --fetch "" --fetch fetch_parts=1,fetch_shards=1
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -42,13 +60,19 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import bench_loader
+import bench_peers
+import psutil
 import swiftclient
+from bench_loader import spread
 from bench_storage import curl, make_payload, read_env_file
 from wan_proxy import WanProxyProcess
 
+import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import StoreConfig, parse_size
 from dlstore.storage import Store, open_store
+from dlstore.world import World
 
 CONTAINER = "dlstore-bench"
 KEY = "cold/shard-000000.tar"
@@ -198,8 +222,8 @@ def print_report(report: dict) -> None:
         print("    " + "   ".join(ratios))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def shard_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench_cold.py shard", description="Cold fetch of one shard against curl.")
     parser.add_argument("--size", default="256MB", help="object size (default 256MB)")
     parser.add_argument("--rates", default="10MB,40MB,200MB", help="per-connection rates, bytes/s")
     parser.add_argument("--delay-ms", type=float, default=5.0, help="delay per request (default 5)")
@@ -248,6 +272,208 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+# -- loader: whole epochs, cold against warm ------------------------------------------------------
+@dataclasses.dataclass
+class Epoch:
+    """One timed epoch of a fresh loader, from `iter()`."""
+
+    images_per_s: float
+    first_batch_s: float
+    seconds: float
+    cpu_s: float  # this process's (the loader's threads and the cache's)
+    store_cpu_s: float  # the local Swift's and the WAN emulators' (not on a real node)
+
+
+def store_processes(env: Mapping[str, str]) -> list[psutil.Process]:
+    """The local Swift's processes (their command lines name its data directory) and this
+    process's children (the WAN emulators): the store side, which on a real node runs
+    elsewhere, but here takes its CPU from the same cores as the decode threads."""
+    swift_dir = env.get("DLSTORE_SWIFT_DIR") or "/nonexistent"
+    found = psutil.Process().children(recursive=True)
+    for proc in psutil.process_iter(["cmdline"]):
+        if any(swift_dir in part for part in proc.info["cmdline"] or ()):
+            found.append(proc)
+    return found
+
+
+def cpu_of(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argparse.Namespace, fetch: dict) -> Epoch:
+    """Epoch 0 of a fresh `Dataset` + `Loader` (the issue's settings) over `cache_dir`."""
+    ds = dlstore.Dataset(
+        url,
+        cache_dir=cache_dir,
+        cache_limit="4GB",
+        transform="train",
+        image_size=args.image_size,
+        batch_size=args.batch_size,
+        seed=0,
+        world=World(),
+        store_config=store_config,
+        **fetch,
+    )
+    loader = dlstore.Loader(ds, num_workers=args.workers, device="cpu", dtype="uint8")
+    try:
+        images, first = 0, None
+        store_side = store_processes(args.env)
+        store_cpu, cpu, started = cpu_of(store_side), time.process_time(), time.perf_counter()
+        for batch, _ in loader:
+            first = time.perf_counter() - started if first is None else first
+            images += batch.shape[0]
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        store_cpu = cpu_of(store_side) - store_cpu
+    finally:
+        loader.close()
+        ds.cache.close()
+    return Epoch(images / seconds, first or 0.0, seconds, cpu, store_cpu)
+
+
+def cold_epoch(url: str, store_config: StoreConfig, args: argparse.Namespace, fetch: dict, tmp: str) -> Epoch:
+    cache_dir = tempfile.mkdtemp(prefix="cold-cache-", dir=tmp)
+    try:
+        return loader_epoch(url, store_config, cache_dir, args, fetch)
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def parse_fetch(text: str) -> dict:
+    """ "fetch_parts=8,fetch_shards=4" -> {"fetch_parts": 8, "fetch_shards": 4} (sizes stay text)."""
+    out: dict = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        out[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return out
+
+
+def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tmp: str) -> list[dict]:
+    """`args.rounds` rounds; in each, per setting and fetch variant, a warm epoch then a cold one."""
+    direct = StoreConfig.from_env(env)
+    warm_dir = os.path.join(tmp, "warm-cache")
+    loader_epoch(url, direct, warm_dir, args, {})  # fills the warm cache (and the page cache)
+    variants = {text or "default": parse_fetch(text) for text in args.fetch or [""]}
+    rates = [r for r in args.rates.split(",") if r]
+    with contextlib.ExitStack() as stack:
+        settings = {"loopback": direct}
+        for rate_text in rates:
+            wan = WanProxyProcess(
+                swift_port_of(env), rate=parse_size(rate_text), delay_s=args.delay_ms / 1000, lifetime_s=3600
+            )
+            stack.enter_context(wan)
+            settings[f"{rate_text}/s+{args.delay_ms:g}ms"] = StoreConfig.from_env(proxied(env, wan))
+        rounds = []
+        for number in range(args.rounds):
+            runs: dict = {}
+            for setting, config in settings.items():
+                for variant, fetch in variants.items():
+                    warm = loader_epoch(url, direct, warm_dir, args, {})
+                    cold = cold_epoch(url, config, args, fetch, tmp)
+                    runs[(setting, variant)] = (warm, cold)
+                    print(
+                        f"round {number + 1} {setting:<18} {variant:<30} warm {warm.images_per_s:7.0f} img/s"
+                        f"  cold {cold.images_per_s:7.0f} img/s  ratio {cold.images_per_s / warm.images_per_s:.3f}"
+                        f"  cold first batch {cold.first_batch_s:.2f}s",
+                        file=sys.stderr,
+                    )
+            rounds.append(runs)
+    return rounds
+
+
+def swift_port_of(env: Mapping[str, str]) -> int:
+    return urlsplit(env["ST_AUTH"]).port or 80
+
+
+def summarize_loader(rounds: list[dict]) -> dict:
+    out: dict = {}
+    for key in rounds[0]:
+        pairs = [r[key] for r in rounds]
+        out[" | ".join(key)] = {
+            "cold_over_warm": spread([c.images_per_s / w.images_per_s for w, c in pairs]),
+            "cold_first_batch_s": spread([c.first_batch_s for _, c in pairs]),
+            "warm_first_batch_s": spread([w.first_batch_s for w, _ in pairs]),
+            "warm_img_s": spread([w.images_per_s for w, _ in pairs]),
+            "cold_img_s": spread([c.images_per_s for _, c in pairs]),
+            "cold_over_warm_cpu_s": spread([c.cpu_s / w.cpu_s for w, c in pairs]),
+            "cold_store_cpu_over_warm_cpu": spread([c.store_cpu_s / w.cpu_s for w, c in pairs]),
+        }
+    return out
+
+
+def print_loader_report(report: dict) -> None:
+    print(
+        f"one epoch of {report['images']} images in {report['shards']} shards (~{report['shard_mb']:.0f} MB), "
+        f"batch {report['batch_size']}, {report['workers']} decode threads, {report['rounds']} rounds; "
+        "median [min .. max]"
+    )
+    print(
+        f"  {'setting | fetch':<46} {'cold/warm':<22} {'cold 1st batch s':<22} {'warm img/s':>10} {'cold img/s':>10}"
+        "  loader CPU cold/warm   store CPU/warm loader CPU"
+    )
+    for name, res in report["settings"].items():
+        ratio, first = res["cold_over_warm"], res["cold_first_batch_s"]
+        print(
+            f"  {name:<46} {ratio['median']:.3f} [{ratio['min']:.3f} .. {ratio['max']:.3f}]"
+            f"   {first['median']:.2f} [{first['min']:.2f} .. {first['max']:.2f}]"
+            f"   {res['warm_img_s']['median']:>10.0f} {res['cold_img_s']['median']:>10.0f}"
+            f"  {res['cold_over_warm_cpu_s']['median']:>20.2f}"
+            f"  {res['cold_store_cpu_over_warm_cpu']['median']:>26.2f}"
+        )
+
+
+def loader_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bench_cold.py loader", description="Loader epochs, cold against warm.")
+    parser.add_argument("--images", type=int, default=2000, help="images (default 2000)")
+    parser.add_argument("--shards", type=int, default=6, help="shards (default 6: ~32 MB each)")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--workers", type=int, default=2, help="decode threads (default 2)")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
+    parser.add_argument("--rates", default="10MB,40MB,200MB", help="per-connection rates of the emulator")
+    parser.add_argument("--delay-ms", type=float, default=5.0, help="emulator delay per request (default 5)")
+    parser.add_argument(
+        "--fetch", action="append", help='fetch settings of the cold loaders, e.g. "fetch_parts=4"; repeat to compare'
+    )
+    parser.add_argument("--workdir", help="where the generated data is kept between runs (default: a temp dir)")
+    parser.add_argument("--env-file", help="env.sh from tools/swift_server.py (default: the environment)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    env: Mapping[str, str] = read_env_file(args.env_file) if args.env_file else os.environ
+    args.env = env
+    with tempfile.TemporaryDirectory(prefix="dlstore-bench-cold-") as tmp:
+        data = bench_peers.prepare_data(Path(args.workdir or tmp), args.images, args.shards)
+        root = data.store_dir.parents[1]
+        url, _ = bench_loader.upload_to_swift(root, dict(env), -(-args.images // args.shards))
+        sizes = [p.stat().st_size for p in data.store_dir.glob("*.tar")]
+        rounds = loader_rounds(url, env, args, tmp)
+    report = {
+        "images": args.images,
+        "shards": len(sizes),
+        "shard_mb": statistics.mean(sizes) / 1e6,
+        "batch_size": args.batch_size,
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "delay_ms": args.delay_ms,
+        "settings": summarize_loader(rounds),
+    }
+    print_loader_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "loader":
+        return loader_main(argv[1:])
+    return shard_main(argv[1:] if argv and argv[0] == "shard" else argv)
 
 
 if __name__ == "__main__":

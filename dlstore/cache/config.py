@@ -32,11 +32,13 @@ class CacheConfig:
     download up front (so a full disk shows at once). `wait_timeout_s` bounds every wait: for
     another process's download of the same shard, and for room under the limit.
 
-    Downloads (`dlstore.cache.engine`): a shard larger than `part_size` is fetched as ranged
-    GETs of at least `part_size` bytes (more when the measured round trip and rate say a part
-    that small would spend too much of its time waiting for its first byte), up to
+    Downloads (`dlstore.cache.engine`): a shard is fetched as ranged GETs, up to
     `parts_in_flight` of them at once, each on its own connection (1: one GET stream per
-    shard). The prefetch keeps up to `shards_in_flight` shards of its window downloading at
+    shard). A shard smaller than `parts_in_flight * part_size` is cut into `parts_in_flight`
+    parts (of 1 MiB at least), so that it comes in as fast as its connections allow; a
+    larger one into parts of at least `part_size` bytes (more when the measured round trip
+    and rate say a part that small would spend too much of its time waiting for its first
+    byte). The prefetch keeps up to `shards_in_flight` shards of its window downloading at
     once. A process opens at most `parts_in_flight * (shards_in_flight + 1)` connections (room
     for the reader's own download beside the prefetch's); the reader's shard goes first.
     """

@@ -13,10 +13,15 @@ How it works, and why:
   prefix grows steadily behind the parts in flight, so the caller can hash it as it grows
   and only the last parts remain to hash once the bytes are in; and a part's size can use
   what the parts before it measured.
-* **Part size** is at least `part_size`, and large enough that waiting for a part's first
-  byte (a round trip, plus the server's latency) costs at most 1/32 of its transfer at the
-  rate one connection has been getting (`_LinkEstimate`), but no larger than the shard's
-  share of `parts_in_flight` connections. With `parts_in_flight=1` a shard is one GET.
+* **Part size**: a shard smaller than `parts_in_flight * part_size` is cut into
+  `parts_in_flight` equal parts (none under 1 MiB), so that it arrives as fast as its
+  connections allow: a reader waits for a whole shard (its checksum), and the time that
+  takes is what a cold epoch's first batch and every shard the prefetch is late with cost.
+  A larger shard's parts are at least `part_size`, and large enough that waiting for a
+  part's first byte (a round trip, plus the server's latency) costs at most 1/32 of its
+  transfer at the rate one connection has been getting (`_LinkEstimate`), but no larger
+  than the shard's share of `parts_in_flight` connections. With `parts_in_flight=1` a
+  shard is one GET.
 * **Scheduling**: downloads by (priority, arrival); an idle worker takes the next part of
   the first download that has bytes left and fewer than its `parts_in_flight` parts
   running. The reader's shard (priority 0) goes before the prefetch's.
@@ -59,6 +64,9 @@ log = logging.getLogger(__name__)
 _LATENCY_SHARE = 32
 _ALIGN = 64 * 1024
 _MIN_SAMPLE_BYTES = 1 << 20
+#: A shard spread over its connections is cut no finer than this: below it a part's round
+#: trip outweighs its transfer.
+_MIN_SPREAD_PART = 1 << 20
 
 
 @dataclass
@@ -123,8 +131,9 @@ class Download:
         self.object_offset = object_offset  # None: the whole object, else where the file's byte 0 is in it
         self.order = (priority, 0)  # (priority, arrival), set by the engine
         self.parts_in_flight = parts_in_flight
-        self.part_floor = size if parts_in_flight == 1 else part_size
-        self.part_ceiling = max(self.part_floor, -(-size // parts_in_flight))
+        share = -(-size // parts_in_flight)  # the shard spread over all its connections
+        self.part_floor = size if parts_in_flight == 1 else min(part_size, max(share, _MIN_SPREAD_PART))
+        self.part_ceiling = max(self.part_floor, share)
         self.parts: list[_Part] = []
         self.running = 0
         self.most_running = 0

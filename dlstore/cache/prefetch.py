@@ -22,8 +22,11 @@ PrefetchFetch = Callable[[ShardSpec, frozenset[str]], "int | None"]
 
 
 def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, threads: int) -> None:
-    """Replace the list of upcoming shards, and start the threads that do not run already."""
+    """Replace the list of upcoming shards, and start the threads that do not run already.
+    The same list again changes nothing: the readers' place in it stands."""
     with rt.lock:
+        if specs == rt.upcoming and not rt.closing:
+            return
         rt.upcoming = specs
         rt.position = 0
         rt.done = set()
