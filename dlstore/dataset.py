@@ -164,8 +164,8 @@ class Dataset(torch.utils.data.Dataset):
         return self._plans[key]
 
     def request(self, plan: RankPlan, epoch: int, index: int) -> BatchRequest:
-        # The cache counts this process's fetches and hits under the epoch it reads now.
-        self.cache.set_epoch(epoch)
+        # The cache counts fetches and hits per epoch: those of this batch's shards under its epoch.
+        self.cache.set_epoch(epoch, (self.manifest.shards[s].name for s in plan.batch_shards(index).tolist()))
         ids, is_padding = plan.batch(index)
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
 

@@ -799,18 +799,36 @@ def test_counters_per_epoch_are_summed_over_processes(tmp_path, remote):
 
 def test_prefetched_shards_count_under_the_epoch_of_the_prefetch_list(tmp_path, remote):
     """Near an epoch's end the loader starts the next epoch's batches while the prefetch is
-    still fetching this epoch's last shards: those count under the epoch that listed them."""
-    store, specs, _ = remote([3000, 4000, 5000])
+    still fetching this epoch's last shards: those count under the epoch that listed them,
+    and the shards of a later list under its epoch (the prefetch threads outlive a list)."""
+    store, specs, _ = remote([3000, 4000, 5000, 6000])
     cache = ShardCache(config(tmp_path, "1MB", prefetch=2), store)
     cache.set_epoch(4)
-    cache.prefetch(specs[1:])
+    cache.prefetch(specs[1:3])
     cache.set_epoch(5)  # the next epoch's first request, before the prefetch is done
     wait_for(lambda: cached_names(tmp_path / "cache") >= {specs[1][0], specs[2][0]})
     cache.fetch(*specs[0])  # not on the list: the epoch read now
+    cache.prefetch(specs[3:])  # epoch 5's list
+    wait_for(lambda: specs[3][0] in cached_names(tmp_path / "cache"))
     cache.close()
     epochs = cache_report(tmp_path / "cache").epochs
     assert dataclasses.astuple(epochs[4]) == (0, 2, 9000)
-    assert dataclasses.astuple(epochs[5]) == (0, 1, 3000)
+    assert dataclasses.astuple(epochs[5]) == (0, 2, 9000)
+
+
+def test_a_reader_counts_a_shard_under_the_epoch_whose_batch_named_it(tmp_path, remote):
+    """A loader building the next epoch's first batches while this epoch's last ones are
+    still read: each batch's shards count under its own epoch."""
+    store, specs, _ = remote([3000, 4000, 5000])
+    cache = ShardCache(config(tmp_path, "1MB"), store)
+    cache.set_epoch(6, [specs[0][0]])  # the epoch's last batch
+    cache.set_epoch(7, [specs[1][0]])  # the next epoch's first batch, asked for before the last is read
+    for spec in specs:
+        cache.fetch(*spec)  # shard 2, named by no batch: the epoch read now
+    cache.close()
+    epochs = cache_report(tmp_path / "cache").epochs
+    assert dataclasses.astuple(epochs[6]) == (0, 1, 3000)
+    assert dataclasses.astuple(epochs[7]) == (0, 2, 9000)
 
 
 def test_stats_file_keeps_the_latest_epochs_within_its_fixed_size(tmp_path, remote):

@@ -23,9 +23,10 @@ class _Runtime:
         self.stats = CacheStats()
         self.pending = CacheStats()  # not yet added to stats.json
         self.last_flush = time.monotonic()
-        # per epoch (`ShardCache.set_epoch`): the epoch read now, that of the prefetch list,
-        # and the counters not yet added to stats.json
+        # per epoch (`ShardCache.set_epoch`): the epoch read now, that of each shard a batch
+        # named last, that of the prefetch list, and the counters not yet added to stats.json
         self.epoch: int | None = None
+        self.read_epochs: dict[str, int] = {}
         self.prefetch_epoch: int | None = None
         self.pending_epochs: dict[int, EpochStats] = {}
         # prefetch

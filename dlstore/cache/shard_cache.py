@@ -92,14 +92,21 @@ class ShardCache:
         with rt.lock:
             return dataclasses.replace(rt.stats)
 
-    def set_epoch(self, epoch: int) -> None:
-        """Say which epoch this process reads now: its downloads and hits from here on are
-        also counted under that epoch (`cache_report(...).epochs`, `dlstore cache stats`).
-        `Dataset` calls it with each batch it plans or builds; it costs an assignment.
+    def set_epoch(self, epoch: int, names: Iterable[str] = ()) -> None:
+        """Say which epoch this process reads now, and optionally shards `names` that a batch
+        of it reads: hits and downloads are also counted per epoch (`cache_report(...).epochs`,
+        `dlstore cache stats`). A reader's hit or download of a named shard counts under the
+        epoch that named it last, others under the epoch read now; a prefetch's, under the
+        epoch its list was given in. So a loader that builds the next epoch's first batches
+        while this one's last are still being read counts each under its own epoch.
+        `Dataset` calls it for each batch it asks for or builds.
 
-        >>> cache.set_epoch(3)  # doctest: +SKIP
+        >>> cache.set_epoch(3, ["train/shard-000007.tar", "train/shard-000012.tar"])  # doctest: +SKIP
         """
-        self._runtime().epoch = epoch
+        rt = self._runtime()
+        with rt.lock:
+            rt.epoch = epoch
+            rt.read_epochs.update(dict.fromkeys(names, epoch))
 
     def check_fits(self, max_shard_size: int, readers: int = 1) -> None:
         """Raise `ConfigError` unless the largest shard fits under the limit; warn when
@@ -185,14 +192,15 @@ class ShardCache:
         if self.config.prefetch <= 0:
             return
         rt = self._runtime()
-        epoch = rt.prefetch_epoch = rt.epoch  # the list is of the epoch being read now
+        rt.prefetch_epoch = rt.epoch  # the list is of the epoch being read now
         start_prefetch(
             rt,
             specs,
             self.config.prefetch,
-            # Sooner shards download first: priority 1 + their place in the window (the reader's own is 0).
+            # Sooner shards download first: priority 1 + their place in the window (the reader's own
+            # is 0). The threads keep this function: the epoch is read when a shard is fetched.
             lambda spec, sooner: self._acquire(
-                rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner), epoch=epoch
+                rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner), epoch=rt.prefetch_epoch
             ),
             self.config.shards_in_flight,
         )
@@ -299,14 +307,9 @@ class ShardCache:
 
     @staticmethod
     def _epoch_of(rt: _Runtime, name: str) -> int | None:
-        """The epoch a reader's hit or download of shard `name` counts under: that of the
-        prefetch list when the shard is on it (near an epoch's end the loader may already be
-        building the next epoch's first batches while this one's last shards come in), else
-        the epoch this process reads now."""
+        """The epoch a reader's hit or download of shard `name` counts under (`set_epoch`)."""
         with rt.lock:
-            if rt.prefetch_epoch is not None and any(spec.name == name for spec in rt.upcoming):
-                return rt.prefetch_epoch
-            return rt.epoch
+            return rt.read_epochs.get(name, rt.epoch)
 
     def _flush(self, rt: _Runtime, force: bool = False) -> None:
         """Add pending counters to stats.json: at once for downloads and evictions, at most
