@@ -19,7 +19,7 @@ import torch
 
 from dlstore.cache import CacheConfig, SampleRange, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
-from dlstore.errors import ConfigError, FormatError
+from dlstore.errors import ConfigError, FormatError, NotFound
 from dlstore.manifest import Manifest, checksum_of, load_sample_index
 from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
 from dlstore.sample_path import BatchRequest, SamplePath, StageClock
@@ -118,15 +118,16 @@ class Dataset(torch.utils.data.Dataset):
     def _boundary_ranges(self) -> dict[int, SampleRange]:
         """This node's boundary shards (`dlstore.plan`: those it reads only part of) as the runs
         of samples its cache fetches instead of the shards; one small GET of each one's sample
-        index. A shard whose index has no sample digests (version 1) or fails its checksum is
-        left out: a part of it could not be verified, so it is fetched whole."""
+        index. A shard whose index has no sample digests (version 1), fails its checksum or is
+        missing from the store is left out: a part of it could not be verified, so it is fetched
+        whole (reads never needed the index: a damaged one must not stop the dataset opening)."""
         parts = node_ranges(self.shard_sizes, self.plan_config, self.world).partial_shards(self.shard_sizes)
         ranges = {}
         for shard, (start, stop) in parts.items():
             info = self.manifest.shards[shard]
             try:
                 index = load_sample_index(self.store, info) if info.index is not None else None
-            except FormatError as exc:
+            except (FormatError, NotFound) as exc:
                 log.warning("shard %r is fetched whole on this node: %s", info.name, exc)
                 continue
             if index is None or index.version < 2:

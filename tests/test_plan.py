@@ -722,3 +722,39 @@ def test_nodes_fetch_their_share_over_swift(swift_server, swift_container, tmp_p
     assert len(delivered) == len(set(delivered)) == manifest.total_samples
     whole = "no per-sample digests" in caplog.text
     assert whole == (index_version == 1)
+
+
+def test_a_missing_sample_index_keeps_its_boundary_shard_whole(tmp_path, caplog):
+    """A boundary shard whose sample index is gone from the store (the manifest still names it)
+    is fetched whole, with a warning, as one whose index fails its checksum: the dataset still
+    opens and reads every sample of the node (before, `Dataset` raised `NotFound`)."""
+    url = f"file://{tmp_path}/data"
+    made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=10, image_size=(24, 20), formats=("jpg",))
+    manifest = convert("imagefolder", made.root, url, ConvertOptions(samples_per_shard=4, workers=1)).manifest
+    world = World(1, 3, 1)  # the middle node: 10 of 30 samples, shards of 4: one or two boundary shards
+    cfg = PlanConfig(seed=5, batch_size=3)
+    sizes = [s.samples for s in manifest.shards]
+    partial = node_ranges(sizes, cfg, world).partial_shards(sizes)
+    lost, kept = min(partial), set(partial) - {min(partial)}
+    open_store(url).delete(manifest.shards[lost].index)
+    caplog.set_level(logging.WARNING, logger="dlstore.dataset")
+    ds = dlstore.Dataset(
+        url,
+        world=world,
+        cache_dir=str(tmp_path / "cache"),
+        cache_limit="100MB",
+        transform="eval",
+        image_size=8,
+        batch_size=3,
+        seed=5,
+    )
+    assert set(ds.samples.partial) == kept
+    assert manifest.shards[lost].name in caplog.text
+    plan = ds.plan(0)
+    for j in range(plan.num_batches):
+        ds.build_batch(ds.request(plan, 0, j))
+    ds.cache.close()
+    owned = node_ranges(sizes, cfg, world).shard.tolist()
+    fetched = cache_report(str(tmp_path / "cache")).totals.bytes_fetched
+    share = sum(manifest.shards[s].size for s in owned if s not in kept)
+    assert fetched == share + sum(ds.samples.partial[s].size for s in kept)
