@@ -165,8 +165,13 @@ class Dataset(torch.utils.data.Dataset):
         return self._plans[key]
 
     def request(self, plan: RankPlan, epoch: int, index: int) -> BatchRequest:
-        # The cache counts fetches and hits per epoch: those of this batch's shards under its epoch.
-        self.cache.set_epoch(epoch, (self.manifest.shards[s].name for s in plan.batch_shards(index).tolist()))
+        # The cache counts fetches and hits per epoch: those of this batch's entries under its
+        # epoch. A boundary shard's reads go to the node's run of its samples, or (after a re-deal
+        # to another node count) to the whole shard: both are named.
+        shards = plan.batch_shards(index).tolist()
+        names = [self.manifest.shards[s].name for s in shards]
+        names += [self.samples.partial[s].key for s in shards if s in self.samples.partial]
+        self.cache.set_epoch(epoch, names)
         ids, is_padding = plan.batch(index)
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
 

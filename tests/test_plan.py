@@ -724,20 +724,19 @@ def test_nodes_fetch_their_share_over_swift(swift_server, swift_container, tmp_p
     assert whole == (index_version == 1)
 
 
-def test_a_missing_sample_index_keeps_its_boundary_shard_whole(tmp_path, caplog):
-    """A boundary shard whose sample index is gone from the store (the manifest still names it)
-    is fetched whole, with a warning, as one whose index fails its checksum: the dataset still
-    opens and reads every sample of the node (before, `Dataset` raised `NotFound`)."""
+def _file_dataset(tmp_path, lose_index: bool = False):
+    """The middle node of 3 (one rank each) over a file:// dataset of 30 samples in shards of 4:
+    one or two boundary shards. With `lose_index`, the first one's sample index is deleted from
+    the store before the dataset opens. Returns the dataset and the boundary shards."""
     url = f"file://{tmp_path}/data"
     made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=10, image_size=(24, 20), formats=("jpg",))
     manifest = convert("imagefolder", made.root, url, ConvertOptions(samples_per_shard=4, workers=1)).manifest
-    world = World(1, 3, 1)  # the middle node: 10 of 30 samples, shards of 4: one or two boundary shards
-    cfg = PlanConfig(seed=5, batch_size=3)
+    world = World(1, 3, 1)
     sizes = [s.samples for s in manifest.shards]
-    partial = node_ranges(sizes, cfg, world).partial_shards(sizes)
-    lost, kept = min(partial), set(partial) - {min(partial)}
-    open_store(url).delete(manifest.shards[lost].index)
-    caplog.set_level(logging.WARNING, logger="dlstore.dataset")
+    partial = node_ranges(sizes, PlanConfig(seed=5, batch_size=3), world).partial_shards(sizes)
+    assert partial  # 10 samples a node, cut from shards of 4
+    if lose_index:
+        open_store(url).delete(manifest.shards[min(partial)].index)
     ds = dlstore.Dataset(
         url,
         world=world,
@@ -748,13 +747,39 @@ def test_a_missing_sample_index_keeps_its_boundary_shard_whole(tmp_path, caplog)
         batch_size=3,
         seed=5,
     )
+    return ds, partial
+
+
+def test_a_missing_sample_index_keeps_its_boundary_shard_whole(tmp_path, caplog):
+    """A boundary shard whose sample index is gone from the store (the manifest still names it)
+    is fetched whole, with a warning, as one whose index fails its checksum: the dataset still
+    opens and reads every sample of the node (before, `Dataset` raised `NotFound`)."""
+    caplog.set_level(logging.WARNING, logger="dlstore.dataset")
+    ds, partial = _file_dataset(tmp_path, lose_index=True)
+    lost, kept = min(partial), set(partial) - {min(partial)}
     assert set(ds.samples.partial) == kept
-    assert manifest.shards[lost].name in caplog.text
+    assert ds.manifest.shards[lost].name in caplog.text
     plan = ds.plan(0)
     for j in range(plan.num_batches):
         ds.build_batch(ds.request(plan, 0, j))
     ds.cache.close()
-    owned = node_ranges(sizes, cfg, world).shard.tolist()
+    owned = node_ranges(ds.shard_sizes, ds.plan_config, ds.world).shard.tolist()
     fetched = cache_report(str(tmp_path / "cache")).totals.bytes_fetched
-    share = sum(manifest.shards[s].size for s in owned if s not in kept)
+    share = sum(ds.manifest.shards[s].size for s in owned if s not in kept)
     assert fetched == share + sum(ds.samples.partial[s].size for s in kept)
+
+
+def test_a_boundary_shards_run_counts_under_the_epoch_that_named_it(tmp_path):
+    """The loader builds the next epoch's first batches while this one's last are read, so a
+    read counts under the epoch whose batch named its cache entry (`ShardCache.set_epoch`). A
+    boundary shard's entry is its run of samples: `Dataset.request` must name that key too,
+    or the run's download counts under whatever epoch another thread set last."""
+    ds, partial = _file_dataset(tmp_path)
+    plan = ds.plan(1)
+    first = next(j for j in range(plan.num_batches) if set(plan.batch_shards(j).tolist()) & set(partial))
+    request = ds.request(plan, 1, first)
+    ds.cache.set_epoch(0)  # another thread builds epoch 0's last batch meanwhile
+    ds.samples.build_batch(request)
+    ds.cache.close()
+    epochs = cache_report(str(tmp_path / "cache")).epochs
+    assert set(epochs) == {1} and epochs[1].misses == len(plan.batch_shards(first))
