@@ -212,6 +212,16 @@ class SampleIndex:
     def checksum(self) -> str:
         return f"{CHECKSUM_ALGORITHM}:{self.sha256.hex()}"
 
+    @classmethod
+    def file_size(cls, samples: int, version: int) -> int:
+        """The bytes of an index file of `samples` samples in `version` (1 or 2): the manifest's
+        `index_size` tells an index's version without fetching it (`describe_dataset`).
+
+        >>> SampleIndex.file_size(3, 1), SampleIndex.file_size(3, 2)
+        (120, 168)
+        """
+        return cls._HEADER.size + 8 * (samples + 1) + (SAMPLE_DIGEST_SIZE * samples if version >= 2 else 0)
+
     @property
     def version(self) -> int:
         """The file format this index is written in: 2 with sample digests, 1 without."""
@@ -257,8 +267,10 @@ class SampleIndex:
             raise FormatError(f"a sample index is at least {size + 8} bytes, this one has {len(data)}")
         magic, count, shard_size, sha256, recipe = cls._HEADER.unpack_from(data)
         if magic not in (cls.MAGIC, cls.MAGIC_V1):
+            # A later version keeps the prefix: say so, or the index reads as foreign or damaged.
+            newer = "; made by a newer dlstore: upgrade it" if magic[:6] == cls.MAGIC[:6] and magic > cls.MAGIC else ""
             raise FormatError(
-                f"not a dlstore sample index (magic {magic!r}, expected {cls.MAGIC!r} or {cls.MAGIC_V1!r})"
+                f"not a dlstore sample index (magic {magic!r}, expected {cls.MAGIC!r} or {cls.MAGIC_V1!r}){newer}"
             )
         per_sample = 8 + (SAMPLE_DIGEST_SIZE if magic == cls.MAGIC else 0)
         if len(data) != size + 8 + per_sample * count:
@@ -605,6 +617,13 @@ def describe_dataset(store) -> str:
         indexed = sum(1 for s in m.shards if s.index)
         if indexed < len(m.shards):
             lines.append(f"  indexes  {indexed} of {len(m.shards)} shards have a sample index")
+        old = sum(1 for s in m.shards if s.index and s.samples and s.index_size == SampleIndex.file_size(s.samples, 1))
+        if old:
+            # Why it matters: a node then fetches such a shard whole where it needs only part of it.
+            lines.append(
+                f"  indexes  {old} of {len(m.shards)} are version 1 (no sample digests: boundary shards are "
+                "fetched whole); `dlstore convert` again, or `dlstore index`, upgrades them"
+            )
     c = m.created
     made = " ".join(x for x in (c.tool, c.tool_version) if x) or "unknown"
     source = " ".join(x for x in (c.source_format, c.source, f"split={c.split}" if c.split else "") if x)

@@ -69,6 +69,19 @@ def test_describe_dataset(tmp_path):
     assert "shard-000000.tar … shard-000002.tar" in text and "seed 7" in text
 
 
+def test_describe_dataset_tells_version_1_sample_indexes_from_the_manifest(tmp_path):
+    """`dlstore ls` says which sample indexes have no sample digests (a node then fetches its
+    boundary shards whole), from the manifest's index sizes: no index is fetched."""
+    store = open_store(f"file://{tmp_path}")
+    manifest = example_manifest()
+    sizes = [SampleIndex.file_size(s.samples, 1 if i == 1 else 2) for i, s in enumerate(manifest.shards)]
+    manifest.with_shards(dataclasses.replace(s, index_size=n) for s, n in zip(manifest.shards, sizes)).save(store)
+    assert "indexes  1 of 3 are version 1" in describe_dataset(store)
+    index = SampleIndex([0, 512, 1024], 2048)
+    assert SampleIndex.file_size(2, 1) == len(index.to_bytes())
+    assert SampleIndex.file_size(2, 2) == len(index.with_sample_digests([bytes(16)] * 2).to_bytes())
+
+
 def valid_dict() -> dict:
     return json.loads(example_manifest().to_json())
 
@@ -261,6 +274,8 @@ def test_sample_index_version_1_is_still_read_and_has_no_digests():
     with pytest.raises(FormatError, match="version 1"):
         again.digest(0)
     with pytest.raises(FormatError, match="not a dlstore sample index"):
+        SampleIndex.from_bytes(b"DLSIDX03" + data[8:])
+    with pytest.raises(FormatError, match="newer dlstore"):
         SampleIndex.from_bytes(b"DLSIDX03" + data[8:])
 
 
