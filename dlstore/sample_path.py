@@ -224,10 +224,11 @@ class SamplePath:
         with _timed(clock, "decode"):
             return decode_for_crop(data, self.cfg.transform, rng), label
 
-    def augment(self, source: CropSource, clock: StageClock | None = None) -> np.ndarray:
-        """The crop, resize and flip drawn by `decode`: uint8 HWC at the preset's size."""
+    def augment(self, source: CropSource, clock: StageClock | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """The crop, resize and flip drawn by `decode`: uint8 HWC at the preset's size, written
+        into `out` when given (a row of the batch buffer: no copy of the image afterwards)."""
         with _timed(clock, "augment"):
-            return resize_crop(source, self.cfg.transform)
+            return resize_crop(source, self.cfg.transform, out)
 
     def plan_on_device(self, sample: dict, epoch: int, sample_id: int) -> tuple[tuple, int]:
         """For `decode_on="device"`: the JPEG bytes and the crop row, without decoding."""
@@ -237,9 +238,9 @@ class SamplePath:
         box, flip = crop_plan(width, height, self.cfg.transform, rng)
         return (data, (*box, float(flip))), label
 
-    def image(self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None):
-        """One sample through decode and augment: its uint8 HWC array (or, with
-        `decode_on="device"`, its JPEG and crop row) and its label; `CorruptSample` if bad."""
+    def image(self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None, out=None):
+        """One sample through decode and augment: its uint8 HWC array (in `out` when given) or,
+        with `decode_on="device"`, its JPEG and crop row; and its label. `CorruptSample` if bad."""
         if self.cfg.decode_on == "device":
             return self.plan_on_device(sample, epoch, sample_id)
         try:
@@ -250,7 +251,7 @@ class SamplePath:
             if not self._recheck(shard, self.cache_spec(shard, np.array([offset]))):
                 raise
             source, label = self.decode(self.read(np.array([sample_id]))[0], epoch, sample_id, clock)
-        return self.augment(source, clock), label
+        return self.augment(source, clock, out), label
 
     # -- the whole path ----------------------------------------------------------------------
     def build_batch(

@@ -377,12 +377,20 @@ def decode_for_crop(data: bytes, cfg: TransformConfig, rng: np.random.Generator 
     return CropSource(pixels, tuple(v * scale for v in box), flip)
 
 
-def resize_crop(source: CropSource, cfg: TransformConfig) -> np.ndarray:
+def resize_crop(source: CropSource, cfg: TransformConfig, out: np.ndarray | None = None) -> np.ndarray:
     """The crop, resize and flip of `transform_image` (its second half), on `decode_for_crop`'s
-    output; the "none" preset keeps the decoded image as it is."""
+    output; the "none" preset keeps the decoded image as it is.
+
+    `out` (uint8, size x size x 3, e.g. a row of a batch buffer) receives the image, and is
+    returned: OpenCV resizes (or flips) straight into it, which saves a copy of every image."""
     if cfg.preset == "none":
-        return source.pixels
-    return _resize(source.pixels, source.box, source.flip, cfg.image_size)
+        pixels = source.pixels
+    else:
+        pixels = _resize(source.pixels, source.box, source.flip, cfg.image_size, out)
+    if out is None or pixels is out:
+        return pixels
+    out[...] = pixels
+    return out
 
 
 def augment_image(
@@ -429,7 +437,7 @@ def _decode_scale(box, cfg: TransformConfig) -> float:
     return next((scale for scale in (0.125, 0.25, 0.5) if short_side * scale >= cfg.image_size), 1.0)
 
 
-def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int) -> np.ndarray:
+def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """Crop `box`, resize to size x size (antialiased when shrinking), flip if asked.
 
     OpenCV takes whole-pixel boxes (the train preset's at the stored scale); a fractional box
@@ -437,7 +445,7 @@ def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int) -> np.n
     resamples it exactly: rounded, it would move the crop by up to half an output pixel."""
     if cv2 is None or not all(float(v).is_integer() for v in box):
         return _resize_with_pillow(image, box, flip, size)
-    return _resize_with_opencv(np.asarray(image), box, flip, size)
+    return _resize_with_opencv(np.asarray(image), box, flip, size, out)
 
 
 def _resize_with_pillow(image: Image.Image | np.ndarray, box, flip: bool, size: int) -> np.ndarray:
@@ -451,10 +459,11 @@ def _resize_with_pillow(image: Image.Image | np.ndarray, box, flip: bool, size: 
     return np.asarray(out)
 
 
-def _resize_with_opencv(pixels: np.ndarray, box, flip: bool, size: int) -> np.ndarray:
+def _resize_with_opencv(pixels: np.ndarray, box, flip: bool, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """OpenCV's resize of the crop (whole-pixel `box`): INTER_AREA (area averaging,
     antialiased) where it shrinks, INTER_LINEAR where it grows. OpenCV releases the GIL and
-    keeps no state between calls."""
+    keeps no state between calls. The last step writes into `out` when given (OpenCV makes a
+    new array instead if `out` does not fit; `resize_crop` then copies)."""
     left, top, right, bottom = (int(v) for v in box)
     crop = pixels[top:bottom, left:right]
     crop_height, crop_width = crop.shape[:2]
@@ -465,5 +474,7 @@ def _resize_with_opencv(pixels: np.ndarray, box, flip: bool, size: int) -> np.nd
     elif crop_height > size > crop_width:
         crop = cv2.resize(crop, (crop_width, size), interpolation=cv2.INTER_AREA)
     shrinks = crop.shape[0] >= size and crop.shape[1] >= size
-    out = cv2.resize(crop, (size, size), interpolation=cv2.INTER_AREA if shrinks else cv2.INTER_LINEAR)
-    return cv2.flip(out, 1) if flip else out
+    interpolation = cv2.INTER_AREA if shrinks else cv2.INTER_LINEAR
+    if flip:
+        return cv2.flip(cv2.resize(crop, (size, size), interpolation=interpolation), 1, dst=out)
+    return cv2.resize(crop, (size, size), dst=out, interpolation=interpolation)

@@ -325,10 +325,10 @@ def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, m
     ds = _dataset(url, tmp_path)
     real = ds.samples.image
 
-    def failing(sample, epoch, sample_id, clock=None):
+    def failing(sample, epoch, sample_id, clock=None, out=None):
         if sample_id == 7:
             raise OSError("disk read error in a decode thread")
-        return real(sample, epoch, sample_id, clock)
+        return real(sample, epoch, sample_id, clock, out)
 
     monkeypatch.setattr(ds.samples, "image", failing)
     loader = dlstore.Loader(ds, num_workers=2, device="cpu")
@@ -564,3 +564,23 @@ def test_a_batch_of_only_corrupt_samples_decoded_on_the_device_is_empty(tmp_path
     batches = list(dlstore.Loader(ds, num_workers=1, device="cpu"))
     assert len(batches) == 2 and all(images.shape[0] == 0 == len(meta["keys"]) for images, _, meta in batches)
     assert ds.corrupt_samples == len(keys)  # every sample, once: one rank has no padding (issue 11)
+
+
+def test_thread_engine_batches_equal_the_sample_paths_own(tmp_path):
+    """The thread engine resizes each image straight into its row of the batch: its uint8
+    batches (a corrupt sample's row left out, the rows after it moved up) are the ones
+    `SamplePath.build_batch` stacks from the same requests."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [6, 6, 5], corrupt_keys=frozenset({"s000004"}))
+    ds = _dataset(url, tmp_path, transform="train", image_size=16, batch_size=5)
+    loader = dlstore.Loader(ds, num_workers=2, device="cpu", dtype="uint8", engine="threads")
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        plan = ds.plan(epoch)
+        for index, (images, labels, meta) in enumerate(loader):
+            expected = ds.samples.build_batch(ds.request(plan, epoch, index))
+            assert meta["keys"] == expected["keys"]
+            assert torch.equal(labels, expected["labels"])
+            assert torch.equal(images.permute(0, 2, 3, 1), expected["images"])
+    assert ds.corrupt_samples == 2
+    loader.close()

@@ -512,3 +512,22 @@ def test_device_jpeg_reencodes_an_extended_sequential_jpeg_to_the_same_picture()
     data, width, height = device_jpeg(_frame_edited(original, marker=0xC1))
     assert data[:2] == b"\xff\xd8" and (width, height) == (96, 64) and device_jpeg(data)[0] == data
     assert np.abs(np.asarray(decode_image(data)).astype(int) - np.asarray(decode_image(original))).mean() < 2
+
+
+@pytest.mark.parametrize("preset", ["train", "eval", "none"])
+def test_resize_crop_into_a_row_of_a_batch_gives_the_same_pixels(preset):
+    """`out=` (what the thread engine passes: a row of the batch buffer) receives exactly the
+    image `resize_crop` returns without it, flipped or not, by OpenCV or by Pillow (the eval
+    preset's fractional box), and is returned itself."""
+    data, size = _quadrant_jpeg(200, 150), 24
+    cfg = TransformConfig(preset, image_size=size, scale=(0.03, 1.0))
+    shape = (150, 200, 3) if preset == "none" else (size, size, 3)
+    batch = np.zeros((12, *shape), dtype=np.uint8)
+    flips = set()
+    for sample_id in range(12):
+        source = decode_for_crop(data, cfg, sample_rng(5, 0, sample_id))
+        flips.add(source.flip)
+        row = batch[sample_id]
+        assert resize_crop(source, cfg, out=row) is row
+        assert np.array_equal(row, resize_crop(source, cfg))
+    assert flips == ({False, True} if preset == "train" else {False})

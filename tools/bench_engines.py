@@ -124,12 +124,12 @@ class Work:
     def image_into_row(self, row: Row) -> Row:
         sample_id = int(row.request.ids[row.row])
         try:
-            image, row.label = self.path.image(row.sample, row.request.epoch, sample_id)
+            # Straight into its row, as dlstore's engine does.
+            row.label = self.path.image(row.sample, row.request.epoch, sample_id, out=row.out[row.row])[1]
         except CorruptSample:
             if self.path.cfg.on_corrupt == "raise":
                 raise
             return row
-        row.out[row.row] = image
         row.sample = None
         return row
 

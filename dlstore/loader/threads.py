@@ -188,7 +188,10 @@ class ThreadEngine:
         samples = self.path.read(ids)
         for k, (sample_id, sample) in enumerate(zip(ids.tolist(), samples)):
             try:
-                image, label = self.path.image(sample, request.epoch, sample_id)
+                # The image is resized straight into its row of the batch (no copy after).
+                image, label = self.path.image(
+                    sample, request.epoch, sample_id, out=None if out is None else out[lo + k]
+                )
             except CorruptSample as exc:
                 if self.path.cfg.on_corrupt == "raise":
                     raise
@@ -196,9 +199,7 @@ class ThreadEngine:
                 rows.append(None)
                 continue
             row = _Row(label, sample.get("__key__"), bool(request.is_padding[lo + k]))
-            if out is not None:
-                out[lo + k] = image
-            else:
+            if out is None:
                 row.image = image
             rows.append(row)
         return rows
