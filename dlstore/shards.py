@@ -37,6 +37,7 @@ import hashlib
 import io
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import BinaryIO, NamedTuple
 
@@ -283,9 +284,15 @@ def _number(field: bytes, what: str, offset: int) -> int:
     return int(text, 8)
 
 
+def _byte_sum(block: bytes) -> int:
+    """`sum(block)` of a 512-byte block, ~6x faster: Adler-32's low half is 1 + the sum of the
+    bytes modulo 65521, exact for 256 bytes (at most 65,280); one per half."""
+    return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
+
+
 def _check_header(block: bytes, offset: int) -> None:
     stored = _number(block[148:156], "checksum", offset)
-    unsigned = sum(block) - sum(block[148:156]) + 8 * 32
+    unsigned = _byte_sum(block) - sum(block[148:156]) + 8 * 32
     if stored != unsigned:
         signed = unsigned - 256 * sum(1 for i, b in enumerate(block) if b > 127 and not 148 <= i < 156)
         if stored != signed:
@@ -329,12 +336,13 @@ class _Reader:
     iterator; `length` is how many bytes there are when that is known (a buffer, a seekable
     file), so that a member running past the end is found even when its data is skipped."""
 
-    __slots__ = ("read", "skip", "position", "length")
+    __slots__ = ("read", "skip", "position", "length", "in_memory")
 
     def __init__(self, source: Source) -> None:
         self.position = 0
         self.length: int | None = None
-        if isinstance(source, (bytes, bytearray, memoryview)):
+        self.in_memory = isinstance(source, (bytes, bytearray, memoryview))
+        if self.in_memory:
             self._init_buffer(memoryview(source).cast("B"))
         else:
             if not hasattr(source, "read"):
@@ -474,7 +482,9 @@ def iter_members(
             raise CorruptShard(f"tar member {name[:100]!r} at byte {member_start} has unknown type {typeflag!r}")
         if data:
             payload = read(size)
-            if len(payload) < size or len(read(pad)) < pad:
+            if reader.in_memory:  # a buffer cannot shrink: the check above saw the padding there
+                skip(pad)
+            if len(payload) < size or (not reader.in_memory and len(read(pad)) < pad):
                 raise CorruptShard(f"tar truncated after byte {data_offset + len(payload)}: {name[:100]!r} is cut off")
             yield TarMember(name, member_start, data_offset, size, payload)
         else:
@@ -535,7 +545,7 @@ def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None 
         if span.offset < 0 or span.size <= 0 or span.end > len(buffer):
             raise CorruptShard(f"sample span {span} lies outside a {len(buffer)}-byte shard")
         buffer = memoryview(buffer)[span.offset : span.end]
-    samples = parse_samples(buffer)
+    samples = [sample for sample, _ in iter_samples_with_spans(buffer)]
     if len(samples) != 1:
         raise CorruptShard(f"expected one sample in the span, found {len(samples)}")
     return samples[0]

@@ -292,3 +292,22 @@ def test_writer_refuses_keys_that_would_not_read_back():
             writer.write(key, {"jpg": b""})
     with pytest.raises(ValueError):
         writer.write("ok", {})
+
+
+def test_header_checksums_are_summed_exactly():
+    """A header whose bytes sum past 65,521 (the modulus of the Adler-32 sums the check adds
+    up: fields the reader ignores full of 0xff, a UTF-8 name) reads; a stored checksum off by
+    that modulus, or by one, is refused."""
+    header = bytearray(_header(("é" * 45 + ".jpg").encode(), 3, b"0"))
+    for start, end in ((157, 257), (265, 345), (500, 512)):  # link name, user, group, devices, padding
+        header[start:end] = b"\xff" * (end - start)
+    header[148:156] = b" " * 8
+    total = sum(header)
+    assert total > 65521
+    header[148:156] = b"%06o\0 " % total
+    data = bytes(header) + b"abc" + bytes(509) + bytes(1024)
+    assert [m.data for m in iter_members(data)] == [b"abc"]
+    for wrong in (total - 65521, total - 1, total + 1):
+        bad = data[:148] + b"%06o\0 " % wrong + data[156:]
+        with pytest.raises(CorruptShard, match="bad checksum"):
+            list(iter_members(bad))
