@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import dlstore
@@ -242,6 +242,30 @@ def test_node_ranges_name_the_boundary_shards_and_cover_what_the_node_reads(size
         read = np.concatenate([p.ids for p in plans[node * local : (node + 1) * local]] + [np.zeros(0, np.int64)])
         assert (owner[read] == node).all() or ranges.shard.size == 0
     assert (owner >= 0).all()
+
+
+@PROPERTY
+@given(shard_sizes_st, configs_st, epochs_st, worlds_st(), st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**20))
+# Node 1's only unread entry is padding: its remainder is empty when 2 ranks per node resume it.
+@example([5, 4], PlanConfig(seed=0, batch_size=4, shuffle=False), 0, (2, 1), 2, 0)
+def test_a_resume_on_the_same_node_count_reads_only_the_nodes_ranges(sizes, cfg, epoch, world, other_local, step):
+    """Resumed mid-epoch with the nodes unchanged (only their ranks), every node reads, padding
+    included, only samples it owns: so its cache's entries (whole shards and its runs of its
+    boundary shards, `node_ranges`) serve every read and no boundary shard is fetched whole.
+    A node whose remainder is empty pads with samples it read already, not another node's."""
+    world_size, local = world
+    num_nodes = world_size // local
+    first = world_plans(sizes, cfg, epoch, world_size, local)
+    if not first[0].num_batches:
+        return
+    steps = 1 + step % first[0].num_batches
+    history = (Segment(world_size, local, cfg.batch_size, steps),)
+    plans = world_plans(sizes, cfg, epoch, num_nodes * other_local, other_local, history)
+    if sum(sizes) < num_nodes:
+        return  # a node that owns nothing pads from the whole epoch
+    ranges = assign_ranges(sizes, num_nodes, seed=cfg.seed, shuffle=cfg.shuffle)
+    for node, read in samples_by_node(plans).items():
+        assert read <= set(range_ids(ranges.of_node(node), sizes).tolist())
 
 
 # ---------------------------------------------------------------------------- invariants 1-3

@@ -50,7 +50,8 @@ later segment plans what the previous one left unread:
   included) is exactly the uninterrupted one;
 * otherwise the unread remainder is re-dealt. Each old node's remainder is rebuilt in its
   stream order. If the number of nodes is unchanged, node n keeps its own remainder (perfect
-  locality) and only the deal to its local ranks changes; nodes' remainders then differ by up
+  locality: a node with nothing left pads with samples it has read, never another node's)
+  and only the deal to its local ranks changes; nodes' remainders then differ by up
   to D = (old ranks per node) x (the old plan's spread of rank counts, 1 for a fresh plan),
   so the padding is at most ``1 + ceil(D / local_world_size)`` per rank. If the number of
   nodes changed, the old nodes' remainders are concatenated in node order and cut into

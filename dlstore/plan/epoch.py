@@ -122,10 +122,17 @@ class _Plan:
         return -(-self.ids.shape[1] // self.batch_size)
 
 
-def _deal(streams: list[np.ndarray], local_world_size: int, batch_size: int, drop_last: bool) -> _Plan:
+def _deal(
+    streams: list[np.ndarray],
+    local_world_size: int,
+    batch_size: int,
+    drop_last: bool,
+    spares: list[np.ndarray] | None = None,
+) -> _Plan:
     """Deal each node's stream to its local ranks interleaved, then make the ranks equal:
     as long as the longest (the last batch may be short), or with `drop_last` as the
-    shortest in whole batches."""
+    shortest in whole batches. `spares[n]`: samples node n pads with when its stream is
+    empty (after a resume: those it read already)."""
     rows = [stream[lr::local_world_size] for stream in streams for lr in range(local_world_size)]
     counts = np.array([row.size for row in rows], dtype=np.int64)
     length = int(counts.min()) // batch_size * batch_size if drop_last else int(counts.max())
@@ -139,10 +146,12 @@ def _deal(streams: list[np.ndarray], local_world_size: int, batch_size: int, dro
         ids[r, :real] = row[:real]
         if real == length:
             continue
-        # Padding repeats samples already on this rank, else on its node, so padding never
-        # makes a node fetch another node's shard; only a node with no samples at all (fewer
-        # samples than nodes) borrows from the whole epoch.
+        # Padding repeats samples already on this rank, else on its node (else, resumed, those
+        # the node read already), so padding never makes a node fetch another node's shard;
+        # only a node with no samples at all (fewer samples than nodes) borrows from the epoch.
         source = row if row.size else streams[r // local_world_size]
+        if source.size == 0 and spares is not None:
+            source = spares[r // local_world_size]
         if source.size == 0:
             if everything is None:
                 everything = np.concatenate(streams)
@@ -192,7 +201,11 @@ def _redeal(plan: _Plan, steps: int, world_size: int, local_world_size: int, bat
         # Contiguous equal pieces: balanced to one sample, and each cut splits at most one
         # window of shards between two nodes.
         remainders = np.array_split(np.concatenate(remainders), num_nodes)
-    return _deal(remainders, local_world_size, batch_size, drop_last=False)
+        return _deal(remainders, local_world_size, batch_size, drop_last=False)
+    # Same nodes: one whose remainder is empty (its last unread entries were padding) pads
+    # with what its ranks read in this plan, all of it its own samples, cached on the node.
+    spares = list(plan.ids.reshape(num_nodes, -1))
+    return _deal(remainders, local_world_size, batch_size, drop_last=False, spares=spares)
 
 
 def _replay(
