@@ -9,7 +9,9 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from dlstore.cache.config import CacheConfig, ShardSpec
 from dlstore.cache.engine import DownloadEngine
@@ -75,6 +77,76 @@ class DownloadReport:
     attempts: int  # 2 when the first copy failed its checksum
 
 
+class _ChecksumCheck(_PrefixHash):
+    """A whole shard's check for `fetch_checked`: its checksum against the manifest's."""
+
+    def __init__(self, fd: int, algo: str, expected: str, what: str) -> None:
+        super().__init__(fd, algo)
+        self.expected, self.what = expected, what
+
+    def failure(self) -> str | None:
+        actual = self.hasher.hexdigest()
+        if actual == self.expected:
+            return None
+        return f"{self.what} fails its checksum: {self.hasher.name} {actual}, manifest {self.expected}"
+
+
+class EntryCheck(Protocol):
+    """What `fetch_checked` checks the bytes of one attempt with."""
+
+    def update(self, start: int, end: int) -> None: ...  # a new stretch of the written prefix
+
+    def failure(self) -> str | None: ...  # once all bytes are in: what is wrong, or None
+
+
+def fetch_checked(
+    fd: int,
+    engine: DownloadEngine,
+    store: Store,
+    name: str,
+    size: int,
+    config: CacheConfig,
+    priority: int,
+    new_check: Callable[[], EntryCheck | None],
+    object_offset: int | None = None,
+) -> DownloadReport:
+    """Fetch `size` bytes of object `name` (from `object_offset`, default the whole object)
+    into `fd` through `engine`, checked as they arrive by `new_check()` (one per attempt; None:
+    no check). Bytes that fail are fetched once more, since they may have been damaged on the
+    way; a second failure raises `CorruptShard`. The one fetch loop of the cache's entries:
+    whole shards (`write_verified`) and runs of samples (`dlstore.cache.partial`)."""
+    started = time.monotonic()
+    for attempt in (1, 2):
+        download = engine.start(
+            store,
+            name,
+            fd,
+            size,
+            priority=priority,
+            parts_in_flight=config.parts_in_flight,
+            part_size=config.part_size,
+            object_offset=object_offset,
+        )
+        check = new_check()
+        download.wait(check.update if check is not None else None)
+        verdict = time.monotonic()
+        failure = check.failure() if check is not None else None
+        if failure is None:
+            break
+        if attempt == 2:
+            raise CorruptShard(failure + " (fetched twice)")
+        log.warning("%s; fetching it once more", failure)
+    if config.fsync:
+        os.fsync(fd)
+    return DownloadReport(
+        parts=len(download.parts),
+        connections=download.most_running,
+        seconds=time.monotonic() - started,
+        hash_tail_s=max(verdict - download.last_write, 0.0) if check is not None else 0.0,
+        attempts=attempt,
+    )
+
+
 def write_verified(
     fd: int, engine: DownloadEngine, store: Store, spec: ShardSpec, size: int, config: CacheConfig, priority: int
 ) -> DownloadReport:
@@ -90,38 +162,10 @@ def write_verified(
             if exc.errno in _NO_SPACE_ERRNOS:
                 raise
             # EOPNOTSUPP, EINVAL: the file system cannot preallocate; writing still works.
-    algo = expected = None
-    if config.verify and spec.checksum is not None:
-        algo, expected = _parse_checksum(spec.checksum)
-    started = time.monotonic()
-    for attempt in (1, 2):
-        download = engine.start(
-            store,
-            spec.name,
-            fd,
-            size,
-            priority=priority,
-            parts_in_flight=config.parts_in_flight,
-            part_size=config.part_size,
-        )
-        prefix = _PrefixHash(fd, algo) if algo is not None else None
-        download.wait(prefix.update if prefix is not None else None)
-        verdict = time.monotonic()
-        if prefix is None or prefix.hasher.hexdigest() == expected:
-            break
-        message = (
-            f"shard {spec.name!r} in {store.url} fails its checksum: "
-            f"{prefix.hasher.name} {prefix.hasher.hexdigest()}, manifest {expected}"
-        )
-        if attempt == 2:
-            raise CorruptShard(message + " (fetched twice)")
-        log.warning("%s; fetching it once more", message)
-    if config.fsync:
-        os.fsync(fd)
-    return DownloadReport(
-        parts=len(download.parts),
-        connections=download.most_running,
-        seconds=time.monotonic() - started,
-        hash_tail_s=max(verdict - download.last_write, 0.0) if prefix is not None else 0.0,
-        attempts=attempt,
+    if not config.verify or spec.checksum is None:
+        return fetch_checked(fd, engine, store, spec.name, size, config, priority, lambda: None)
+    algo, expected = _parse_checksum(spec.checksum)
+    what = f"shard {spec.name!r} in {store.url}"
+    return fetch_checked(
+        fd, engine, store, spec.name, size, config, priority, lambda: _ChecksumCheck(fd, algo, expected, what)
     )

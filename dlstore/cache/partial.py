@@ -22,24 +22,19 @@ size, and its reservation already counts it).
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dlstore.cache.config import CacheConfig, ShardSpec
-from dlstore.cache.download import DownloadReport
+from dlstore.cache.download import DownloadReport, fetch_checked
 from dlstore.cache.engine import DownloadEngine
-from dlstore.errors import CorruptShard
 from dlstore.manifest import SAMPLE_DIGEST_SIZE, SampleIndex, SampleSpan, sample_digest
 from dlstore.storage.base import Store
 
 __all__ = ["SampleRange", "write_verified_range"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,8 +110,8 @@ class _SampleCheck:
     """Check each sample of a range as the written prefix of its file passes its end, reading
     the bytes back with `pread` (from the page cache: written moments ago)."""
 
-    def __init__(self, fd: int, samples: SampleRange) -> None:
-        self.fd, self.samples = fd, samples
+    def __init__(self, fd: int, samples: SampleRange, what: str) -> None:
+        self.fd, self.samples, self.what = fd, samples, what
         self.next = samples.start  # the first sample not checked yet
         self.bad: list[int] = []
 
@@ -129,6 +124,15 @@ class _SampleCheck:
                 self.bad.append(self.next)
             self.next += 1
 
+    def failure(self) -> str | None:
+        if not self.bad and self.next == self.samples.stop:
+            return None
+        if not self.bad:  # the download ended before the range did: the engine says why, normally
+            return f"{self.what}: samples {self.next}-{self.samples.stop - 1} of {self.samples.key} never arrived"
+        return (
+            f"{self.what}: samples {self.bad[:5]} of {self.samples.key} fail their digests in the shard's sample index"
+        )
+
 
 def write_verified_range(
     fd: int, engine: DownloadEngine, store: Store, samples: SampleRange, config: CacheConfig, priority: int
@@ -138,36 +142,15 @@ def write_verified_range(
     the bytes arrive. A range with a bad sample is fetched once more (the bytes may have been
     damaged on the way); a second failure raises `CorruptShard` naming the shard and samples.
     The digests are checked whatever `config.verify` says: they are the only check a range has."""
-    started = time.monotonic()
-    for attempt in (1, 2):
-        download = engine.start(
-            store,
-            samples.shard,
-            fd,
-            samples.size,
-            priority=priority,
-            parts_in_flight=config.parts_in_flight,
-            part_size=config.part_size,
-            object_offset=samples.byte_start,
-        )
-        check = _SampleCheck(fd, samples)
-        download.wait(check.update)
-        verdict = time.monotonic()
-        if not check.bad and check.next == samples.stop:
-            break
-        message = (
-            f"shard {samples.shard!r} in {store.url}: samples {check.bad[:5]} of {samples.key} fail their "
-            f"digests in the shard's sample index"
-        )
-        if attempt == 2:
-            raise CorruptShard(message + " (fetched twice)")
-        log.warning("%s; fetching the range once more", message)
-    if config.fsync:
-        os.fsync(fd)
-    return DownloadReport(
-        parts=len(download.parts),
-        connections=download.most_running,
-        seconds=time.monotonic() - started,
-        hash_tail_s=max(verdict - download.last_write, 0.0),
-        attempts=attempt,
+    what = f"shard {samples.shard!r} in {store.url}"
+    return fetch_checked(
+        fd,
+        engine,
+        store,
+        samples.shard,
+        samples.size,
+        config,
+        priority,
+        lambda: _SampleCheck(fd, samples, what),
+        object_offset=samples.byte_start,
     )
