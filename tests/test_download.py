@@ -22,6 +22,7 @@ from test_cache import FORK, cached_names, config, make_remote, read
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.cache.engine import DownloadEngine
+from dlstore.cache.pace import PrefetchPace
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import CorruptShard, NotFound, TransientError
 from dlstore.storage.local import LocalStore
@@ -344,9 +345,9 @@ def test_the_reader_s_shard_goes_before_the_prefetch_s(tmp_path):
 
 
 def test_a_shard_under_parts_in_flight_parts_is_spread_over_all_its_connections(tmp_path, parts_remote):
-    """A cold reader waits for a whole shard: one smaller than `parts_in_flight * part_size`
-    comes in `parts_in_flight` parts at once, not in a few parts of `part_size` (a 32 MB shard
-    with 16 MiB parts used 2 of its 8 connections); none is cut under 1 MiB."""
+    """A cold reader waits for a whole shard: one that parts of `part_size` would spread over
+    fewer than `parts_in_flight` connections comes in `parts_in_flight` parts at once (a 32 MB
+    shard with 16 MiB parts used 2 of its 8 connections); none is cut under 1 MiB."""
     mib = 2**20
     store, specs, contents = parts_remote([6 * mib, 2 * mib], chunk_size=64 * 1024)
     cache = ShardCache(parts_config(tmp_path, part_size=16 * mib, parts_in_flight=4), store)
@@ -386,3 +387,18 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         following = [s for s in plan.shards_needed(index).tolist() if s not in reading][:3]
         assert lists[-1] == [names[s] for s in reading + following]
         assert len(following) == 3
+
+
+def test_the_prefetch_paces_its_shards_in_flight_by_the_rates_measured():
+    """As many shards at once as bring the window in at twice the rate the readers reach it;
+    the cap until both rates are known (a cold start) and whenever that is not enough."""
+    pace = PrefetchPace()
+    assert pace.shards_at_once(cap=4, shard_rate=None) == 4
+    for second, name in enumerate(["a", "b", "c"]):
+        pace.reached(name, 50_000_000, second / 2)  # 100 MB/s
+    assert pace.shards_at_once(cap=4, shard_rate=None) == 4  # no download measured yet
+    assert pace.shards_at_once(cap=4, shard_rate=320e6) == 1  # 8 parts at 40 MB/s
+    assert pace.shards_at_once(cap=4, shard_rate=80e6) == 3  # 8 parts at 10 MB/s
+    assert pace.shards_at_once(cap=2, shard_rate=10e6) == 2
+    pace.reached("a", 50_000_000, 10.0)  # a shard reached again (a new list): not consumed again
+    assert pace.consumed_rate() == 100e6

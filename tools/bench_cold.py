@@ -284,6 +284,7 @@ class Epoch:
     seconds: float
     cpu_s: float  # this process's (the loader's threads and the cache's)
     store_cpu_s: float  # the local Swift's and the WAN emulators' (not on a real node)
+    connections: int | None = None  # the most open at once through the WAN emulator
 
 
 def store_processes(env: Mapping[str, str]) -> list[psutil.Process]:
@@ -362,20 +363,24 @@ def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tm
     variants = {text or "default": parse_fetch(text) for text in args.fetch or [""]}
     rates = [r for r in args.rates.split(",") if r]
     with contextlib.ExitStack() as stack:
-        settings = {"loopback": direct}
+        settings: dict[str, tuple[StoreConfig, WanProxyProcess | None]] = {"loopback": (direct, None)}
         for rate_text in rates:
             wan = WanProxyProcess(
                 swift_port_of(env), rate=parse_size(rate_text), delay_s=args.delay_ms / 1000, lifetime_s=3600
             )
             stack.enter_context(wan)
-            settings[f"{rate_text}/s+{args.delay_ms:g}ms"] = StoreConfig.from_env(proxied(env, wan))
+            settings[f"{rate_text}/s+{args.delay_ms:g}ms"] = (StoreConfig.from_env(proxied(env, wan)), wan)
         rounds = []
         for number in range(args.rounds):
             runs: dict = {}
-            for setting, config in settings.items():
+            for setting, (config, wan) in settings.items():
                 for variant, fetch in variants.items():
                     warm = loader_epoch(url, direct, warm_dir, args, {})
+                    if wan is not None:
+                        wan.reset_counts()
                     cold = cold_epoch(url, config, args, fetch, tmp)
+                    if wan is not None:
+                        cold.connections = wan.stats()["most_open"]
                     runs[(setting, variant)] = (warm, cold)
                     print(
                         f"round {number + 1} {setting:<18} {variant:<30} warm {warm.images_per_s:7.0f} img/s"
@@ -403,6 +408,7 @@ def summarize_loader(rounds: list[dict]) -> dict:
             "cold_img_s": spread([c.images_per_s for _, c in pairs]),
             "cold_over_warm_cpu_s": spread([c.cpu_s / w.cpu_s for w, c in pairs]),
             "cold_store_cpu_over_warm_cpu": spread([c.store_cpu_s / w.cpu_s for w, c in pairs]),
+            "cold_most_connections": max((c.connections or 0 for _, c in pairs), default=0) or None,
         }
     return out
 
@@ -415,7 +421,7 @@ def print_loader_report(report: dict) -> None:
     )
     print(
         f"  {'setting | fetch':<46} {'cold/warm':<22} {'cold 1st batch s':<22} {'warm img/s':>10} {'cold img/s':>10}"
-        "  loader CPU cold/warm   store CPU/warm loader CPU"
+        "  loader CPU cold/warm   store CPU/warm loader CPU   connections"
     )
     for name, res in report["settings"].items():
         ratio, first = res["cold_over_warm"], res["cold_first_batch_s"]
@@ -425,6 +431,7 @@ def print_loader_report(report: dict) -> None:
             f"   {res['warm_img_s']['median']:>10.0f} {res['cold_img_s']['median']:>10.0f}"
             f"  {res['cold_over_warm_cpu_s']['median']:>20.2f}"
             f"  {res['cold_store_cpu_over_warm_cpu']['median']:>26.2f}"
+            f"   {res['cold_most_connections'] or '-':>11}"
         )
 
 

@@ -34,12 +34,13 @@ class CacheConfig:
 
     Downloads (`dlstore.cache.engine`): a shard is fetched as ranged GETs, up to
     `parts_in_flight` of them at once, each on its own connection (1: one GET stream per
-    shard). A shard smaller than `parts_in_flight * part_size` is cut into `parts_in_flight`
-    parts (of 1 MiB at least), so that it comes in as fast as its connections allow; a
-    larger one into parts of at least `part_size` bytes (more when the measured round trip
+    shard). A shard that parts of `part_size` would spread over fewer than `parts_in_flight`
+    connections is cut into `parts_in_flight` parts (of 1 MiB at least), so that it comes in
+    as fast as its connections allow; a larger one into parts of at least `part_size` bytes (more when the measured round trip
     and rate say a part that small would spend too much of its time waiting for its first
     byte). The prefetch keeps up to `shards_in_flight` shards of its window downloading at
-    once. A process opens at most `parts_in_flight * (shards_in_flight + 1)` connections (room
+    once: all of them until the rates are measured (a cold start), then as many as bring the
+    window in at twice the rate the readers reach it (`dlstore.cache.pace`). A process opens at most `parts_in_flight * (shards_in_flight + 1)` connections (room
     for the reader's own download beside the prefetch's); the reader's shard goes first.
     """
 
@@ -52,7 +53,7 @@ class CacheConfig:
     wait_timeout_s: float = 600.0
     part_size: int = 16 * 2**20
     parts_in_flight: int = 8
-    shards_in_flight: int = 2
+    shards_in_flight: int = 4
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", os.path.abspath(os.fspath(self.cache_dir)))

@@ -13,9 +13,10 @@ How it works, and why:
   prefix grows steadily behind the parts in flight, so the caller can hash it as it grows
   and only the last parts remain to hash once the bytes are in; and a part's size can use
   what the parts before it measured.
-* **Part size**: a shard smaller than `parts_in_flight * part_size` is cut into
-  `parts_in_flight` equal parts (none under 1 MiB), so that it arrives as fast as its
-  connections allow: a reader waits for a whole shard (its checksum), and the time that
+* **Part size**: a shard that parts of `part_size` would spread over fewer than
+  `parts_in_flight` connections (one of at most `(parts_in_flight - 1) * part_size` bytes)
+  is cut into `parts_in_flight` equal parts (none under 1 MiB), so that it arrives as fast
+  as its connections allow: a reader waits for a whole shard (its checksum), and the time that
   takes is what a cold epoch's first batch and every shard the prefetch is late with cost.
   A larger shard's parts are at least `part_size`, and large enough that waiting for a
   part's first byte (a round trip, plus the server's latency) costs at most 1/32 of its
@@ -37,6 +38,8 @@ How it works, and why:
   running parts stop at their next chunk, and `Download.wait` raises that error (store
   errors re-raised naming the shard and the part's bytes) only once no part can write to
   the file any more, so the caller may close and unlink it.
+* **Shard rate**: the bytes per second a whole shard's download got (start to last byte,
+  smoothed), which the prefetch paces itself by (`pace.PrefetchPace`).
 * **Workers** are made on demand, at most `connections`, and end after `idle_s` without
   work. A backend's per-thread connection (Swift) therefore stays open across parts.
 
@@ -132,7 +135,12 @@ class Download:
         self.order = (priority, 0)  # (priority, arrival), set by the engine
         self.parts_in_flight = parts_in_flight
         share = -(-size // parts_in_flight)  # the shard spread over all its connections
-        self.part_floor = size if parts_in_flight == 1 else min(part_size, max(share, _MIN_SPREAD_PART))
+        if parts_in_flight == 1:
+            self.part_floor = size
+        elif -(-size // part_size) < parts_in_flight:  # parts of part_size would leave connections idle
+            self.part_floor = min(part_size, max(share, _MIN_SPREAD_PART))
+        else:
+            self.part_floor = part_size
         self.part_ceiling = max(self.part_floor, share)
         self.parts: list[_Part] = []
         self.running = 0
@@ -236,6 +244,7 @@ class DownloadEngine:
         self._idle = 0
         self._closing = False
         self.most_running = 0  # the most parts running at once (connections), for the cache's stats
+        self.shard_rate: float | None = None  # bytes/s a whole shard's download has been getting, smoothed
 
     def start(
         self,
@@ -289,6 +298,10 @@ class DownloadEngine:
     def _forget(self, download: Download) -> None:
         if download in self._downloads:
             self._downloads.remove(download)
+            seconds = time.monotonic() - download.started
+            if not download.stopped and download.size >= _MIN_SAMPLE_BYTES and seconds > 0.005:
+                rate = download.size / seconds
+                self.shard_rate = rate if self.shard_rate is None else 0.7 * self.shard_rate + 0.3 * rate
         self._work.notify_all()
 
     def _take(self) -> tuple[Download, _Part] | None:

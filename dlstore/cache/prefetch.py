@@ -1,7 +1,8 @@
 """The background prefetch of one process: daemon threads (`CacheConfig.shards_in_flight`
 of them, each fetching one shard at a time) that keep the next `CacheConfig.prefetch`
 shards of the reader's list cached, sooner shards first, and the window that the reader
-moves on as it reaches each shard. All of its state lives in the process's `_Runtime`."""
+moves on as it reaches each shard. How many of the threads download at once is paced by
+the rates measured (`pace.PrefetchPace`). All of its state lives in the process's `_Runtime`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from dlstore.cache.layout import _release
 from dlstore.cache.runtime import _Runtime
 
 log = logging.getLogger(__name__)
+
+_PACE_RECHECK_S = 0.25
 
 #: Fetch a shard for the prefetch: (shard, the shards its eviction must spare) -> the shard's
 #: lock descriptor held shared, or None when there is no room for it now.
@@ -35,7 +38,7 @@ def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: Pref
         rt.threads = [thread for thread in rt.threads if thread.is_alive()]
         while len(rt.threads) < min(threads, depth):
             thread = threading.Thread(
-                target=_prefetch_loop, args=(rt, depth, fetch), name="dlstore-cache-prefetch", daemon=True
+                target=_prefetch_loop, args=(rt, depth, fetch, threads), name="dlstore-cache-prefetch", daemon=True
             )
             thread.start()
             rt.threads.append(thread)
@@ -67,6 +70,9 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
     with rt.lock:
         for index in range(rt.position, len(rt.upcoming)):
             if rt.upcoming[index].name == name:
+                now = time.monotonic()
+                for spec in rt.upcoming[rt.position : index + 1]:
+                    rt.pace.reached(spec.name, spec.size, now)
                 rt.position = index + 1
                 rt.wake.notify_all()
                 break
@@ -74,10 +80,13 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
     return frozenset(spec.name for spec in window)
 
 
-def _next_prefetch(rt: _Runtime, depth: int) -> tuple[ShardSpec, frozenset[str]] | None:
+def _next_prefetch(rt: _Runtime, depth: int, cap: int) -> tuple[ShardSpec, frozenset[str]] | None:
     """The next shard to prefetch, and the shards its eviction must spare: those sooner in
     the list, and the one the reader has just reached (it may not hold its lock yet). A shard
-    another prefetch thread is fetching is skipped."""
+    another prefetch thread is fetching is skipped; none while the pace allows no more."""
+    shard_rate = rt.engine.shard_rate if rt.engine is not None else None
+    if len(rt.active) >= rt.pace.shards_at_once(cap, shard_rate):
+        return None
     start = rt.position
     window = rt.upcoming[start : start + depth]
     for index, spec in enumerate(window):
@@ -86,12 +95,13 @@ def _next_prefetch(rt: _Runtime, depth: int) -> tuple[ShardSpec, frozenset[str]]
     return None
 
 
-def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch) -> None:
+def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch, cap: int) -> None:
     while True:
         with rt.lock:
             job = None
-            while not rt.closing and (job := _next_prefetch(rt, depth)) is None:
-                rt.wake.wait()
+            while not rt.closing and (job := _next_prefetch(rt, depth, cap)) is None:
+                # The pace changes with the rates, not only when woken: look again now and then.
+                rt.wake.wait(timeout=_PACE_RECHECK_S if rt.active else None)
             if rt.closing or job is None:
                 return
             generation = rt.generation

@@ -10,6 +10,7 @@ import time
 from dlstore.cache.config import ShardSpec
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.layout import CacheStats, EpochStats
+from dlstore.cache.pace import PrefetchPace
 
 
 class _Runtime:
@@ -36,6 +37,7 @@ class _Runtime:
         self.done: set[str] = set()
         self.errors: dict[str, BaseException] = {}
         self.active: set[str] = set()  # shards a prefetch thread is fetching now
+        self.pace = PrefetchPace()  # how many of them at once
         self.threads: list[threading.Thread] = []
         self.closing = False
         # downloads: made when the cache is first used in this process
