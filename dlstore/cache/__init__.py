@@ -76,7 +76,8 @@ Downloads: each process has one `engine.DownloadEngine` (worker threads, at most
 `CacheConfig.connections`), shared by its reader and its prefetch threads: a shard is
 fetched as up to `parts_in_flight` ranged GETs at once, each retried on its own and
 resumed from its next byte; the prefetch keeps up to `shards_in_flight` shards of its
-window in flight; the shard a reader waits for goes first. Each in-flight shard holds its
+window in flight, as many as the rates measured call for (`pace`); the shard a reader
+waits for goes first. Each in-flight shard holds its
 own reservation, so the limit holds with several shards in flight.
 
 The modules, in the order data flows through them: `config` (`CacheConfig`, `ShardSpec`),
@@ -85,7 +86,7 @@ file), `shard_cache` (`ShardCache`: hold, fetch, reserve, evict), `download` (fe
 shard into its temp file and verify it) on `engine` (parallel ranged GETs), `partial` (a
 run of samples of a shard as an entry of its own, each sample verified by its digest), `policy`
 (which shard to evict, from the readers' hint files), `prefetch`
-(the background threads) with `runtime` (the per-process state it shares with the
+(the background threads, paced by `pace`) with `runtime` (the per-process state it shares with the
 reader), and `report` (`cache_report`, `clear_cache` for the CLI).
 """
 
