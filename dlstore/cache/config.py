@@ -36,12 +36,14 @@ class CacheConfig:
     `parts_in_flight` of them at once, each on its own connection (1: one GET stream per
     shard). A shard that parts of `part_size` would spread over fewer than `parts_in_flight`
     connections is cut into `parts_in_flight` parts (of 1 MiB at least), so that it comes in
-    as fast as its connections allow; a larger one into parts of at least `part_size` bytes (more when the measured round trip
-    and rate say a part that small would spend too much of its time waiting for its first
-    byte). The prefetch keeps up to `shards_in_flight` shards of its window downloading at
-    once: all of them until the rates are measured (a cold start), then as many as bring the
-    window in at twice the rate the readers reach it (`dlstore.cache.pace`). A process opens at most `parts_in_flight * (shards_in_flight + 1)` connections (room
-    for the reader's own download beside the prefetch's); the reader's shard goes first.
+    as fast as its connections allow; a larger one into parts of at least `part_size` bytes
+    (more when the measured round trip and rate say a part that small would spend too much
+    of its time waiting for its first byte). The prefetch keeps up to `shards_in_flight`
+    shards of its window downloading at once: all of them until the rates are measured (a
+    cold start), then as many as bring the window in at twice the rate the readers reach it
+    (`dlstore.cache.pace`). A process opens at most `parts_in_flight * (shards_in_flight + 1)`
+    connections (room for the reader's own download beside the prefetch's); the reader's
+    shard goes first.
     """
 
     cache_dir: str
