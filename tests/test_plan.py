@@ -244,6 +244,23 @@ def test_node_ranges_name_the_boundary_shards_and_cover_what_the_node_reads(size
     assert (owner >= 0).all()
 
 
+def test_partial_shards_at_the_edges():
+    """Only a part of a shard is a partial entry: a shard with one sample, an empty one and a
+    whole one never are; a shard bigger than a node's share is cut into runs, a middle node's
+    starting and ending inside it; a node that owns nothing has none."""
+    sizes = [1, 0, 12, 1, 2]
+    ranges = assign_ranges(sizes, 4, seed=0, shuffle=False)
+    assert [ranges.of_node(n).partial_shards(sizes) for n in range(4)] == [
+        {2: (0, 3)},
+        {2: (3, 7)},
+        {2: (7, 11)},
+        {2: (11, 12)},
+    ]
+    tiny = assign_ranges([3], 5, seed=0, shuffle=False)
+    assert [tiny.of_node(n).partial_shards([3]) for n in range(5)] == [{0: (0, 1)}, {0: (1, 2)}, {0: (2, 3)}, {}, {}]
+    assert assign_ranges([4, 4], 1, seed=0).of_node(0).partial_shards([4, 4]) == {}
+
+
 @PROPERTY
 @given(shard_sizes_st, configs_st, epochs_st, worlds_st(), st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**20))
 # Node 1's only unread entry is padding: its remainder is empty when 2 ranks per node resume it.
