@@ -259,6 +259,8 @@ def test_partial_shards_at_the_edges():
     tiny = assign_ranges([3], 5, seed=0, shuffle=False)
     assert [tiny.of_node(n).partial_shards([3]) for n in range(5)] == [{0: (0, 1)}, {0: (1, 2)}, {0: (2, 3)}, {}, {}]
     assert assign_ranges([4, 4], 1, seed=0).of_node(0).partial_shards([4, 4]) == {}
+    with pytest.raises(ConfigError, match="one node"):
+        ranges.partial_shards(sizes)  # every node's rows: shard 2 has four runs
 
 
 @PROPERTY

@@ -150,6 +150,8 @@ class NodeRanges:
         >>> assign_ranges([4, 4, 4], 2, seed=0, shuffle=False).of_node(1).partial_shards([4, 4, 4])
         {1: (2, 4)}
         """
+        if np.unique(self.node).size > 1:  # a boundary shard would have two runs, one per node
+            raise ConfigError("partial_shards takes the rows of one node: call it on of_node(node)")
         sizes = as_sizes(shard_sizes)
         part = self.count < sizes[self.shard]
         return {
