@@ -586,7 +586,7 @@ def test_deep_verify_catches_a_wrong_sample_digest(data, tmp_path):
     assert not report.ok and any("sample digests do not match" in p for p in report.problems)
 
 
-def test_a_rerun_rebuilds_shards_whose_index_is_version_1(data, tmp_path):
+def test_a_rerun_upgrades_version_1_indexes_without_rebuilding_the_tars(data, tmp_path):
     made = data["imagenet"]
     url = f"file://{tmp_path}/conv"
     options = dataclasses.replace(OPTS, samples_per_shard=5)
@@ -596,7 +596,12 @@ def test_a_rerun_rebuilds_shards_whose_index_is_version_1(data, tmp_path):
     for shard in first.manifest.shards:  # as a dlstore before sample digests wrote them
         index = load_sample_index(store, shard)
         store.put(shard.index, SampleIndex(index.offsets, index.shard_size, index.sha256, index.recipe).to_bytes())
+    damaged = first.manifest.shards[0].name  # a tar that is not the one its index describes
+    store.put(damaged, tars[damaged][:600] + bytes([tars[damaged][600] ^ 1]) + tars[damaged][601:])
     again = convert("imagenet", made.root, url, options)
-    assert again.shards_reused == 0 and again.shards_written == first.shards
+    assert again.shards_reused == first.shards - 1 and again.shards_written == 1  # only the damaged one
     _check_sample_digests(store, again.manifest)
     assert {s.name: store.get_bytes(s.name) for s in again.manifest.shards} == tars
+    assert [(s.name, s.size, s.checksum) for s in again.manifest.shards] == [  # what a resume checks
+        (s.name, s.size, s.checksum) for s in first.manifest.shards
+    ]

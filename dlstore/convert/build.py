@@ -19,13 +19,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dlstore.convert.encode import encode_input
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
 from dlstore.convert.shard_plan import ShardTask, sample_key, sample_metadata
 from dlstore.errors import CorruptSample, DlstoreError, FormatError, NotFound
 from dlstore.manifest import SampleIndex, ShardInfo, checksum_of, index_name, sample_digest
-from dlstore.shards import TarShardWriter
+from dlstore.shards import TarShardWriter, scan_shard
 from dlstore.storage import Store
 
 __all__ = ["BuildContext", "BuildStopped", "Built", "Counters", "ShardBuilder", "existing_shard", "shard_info"]
@@ -163,9 +165,27 @@ def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
     )
 
 
+def _upgraded_index(store: Store, task: ShardTask, old: SampleIndex) -> Built | None:
+    """`task`'s shard with its version 1 index rewritten as version 2, if the stored tar is the
+    one that index describes (else None: it is rebuilt)."""
+    log.info("%s: its sample index has no sample digests (version 1); adding them", task.name)
+    try:
+        index = scan_shard(store.get(task.name), sample_digests=True)
+    except FormatError:
+        index = None
+    if index is None or index.sha256 != old.sha256 or not np.array_equal(index.offsets, old.offsets):
+        log.warning("%s: the tar differs from its version 1 index; rebuilding it", task.name)
+        return None
+    index = SampleIndex(index.offsets, index.shard_size, index.sha256, old.recipe, index.sample_digests)
+    index_bytes = index.to_bytes()
+    store.put(index_name(task.name), index_bytes)
+    return Built(task.number, shard_info(task.name, index, index_bytes), (), reused=True)
+
+
 def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool) -> Built | None:
-    """The shard as an earlier run left it, if it is complete, was built from the same recipe,
-    and has a version 2 sample index (an older one is rebuilt: same bytes, with sample digests)."""
+    """The shard as an earlier run left it, if it is complete and was built from the same recipe.
+    A version 1 sample index (no sample digests) is upgraded in place from the stored tar: one
+    read of it, no re-encode, so the tar's bytes and checksum (what a resume checks) stay."""
     if task.name not in sizes or index_name(task.name) not in sizes:
         return None
     try:
@@ -176,8 +196,7 @@ def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash:
     if index.recipe != task.recipe or index.shard_size != sizes[task.name]:
         return None
     if index.version < 2:
-        log.info("%s: its sample index has no sample digests (version 1); rebuilding it", task.name)
-        return None
+        return _upgraded_index(store, task, index)
     if rehash:
         digest = hashlib.sha256()
         for chunk in store.get(task.name):

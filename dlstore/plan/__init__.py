@@ -78,7 +78,8 @@ locality in the steady state, with no partition count fixed in advance, but it c
   extra shard fetches per epoch, at most ``1 + 2 / (shards per node)`` times dataset / nodes
   on one node (ImageNet in 1000 shards, largest node (mean): 1.01x (1.01x) on 8 nodes, 1.06x
   (1.03x) on 32, 1.09x (1.06x) on 64, 1.15x (1.13x) on 128). Running `dlstore convert`
-  again rebuilds such shards with version 2 indexes (`dlstore index` for foreign shards);
+  again adds the digests (one read of each tar, which stays as it is; `dlstore index` for
+  foreign shards);
 * the epoch's order depends on the number of nodes: a run restarted at a new epoch on another
   node count sees a different (equally valid) order, and nodes own new ranges;
 * after a mid-epoch change of node count, each cut between new pieces can split one window,
