@@ -131,8 +131,9 @@ class Dataset(torch.utils.data.Dataset):
                 log.warning("shard %r is fetched whole on this node: %s", info.name, exc)
                 continue
             if index is None or index.version < 2:
-                log.info(
-                    "shard %r is fetched whole on this node, which reads only samples %d-%d of it: %s",
+                log.warning(  # a whole extra shard per epoch on this node: worth a line by default
+                    "shard %r is fetched whole on this node, which reads only samples %d-%d of it: %s "
+                    "(`dlstore convert` run again, or `dlstore index`, writes version 2 indexes)",
                     info.name,
                     start,
                     stop - 1,
