@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -335,6 +336,8 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
     finally:
         loader.close()
         ds.cache.close()
+        del loader, ds
+        gc.collect()  # the download workers' connections (in reference cycles) close now, not in a later run
     return Epoch(images / seconds, first or 0.0, seconds, cpu, store_cpu)
 
 
