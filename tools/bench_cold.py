@@ -30,8 +30,9 @@ setting (Swift on loopback, then Swift behind the WAN emulator at each rate with
 ``--delay-ms`` per request), one warm epoch (a fresh loader over a full cache) and then one
 cold epoch (a fresh loader over an empty cache directory), each from `iter()` to its last
 batch. It reports per setting cold/warm img/s (median and range over the rounds: each
-round's cold run against the warm run just before it) and the time to the first batch when
-cold (from `iter()`). ``--fetch`` passes fetch settings (`DataConfig` fields) to the cold
+round's cold run against the warm run just before it), the same ratio from the first batch
+on (the streaming alone: whether the downloads keep ahead of the readers once the first
+shuffle window is in) and the time to the first batch when cold (from `iter()`). ``--fetch`` passes fetch settings (`DataConfig` fields) to the cold
 loaders, several ``--fetch`` compare variants in the same rounds.
 
 Examples (small smoke runs; the defaults are full ones)::
@@ -286,6 +287,7 @@ class Epoch:
     cpu_s: float  # this process's (the loader's threads and the cache's)
     store_cpu_s: float  # the local Swift's and the WAN emulators' (not on a real node)
     connections: int | None = None  # the most open at once through the WAN emulator
+    after_first_img_s: float = 0.0  # from the first batch on: the streaming, without the start
 
 
 def store_processes(env: Mapping[str, str]) -> list[psutil.Process]:
@@ -325,11 +327,12 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
     )
     loader = dlstore.Loader(ds, num_workers=args.workers, device="cpu", dtype="uint8")
     try:
-        images, first = 0, None
+        images, first, first_images = 0, None, 0
         store_side = store_processes(args.env)
         store_cpu, cpu, started = cpu_of(store_side), time.process_time(), time.perf_counter()
         for batch, _ in loader:
-            first = time.perf_counter() - started if first is None else first
+            if first is None:
+                first, first_images = time.perf_counter() - started, batch.shape[0]
             images += batch.shape[0]
         seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
         store_cpu = cpu_of(store_side) - store_cpu
@@ -338,7 +341,8 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
         ds.cache.close()
         del loader, ds
         gc.collect()  # the download workers' connections (in reference cycles) close now, not in a later run
-    return Epoch(images / seconds, first or 0.0, seconds, cpu, store_cpu)
+    after = (images - first_images) / max(seconds - (first or 0.0), 1e-9)
+    return Epoch(images / seconds, first or 0.0, seconds, cpu, store_cpu, after_first_img_s=after)
 
 
 def cold_epoch(url: str, store_config: StoreConfig, args: argparse.Namespace, fetch: dict, tmp: str) -> Epoch:
@@ -406,6 +410,7 @@ def summarize_loader(rounds: list[dict]) -> dict:
         out[" | ".join(key)] = {
             "cold_over_warm": spread([c.images_per_s / w.images_per_s for w, c in pairs]),
             "cold_first_batch_s": spread([c.first_batch_s for _, c in pairs]),
+            "after_first_batch_cold_over_warm": spread([c.after_first_img_s / w.after_first_img_s for w, c in pairs]),
             "warm_first_batch_s": spread([w.first_batch_s for w, _ in pairs]),
             "warm_img_s": spread([w.images_per_s for w, _ in pairs]),
             "cold_img_s": spread([c.images_per_s for _, c in pairs]),
@@ -423,13 +428,16 @@ def print_loader_report(report: dict) -> None:
         "median [min .. max]"
     )
     print(
-        f"  {'setting | fetch':<46} {'cold/warm':<22} {'cold 1st batch s':<22} {'warm img/s':>10} {'cold img/s':>10}"
+        f"  {'setting | fetch':<46} {'cold/warm':<22} {'after 1st batch':<22} {'cold 1st batch s':<22}"
+        f" {'warm img/s':>10} {'cold img/s':>10}"
         "  loader CPU cold/warm   store CPU/warm loader CPU   connections"
     )
     for name, res in report["settings"].items():
         ratio, first = res["cold_over_warm"], res["cold_first_batch_s"]
+        after = res["after_first_batch_cold_over_warm"]
         print(
             f"  {name:<46} {ratio['median']:.3f} [{ratio['min']:.3f} .. {ratio['max']:.3f}]"
+            f"   {after['median']:.3f} [{after['min']:.3f} .. {after['max']:.3f}]"
             f"   {first['median']:.2f} [{first['min']:.2f} .. {first['max']:.2f}]"
             f"   {res['warm_img_s']['median']:>10.0f} {res['cold_img_s']['median']:>10.0f}"
             f"  {res['cold_over_warm_cpu_s']['median']:>20.2f}"
