@@ -30,10 +30,13 @@ __all__ = ["BatchRequest", "Dataset"]
 
 log = logging.getLogger(__name__)
 
-#: How many batches before the one just requested the loader may still be building (the
-#: thread engine's lookahead is 2 by default). Their shards stay in front of the cache's
-#: order; more costs cache room at each change of shuffle window, fewer risks a refetch.
-_BATCHES_IN_FLIGHT = 4
+#: How many batches before the one just requested the loader may still be building: the
+#: thread engine's lookahead (2 by default). Their shards stay in front of the cache's order;
+#: more costs cache room at each change of shuffle window, fewer risks a refetch. The room is
+#: the shards those batches read: where a batch spans a whole window, 4 (as it was) held 4
+#: windows and a cache of half the node's share fetched 0.6-0.7 of it per epoch, 2 fetches 0.5
+#: (`tools/bench_cache_policy.py --ranks-per-node`; the process engine with 2 workers too).
+_BATCHES_IN_FLIGHT = 2
 
 
 def _data_config(data: str | DataConfig, store_config: StoreConfig | None, settings: dict[str, Any]) -> DataConfig:
@@ -44,6 +47,12 @@ def _data_config(data: str | DataConfig, store_config: StoreConfig | None, setti
     if isinstance(data, DataConfig):
         return (data.replace(**settings) if settings else data).resolved()
     return DataConfig.from_env(data, **settings)
+
+
+def _last_batches(plan: RankPlan) -> np.ndarray:
+    """For each shard `plan` reads, the last batch that reads it; sorted."""
+    _, first_from_end = np.unique(plan.shards[::-1], return_index=True)
+    return np.sort((plan.shards.size - 1 - first_from_end) // plan.batch_size)
 
 
 def fetch_settings(cfg: DataConfig) -> dict[str, int]:
@@ -113,6 +122,7 @@ class Dataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_plans"] = OrderedDict()
+        state.pop("_hinted", None)  # holds a plan: the main process's, for its hint writes
         return state
 
     def _boundary_ranges(self) -> dict[int, SampleRange]:
@@ -187,6 +197,7 @@ class Dataset(torch.utils.data.Dataset):
         wait; and the next window's shards come in while this one is read (a list of only the
         next `prefetch_shards` shards would hold no more than the window in use, and the
         readers would fetch each shard of the next one as they reach it)."""
+        self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
         reading = plan.batch_shards(index).tolist()
@@ -197,13 +208,19 @@ class Dataset(torch.utils.data.Dataset):
                 break
             upcoming.update(dict.fromkeys(plan.batch_shards(j).tolist()))
         self.cache.prefetch([self.samples.cache_spec(s) for s in list(upcoming)[:wanted]])
-        self.hint_cache(plan, index)
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:
         """Tell the node cache the order this rank needs shards in from batch `index` on: the
         rest of this epoch, then the whole next epoch (a pure function of the plan's inputs,
         so known now). Its evictions then drop the shard needed furthest ahead instead of the
         least recently used one, which against a shuffled sweep is nearly the worst choice.
+
+        Called for every batch; the order is written again only when it has gone stale: when
+        a shard it names as needed this epoch is done with (its last batch built), or for a
+        new plan. In between, the shards still needed keep their order (each by its first
+        need), which is all eviction looks at. An order left stale for several batches would
+        keep finished shards in front of those in use: where a batch reads a whole shuffle
+        window, every rank of the node then evicted the shards the others were reading.
 
         A cache with no room for two shuffle windows and the prefetch (the window being read
         and the next one coming in) gets no hints: refetches are unavoidable there, and LRU,
@@ -215,16 +232,9 @@ class Dataset(torch.utils.data.Dataset):
         working_set = 2 * self.cfg.shuffle_window + self.cfg.prefetch_shards
         if self.cfg.cache_limit < working_set * max((s.size for s in shards), default=0):
             return
-        ahead = plan.shards_needed(index).tolist()
-        # The loader asks for batch `index` while the batches before it may still be being
-        # built (its lookahead). Shards those batches read last go after the ones in use and
-        # before any not yet started: no prefetch evicts one under a builder, and a reader
-        # short of room evicts one before a shard it reads again soon.
-        lo, hi = max(index - _BATCHES_IN_FLIGHT, 0) * plan.batch_size, (index + 1) * plan.batch_size
-        recent = dict.fromkeys(plan.shards[lo:hi].tolist())
-        needed = set(ahead)
-        order = [s for s in ahead if s in recent] + [s for s in recent if s not in needed]
-        order += [s for s in ahead if s not in recent]
+        if not self._hint_is_stale(plan, max(index - _BATCHES_IN_FLIGHT, 0)):
+            return
+        order = self._order_from(plan, index)
         # The plan's epoch is the key it is cached under; a plan no longer cached gets no look
         # beyond its own epoch (the next epoch's plan is cached too, and reused when it comes).
         epoch = next((key[0] for key, cached in self._plans.items() if cached is plan), None)
@@ -236,6 +246,31 @@ class Dataset(torch.utils.data.Dataset):
                 memo = self.__dict__["_following_order"] = ((epoch + 1, self.cfg.batch_size), following)
             order += memo[1]
         self.cache.hint(self.samples.cache_spec(shard).name for shard in dict.fromkeys(order))
+
+    def _hint_is_stale(self, plan: RankPlan, first_batch: int) -> bool:
+        """Whether the order last written is stale once the batches before `first_batch` are
+        built: it is another plan's, or names a shard as needed this epoch that no batch from
+        `first_batch` on reads. Counts the shards those batches read, in O(log shards)."""
+        memo = self.__dict__.get("_hinted")
+        if memo is None or memo[0] is not plan:
+            memo = self.__dict__["_hinted"] = [plan, _last_batches(plan), None]
+        left = len(memo[1]) - int(np.searchsorted(memo[1], first_batch))
+        stale, memo[2] = memo[2] != left, left
+        return stale
+
+    @staticmethod
+    def _order_from(plan: RankPlan, index: int) -> list[int]:
+        """This epoch's part of the hinted order, from batch `index` (just requested) on."""
+        ahead = plan.shards_needed(index).tolist()
+        # The loader asks for batch `index` while the batches before it may still be being
+        # built (its lookahead). Shards those batches read last go after the ones in use and
+        # before any not yet started: no prefetch evicts one under a builder, and a reader
+        # short of room evicts one before a shard it reads again soon.
+        lo, hi = max(index - _BATCHES_IN_FLIGHT, 0) * plan.batch_size, (index + 1) * plan.batch_size
+        recent = dict.fromkeys(plan.shards[lo:hi].tolist())
+        needed = set(ahead)
+        order = [s for s in ahead if s in recent] + [s for s in recent if s not in needed]
+        return order + [s for s in ahead if s not in recent]
 
     # -- the batches (workers) ----------------------------------------------------------
     def __getitem__(self, request: BatchRequest) -> dict:

@@ -36,7 +36,7 @@ def run_rank(spec_path: str) -> int:
             image_size=8,
             batch_size=spec["batch_size"],
             seed=0,
-            shuffle_window=2,
+            shuffle_window=spec.get("shuffle_window", 2),
             prefetch_shards=2,
             world=world,
             return_keys=True,

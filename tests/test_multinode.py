@@ -102,17 +102,20 @@ def _node_shares(records: list[dict], shard_of: dict[str, int], sizes: list[int]
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize(
-    ("shards", "per_shard", "cache_share"),
-    [(24, 16, "full"), (96, 16, "half")],
-    ids=["cache-holds-the-share", "cache-holds-half-the-share"],
+    ("shards", "per_shard", "cache_share", "batch_size", "shuffle_window"),
+    [(24, 16, "full", 8, 2), (96, 16, "half", 8, 2), (96, 8, "half", 16, 4)],
+    ids=["cache-holds-the-share", "cache-holds-half-the-share", "half-the-share-a-batch-reads-a-window"],
 )
 def test_two_nodes_read_every_sample_once_and_fetch_only_their_share(
-    tmp_path, swift_server, swift_container, shards, per_shard, cache_share
+    tmp_path, swift_server, swift_container, shards, per_shard, cache_share, batch_size, shuffle_window
 ):
     """24 shards of 16 samples, or 96 with the half-size cache: with 12 shards per node a
     cache of 6 holds little beyond the windows being read and fetched (2 shuffle windows of 2
     and a prefetch of 2), and one shard is 0.08 of the share; with 48 per node and room for 24
-    the plan-aware cache fetches the ideal 0.5 (one shard is 0.02)."""
+    the plan-aware cache fetches the ideal 0.5 (one shard is 0.02). The last case has each
+    step of a node read a whole shuffle window (2 ranks x 16 samples = 4 shards of 8): the
+    shards of the batches still being built take more room, and the ranks read every shard
+    of the window at once (before the fix, node 0: 1.13 of its share cold, 0.92-0.98 later)."""
     url = f"swift://{swift_container}/data"
     store = open_store(url, StoreConfig.from_env(swift_server.swift_env()))
     keys = write_dataset(store, [per_shard] * shards)
@@ -128,7 +131,8 @@ def test_two_nodes_read_every_sample_once_and_fetch_only_their_share(
         "url": url,
         "cache_dirs": cache_dirs,
         "cache_limit": limit + STATS_FILE_BYTES,
-        "batch_size": 8,
+        "batch_size": batch_size,
+        "shuffle_window": shuffle_window,
         "out": str(out),
     }
     spec_path = tmp_path / "spec.json"

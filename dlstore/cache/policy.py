@@ -9,7 +9,8 @@ shuffled sweep it cannot see, refetches nearly all of it. What it takes: room fo
 being read, the one coming in and the prefetch beside the shards kept (`Dataset.hint_cache`
 gives no hints to a smaller cache); the window change costs a little more where that room is
 a large part of the cache (`tools/bench_cache_policy.py`: one rank, f = 0.5, 24 shards:
-0.54-0.67 per epoch, 48 shards: 0.50; LRU 0.8-0.9).
+0.54-0.67 per epoch, 48 shards: 0.50; LRU 0.8-0.9; `--ranks-per-node 1 2 4`, a node's share
+of 48 shards: 0.46-0.54 where a step of the node reads up to 4 shards, 0.54-0.67 at 8).
 
 How the hints are kept (the cache is multi-process: only files and `flock` are shared)::
 
@@ -24,7 +25,11 @@ How the hints are kept (the cache is multi-process: only files and `flock` are s
   file is removed when its `ShardCache` is collected or the process exits.
 * A shard's next use is its smallest position over all writers' orders. The ranks of a node
   read the same window of shards at the same time (`dlstore.plan`), so their positions
-  agree to within a few shards and the smallest is the node's next need of it.
+  agree to within a few shards and the smallest is the node's next need of it. That holds
+  while every order is fresh: a writer rewrites its order as soon as a shard it names as
+  needed this epoch is done with (`Dataset.hint_cache`). An order left stale keeps finished
+  shards in front of those in use, and the other ranks' evictions then take the shards this
+  one reads (2 ranks, a batch spanning a window: 1.2 of the share fetched cold, up to 1.2 later).
 * A hint file holds about 60 bytes per shard of the writer's share (this epoch's rest plus
   the next epoch). These bytes are not counted against the cache limit.
 
