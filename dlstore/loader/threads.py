@@ -1,7 +1,7 @@
 """The thread engine: a pool of decode threads in the training process builds this rank's
 batches in plan order, with a bounded lookahead.
 
-Why threads: JPEG decode (libjpeg-turbo) and the resize (Pillow) release the GIL, so threads
+Why threads: JPEG decode (libjpeg-turbo) and the resize (OpenCV or Pillow) release the GIL, so threads
 do the work of worker processes without what processes cost: a fork of a threaded process
 (unsafe: a child can inherit a lock held by another thread), a torch import per worker,
 shared memory for every batch (a container's 64 MB `/dev/shm` stalls them), a pickled
@@ -12,6 +12,13 @@ from the node cache (one `pread` each) and writes each decoded, augmented image 
 its row of the batch's buffer. The first batch is therefore built by every thread at once
 (time to first batch), and later batches queue behind it in plan order. The loop takes batch
 `j` when all its chunks are done; by then batches `j+1 .. j+lookahead` are in the pool.
+
+Why our own pool and not a pipeline library: the same work built on SPDL (`PipelineBuilder`, a
+threaded pipe per sample) and on `torchdata.nodes` (`ParallelMapper` threads, `Batcher`,
+`Prefetcher`) costs ~19% and ~5% more CPU per image (their per-sample hand-offs), and neither
+gives what this engine needs from it: SPDL drops a sample whose stage raises (or, when told to
+stop, raises its own `PipelineFailure`), neither resumes from our plan's (epoch, history), and
+torchdata has no `close()`. `tools/bench_engines.py` measures the three on the same shards.
 """
 
 from __future__ import annotations
