@@ -228,11 +228,11 @@ class Dataset(torch.utils.data.Dataset):
 
         >>> ds.hint_cache(ds.plan(epoch), 0)  # doctest: +SKIP
         """
+        if not self._hint_is_stale(plan, max(index - _BATCHES_IN_FLIGHT, 0)):
+            return
         shards = self.manifest.shards
         working_set = 2 * self.cfg.shuffle_window + self.cfg.prefetch_shards
         if self.cfg.cache_limit < working_set * max((s.size for s in shards), default=0):
-            return
-        if not self._hint_is_stale(plan, max(index - _BATCHES_IN_FLIGHT, 0)):
             return
         order = self._order_from(plan, index)
         # The plan's epoch is the key it is cached under; a plan no longer cached gets no look
