@@ -367,6 +367,7 @@ class DataConfig:
     fetch_parts: int | None = None
     fetch_shards: int | None = None
     fetch_part_size: int | str | None = None
+    fetch_node_connections: int | None = None
     # Credentials and retries: not part of what the data is (nor of equality, nor of `to_dict`).
     store: StoreConfig | None = field(default=None, repr=False, compare=False)
 
@@ -397,6 +398,8 @@ class DataConfig:
         for name in ("fetch_parts", "fetch_shards", "fetch_part_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+        if self.fetch_node_connections is not None and self.fetch_node_connections < 0:
+            raise ConfigError("fetch_node_connections must be 0 (no cap) or more")
 
     @classmethod
     def from_env(cls, url: str, env: Mapping[str, str] | None = None, **settings: Any) -> DataConfig:
@@ -498,4 +501,8 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     "fetch_parts": (int, "ranged GETs of one shard in flight at once, one connection each (default: the cache's)"),
     "fetch_shards": (int, "shards the cache's prefetch downloads at once (default: the cache's)"),
     "fetch_part_size": (str, "smallest ranged GET of a large shard, e.g. 16MiB (default: the cache's)"),
+    "fetch_node_connections": (
+        int,
+        "connections to the store of all the node's ranks together, 0: no cap (default: the cache's)",
+    ),
 }

@@ -62,6 +62,7 @@ def fetch_settings(cfg: DataConfig) -> dict[str, int]:
         "parts_in_flight": cfg.fetch_parts,
         "shards_in_flight": cfg.fetch_shards,
         "part_size": cfg.fetch_part_size,
+        "node_connections": cfg.fetch_node_connections,
     }
     return {name: value for name, value in given.items() if value is not None}
 

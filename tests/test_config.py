@@ -342,3 +342,27 @@ def test_the_fetch_settings_reach_the_cache_from_one_flag_each():
     assert DataConfig.from_dict(train.data.to_dict()) == train.data  # saved with the run's config
     with pytest.raises(ConfigError):
         DataConfig("file:///d/train", fetch_parts=0)
+
+
+def test_the_node_connection_cap_reaches_the_cache_from_one_flag():
+    # --fetch-node-connections: the cap on the connections of all a node's ranks together
+    # (CacheConfig.node_connections), from train and bench alike; 0 turns it off.
+    from dlstore.bench import BenchConfig
+    from dlstore.cache import CacheConfig
+    from dlstore.cli import _BENCH_OWN, build_parser
+    from dlstore.dataset import fetch_settings
+    from dlstore.train.config import config_from_args
+
+    for given, expected in (("12", 12), ("0", 0)):
+        flags = ["--fetch-node-connections", given]
+        train = config_from_args(build_parser().parse_args(["train", "file:///d/train", *flags]), env={})
+        bench = build_parser().parse_args(["bench", "file:///d/train", *flags])
+        data = BenchConfig(DataConfig.from_args(bench.url, bench, env={}, exclude=_BENCH_OWN)).data
+        for cfg in (train.data, data):
+            assert CacheConfig("/tmp/cache", "1GB", **fetch_settings(cfg)).node_connections == expected
+        assert DataConfig.from_dict(train.data.to_dict()) == train.data
+    assert CacheConfig("/tmp/cache", "1GB", **fetch_settings(DataConfig("file:///d/train"))).node_connections == 64
+    with pytest.raises(ConfigError):
+        DataConfig("file:///d/train", fetch_node_connections=-1)
+    with pytest.raises(ConfigError):
+        CacheConfig("/tmp/cache", "1GB", node_connections=-1)

@@ -23,6 +23,7 @@ import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.pace import PrefetchPace
+from dlstore.cache.slots import NodeSlots
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import CorruptShard, NotFound, TransientError
 from dlstore.storage.local import LocalStore
@@ -402,3 +403,152 @@ def test_the_prefetch_paces_its_shards_in_flight_by_the_rates_measured():
     assert pace.shards_at_once(cap=2, shard_rate=10e6) == 2
     pace.reached("a", 50_000_000, 10.0)  # a shard reached again (a new list): not consumed again
     assert pace.consumed_rate() == 100e6
+
+
+# -- the node's cap on connections (CacheConfig.node_connections) ----------------------------------
+class NodeCountingStore(PartStore):
+    """Counts the reads running at once over every process of a node, in shared memory made
+    before the fork; each read dawdles a little so that reads overlap."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.node_running = FORK.Value("i", 0)
+        self.node_most = FORK.Value("i", 0)
+        self.node_reads = FORK.Value("i", 0)
+
+    def _read(self, key, start, end):
+        with self.node_running.get_lock():
+            self.node_running.value += 1
+            self.node_reads.value += 1
+            self.node_most.value = max(self.node_most.value, self.node_running.value)
+        try:
+            time.sleep(0.005)
+            yield from super()._read(key, start, end)
+        finally:
+            with self.node_running.get_lock():
+                self.node_running.value -= 1
+
+
+def _read_own_shards(cache, specs, digests):
+    for spec in specs:
+        with cache.hold(*spec) as path:
+            assert hashlib.sha256(read(path)).hexdigest() == digests[spec[0]]
+    cache.close()
+
+
+def test_the_node_s_processes_together_stay_within_the_connection_cap(tmp_path):
+    """4 processes, each reading its own 3 shards of 5 parts with 4 parts in flight and a
+    prefetch of 2 (up to 12 GETs each, 48 on the node): never more than 3 at once."""
+    specs, contents = make_remote(tmp_path / "remote", [20_000] * 12)
+    store = NodeCountingStore(str(tmp_path / "remote"))
+    digests = {name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}
+    cache = ShardCache(parts_config(tmp_path, prefetch=2, shards_in_flight=2, node_connections=3), store)
+    children = [
+        FORK.Process(target=_read_own_shards, args=(cache, specs[i * 3 : i * 3 + 3], digests)) for i in range(4)
+    ]
+    for child in children:
+        child.start()
+    for child in children:
+        child.join(60)
+    assert [c.exitcode for c in children] == [0] * 4
+    assert store.node_reads.value >= 12 * 5  # every part of every shard was read
+    assert 1 <= store.node_most.value <= 3
+
+
+def test_a_reader_waiting_for_a_node_slot_gets_the_next_before_any_prefetch(tmp_path):
+    """Two engines with slot handles of their own (as two processes of a node), 2 slots: the
+    prefetch's 2 parts hold both; the reader's shard (3 parts) waits. As slots free, all 3
+    reader parts start before the prefetch's third part."""
+    specs, contents = make_remote(tmp_path / "remote", [40_000, 12_000])
+    store = PartStore(str(tmp_path / "remote"))
+    store.gate.clear()
+    prefetch_engine = DownloadEngine(connections=4, slots=NodeSlots(str(tmp_path / "cache"), 2))
+    reader_engine = DownloadEngine(connections=4, slots=NodeSlots(str(tmp_path / "cache"), 2))
+    files = [os.open(tmp_path / f"out-{i}", os.O_RDWR | os.O_CREAT) for i in range(2)]
+    sizes = [40_000, 12_000]
+    try:
+        background = prefetch_engine.start(
+            store, specs[0][0], files[0], sizes[0], priority=2, parts_in_flight=4, part_size=4096
+        )
+        deadline = time.monotonic() + 10
+        while store.running < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        urgent = reader_engine.start(
+            store, specs[1][0], files[1], sizes[1], priority=0, parts_in_flight=4, part_size=4096
+        )
+        while not reader_engine.slots.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store.running == 2 and reader_engine.slots.waiting  # the cap holds; the reader waits
+        store.gate.set()
+        urgent.wait()
+        background.wait()
+        order = [k for k, _, _ in store.reads]
+        assert order[:5] == [specs[0][0]] * 2 + [specs[1][0]] * 3
+        for fd, spec in zip(files, specs):
+            assert os.pread(fd, spec[1], 0) == contents[spec[0]]
+    finally:
+        for fd in files:
+            os.close(fd)
+        prefetch_engine.close()
+        reader_engine.close()
+
+
+def test_a_prefetch_takes_no_slot_while_a_reader_waits(tmp_path):
+    """The slots' rule on its own: handles of their own stand for processes of a node."""
+    holder, reader, prefetch = (NodeSlots(str(tmp_path), 2) for _ in range(3))
+    taken = [holder.try_take(urgent=False), holder.try_take(urgent=False)]
+    assert sorted(taken) == [0, 1] and holder.try_take(urgent=True) is None  # the cap: 2
+    assert reader.try_take(urgent=True) is None
+    reader.set_waiting(True)
+    holder.give_back(taken[0])
+    assert prefetch.try_take(urgent=False) is None  # free, but a reader waits for it
+    reader.look_again()  # the engine's poller, at its next tick
+    assert reader.try_take(urgent=True) == taken[0]
+    reader.set_waiting(False)
+    holder.give_back(taken[1])
+    assert prefetch.try_take(urgent=False) == taken[1]
+    for slots in (holder, reader, prefetch):
+        slots.close()
+
+
+def _hold_a_slot_in_a_get(cache, spec):
+    cache.fetch(*spec)  # its store's read hangs: killed while it holds the slot
+
+
+class HangingStore(LocalStore):
+    """A store whose reads touch `marker` and then hang."""
+
+    def __init__(self, url: str, marker: str) -> None:
+        super().__init__(url, StoreConfig(retry=QUICK))
+        self.marker = marker
+
+    def _read(self, key, start, end):
+        open(self.marker, "w").close()
+        time.sleep(600)
+        yield b""
+
+
+def test_a_process_killed_while_holding_a_slot_blocks_nobody(tmp_path):
+    specs, contents = make_remote(tmp_path / "remote", [20_000, 20_000])
+    marker = tmp_path / "reading"
+    hanging = ShardCache(parts_config(tmp_path, node_connections=1), HangingStore(str(tmp_path / "remote"), marker))
+    child = FORK.Process(target=_hold_a_slot_in_a_get, args=(hanging, specs[0]))
+    child.start()
+    deadline = time.monotonic() + 30
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    probe = NodeSlots(str(tmp_path / "cache"), 1)
+    assert probe.try_take(urgent=True) is None  # the child's GET holds the only slot
+    child.kill()
+    child.join(10)
+    probe.look_again()
+    slot = probe.try_take(urgent=True)  # the lock died with its holder
+    assert slot == 0
+    probe.give_back(slot)
+    probe.close()
+    store = PartStore(str(tmp_path / "remote"))
+    cache = ShardCache(parts_config(tmp_path, node_connections=1), store)
+    for spec in specs:  # the killed child's shard too: its lock and temp file died with it
+        assert read(cache.fetch(*spec)) == contents[spec[0]]
+    assert store.most_running == 1  # 5 parts a shard, one at a time under the cap
+    cache.close()

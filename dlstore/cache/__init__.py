@@ -23,6 +23,8 @@ Layout of the directory::
     hints/<namespace>.<pid>.<token>.json
                         each reader's order of upcoming shards (`ShardCache.hint`); its
                         writer holds LOCK_SH on it while it lives (`policy`)
+    slots/slot-<i>.lock the node's connection slots (`slots`): each GET to the store holds
+                        one with LOCK_EX; readers-waiting.lock: LOCK_SH while a reader waits
 
 Invariants (DESIGN.md, "Cache invariants") and how they hold:
 
@@ -77,13 +79,15 @@ Downloads: each process has one `engine.DownloadEngine` (worker threads, at most
 fetched as up to `parts_in_flight` ranged GETs at once, each retried on its own and
 resumed from its next byte; the prefetch keeps up to `shards_in_flight` shards of its
 window in flight, as many as the rates measured call for (`pace`); the shard a reader
-waits for goes first. Each in-flight shard holds its
+waits for goes first. All the processes of a node together hold at most
+`CacheConfig.node_connections` GETs at once (`slots`), a waiting reader's before any prefetch's. Each in-flight shard holds its
 own reservation, so the limit holds with several shards in flight.
 
 The modules, in the order data flows through them: `config` (`CacheConfig`, `ShardSpec`),
 `layout` (the directory: paths, locks, temp files, the scan that counts bytes, the stats
 file), `shard_cache` (`ShardCache`: hold, fetch, reserve, evict), `download` (fetch one
-shard into its temp file and verify it) on `engine` (parallel ranged GETs), `partial` (a
+shard into its temp file and verify it) on `engine` (parallel ranged GETs, each holding
+one of the node's `slots`), `partial` (a
 run of samples of a shard as an entry of its own, each sample verified by its digest), `policy`
 (which shard to evict, from the readers' hint files), `prefetch`
 (the background threads, paced by `pace`) with `runtime` (the per-process state it shares with the

@@ -44,6 +44,15 @@ class CacheConfig:
     (`dlstore.cache.pace`). A process opens at most `parts_in_flight * (shards_in_flight + 1)`
     connections (room for the reader's own download beside the prefetch's); the reader's
     shard goes first.
+
+    `node_connections` caps the connections of all the processes sharing the directory
+    together (`dlstore.cache.slots`: each GET holds one of that many slot files; 0: no cap).
+    Without it a node of 8 ranks could open 8 times the above, 320, at a cold start. The
+    default, 64, is 8 ranks' own shards at once at full width (8 parts each), and at the
+    40 MB/s a connection gets across a network about 2.5 GB/s, what 8 GPUs need from a cold
+    cache (issue 12); more connections mostly share the same link, and each costs the store
+    a socket per node. A reader waiting for a slot gets the next one that frees before any
+    prefetch does. The processes of a node should agree on it.
     """
 
     cache_dir: str
@@ -56,6 +65,7 @@ class CacheConfig:
     part_size: int = 16 * 2**20
     parts_in_flight: int = 8
     shards_in_flight: int = 4
+    node_connections: int = 64
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cache_dir", os.path.abspath(os.fspath(self.cache_dir)))
@@ -70,6 +80,8 @@ class CacheConfig:
         for name in ("part_size", "parts_in_flight", "shards_in_flight"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"CacheConfig.{name} must be at least 1, not {getattr(self, name)}")
+        if self.node_connections < 0:
+            raise ConfigError(f"CacheConfig.node_connections must be 0 (no cap) or more, not {self.node_connections}")
 
     @property
     def connections(self) -> int:

@@ -42,6 +42,15 @@ How it works, and why:
   smoothed), which the prefetch paces itself by (`pace.PrefetchPace`).
 * **Workers** are made on demand, at most `connections`, and end after `idle_s` without
   work. A backend's per-thread connection (Swift) therefore stays open across parts.
+* **Node slots** (`slots.NodeSlots`, when given): a part starts only once it holds one of
+  the node's connection slots, which it gives back when its GET ends or fails, so the
+  processes of a node together open at most `CacheConfig.node_connections`. A worker takes
+  the slot with the part, under the engine's lock, so a part is cut only once it can run
+  (its size still uses the latest estimate) and the downloads keep their order. While the
+  first download with work waits for a slot, one worker polls the node's slots every
+  `_SLOT_POLL_S` (a slot freed in this process wakes the workers at once); the others wait.
+  A reader's download waiting for a slot (priority 0) makes every prefetch on the node
+  yield the slots that free to it.
 
 No state survives a fork: the engine lives in the cache's per-process runtime.
 """
@@ -58,6 +67,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from dlstore.cache.slots import NodeSlots
 from dlstore.errors import CorruptShard, DlstoreError
 from dlstore.storage.base import Store
 
@@ -70,6 +80,13 @@ _MIN_SAMPLE_BYTES = 1 << 20
 #: A shard spread over its connections is cut no finer than this: below it a part's round
 #: trip outweighs its transfer.
 _MIN_SPREAD_PART = 1 << 20
+#: How often a worker looks for a node slot freed by another process (one worker per process
+#: polls; a scan of 64 taken slots is 64 failed non-blocking flocks, some 30 us).
+_SLOT_POLL_S = 0.01
+#: The other workers waiting for a slot look again at least this often (they are woken
+#: whenever a part ends in this process, or the poller gets a slot; a scan that found every
+#: slot taken is repeated only after a slot is given back here or the poller's next tick).
+_SLOT_RECHECK_S = 1.0
 
 
 @dataclass
@@ -78,6 +95,7 @@ class _Part:
     start: int
     end: int  # exclusive; the manifest's size bounds it
     written: int  # bytes [start, written) are in the file
+    slot: int | None = None  # the node slot its GET holds (`NodeSlots`), if the node has a cap
 
 
 class _LinkEstimate:
@@ -232,9 +250,12 @@ class DownloadEngine:
     """Worker threads fetching the parts of the downloads started on it; see the module
     docstring. Thread-safe; one per process (it does not survive a fork)."""
 
-    def __init__(self, connections: int, idle_s: float = 30.0) -> None:
+    def __init__(self, connections: int, idle_s: float = 30.0, slots: NodeSlots | None = None) -> None:
         self.connections = connections
         self.idle_s = idle_s
+        self.slots = slots  # the node's cap on connections; None: this process's `connections` only
+        self._slot_wanted = False  # the first download with work waits for a node slot
+        self._slot_poller = False  # a worker polls for one
         self.link = _LinkEstimate()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
@@ -305,27 +326,52 @@ class DownloadEngine:
         self._work.notify_all()
 
     def _take(self) -> tuple[Download, _Part] | None:
+        """The next part to run, holding its node slot; None when there is none, or when the
+        first download with work gets no slot (`_slot_wanted`; the later ones would not either)."""
+        self._slot_wanted = False
         for download in self._downloads:
             if download._has_work() and download.running < download.parts_in_flight:
-                length = self.link.part_size(download.part_floor, download.part_ceiling)
-                part = download._claim(length)
-                self.most_running = max(self.most_running, sum(d.running for d in self._downloads))
-                return download, part
-        return None
+                break
+        else:
+            self._set_reader_waiting(False)
+            return None
+        urgent = download.order[0] == 0
+        slot = None
+        if self.slots is not None:
+            slot = self._slot_for(self.slots, download)
+            if slot is None:
+                self._set_reader_waiting(urgent and self._slot_wanted)
+                return None
+        part = download._claim(self.link.part_size(download.part_floor, download.part_ceiling))
+        part.slot = slot
+        self.most_running = max(self.most_running, sum(d.running for d in self._downloads))
+        # A reader's shard with parts still to start keeps the prefetches back between them.
+        self._set_reader_waiting(urgent and download._has_work() and download.running < download.parts_in_flight)
+        return download, part
+
+    def _slot_for(self, slots: NodeSlots, download: Download) -> int | None:
+        """A node slot for a part of `download`, or None when none is free now (or the slot
+        files cannot be opened: the download then fails with that error)."""
+        try:
+            slot = slots.try_take(urgent=download.order[0] == 0)
+        except OSError as exc:
+            download.error = exc
+            download._progress.notify_all()
+            return None
+        self._slot_wanted = slot is None
+        return slot
+
+    def _set_reader_waiting(self, waiting: bool) -> None:
+        if self.slots is not None:
+            self.slots.set_waiting(waiting)
 
     # -- the workers ------------------------------------------------------------------------------------
     def _work_loop(self) -> None:
         while True:
             with self._lock:
-                idle_until = time.monotonic() + self.idle_s
-                while (job := self._take()) is None:
-                    left = idle_until - time.monotonic()
-                    if self._closing or left <= 0:
-                        self._workers -= 1
-                        return
-                    self._idle += 1
-                    self._work.wait(timeout=left)
-                    self._idle -= 1
+                job = self._next_job()
+            if job is None:
+                return
             download, part = job
             try:
                 self._fetch(download, part)
@@ -335,9 +381,40 @@ class DownloadEngine:
                         download.error = _naming_the_part(exc, download, part)
             finally:
                 with self._lock:
+                    if part.slot is not None and self.slots is not None:
+                        self.slots.give_back(part.slot)
                     download.running -= 1
                     download._progress.notify_all()
                     self._work.notify_all()
+
+    def _next_job(self) -> tuple[Download, _Part] | None:
+        """Under the lock: wait for a part to run (and its node slot); None when this worker
+        ends (idle for `idle_s`, or the engine closing). A worker never ends while a part
+        waits for a slot: no other event would start it."""
+        idle_until = time.monotonic() + self.idle_s
+        while (job := self._take()) is None:
+            if self._slot_wanted:
+                polling = not self._slot_poller  # one poller per process; the rest are woken
+                self._slot_poller = self._slot_poller or polling
+                self._idle += 1
+                self._work.wait(timeout=_SLOT_POLL_S if polling else _SLOT_RECHECK_S)
+                self._idle -= 1
+                if polling:
+                    self._slot_poller = False
+                    if self.slots is not None:
+                        self.slots.look_again()
+                idle_until = time.monotonic() + self.idle_s
+                continue
+            left = idle_until - time.monotonic()
+            if self._closing or left <= 0:
+                self._workers -= 1
+                return None
+            self._idle += 1
+            self._work.wait(timeout=left)
+            self._idle -= 1
+        if self._slot_poller is False and self.slots is not None:
+            self._work.notify()  # another waiter looks again, and polls if parts still wait for slots
+        return job
 
     def _fetch(self, download: Download, part: _Part) -> None:
         """One part: a ranged GET written at its offset; the last part of a whole object asks for

@@ -25,6 +25,7 @@ from dlstore.cache.partial import SampleRange, write_verified_range
 from dlstore.cache.policy import HintWriter, read_next_use, victim_order
 from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
 from dlstore.cache.runtime import _Runtime
+from dlstore.cache.slots import node_slots
 from dlstore.errors import ConfigError, NoSpace, TransientError
 from dlstore.storage.base import Store
 
@@ -257,7 +258,7 @@ class ShardCache:
                 rt = self._rt = _Runtime()  # new process: fresh counters, no thread
             if not rt.started:
                 self._start()
-                rt.engine = DownloadEngine(self.config.connections)
+                rt.engine = DownloadEngine(self.config.connections, slots=node_slots(self.config))
                 rt.started = True
                 _live_caches.add(self)
         return rt
