@@ -6,6 +6,9 @@ a ratio taken within one round is the trustworthy figure, the spread over rounds
 
 * single-core: dlstore's own per-sample work (`SamplePath.decode` + `.augment`, the stages
   the loader runs) in this one process; x cores it is the ceiling of the goal.
+* parallel_processes: the same work in one forked process per core at once, no loader at
+  all: what this box gives for perfectly parallel work (shared caches, memory bandwidth,
+  a VM's cores), i.e. the ceiling any loader can reach here.
 * dlstore_threads / dlstore_processes: `dlstore.Loader(..., device="cpu", dtype="uint8")`
   with the thread engine (decode threads in the training process) and the process engine
   (DataLoader worker processes). A dlstore without `engine=` runs the process engine only.
@@ -280,6 +283,8 @@ def loader_makers(data: Data, args, engines: list[str], wds_decode: str) -> dict
 def measure_round(makers: dict[str, Callable[[], Candidate]], path, samples, args) -> dict[str, RunTimes]:
     single = bench_loader.single_core_rate(path, samples)
     measured = {"single_core": RunTimes(single.images_per_s, single.cpu_ms_per_image, 0.0, 0.0, [])}
+    parallel = bench_loader.ceiling_rate(path, samples, len(os.sched_getaffinity(0)))
+    measured["parallel_processes"] = RunTimes(parallel.images_per_s, parallel.cpu_ms_per_image, 0.0, 0.0, [])
     for name, make in makers.items():
         measured[name] = time_run(make, args.epochs)
     return measured
@@ -369,12 +374,16 @@ def summarize(rounds: list[dict[str, RunTimes]], cores: int) -> tuple[dict, dict
         }
         for name in rounds[0]
     }
-    loaders["single_core"] = {key: loaders["single_core"][key] for key in ("images_per_s", "cpu_ms_per_image")}
+    for name in ("single_core", "parallel_processes"):
+        loaders[name] = {key: loaders[name][key] for key in ("images_per_s", "cpu_ms_per_image")}
     ratios = {}
     for name in (n for n in rounds[0] if n.startswith("dlstore_")):
-        for peer, scale in (("webdataset", 1), ("folder", 1), ("single_core", cores)):
+        for peer, scale in (("webdataset", 1), ("folder", 1), ("single_core", cores), ("parallel_processes", 1)):
             values = [r[name].images_per_s / (r[peer].images_per_s * scale) for r in rounds]
             ratios[f"{name} / {'cores x single_core' if scale != 1 else peer}"] = spread(values)
+    ratios["parallel_processes / cores x single_core"] = spread(
+        [r["parallel_processes"].images_per_s / (r["single_core"].images_per_s * cores) for r in rounds]
+    )
     return loaders, ratios
 
 
