@@ -19,7 +19,7 @@ import torch
 
 from dlstore.cache import CacheConfig, SampleRange, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
-from dlstore.errors import ConfigError, FormatError, NotFound
+from dlstore.errors import ConfigError, DlstoreError
 from dlstore.manifest import Manifest, checksum_of, load_sample_index
 from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
 from dlstore.sample_path import BatchRequest, SamplePath, StageClock
@@ -138,7 +138,7 @@ class Dataset(torch.utils.data.Dataset):
             info = self.manifest.shards[shard]
             try:
                 index = load_sample_index(self.store, info) if info.index is not None else None
-            except (FormatError, NotFound) as exc:
+            except DlstoreError as exc:  # damaged, missing, or the store failed for good: fetched whole
                 log.warning("shard %r is fetched whole on this node: %s", info.name, exc)
                 continue
             if index is None or index.version < 2:

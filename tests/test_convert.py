@@ -596,10 +596,11 @@ def test_a_rerun_upgrades_version_1_indexes_without_rebuilding_the_tars(data, tm
     for shard in first.manifest.shards:  # as a dlstore before sample digests wrote them
         index = load_sample_index(store, shard)
         store.put(shard.index, SampleIndex(index.offsets, index.shard_size, index.sha256, index.recipe).to_bytes())
-    damaged = first.manifest.shards[0].name  # a tar that is not the one its index describes
-    store.put(damaged, tars[damaged][:600] + bytes([tars[damaged][600] ^ 1]) + tars[damaged][601:])
+    # Tars that are not the ones their indexes describe: a byte of a sample, a byte of a header.
+    for shard, at in ((first.manifest.shards[0].name, 600), (first.manifest.shards[1].name, 10)):
+        store.put(shard, tars[shard][:at] + bytes([tars[shard][at] ^ 1]) + tars[shard][at + 1 :])
     again = convert("imagenet", made.root, url, options)
-    assert again.shards_reused == first.shards - 1 and again.shards_written == 1  # only the damaged one
+    assert again.shards_reused == first.shards - 2 and again.shards_written == 2  # only the damaged ones
     _check_sample_digests(store, again.manifest)
     assert {s.name: store.get_bytes(s.name) for s in again.manifest.shards} == tars
     assert [(s.name, s.size, s.checksum) for s in again.manifest.shards] == [  # what a resume checks

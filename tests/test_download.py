@@ -552,3 +552,69 @@ def test_a_process_killed_while_holding_a_slot_blocks_nobody(tmp_path):
         assert read(cache.fetch(*spec)) == contents[spec[0]]
     assert store.most_running == 1  # 5 parts a shard, one at a time under the cap
     cache.close()
+
+
+def test_a_reader_still_gets_a_slot_when_the_waiting_file_cannot_be_opened(tmp_path, caplog):
+    """A reader marks itself waiting for a node slot in a file it opens when first needed; if
+    that fails (no descriptors left, a full disk), the reader loses its precedence over
+    prefetches but its download still completes once a slot frees (it used to kill the
+    worker thread and leave `wait` blocked forever)."""
+    specs, contents = make_remote(tmp_path / "remote", [3 * 2**20])
+    name, size = specs[0][0], specs[0][1]
+    cache_dir = tmp_path / "cache"
+    (cache_dir / "slots" / "readers-waiting.lock").mkdir(parents=True)  # opening it fails
+    other_process = NodeSlots(str(cache_dir), 2)
+    held = [other_process.try_take(urgent=True) for _ in range(2)]
+    assert None not in held
+    engine = DownloadEngine(4, slots=NodeSlots(str(cache_dir), 2))
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    download = engine.start(
+        LocalStore(str(tmp_path / "remote")), name, fd, size, priority=0, parts_in_flight=2, part_size=2**20
+    )
+    errors = []
+    waiter = threading.Thread(target=lambda: errors.append(download.wait()), daemon=True)
+    waiter.start()
+    time.sleep(0.3)  # the reader's parts wait for a slot
+    for index in held:
+        other_process.give_back(index)
+    waiter.join(10)
+    try:
+        assert not waiter.is_alive(), "the download never completed"
+        assert errors == [None] and download.error is None
+        assert os.pread(fd, size, 0) == contents[name]
+        assert "cannot mark a reader waiting" in caplog.text
+    finally:
+        engine.close()
+        other_process.close()
+        os.close(fd)
+
+
+def _open_slot_files(cache_dir) -> int:
+    """This process's descriptors of the node slot files of the cache in `cache_dir`."""
+    slots, count = os.path.join(os.path.realpath(cache_dir), "slots") + os.sep, 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(slots)
+        except OSError:  # the listing's own descriptor, gone
+            pass
+    return count
+
+
+def _slot_files_after_first_use(cache: ShardCache, spec, out) -> None:
+    cache.fetch(*spec)  # a hit: this process's own engine opens no slot file for it
+    out.put(_open_slot_files(cache.config.cache_dir))
+
+
+def test_slot_files_close_with_the_cache_and_a_forked_child_drops_the_parent_s(tmp_path):
+    specs, _ = make_remote(tmp_path / "remote", [20_000])
+    cache = ShardCache(parts_config(tmp_path, node_connections=4), PartStore(str(tmp_path / "remote")))
+    cache.fetch(*specs[0])
+    assert _open_slot_files(tmp_path / "cache") > 0
+    out = FORK.Queue()
+    child = FORK.Process(target=_slot_files_after_first_use, args=(cache, specs[0], out))
+    child.start()
+    in_child = out.get(timeout=30)
+    child.join(10)
+    assert in_child == 0  # the inherited descriptors are closed (the parent's locks stay)
+    cache.close()
+    assert _open_slot_files(tmp_path / "cache") == 0

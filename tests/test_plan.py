@@ -767,10 +767,12 @@ def test_nodes_fetch_their_share_over_swift(swift_server, swift_container, tmp_p
     assert whole == (index_version == 1)
 
 
-def _file_dataset(tmp_path, lose_index: bool = False):
+def _file_dataset(tmp_path, lose_index: bool = False, unreadable_index: bool = False):
     """The middle node of 3 (one rank each) over a file:// dataset of 30 samples in shards of 4:
     one or two boundary shards. With `lose_index`, the first one's sample index is deleted from
-    the store before the dataset opens. Returns the dataset and the boundary shards."""
+    the store before the dataset opens; with `unreadable_index`, the store fails to read it (a
+    directory in its place: an error other than not-found). Returns the dataset and the
+    boundary shards."""
     url = f"file://{tmp_path}/data"
     made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=10, image_size=(24, 20), formats=("jpg",))
     manifest = convert("imagefolder", made.root, url, ConvertOptions(samples_per_shard=4, workers=1)).manifest
@@ -778,8 +780,10 @@ def _file_dataset(tmp_path, lose_index: bool = False):
     sizes = [s.samples for s in manifest.shards]
     partial = node_ranges(sizes, PlanConfig(seed=5, batch_size=3), world).partial_shards(sizes)
     assert partial  # 10 samples a node, cut from shards of 4
-    if lose_index:
+    if lose_index or unreadable_index:
         open_store(url).delete(manifest.shards[min(partial)].index)
+    if unreadable_index:
+        (tmp_path / "data" / manifest.shards[min(partial)].index).mkdir()
     ds = dlstore.Dataset(
         url,
         world=world,
@@ -793,12 +797,14 @@ def _file_dataset(tmp_path, lose_index: bool = False):
     return ds, partial
 
 
-def test_a_missing_sample_index_keeps_its_boundary_shard_whole(tmp_path, caplog):
-    """A boundary shard whose sample index is gone from the store (the manifest still names it)
-    is fetched whole, with a warning, as one whose index fails its checksum: the dataset still
-    opens and reads every sample of the node (before, `Dataset` raised `NotFound`)."""
+@pytest.mark.parametrize("damage", ["lose_index", "unreadable_index"])
+def test_a_missing_sample_index_keeps_its_boundary_shard_whole(tmp_path, caplog, damage):
+    """A boundary shard whose sample index is gone from the store (the manifest still names it),
+    or that the store fails to read, is fetched whole, with a warning, as one whose index fails
+    its checksum: the dataset still opens and reads every sample of the node (before, `Dataset`
+    raised `NotFound`, or the store's error)."""
     caplog.set_level(logging.WARNING, logger="dlstore.dataset")
-    ds, partial = _file_dataset(tmp_path, lose_index=True)
+    ds, partial = _file_dataset(tmp_path, **{damage: True})
     lost, kept = min(partial), set(partial) - {min(partial)}
     assert set(ds.samples.partial) == kept
     assert ds.manifest.shards[lost].name in caplog.text

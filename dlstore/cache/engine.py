@@ -166,6 +166,7 @@ class Download:
         self.error: BaseException | None = None
         self.cancelled = False
         self.started = self.last_write = time.monotonic()
+        self.first_part_at: float | None = None  # when its first GET began (queueing excluded)
         self._lock = lock  # the engine's: parts are claimed and counted under it
         self._on_done = on_done
         self._progress = threading.Condition(lock)
@@ -181,6 +182,8 @@ class Download:
         return not self.parts or self._next_offset() < self.size
 
     def _claim(self, length: int) -> _Part:
+        if self.first_part_at is None:
+            self.first_part_at = time.monotonic()
         start = self._next_offset()
         part = _Part(len(self.parts), start, min(self.size, start + max(length, 1)), start)
         self.parts.append(part)
@@ -265,6 +268,7 @@ class DownloadEngine:
         self._idle = 0
         self._closing = False
         self.most_running = 0  # the most parts running at once (connections), for the cache's stats
+        self._waiting_failed = False  # the node slots' waiting file could not be used (logged once)
         self.shard_rate: float | None = None  # bytes/s a whole shard's download has been getting, smoothed
 
     def start(
@@ -307,6 +311,8 @@ class DownloadEngine:
         """Let idle workers end now (running parts finish; a later `start` makes new workers)."""
         with self._lock:
             self._closing = True
+            if self.slots is not None and not any(d.running for d in self._downloads):
+                self.slots.close()  # its files (reopened if the engine starts again)
             self._work.notify_all()
 
     # -- under the lock --------------------------------------------------------------------------------
@@ -319,7 +325,8 @@ class DownloadEngine:
     def _forget(self, download: Download) -> None:
         if download in self._downloads:
             self._downloads.remove(download)
-            seconds = time.monotonic() - download.started
+            # From its first GET: time queued behind other downloads or node slots is not the link's.
+            seconds = time.monotonic() - (download.first_part_at or download.started)
             if not download.stopped and download.size >= _MIN_SAMPLE_BYTES and seconds > 0.005:
                 rate = download.size / seconds
                 self.shard_rate = rate if self.shard_rate is None else 0.7 * self.shard_rate + 0.3 * rate
@@ -362,14 +369,24 @@ class DownloadEngine:
         return slot
 
     def _set_reader_waiting(self, waiting: bool) -> None:
-        if self.slots is not None:
+        if self.slots is None:
+            return
+        try:
             self.slots.set_waiting(waiting)
+        except OSError as exc:  # e.g. no descriptors left: readers lose their precedence, nothing hangs
+            if not self._waiting_failed:
+                log.warning("cache: cannot mark a reader waiting for a node slot (%s); prefetches may go first", exc)
+            self._waiting_failed = True
 
     # -- the workers ------------------------------------------------------------------------------------
     def _work_loop(self) -> None:
         while True:
             with self._lock:
-                job = self._next_job()
+                try:
+                    job = self._next_job()
+                except BaseException:
+                    self._workers -= 1  # so that `_spawn` replaces this worker
+                    raise
             if job is None:
                 return
             download, part = job

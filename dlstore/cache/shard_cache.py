@@ -255,6 +255,8 @@ class ShardCache:
         with _runtime_lock:
             rt = self._rt
             if rt is None or rt.pid != os.getpid():
+                if rt is not None and rt.engine is not None and rt.engine.slots is not None:
+                    rt.engine.slots.forget_after_fork()  # the parent's descriptors, not its locks
                 rt = self._rt = _Runtime()  # new process: fresh counters, no thread
             if not rt.started:
                 self._start()

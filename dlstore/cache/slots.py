@@ -23,10 +23,11 @@ reader waiting for another process's prefetch of the same shard (the cache's per
 lock) does not hurry that download, which still yields to other readers' parts.
 
 Not thread-safe: the `DownloadEngine` calls it under its own lock. Its descriptors are
-opened when first needed and kept; an engine (and so this) is made anew in each process.
-A forked child inherits the descriptors, and so keeps a slot its parent held at the fork
-locked after the parent dies, until the child exits too (a DataLoader worker ends with its
-parent). All the processes sharing a directory should use the same count.
+opened when first needed and closed when the engine closes with no part running; an engine
+(and so this) is made anew in each process. A forked child closes the descriptors it
+inherited when it first uses the cache (`forget_after_fork`); until then it keeps a slot its
+parent held at the fork locked, even after the parent dies. All the processes sharing a
+directory should use the same count.
 """
 
 from __future__ import annotations
@@ -113,6 +114,18 @@ class NodeSlots:
             if fd is not None:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 os.close(fd)
+        self._waiting_fd = self._probe_fd = None
+        self._held.clear()
+        self.waiting = False
+
+    def forget_after_fork(self) -> None:
+        """In a forked child, before it makes its own: close the descriptors inherited from the
+        parent without unlocking them (an unlock would free the parent's slots; closing this
+        copy does not, the parent's descriptors still hold them)."""
+        for fd in (*self._fds, self._waiting_fd, self._probe_fd):
+            if fd is not None:
+                os.close(fd)
+        self._fds = [None] * self.count
         self._waiting_fd = self._probe_fd = None
         self._held.clear()
         self.waiting = False

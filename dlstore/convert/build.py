@@ -25,7 +25,7 @@ from dlstore.convert.encode import encode_input
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
 from dlstore.convert.shard_plan import ShardTask, sample_key, sample_metadata
-from dlstore.errors import CorruptSample, DlstoreError, FormatError, NotFound
+from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, FormatError, NotFound
 from dlstore.manifest import SampleIndex, ShardInfo, checksum_of, index_name, sample_digest
 from dlstore.shards import TarShardWriter, scan_shard
 from dlstore.storage import Store
@@ -171,7 +171,7 @@ def _upgraded_index(store: Store, task: ShardTask, old: SampleIndex) -> Built | 
     log.info("%s: its sample index has no sample digests (version 1); adding them", task.name)
     try:
         index = scan_shard(store.get(task.name), sample_digests=True)
-    except FormatError:
+    except (FormatError, CorruptShard):  # a damaged tar: rebuilt
         index = None
     if index is None or index.sha256 != old.sha256 or not np.array_equal(index.offsets, old.offsets):
         log.warning("%s: the tar differs from its version 1 index; rebuilding it", task.name)
