@@ -17,7 +17,7 @@ import time
 
 import pytest
 from bench_cache_policy import write_bench_dataset
-from test_cache import FORK, cached_names, config, make_remote, read
+from test_cache import FORK, _fetch_under_file_size_limit, cached_names, config, make_remote, read
 
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache
@@ -228,21 +228,6 @@ def test_a_size_other_than_the_manifest_is_corrupt_with_parts(tmp_path, parts_re
         cache.fetch(name, size, checksum)
     assert len(store.reads_of(name)) <= -(-size // 4096)  # no second fetch: the sizes disagree
     assert os.listdir(tmp_path / "cache" / "tmp") == []
-
-
-def _fetch_under_file_size_limit(cache, spec, max_file_bytes, result_path):
-    import resource
-    import signal
-
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
-    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
-    try:
-        cache.fetch(*spec)
-        outcome = "fetched"
-    except BaseException as exc:
-        outcome = f"{type(exc).__name__}: {exc}"
-    with open(result_path, "w") as file:
-        file.write(outcome[:300])
 
 
 def test_a_full_disk_mid_download_leaves_no_partial_file(tmp_path, parts_remote):
