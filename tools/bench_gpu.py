@@ -22,6 +22,7 @@ Example (one GPU node; about 5 minutes on an H100 with 16 cores)::
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -46,14 +47,24 @@ def _make_part(args: tuple[str, int, int, tuple[int, int], int]) -> None:
 
 def make_dataset(workdir: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> str:
     """Generated in `procs` parts (other seeds, same classes), merged into one ImageFolder-like
-    train tree, converted to `file://workdir/store/train`."""
+    train tree, converted to `file://workdir/store/train`. A tree already there is reused
+    (its conversion finishes where it stopped)."""
     from dlstore.convert import ConvertOptions, convert
 
+    train = workdir / "source" / "train"
+    url = f"file://{workdir}/store/train"
+    if not train.is_dir():
+        _generate(train, images, classes, size, procs)
+    convert("imagefolder", train, url, ConvertOptions(shard_size=64 * 10**6, workers=procs))
+    return url
+
+
+def _generate(train: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> None:
+    workdir = train.parent.parent
     per_part = max(1, images // (classes * procs))
     parts = [(str(workdir / f"part{i}"), classes, per_part, size, i) for i in range(procs)]
     with ProcessPoolExecutor(procs) as pool:
         list(pool.map(_make_part, parts))
-    train = workdir / "source" / "train"
     for number, (root, *_rest) in enumerate(parts):
         for class_dir in sorted((Path(root) / "train").iterdir()):
             target = train / class_dir.name
@@ -61,17 +72,15 @@ def make_dataset(workdir: Path, images: int, classes: int, size: tuple[int, int]
             for image in class_dir.iterdir():
                 image.rename(target / f"p{number}_{image.name}")
         shutil.rmtree(root)
-    url = f"file://{workdir}/store/train"
-    convert("imagefolder", train, url, ConvertOptions(shard_size=64 * 10**6, workers=procs))
-    return url
 
 
-def fed_rate(url: str, workdir: Path, args, decode_on: str) -> dict:
+def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict:
     """`dlstore train` from the shards; img/s and data wait over the records after warm-up."""
     from dlstore.config import DataConfig
     from dlstore.train import TrainConfig, main, read_metrics
 
-    out = workdir / f"run-{decode_on}"
+    out = workdir / f"run-{decode_on}-{engine}"
+    shutil.rmtree(out, ignore_errors=True)  # a run of this script before: not resumed
     data = DataConfig.from_env(
         url, batch_size=args.batch_size, workers=args.workers, cache_dir=str(workdir / "cache"), decode_on=decode_on
     )
@@ -81,6 +90,7 @@ def fed_rate(url: str, workdir: Path, args, decode_on: str) -> dict:
         model=args.model,
         device=args.device,
         compile=args.compile,
+        engine=engine,
         epochs=10**6,
         max_steps=args.steps,
         warmup_epochs=0,
@@ -91,15 +101,18 @@ def fed_rate(url: str, workdir: Path, args, decode_on: str) -> dict:
     started = time.perf_counter()
     code = main(cfg)
     if code != 0:
-        raise SystemExit(f"training with decode_on={decode_on} exited {code}")
+        raise SystemExit(f"training with decode_on={decode_on}, engine={engine} exited {code}")
     records = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["split"] == "train"]
     timed = [r for r in records if r["step"] > args.skip_steps and r.get("img_per_s")]
     # Within epochs: each epoch's first window holds the restart of the DataLoader workers
     # (about one batch's decode time). A real epoch (ImageNet: 5,000 steps) hides it; the
     # 30-odd steps of this dataset's epochs would not.
     within = [r for r, before in zip(records[1:], records) if r in timed and r["epoch"] == before["epoch"]]
+    if not within:
+        raise SystemExit(f"no metrics record after step {args.skip_steps} within an epoch: more --steps")
     return {
         "decode_on": decode_on,
+        "engine": engine,
         **_rate(within, args.batch_size),
         "with_epoch_starts": _rate(timed, args.batch_size),
         "run_seconds": time.perf_counter() - started,
@@ -136,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (both sides)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run of this script")
     parser.add_argument("--decode", default="worker,device", help="decode modes to run, comma-separated")
+    parser.add_argument(
+        "--engines", default="auto", help="loader engines to run (auto, threads, processes), comma-separated"
+    )
     parser.add_argument("--workdir", help="keep the data here (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
@@ -175,12 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"synthetic: {demand.images_per_s:,.0f} img/s ({demand.precision}, channels_last)", flush=True)
 
         result["fed"] = []
-        for mode in args.decode.split(","):
-            fed = fed_rate(url, workdir, args, mode)
+        for mode, engine in itertools.product(args.decode.split(","), args.engines.split(",")):
+            fed = fed_rate(url, workdir, args, mode, engine)
             fed["vs_synthetic"] = fed["images_per_s"] / demand.images_per_s
             result["fed"].append(fed)
             print(
-                f"fed, decode on {mode}: {fed['images_per_s']:,.0f} img/s = {fed['vs_synthetic']:.3f} of synthetic, "
+                f"fed, decode on {mode}, {engine}: {fed['images_per_s']:,.0f} img/s = {fed['vs_synthetic']:.3f} of synthetic, "
                 f"loop waited for data {fed['data_wait_pct']:.1f}% of the time "
                 f"(with epoch starts: {fed['with_epoch_starts']['images_per_s']:,.0f} img/s)",
                 flush=True,
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'run':<28}{'img/s':>10}{'/ synthetic':>13}{'waited for data':>17}")
     print(f"  {'synthetic (no data path)':<28}{demand.images_per_s:>10,.0f}{1:>13.3f}{'-':>17}")
     for fed in result["fed"]:
-        label = f"dlstore, decode on {fed['decode_on']}"
+        label = f"decode on {fed['decode_on']}, {fed['engine']}"
         print(f"  {label:<28}{fed['images_per_s']:>10,.0f}{fed['vs_synthetic']:>13.3f}{fed['data_wait_pct']:>16.1f}%")
     print("  goal: dlstore-fed >= 0.95 of synthetic")
     if args.json:

@@ -415,7 +415,9 @@ def print_report(results: dict, cores: int) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=5000, help="JPEGs generated (10 classes)")
-    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument(
+        "--shards", type=int, help="default: 8, or one per worker (WebDataset needs a shard for each worker)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved runs")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per run, after 1 warm-up epoch")
     parser.add_argument("--workers", type=int, default=2, help="decode threads / worker processes of every loader")
@@ -432,6 +434,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**QUICK)  # what the command line gives explicitly still wins
     args = parser.parse_args(argv)
+    if args.shards is None:
+        args.shards = max(8, args.workers, args.rss_workers)
     if min(args.rounds, args.epochs, args.workers, args.batch_size, args.shards, args.rss_workers) < 1:
         parser.error("--rounds, --epochs, --workers, --batch-size, --shards and --rss-workers must be at least 1")
     if args.images < 10 * args.shards:
