@@ -97,7 +97,8 @@ def test_prefetcher_on_cuda_gives_the_cpu_result_in_bf16_channels_last():
         torch.testing.assert_close(b["images"].float().cpu(), a["images"].float(), atol=0.02, rtol=0.01)
 
 
-def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_url, tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["auto", "threads"])  # auto: worker processes on CUDA
+def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_url, tmp_path, monkeypatch, engine):
     """32 samples in batches of 4 through 1 worker x prefetch 1: 3 slots, each reused often.
     Each copy out of a slot is queued behind a ~10 ms sleep on the side stream, so a slot
     handed back to a worker before its copy ran would be overwritten first."""
@@ -115,12 +116,14 @@ def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_ur
             _dataset(local_url, tmp_path),
             num_workers=1,
             device=device,
+            engine=engine if device == "cuda" else "threads",
             normalize=False,
             prefetch_factor=1,
             device_lookahead=2,
         )
         if device == "cuda":
             assert loader.slots is not None and loader.slots.page_locked
+            assert loader.cfg.engine == ("processes" if engine == "auto" else "threads")
         runs[device] = _passes(loader)
         loader.close()
     assert len(runs["cpu"]) == len(runs["cuda"]) == 3 + 2 * 8

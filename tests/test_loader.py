@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import dlstore
 from dlstore.cache import cache_report
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptSample
+from dlstore.loader import LoaderConfig, choose_engine
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.world import World
@@ -584,3 +586,46 @@ def test_thread_engine_batches_equal_the_sample_paths_own(tmp_path):
             assert torch.equal(images.permute(0, 2, 3, 1), expected["images"])
     assert ds.corrupt_samples == 2
     loader.close()
+
+
+def test_auto_engine_is_threads_on_the_cpu_and_processes_for_a_gpu_with_room_in_shm(local_dataset, tmp_path, caplog):
+    """`engine="auto"`: decode threads where no GPU training loop shares their GIL; worker
+    processes for a GPU, unless the shared memory they hand batches through (here a real file
+    system's free space) cannot hold the batches in flight: then threads, with a warning."""
+    url, _ = local_dataset
+    small = _dataset(url, tmp_path)
+    assert dlstore.Loader(small, num_workers=2, device="cpu").cfg.engine == "threads"
+    gpu = torch.device("cuda")
+    cfg = LoaderConfig(num_workers=2, device="cuda")
+    assert choose_engine(small, cfg, torch.device("cpu"), shm=str(tmp_path)) == "threads"
+    assert choose_engine(small, cfg, gpu, shm=str(tmp_path)) == "processes"
+    assert choose_engine(small, LoaderConfig(num_workers=0), gpu, shm=str(tmp_path)) == "threads"
+    # 130 batches of 4096 x 1024 px in flight: ~1.7 TB, more than this disk has free.
+    huge = _dataset(url, tmp_path, batch_size=4096, image_size=1024)
+    with caplog.at_level(logging.WARNING, logger="dlstore.loader.loader"):
+        assert choose_engine(huge, LoaderConfig(num_workers=64, device="cuda"), gpu, shm=str(tmp_path)) == "threads"
+    assert "decode threads instead" in caplog.text and "--shm-size" in caplog.text
+    # Device decode hands the JPEGs over, not the images: the same batches need far less.
+    jpegs = _dataset(url, tmp_path, batch_size=4096, image_size=1024, decode_on="device")
+    assert choose_engine(jpegs, LoaderConfig(num_workers=64, device="cuda"), gpu, shm=str(tmp_path)) == "processes"
+    assert choose_engine(small, cfg, gpu, shm=str(tmp_path / "missing")) == "threads"
+
+
+def test_workers_from_a_fork_server_deliver_what_forked_workers_do(local_dataset, tmp_path):
+    """The trainer starts its worker processes from a fork server (its process runs threads);
+    float32 batches on the CPU go through the shared batch slots, as they do to a GPU."""
+    url, _ = local_dataset
+    runs = []
+    for start_method in ("fork", "forkserver"):
+        ds = _dataset(url, tmp_path)
+        with dlstore.Loader(ds, num_workers=2, device="cpu", engine="processes", start_method=start_method) as loader:
+            assert loader.slots is not None
+            epochs = []
+            for epoch in range(2):
+                loader.set_epoch(epoch)
+                epochs.append([(images.clone(), meta["keys"]) for images, _, meta in loader])
+            runs.append(epochs)
+    for forked, served in zip(*runs):
+        assert [keys for _, keys in forked] == [keys for _, keys in served]
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(forked, served))
+    assert len({k for _, keys in runs[1][0] for k in keys}) == 23

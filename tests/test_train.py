@@ -175,9 +175,13 @@ def test_sigterm_mid_epoch_then_resume_auto_matches_uninterrupted_run(tmp_path):
     assert stopped["loader"]["epoch"] == 1
     assert sum(s["steps"] for s in stopped["loader"]["history"]) == stopped["step"] - steps_per_epoch
 
-    # Restarted with the same command line: it resumes from that checkpoint.
-    assert wait_all(launch_ranks(args("b"), 2, tmp_path / "b", env), tmp_path / "b") == [0, 0], logs(tmp_path / "b")
+    # Restarted with the same command line, but worker processes (started by a fork server, as
+    # the trainer starts them) where the threads ran: it resumes from that checkpoint, and the
+    # engine changes nothing of what is trained.
+    restart = [*args("b"), "--engine", "processes"]
+    assert wait_all(launch_ranks(restart, 2, tmp_path / "b", env), tmp_path / "b") == [0, 0], logs(tmp_path / "b")
     assert "resumed from" in (tmp_path / "b" / "rank0.log").read_text()
+    assert "train: engine processes, 1 workers" in (tmp_path / "b" / "rank0.log").read_text()
 
     reference = train_records(tmp_path / "a" / "out" / "metrics.jsonl")
     resumed = train_records(metrics)

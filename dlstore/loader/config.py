@@ -7,24 +7,32 @@ from dataclasses import dataclass
 from dlstore.errors import ConfigError
 from dlstore.world import World, available_cores
 
-__all__ = ["ENGINES", "LoaderConfig", "default_workers"]
+__all__ = ["ENGINES", "START_METHODS", "LoaderConfig", "default_workers"]
 
-# "threads": decode threads in the training process (the default: no fork, no /dev/shm, no
-# per-batch hand-off); "processes": DataLoader worker processes, for transforms that hold the GIL.
+# "threads": decode threads in the training process (no fork, no /dev/shm, no per-batch
+# hand-off); "processes": DataLoader worker processes. `LoaderConfig.engine="auto"` picks one
+# per loader (`dlstore.loader.loader.choose_engine`).
 ENGINES = ("threads", "processes")
+# How the process engine starts its workers: None is torch's default (fork on Linux);
+# "forkserver" and "spawn" start them from a fresh interpreter, not from this process's threads.
+START_METHODS = (None, "fork", "forkserver", "spawn")
 
 
 @dataclass(frozen=True)
 class LoaderConfig:
     """`num_workers`: decode threads (thread engine) or worker processes (process engine).
 
+    `engine="auto"` is resolved by the `Loader`: worker processes when the batches go to a GPU,
+    decode threads otherwise (why: `choose_engine`).
+
     >>> LoaderConfig(num_workers=4, device="cpu", dtype="uint8").engine
-    'threads'
+    'auto'
     """
 
     num_workers: int = 8
     device: str = "cuda"
-    engine: str = "threads"
+    engine: str = "auto"
+    start_method: str | None = None
     # Batches decoded ahead (per worker for the process engine), and batches copied to the
     # device ahead of the loop.
     prefetch_factor: int = 2
@@ -38,8 +46,10 @@ class LoaderConfig:
     shared_slots: bool = True
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise ConfigError(f"engine must be one of {ENGINES}, not {self.engine!r}")
+        if self.engine not in ("auto", *ENGINES):
+            raise ConfigError(f"engine must be 'auto' or one of {ENGINES}, not {self.engine!r}")
+        if self.start_method not in START_METHODS:
+            raise ConfigError(f"start_method must be one of {START_METHODS}, not {self.start_method!r}")
         if self.num_workers < 0 or self.prefetch_factor < 1 or self.device_lookahead < 0:
             raise ConfigError("num_workers and device_lookahead must not be negative, prefetch_factor at least 1")
 

@@ -1,6 +1,7 @@
 """The process engine: DataLoader worker processes, each building whole batches.
 
-For Python-heavy custom transforms that hold the GIL. The main process owns the epoch plan:
+The default for a GPU (`choose_engine`: decode threads would share the training loop's GIL),
+and for Python-heavy custom transforms that hold the GIL. The main process owns the epoch plan:
 a sampler walks this rank's batches in order and hands each worker a whole batch request;
 persistent workers decode and collate into a slot of a shared-memory ring (`BatchSlots`,
 page-locked on a GPU node); the DataLoader returns batches in plan order.
@@ -89,6 +90,7 @@ class ProcessEngine:
             pin_memory=torch.device(cfg.device).type == "cuda",
             timeout=cfg.timeout_s,
             worker_init_fn=_ignore_stop_signals,
+            multiprocessing_context=cfg.start_method if workers > 0 else None,
             # Its own generator: starting workers must not draw from the training loop's RNG.
             generator=torch.Generator().manual_seed(dataset.cfg.seed),
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 from dlstore.config import DataConfig
 from dlstore.errors import ConfigError
+from dlstore.loader.config import ENGINES
 
 __all__ = ["TrainConfig", "add_train_arguments", "config_from_args", "image_size_for_epoch"]
 
@@ -43,7 +44,8 @@ class TrainConfig:
     compile: bool = False
     sync_bn: bool = False
 
-    # data beyond `data`: evaluation and progressive resizing
+    # data beyond `data`: the loader's engine, evaluation and progressive resizing
+    engine: str = "auto"  # worker processes on a GPU, decode threads on the CPU (dlstore.loader.choose_engine)
     eval_image_size: int | None = None  # default: image_size
     # Progressive resizing (FFCV): image size ramps linearly from resize_min at
     # resize_start_epoch to image_size at resize_end_epoch, in steps of resize_step pixels.
@@ -89,6 +91,8 @@ class TrainConfig:
             object.__setattr__(self, "data", DataConfig(self.data))
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {self.device!r}")
+        if self.engine not in ("auto", *ENGINES):
+            raise ConfigError(f"engine must be 'auto' or one of {ENGINES}, not {self.engine!r}")
         if self.amp not in _AMP:
             raise ConfigError(f"amp must be one of {_AMP}, not {self.amp!r}")
         if self.schedule not in _SCHEDULES:
@@ -172,6 +176,11 @@ _CLI: dict[str, tuple[Any, str]] = {
     "channels_last": (bool, "NHWC memory layout for the model and the batches"),
     "compile": (bool, "torch.compile the model"),
     "sync_bn": (bool, "synchronise BatchNorm statistics across ranks"),
+    "engine": (
+        str,
+        "auto (worker processes when training on a GPU, decode threads on the CPU), threads "
+        "(decode threads in the training process) or processes (DataLoader worker processes)",
+    ),
     "eval_image_size": (int, "evaluation resolution (default: --image-size)"),
     "resize_min": (int, "progressive resizing: the starting resolution (off when not given)"),
     "resize_start_epoch": (int, "progressive resizing: last epoch at --resize-min"),

@@ -156,13 +156,20 @@ class Trainer:
         # bf16 images straight from the prefetcher: the first convolution under autocast
         # would cast them anyway, and the normalise kernel writes half the bytes.
         dtype = "bfloat16" if self.amp_dtype == torch.bfloat16 else "float32"
-        return Loader(
+        loader = Loader(
             dataset,
             device=str(self.device),
+            engine=self.cfg.engine,
+            # Worker processes from a fresh interpreter: this process runs the cache's and the
+            # store's threads, and a fork can copy a lock one of them holds (a worker that
+            # never starts).
+            start_method="forkserver",
             dtype=dtype,
             channels_last=self.cfg.channels_last,
             shared_slots=shared_slots,
         )
+        log.info("%s: engine %s, %d workers", dataset.cfg.url, loader.cfg.engine, loader.cfg.num_workers)
+        return loader
 
     def _build_parallel_model(self) -> None:
         cfg, ctx = self.cfg, self.ctx
