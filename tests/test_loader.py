@@ -629,3 +629,97 @@ def test_workers_from_a_fork_server_deliver_what_forked_workers_do(local_dataset
         assert [keys for _, keys in forked] == [keys for _, keys in served]
         assert all(torch.equal(a, b) for (a, _), (b, _) in zip(forked, served))
     assert len({k for _, keys in runs[1][0] for k in keys}) == 23
+
+
+def _corrupt_in_first_batches(url, tmp_path, sizes, world):
+    """A dataset of `sizes` whose first batches of epochs 0 and 1 (rank `world.rank`, batch
+    size 7) have a corrupt sample in a chunk before others (rows 1 and 4), as has the first
+    batch of a pass resumed at epoch 1's batch 2 (row 3): the rows after each move up."""
+    write_dataset(open_store(url), sizes)
+    plan_of = _dataset(url, tmp_path / "probe", batch_size=7, world=world).plan
+    ids = [plan_of(0).batch(0)[0][1], plan_of(0).batch(0)[0][4], plan_of(1).batch(0)[0][4], plan_of(1).batch(2)[0][3]]
+    corrupt = frozenset(f"s{int(i):06d}" for i in ids)
+    write_dataset(open_store(url), sizes, corrupt_keys=corrupt)  # the same shard sizes: the same plan
+    return corrupt
+
+
+def _batches(loader, epochs):
+    """Every batch of `epochs`: images (copied), labels, keys, padding."""
+    out = []
+    for epoch in epochs:
+        loader.set_epoch(epoch)
+        out += [(images.clone(), labels, meta["keys"], meta["padding"]) for images, labels, meta in loader]
+    return out
+
+
+@pytest.mark.parametrize(("dtype", "decode_on"), [("float32", "worker"), ("uint8", "worker"), ("uint8", "device")])
+def test_a_first_batch_built_in_chunks_equals_one_built_whole(tmp_path, dtype, decode_on):
+    """The process engine builds each pass's first batch in chunks, one per worker: through
+    the slots (float32), handed over (uint8) or as JPEGs (device decode), with corrupt samples
+    skipped in several chunks, padding (rank 1 of 2) and a resumed pass, every batch equals the
+    whole-batch build's."""
+    url = f"file://{tmp_path}/data"
+    world = World(1, 2, 1)
+    corrupt = _corrupt_in_first_batches(url, tmp_path, [9, 8, 7, 9, 6], world)
+    runs, counted = {}, {}
+    for workers in (0, 3):
+        ds = _dataset(
+            url,
+            tmp_path / str(workers),
+            transform="train",
+            image_size=16,
+            batch_size=7,
+            world=world,
+            decode_on=decode_on,
+        )
+        options = dict(device="cpu", engine="processes", dtype=dtype, normalize=False)
+        with dlstore.Loader(ds, num_workers=workers, **options) as loader:
+            assert (loader.slots is not None) == (workers > 0 and dtype == "float32" and decode_on == "worker")
+            runs[workers] = _batches(loader, [0, 1])
+            counted[workers] = ds.corrupt_samples  # whole epochs (a pass left early may count more)
+            loader.set_epoch(1)
+            for step, _ in enumerate(loader):
+                if step == 1:
+                    break
+            state = loader.state_dict()
+        with dlstore.Loader(ds, num_workers=3, **options) as resumed:
+            resumed.load_state_dict(state)
+            runs[workers] += _batches(resumed, [1])
+    assert len(runs[0]) == len(runs[3]) == 3 + 3 + 1
+    assert counted[0] == counted[3] > 0
+    for (images_a, labels_a, keys_a, padding_a), (images_b, labels_b, keys_b, padding_b) in zip(runs[0], runs[3]):
+        assert keys_a == keys_b and torch.equal(labels_a, labels_b) and torch.equal(padding_a, padding_b)
+        assert images_a.dtype == images_b.dtype and torch.equal(images_a, images_b)
+    delivered = {k for _, _, keys, _ in runs[3] for k in keys}
+    assert len(corrupt) >= 3 and not delivered & corrupt
+    # The first batches (epoch 0; the resumed pass, with padding) lost samples in their chunks.
+    assert len(runs[3][0][2]) <= 5 and len(runs[3][-1][2]) <= 5 and runs[3][-1][3].any()
+
+
+def test_the_first_batch_of_each_pass_is_built_by_every_worker(local_dataset, tmp_path):
+    """Its chunks went to the three workers; later batches are built whole, each by one."""
+    url, _ = local_dataset
+    ds = _dataset(url, tmp_path, batch_size=7)
+    with dlstore.Loader(ds, num_workers=3, device="cpu", engine="processes", dtype="uint8") as loader:
+        assert loader.slots is None
+        for epoch in (0, 1):  # the second pass runs on the same (persistent) workers
+            batches = list(loader.engine.batches(epoch, ()))
+            assert sorted(batches[0]["chunk_workers"]) == [0, 1, 2]
+            assert [len(b["keys"]) for b in batches] == [7, 7, 7, 2]
+            assert not any("chunk_workers" in b for b in batches[1:])
+
+
+def test_a_corrupt_sample_in_a_chunk_of_the_first_batch_raises_in_every_pass(tmp_path):
+    """With on_corrupt="raise", a chunk's error reaches the loop; the next pass (its chunks
+    drained, their slot free) raises the same error, not a slot or a hang."""
+    url = f"file://{tmp_path}/data"
+    world = World(0, 1, 1)
+    _corrupt_in_first_batches(url, tmp_path, [9, 8, 7, 9, 6], world)
+    ds = _dataset(url, tmp_path, batch_size=7, world=world, on_corrupt="raise")
+    with dlstore.Loader(ds, num_workers=3, device="cpu", engine="processes", timeout_s=60) as loader:
+        assert loader.slots is not None
+        for epoch in (0, 0, 1):
+            loader.set_epoch(epoch)
+            with pytest.raises(Exception) as raised:
+                list(loader)
+            assert "CorruptSample" in repr(raised.value) or isinstance(raised.value, CorruptSample)

@@ -5,13 +5,22 @@ and for Python-heavy custom transforms that hold the GIL. The main process owns 
 a sampler walks this rank's batches in order and hands each worker a whole batch request;
 persistent workers decode and collate into a slot of a shared-memory ring (`BatchSlots`,
 page-locked on a GPU node); the DataLoader returns batches in plan order.
+
+The first batch of each pass (loader start, each epoch, a resume) is the exception: built
+whole by one worker, it kept the loop waiting a whole batch's decode (~1 s for 256 images on
+an H100 node's worker) while the others built later batches. It goes out as one chunk of
+consecutive samples per worker instead, all written into the batch's slot, and the engine
+joins the chunks into the batch a whole build would give. Later batches stay whole: handing
+a worker a whole batch costs the least per image.
 """
 
 from __future__ import annotations
 
 import signal
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -31,27 +40,59 @@ def _ignore_stop_signals(_worker_id: int) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
-class _SlotWriter(torch.utils.data.Dataset):
-    """What the workers run: the dataset's batch, its images written into the batch's slot."""
+@dataclass(frozen=True)
+class _Chunk:
+    """Rows `start:start + len(part.ids)` of a batch built in `count` chunks; `part` is a request
+    for those samples alone (a sample's augmentation depends on its id, not on its row)."""
 
-    def __init__(self, dataset: Dataset, slots: BatchSlots) -> None:
+    part: BatchRequest
+    start: int
+    count: int
+
+
+def _chunks(request: BatchRequest, count: int) -> Iterator[BatchRequest | _Chunk]:
+    """`request` as up to `count` chunks of consecutive samples (itself when that is one)."""
+    n = len(request.ids)
+    bounds = np.linspace(0, n, min(count, n) + 1).astype(int).tolist()
+    if len(bounds) <= 2:
+        yield request
+        return
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        part = replace(request, ids=request.ids[lo:hi], is_padding=request.is_padding[lo:hi])
+        yield _Chunk(part, lo, len(bounds) - 1)
+
+
+class _BatchWriter(torch.utils.data.Dataset):
+    """What the workers run: the dataset's batch or a chunk of it, its images written into the
+    batch's slot (at the chunk's rows) when there are slots."""
+
+    def __init__(self, dataset: Dataset, slots: BatchSlots | None) -> None:
         self.dataset = dataset
-        self.buffers = slots.buffers
-        self.count = slots.count
+        self.buffers = slots.buffers if slots is not None else None
 
-    def __getitem__(self, request: BatchRequest) -> dict:
-        slot = request.index % self.count
-        batch = self.dataset.build_batch(request, out=self.buffers[slot])
-        batch["images"], batch["slot"] = None, slot
+    def __getitem__(self, item: BatchRequest | _Chunk) -> dict:
+        chunk = item if isinstance(item, _Chunk) else None
+        request = chunk.part if chunk is not None else item
+        if self.buffers is None:
+            batch = self.dataset.build_batch(request)
+        else:
+            slot = request.index % len(self.buffers)
+            start = chunk.start if chunk is not None else 0
+            batch = self.dataset.build_batch(request, out=self.buffers[slot, start:])
+            batch["images"], batch["slot"] = None, slot
+        if chunk is not None:
+            worker = torch.utils.data.get_worker_info()
+            batch["chunk"] = (chunk.start, chunk.count, worker.id if worker is not None else None)
         return batch
 
 
 class _PlanSampler(Sampler):
     """Yields this rank's batch requests for the current epoch, from a start batch."""
 
-    def __init__(self, dataset: Dataset, slots: BatchSlots | None = None) -> None:
+    def __init__(self, dataset: Dataset, slots: BatchSlots | None = None, chunks: int = 1) -> None:
         self.dataset = dataset
         self.slots = slots
+        self.chunks = chunks  # of the first batch
         self.epoch = 0
         self.history: tuple = ()
 
@@ -65,8 +106,9 @@ class _PlanSampler(Sampler):
             self.slots.forget_claims()
         for index in range(plan.num_batches):
             if self.slots is not None:
-                self.slots.claim(index)
-            yield self.dataset.request(plan, self.epoch, index)
+                self.slots.claim(index)  # once per batch: its chunks share its slot
+            request = self.dataset.request(plan, self.epoch, index)
+            yield from _chunks(request, self.chunks) if index == 0 else (request,)
             self.dataset.prefetch_after(plan, index)
 
 
@@ -78,10 +120,13 @@ class ProcessEngine:
 
     def __init__(self, dataset: Dataset, cfg: LoaderConfig, slots: BatchSlots | None) -> None:
         workers = cfg.num_workers
-        self.sampler = _PlanSampler(dataset, slots)
+        self.slots = slots
+        # Chunks of the first batch: one per worker (the DataLoader hands its items to the
+        # workers in turn, so consecutive ones go to different workers).
+        self.sampler = _PlanSampler(dataset, slots, chunks=workers)
         self.counts_in_workers = workers > 0
         self._dataloader = DataLoader(
-            dataset if slots is None else _SlotWriter(dataset, slots),
+            _BatchWriter(dataset, slots),
             sampler=self.sampler,
             batch_size=None,
             num_workers=workers,
@@ -101,7 +146,39 @@ class ProcessEngine:
 
     def batches(self, epoch: int, history: tuple) -> Iterator[dict]:
         self.sampler.epoch, self.sampler.history = epoch, history
-        return iter(self._dataloader)
+        items = iter(self._dataloader)
+        for batch in items:
+            if "chunk" in batch:  # the first of the batch's chunks: the others follow it
+                batch = self._joined([batch] + [next(items) for _ in range(batch["chunk"][1] - 1)])
+            yield batch
+
+    def _joined(self, parts: list[dict]) -> dict:
+        """One batch from its chunks, in order, equal to what a whole build gives; under
+        "chunk_workers", the worker that built each chunk.
+
+        Its slot is released (and may be claimed again) only after this batch is handed on,
+        so only after every chunk written into it is done."""
+        batch = {name: value for name, value in parts[0].items() if name != "chunk"}
+        batch["labels"] = torch.cat([part["labels"] for part in parts])
+        batch["padding"] = torch.cat([part["padding"] for part in parts])
+        if "keys" in batch:
+            batch["keys"] = [key for part in parts for key in part["keys"]]
+        batch["corrupt"] = sum(part["corrupt"] for part in parts)
+        batch["chunk_workers"] = [part["chunk"][2] for part in parts]
+        if "encoded" in batch:  # decoded on the device: the JPEGs and their crop rows
+            data = torch.cat([part["encoded"][0] for part in parts])
+            batch["encoded"] = (data, [n for part in parts for n in part["encoded"][1]])
+            batch["boxes"] = torch.cat([part["boxes"] for part in parts])
+        elif batch.get("slot") is None:
+            batch["images"] = torch.cat([part["images"] for part in parts])
+        else:
+            # Each chunk's good rows start at its first row; after a skipped (corrupt) sample the
+            # rows after it move up, as a whole build leaves them (a copy, but a rare one).
+            rows = [row for part in parts for row in range(part["chunk"][0], part["chunk"][0] + len(part["labels"]))]
+            if rows != list(range(len(rows))):
+                images = self.slots.buffers[batch["slot"]]
+                images[: len(rows)] = images[torch.as_tensor(rows, dtype=torch.long)]
+        return batch
 
     def close(self) -> None:
         iterator = getattr(self._dataloader, "_iterator", None)
