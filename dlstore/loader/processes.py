@@ -87,7 +87,8 @@ class _BatchWriter(torch.utils.data.Dataset):
 
 
 class _PlanSampler(Sampler):
-    """Yields this rank's batch requests for the current epoch, from a start batch."""
+    """Yields this rank's batch requests for the current epoch, from a start batch; the
+    first one as its chunks, one per worker (see the module docstring)."""
 
     def __init__(self, dataset: Dataset, slots: BatchSlots | None = None, chunks: int = 1) -> None:
         self.dataset = dataset
