@@ -166,13 +166,8 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     in_flight = cfg.prefetch_factor * cfg.num_workers + 2
     if data.decode_on == "device":  # the JPEGs travel
         per_batch = data.batch_size * dataset.manifest.total_size // max(1, int(dataset.shard_sizes.sum()))
-    else:
-        item = (
-            1
-            if cfg.shared_slots or cfg.dtype == "uint8"
-            else torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
-        )
-        per_batch = data.batch_size * data.transform.image_size**2 * 3 * item
+    else:  # uint8 images (in the slots, or handed over): normalised on the device
+        per_batch = data.batch_size * data.transform.image_size**2 * 3
     need = in_flight * per_batch * dataset.world.local_world_size * 5 // 4
     try:
         free = shutil.disk_usage(shm).free
