@@ -23,7 +23,7 @@ import dlstore
 from dlstore.cache import cache_report
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptSample
-from dlstore.loader import LoaderConfig, choose_engine
+from dlstore.loader import LoaderConfig, choose_engine, resolve_auto
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.world import World
@@ -609,6 +609,13 @@ def test_auto_engine_is_threads_on_the_cpu_and_processes_for_a_gpu_with_room_in_
     jpegs = _dataset(url, tmp_path, batch_size=4096, image_size=1024, decode_on="device")
     assert choose_engine(jpegs, LoaderConfig(num_workers=64, device="cuda"), gpu, shm=str(tmp_path)) == "processes"
     assert choose_engine(small, cfg, gpu, shm=str(tmp_path / "missing")) == "threads"
+    # The worker processes auto chooses start from a fork server, unless told otherwise.
+    chosen = resolve_auto(cfg, small, gpu, shm=str(tmp_path))
+    assert (chosen.engine, chosen.start_method) == ("processes", "forkserver")
+    chosen = resolve_auto(LoaderConfig(num_workers=2, start_method="spawn"), small, gpu, shm=str(tmp_path))
+    assert (chosen.engine, chosen.start_method) == ("processes", "spawn")
+    chosen = resolve_auto(cfg, small, torch.device("cpu"), shm=str(tmp_path))
+    assert (chosen.engine, chosen.start_method) == ("threads", None)
 
 
 def test_workers_from_a_fork_server_deliver_what_forked_workers_do(local_dataset, tmp_path):

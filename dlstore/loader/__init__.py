@@ -7,8 +7,17 @@
 from __future__ import annotations
 
 from dlstore.loader.config import ENGINES, LoaderConfig, default_workers
-from dlstore.loader.loader import Loader, choose_engine
+from dlstore.loader.loader import Loader, choose_engine, resolve_auto
 from dlstore.loader.prefetch import GpuPrefetcher
 from dlstore.loader.slots import BatchSlots
 
-__all__ = ["ENGINES", "BatchSlots", "GpuPrefetcher", "Loader", "LoaderConfig", "choose_engine", "default_workers"]
+__all__ = [
+    "ENGINES",
+    "BatchSlots",
+    "GpuPrefetcher",
+    "Loader",
+    "LoaderConfig",
+    "choose_engine",
+    "default_workers",
+    "resolve_auto",
+]

@@ -13,8 +13,9 @@ __all__ = ["ENGINES", "START_METHODS", "LoaderConfig", "default_workers"]
 # hand-off); "processes": DataLoader worker processes. `LoaderConfig.engine="auto"` picks one
 # per loader (`dlstore.loader.loader.choose_engine`).
 ENGINES = ("threads", "processes")
-# How the process engine starts its workers: None is torch's default (fork on Linux);
-# "forkserver" and "spawn" start them from a fresh interpreter, not from this process's threads.
+# How the process engine starts its workers: None is torch's default (fork on Linux), or a fork
+# server when `engine="auto"` chose the processes (`resolve_auto`); "forkserver" and "spawn" start
+# them from a fresh interpreter, not from a copy of this process and its threads' locks.
 START_METHODS = (None, "fork", "forkserver", "spawn")
 
 

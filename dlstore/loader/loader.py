@@ -26,7 +26,7 @@ from dlstore.loader.slots import BatchSlots
 from dlstore.loader.threads import ThreadEngine
 from dlstore.plan import EpochState
 
-__all__ = ["Loader", "choose_engine"]
+__all__ = ["Loader", "choose_engine", "resolve_auto"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Loader:
         self.device = torch.device(self.cfg.device)
         self.dataset = dataset
         if self.cfg.engine == "auto":
-            self.cfg = replace(self.cfg, engine=choose_engine(dataset, self.cfg, self.device))
+            self.cfg = resolve_auto(self.cfg, dataset, self.device)
         kind = "decode threads" if self.cfg.engine == "threads" else "worker processes"
         log.info("engine: %s, %d %s, batches to %s", self.cfg.engine, self.cfg.num_workers, kind, self.device)
         self.state = EpochState(epoch=0, history=())
@@ -186,3 +186,15 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
         )
         return "threads"
     return "processes"
+
+
+def resolve_auto(cfg: LoaderConfig, dataset: Dataset, device: torch.device, shm: str = "/dev/shm") -> LoaderConfig:
+    """`cfg` with `engine="auto"` resolved (`choose_engine`); worker processes it chooses start
+    from a fork server unless `start_method` says otherwise: the loader's process runs the
+    cache's threads, and a fork can copy a lock one of them holds (issue 11 saw a worker hang
+    in `os.fork()` that way). A script that starts them needs `if __name__ == "__main__":`."""
+    engine = choose_engine(dataset, cfg, device, shm)
+    start_method = cfg.start_method
+    if engine == "processes" and start_method is None:
+        start_method = "forkserver"
+    return replace(cfg, engine=engine, start_method=start_method)

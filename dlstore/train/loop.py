@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import time
 from dataclasses import replace
@@ -72,15 +70,6 @@ def main(config: TrainConfig) -> int:
         ctx.close()
 
 
-def start_worker_server() -> None:
-    """Start the fork server that the loaders' worker processes come from, with torch and the
-    loader imported in it once, now: it starts while the model is built, and each worker is
-    then a fork of it instead of a fresh interpreter importing torch (1.2 s less to the first
-    batch on a 2-core box). The preload list is the process's own `multiprocessing` setting."""
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["dlstore.loader.processes"])
-    multiprocessing.forkserver.ensure_running()
-
-
 class Trainer:
     """One rank's share of a training run. `main(config)` is the usual entry point.
 
@@ -99,8 +88,6 @@ class Trainer:
             log.warning("AMP %s on the CPU is slow on most CPUs; use --amp none there", self.amp_dtype)
         set_determinism(cfg.deterministic)
         seed_everything(cfg.data.seed)  # same seed on every rank: identical initial weights
-        if cfg.engine == "processes" or (cfg.engine == "auto" and self.cuda):  # see choose_engine
-            start_worker_server()
         self._build_data()
         self._build_model()
         self.ckpts = None
@@ -173,9 +160,9 @@ class Trainer:
             dataset,
             device=str(self.device),
             engine=self.cfg.engine,
-            # Worker processes from a fresh interpreter: this process runs the cache's and the
-            # store's threads, and a fork can copy a lock one of them holds (a worker that
-            # never starts).
+            # Worker processes (--engine processes) from a fork server, as "auto" starts them:
+            # this process runs the cache's and the store's threads, and a fork can copy a lock
+            # one of them holds (a worker that never starts).
             start_method="forkserver",
             dtype=dtype,
             channels_last=self.cfg.channels_last,
