@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import torch.multiprocessing as tmp
@@ -689,7 +691,7 @@ def test_a_first_batch_built_in_chunks_equals_one_built_whole(tmp_path, dtype, d
                 if step == 1:
                     break
             state = loader.state_dict()
-        with dlstore.Loader(ds, num_workers=3, **options) as resumed:
+        with dlstore.Loader(ds, num_workers=workers, **options) as resumed:
             resumed.load_state_dict(state)
             runs[workers] += _batches(resumed, [1])
     assert len(runs[0]) == len(runs[3]) == 3 + 3 + 1
@@ -730,3 +732,31 @@ def test_a_corrupt_sample_in_a_chunk_of_the_first_batch_raises_in_every_pass(tmp
             with pytest.raises(Exception) as raised:
                 list(loader)
             assert "CorruptSample" in repr(raised.value) or isinstance(raised.value, CorruptSample)
+
+
+def test_slurms_usr1_to_every_process_of_the_step_leaves_the_workers_running(tmp_path):
+    """`--signal=USR1@180` reaches every process of a Slurm step: the fork server the workers
+    come from and multiprocessing's resource tracker too. The training process handles it (a
+    checkpoint at the next step), the workers ignore it, and so must the server: its death
+    would end the workers, and the loader with them, before the checkpoint."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [40, 40, 40])  # 30 batches: most are built after the signal
+    before = signal.signal(signal.SIGUSR1, lambda *_: None)  # the trainer's handler, here a no-op
+    try:
+        options = dict(device="cpu", engine="processes", start_method="forkserver")
+        with dlstore.Loader(_dataset(url, tmp_path), num_workers=2, **options) as loader:
+            batches = iter(loader)
+            first = next(batches)
+            # The multiprocessing helpers and the workers (not other children of this test run).
+            helpers = [p for p in psutil.Process().children() if "multiprocessing" in " ".join(p.cmdline())]
+            servers = [p for p in helpers if "forkserver" in " ".join(p.cmdline())]
+            loader_side = servers + [w for server in servers for w in server.children(recursive=True)]
+            assert len(loader_side) >= 3  # the fork server and two workers
+            # (A resource tracker that an earlier test started without this care may die.)
+            for process in {*helpers, *loader_side}:
+                process.send_signal(signal.SIGUSR1)
+            rest = list(batches)
+            assert all(p.status() != psutil.STATUS_ZOMBIE for p in loader_side)
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert len(first[0]) + sum(len(images) for images, _, _ in rest) == 120

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import signal
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -39,9 +41,22 @@ def start_fork_server() -> None:
     this module imported in it once, now (at the loader's construction): it starts while the
     model is built, and each worker is then a fork of it instead of a fresh interpreter
     importing torch (1.2 s less to the first batch on a 2-core box). Idempotent; the preload
-    list is this process's `multiprocessing` setting."""
+    list is this process's `multiprocessing` setting.
+
+    The server and multiprocessing's resource tracker start with SIGUSR1 ignored (an ignored
+    signal stays ignored across their exec): Slurm's pre-emption warning
+    (`--signal=USR1@180`) goes to every process of the step, and its default action would end
+    the server, and with it the workers, before the training process checkpoints."""
     multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
-    multiprocessing.forkserver.ensure_running()
+    if threading.current_thread() is not threading.main_thread():  # signal() works only there
+        multiprocessing.forkserver.ensure_running()
+        return
+    before = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:
