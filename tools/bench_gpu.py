@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import logging
 import os
 import platform
 import shutil
@@ -47,14 +48,19 @@ def _make_part(args: tuple[str, int, int, tuple[int, int], int]) -> None:
 
 def make_dataset(workdir: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> str:
     """Generated in `procs` parts (other seeds, same classes), merged into one ImageFolder-like
-    train tree, converted to `file://workdir/store/train`. A tree already there is reused
-    (its conversion finishes where it stopped)."""
+    train tree, converted to `file://workdir/store/train`. A tree made with the same settings is
+    reused (its conversion finishes where it stopped); another or a half-made one is made anew."""
     from dlstore.convert import ConvertOptions, convert
 
     train = workdir / "source" / "train"
     url = f"file://{workdir}/store/train"
-    if not train.is_dir():
+    made = workdir / "source" / "made.json"  # written last: a tree without it is half made
+    settings = json.dumps({"images": images, "classes": classes, "size": list(size)})
+    if not made.exists() or made.read_text() != settings:
+        shutil.rmtree(workdir / "source", ignore_errors=True)
+        shutil.rmtree(workdir / "store", ignore_errors=True)
         _generate(train, images, classes, size, procs)
+        made.write_text(settings)
     convert("imagefolder", train, url, ConvertOptions(shard_size=64 * 10**6, workers=procs))
     return url
 
@@ -99,7 +105,8 @@ def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict
         tensorboard=False,
     )
     started = time.perf_counter()
-    code = main(cfg)
+    with _EngineLog(url) as used:
+        code = main(cfg)
     if code != 0:
         raise SystemExit(f"training with decode_on={decode_on}, engine={engine} exited {code}")
     records = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["split"] == "train"]
@@ -113,11 +120,36 @@ def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict
     return {
         "decode_on": decode_on,
         "engine": engine,
+        "engine_used": used.engine,  # what "auto" chose (threads where /dev/shm is too small)
         **_rate(within, args.batch_size),
         "with_epoch_starts": _rate(timed, args.batch_size),
         "run_seconds": time.perf_counter() - started,
         "records": records,
     }
+
+
+class _EngineLog(logging.Handler):
+    """The engine the trainer's loader for `url` ran, from its log line ("<url>: engine X, ...")."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(logging.INFO)
+        self.prefix, self.engine = f"{url}: engine ", None
+        self.logger = logging.getLogger("dlstore.train.loop")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.prefix):
+            self.engine = message[len(self.prefix) :].split(",")[0]
+
+    def __enter__(self) -> _EngineLog:
+        self.level_before = self.logger.level
+        self.logger.setLevel(min(self.level_before or logging.INFO, logging.INFO))
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level_before)
 
 
 def _rate(records: list[dict], batch_size: int) -> dict:
@@ -196,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             fed["vs_synthetic"] = fed["images_per_s"] / demand.images_per_s
             result["fed"].append(fed)
             print(
-                f"fed, decode on {mode}, {engine}: {fed['images_per_s']:,.0f} img/s = {fed['vs_synthetic']:.3f} of synthetic, "
+                f"fed, decode on {mode}, {engine} ({fed['engine_used']}): {fed['images_per_s']:,.0f} img/s = {fed['vs_synthetic']:.3f} of synthetic, "
                 f"loop waited for data {fed['data_wait_pct']:.1f}% of the time "
                 f"(with epoch starts: {fed['with_epoch_starts']['images_per_s']:,.0f} img/s)",
                 flush=True,
@@ -209,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  {'run':<28}{'img/s':>10}{'/ synthetic':>13}{'waited for data':>17}")
     print(f"  {'synthetic (no data path)':<28}{demand.images_per_s:>10,.0f}{1:>13.3f}{'-':>17}")
     for fed in result["fed"]:
-        label = f"decode on {fed['decode_on']}, {fed['engine']}"
+        label = f"decode on {fed['decode_on']}, {fed['engine_used']}"
         print(f"  {label:<28}{fed['images_per_s']:>10,.0f}{fed['vs_synthetic']:>13.3f}{fed['data_wait_pct']:>16.1f}%")
     print("  goal: dlstore-fed >= 0.95 of synthetic")
     if args.json:

@@ -120,7 +120,7 @@ fi
 # -- the checks: each runs to its end, the exit status says whether all passed ----------------
 echo "== CUDA tests"
 tests=0
-timeout -k 15 120 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_transforms.py 2>&1 |
+timeout -k 15 150 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_transforms.py 2>&1 |
     tee "$OUT/gpu-tests.txt" || tests=$?
 if grep -q "needs a CUDA device" "$OUT/gpu-tests.txt" || ! grep -Eq "[0-9]+ passed" "$OUT/gpu-tests.txt"; then
     echo "gpu_check: CUDA tests were skipped or none passed: they did not run on the GPU" >&2
@@ -129,7 +129,7 @@ fi
 
 echo "== synthetic vs fed training rate"
 bench=0
-timeout -k 15 330 "$PYTHON" tools/bench_gpu.py --workdir "$work" --engines auto,threads --json "$OUT/bench_gpu.json" 2>&1 |
+timeout -k 15 300 "$PYTHON" tools/bench_gpu.py --workdir "$work" --engines auto,threads --json "$OUT/bench_gpu.json" 2>&1 |
     tee "$OUT/bench_gpu.txt" || bench=$?
 
 echo "== dlstore bench (stage split, verdict)"

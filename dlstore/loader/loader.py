@@ -35,7 +35,7 @@ class Loader:
     """Batches of this rank, on the device, normalised, channels_last.
 
     >>> ds = dlstore.Dataset("swift://imagenet/train", batch_size=256)     # doctest: +SKIP
-    >>> loader = dlstore.Loader(ds, num_workers=8, device="cuda")      # 8 decode threads
+    >>> loader = dlstore.Loader(ds, num_workers=8, device="cuda")      # 8 worker processes
     >>> loader.set_epoch(0)
     >>> for images, labels in loader: ...
 
@@ -159,7 +159,8 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     (no loop in between) threads are as fast or faster (2 cores: 1.14x the processes) and
     spare what processes cost (/dev/shm, a fork, 8x the memory). Processes need room in
     `/dev/shm` for the batches in flight (the ranks of a node together): without it, threads,
-    with a warning, rather than a loader that fails."""
+    with a warning, rather than a loader that fails: `/dev/shm` must be as large as the node's
+    need, and hold this rank's in what is free."""
     if device.type != "cuda" or cfg.num_workers == 0:
         return "threads"
     data = dataset.cfg
@@ -168,22 +169,23 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
         per_batch = data.batch_size * dataset.manifest.total_size // max(1, int(dataset.shard_sizes.sum()))
     else:  # uint8 images (in the slots, or handed over): normalised on the device
         per_batch = data.batch_size * data.transform.image_size**2 * 3
-    need = in_flight * per_batch * dataset.world.local_world_size * 5 // 4
+    own = in_flight * per_batch * 5 // 4
+    node = own * dataset.world.local_world_size
     try:
-        free = shutil.disk_usage(shm).free
+        usage = shutil.disk_usage(shm)
+        total, free = usage.total, usage.free
     except OSError:
-        free = 0
-    if free < need:
+        total = free = 0
+    # The node's ranks together against the size; this rank against what is free (the ranks
+    # made before it already hold theirs).
+    if total < node or free < own:
         log.warning(
-            "%s has %.1f GB free, worker processes would need about %.1f GB for the batches in flight "
-            "(%d ranks on this node): decode threads instead, slower beside a GPU training loop "
-            "(more shared memory: docker run --shm-size=%dg, or fewer workers)",
-            shm,
-            free / 1e9,
-            need / 1e9,
-            dataset.world.local_world_size,
-            -(-need // 10**9) + 1,
-        )
+            "%s has %.1f GB free of %.1f GB; worker processes need about %.1f GB for this rank's "
+            "batches in flight, %.1f GB for the node's %d ranks: decode threads instead, slower "
+            "beside a GPU training loop (more shared memory: docker run --shm-size=%dg, or fewer workers)",
+            shm, free / 1e9, total / 1e9, own / 1e9, node / 1e9, dataset.world.local_world_size,
+            -(-node // 10**9) + 1,
+        )  # fmt: skip
         return "threads"
     return "processes"
 

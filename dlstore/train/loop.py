@@ -330,7 +330,10 @@ class Trainer:
             return
         state = self.train_loader.state_dict()
         self.train_set = self.train_set.with_transform(replace(transform, image_size=size))
-        self.train_loader.close()  # its workers and batch slots are for the old size
+        # Its workers and batch slots are for the old size: gone (their /dev/shm too, which the
+        # new loader's engine choice looks at) before the new ones are made.
+        self.train_loader.close()
+        self.train_loader = None
         self.train_loader = self._loader(self.train_set)
         self.train_loader.load_state_dict(state, strict=not self.cfg.resume_any_data)
         log.info("epoch %d: training at %d px", epoch, size)
