@@ -40,6 +40,7 @@ from loader_support import write_dataset  # noqa: E402
 import dlstore  # noqa: E402
 from dlstore.cache import STATS_FILE_BYTES, cache_report  # noqa: E402
 from dlstore.cache.policy import HINTS_DIR  # noqa: E402
+from dlstore.loader import ENGINES  # noqa: E402
 from dlstore.manifest import Manifest  # noqa: E402
 from dlstore.plan import PlanConfig, RankPlan, node_ranges  # noqa: E402
 from dlstore.storage import open_store  # noqa: E402
@@ -206,20 +207,23 @@ def _node_table(url: str, root: str, args: argparse.Namespace) -> None:
         for window in args.shuffle_windows
         for batch in args.batch_sizes
     ]
-    runs: dict[tuple[int, int, int], list[list[float]]] = {setting: [] for setting in settings}
+    variants = {engine: {"num_workers": args.workers, "engine": engine} for engine in args.engines}
+    runs: dict[tuple, list[list[float]]] = {(*s, v): [] for s in settings for v in variants}
     for round_ in range(args.rounds):  # rounds outermost: a noisy spell hits every setting alike
         for ranks, window, batch in settings:
             cache_dir = f"{root}/node-{round_}-{ranks}-{window}-{batch}"
             options = dict(shuffle_window=window, batch_size=batch, prefetch_shards=args.prefetch_shards)
-            run = node_fetched_per_epoch(
-                url, cache_dir, args.fractions[0], args.epochs, ranks, seed=args.seed, **options
-            )
-            runs[(ranks, window, batch)].append(run.shares)
-    for (ranks, window, batch), shares in runs.items():
+            for variant, loader_options in variants.items():
+                run = node_fetched_per_epoch(
+                    url, f"{cache_dir}-{variant}", args.fractions[0], args.epochs, ranks,
+                    loader_options=loader_options, seed=args.seed, **options,
+                )  # fmt: skip
+                runs[(ranks, window, batch, variant)].append(run.shares)
+    for (ranks, window, batch, variant), shares in runs.items():
         cold, later = [s[0] for s in shares], [x for s in shares for x in s[1:]]
         span = ranks * batch / args.samples
         print(
-            f"ranks/node {ranks} window {window} batch {batch:3d} (a step spans {span:g} shards): "
+            f"ranks/node {ranks} window {window} batch {batch:3d} (a step spans {span:g} shards), {variant}: "
             f"cold {_spread(cold)}  epochs 1+ {_spread(later)}"
         )
 
@@ -242,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     nodes.add_argument("--shuffle-windows", type=int, nargs="+", default=[2, 4])
     nodes.add_argument("--batch-sizes", type=int, nargs="+", default=[4, 16])
     nodes.add_argument("--rounds", type=int, default=3)
+    nodes.add_argument("--engines", nargs="+", default=["threads"], choices=ENGINES, help="the ranks' loader engines")
+    nodes.add_argument("--workers", type=int, default=1, help="decode threads or worker processes per rank")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dlstore-bench-policy-") as root:
         url = write_bench_dataset(f"{root}/data", args.shards, args.samples)
