@@ -152,12 +152,12 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     """What `engine="auto"` means: worker processes when the batches go to a GPU, decode
     threads otherwise.
 
-    Why: beside a GPU training loop the decode threads and the loop share one GIL. Each decode
-    call gives the GIL up and must win it back from the loop's Python (kernel launches), which
-    keeps it for up to the switch interval (5 ms): on an H100 node (16 cores, 14 workers,
-    ResNet-50 bf16) threads fed 1,045-1,828 img/s where worker processes fed 3,445. On the CPU
-    (no loop in between) threads are as fast or faster (2 cores: 1.14x the processes) and
-    spare what processes cost (/dev/shm, a fork, 8x the memory). Processes need room in
+    Why: beside a GPU training loop the decode threads and the loop share one GIL, and every
+    decode call and every kernel launch hands it over: on an H100 node (16 cores, 14 workers,
+    ResNet-50 bf16) threads fed 1,045-1,828 img/s where worker processes fed 3,445 (a switch
+    interval of 0.5 ms instead of 5 gave the threads 1,251). On the CPU (no loop in between)
+    threads are as fast or faster (2 cores: 1.14x the processes) and spare what processes cost
+    (/dev/shm, a fork, 8x the resident memory, 1.6x counting shared pages once). Processes need room in
     `/dev/shm` for the batches in flight (the ranks of a node together): without it, threads,
     with a warning, rather than a loader that fails: `/dev/shm` must be as large as the node's
     need, and hold this rank's in what is free."""

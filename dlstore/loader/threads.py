@@ -7,10 +7,10 @@ do the work of worker processes without what processes cost: a fork of a threade
 shared memory for every batch (a container's 64 MB `/dev/shm` stalls them), a pickled
 hand-off per batch, and a restart at every epoch and resize.
 
-Where threads lose: beside a GPU training loop. The loop's Python (kernel launches) holds the GIL
-for up to the switch interval each time a decode thread wants it back after a decode or a resize,
-so the threads starve: on an H100 node (16 cores, 14 threads, ResNet-50 bf16) they fed 1,045-1,828
-img/s where worker processes fed 3,445. `engine="auto"` therefore takes processes for a GPU.
+Where threads lose: beside a GPU training loop. The loop's Python (kernel launches) and the
+threads share the GIL, handed over at every decode call and every launch: on an H100 node (16
+cores, 14 threads, ResNet-50 bf16) the threads fed 1,045-1,828 img/s where worker processes fed
+3,445. `engine="auto"` therefore takes processes for a GPU.
 
 How: each batch is cut into `threads` chunks of consecutive samples; a chunk reads its samples
 from the node cache (one `pread` each) and writes each decoded, augmented image straight into
