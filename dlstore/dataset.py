@@ -20,8 +20,9 @@ import torch
 from dlstore.cache import CacheConfig, SampleRange, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.errors import ConfigError, DlstoreError
-from dlstore.manifest import Manifest, checksum_of, load_sample_index
+from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
+from dlstore.sample_index import checksum_of, load_sample_index
 from dlstore.sample_path import BatchRequest, SamplePath, StageClock
 from dlstore.storage import open_store
 from dlstore.world import World

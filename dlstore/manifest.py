@@ -1,4 +1,4 @@
-"""The dataset manifest (`index.json`) and the per-shard sample index (`*.idx`).
+"""The dataset manifest (`index.json`): what a dataset holds, read before anything else.
 
 A dataset is a store prefix holding tar shards, one sample index beside each shard, and
 `index.json` at the root. Readers start from the manifest: no bucket listing at start-up.
@@ -29,32 +29,9 @@ A dataset is a store prefix holding tar shards, one sample index beside each sha
 Checksums are SHA-256 (hashlib's is the fastest strong hash on CPUs with SHA extensions:
 ~1.8 GB/s on one core here, against ~1.2 GB/s for BLAKE2b), written as `"sha256:<hex>"`.
 
-Sample index (`shard-000000.idx`, little-endian, 88-byte header, `n + 1` offsets, and in
-version 2 `n` sample digests)::
-
-    0   8   magic b"DLSIDX02" (version 2) or b"DLSIDX01" (version 1: no sample digests)
-    8   8   uint64  n, the number of samples
-    16  8   uint64  the shard's size in bytes
-    24  32  SHA-256 digest of the shard
-    56  32  recipe: SHA-256 of what the shard was built from (zeros when unknown)
-    88  8(n+1)  uint64 offsets: sample i is the bytes [offsets[i], offsets[i+1]) of the shard,
-            from its first tar header to the end of its last member's padding;
-            offsets[n] is where the last sample ends (the end-of-archive blocks follow)
-    .   16n     version 2 only: the first 16 bytes of the SHA-256 of each sample's bytes
-            [offsets[i], offsets[i+1]) (`sample_digest`)
-
-Samples i..j-1 are therefore one ranged GET of `[offsets[i], offsets[j])`, which
-`dlstore.shards.parse_samples` turns back into samples. The recipe lets an interrupted
-conversion recognise a finished shard without reading it again.
-
-Why per-sample digests: the shard's checksum verifies a whole shard only, so a cache that
-fetches part of a shard (a node's share of a shard it splits with its neighbour,
-`dlstore.cache.partial`) could not verify what it fetched. With version 2 each sample of a
-range is checked on its own; the index itself is trusted through the manifest's
-`index_checksum`. 16 bytes of SHA-256 per sample (2^-128 odds of missing a damaged one) add
-~20 MB to ImageNet's indexes (1.28 M samples), next to its 147 GB of shards. `dlstore
-convert` and `dlstore index` write version 2; readers accept both, and a version 1 index
-only means that its shard is always fetched whole.
+Each shard has a sample index beside it (`shard-000000.idx`): its format and
+`load_sample_index`, which checks one against the manifest, are in `dlstore.sample_index`,
+with `checksum_of`.
 
 >>> m = Manifest.load(open_store("file:///data/imagenet/train"))      # doctest: +SKIP
 >>> m.total_samples, len(m.shards), m.classes[:2]                     # doctest: +SKIP
@@ -63,247 +40,31 @@ only means that its shard is always fetched whole.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import numpy as np
-
 from dlstore.config import format_size
 from dlstore.errors import FormatError
+from dlstore.sample_index import CHECKSUM_ALGORITHM, SampleIndex
 
 __all__ = [
-    "CHECKSUM_ALGORITHM",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "CreationInfo",
     "Manifest",
-    "SampleIndex",
-    "SampleSpan",
     "ShardInfo",
-    "checksum_of",
     "describe_dataset",
-    "index_name",
-    "load_sample_index",
-    "sample_digest",
 ]
 
 MANIFEST_NAME = "index.json"
 FORMAT = "dlstore-dataset"
 FORMAT_VERSION = 1
-CHECKSUM_ALGORITHM = "sha256"
-INDEX_SUFFIX = ".idx"
-SAMPLE_DIGEST_SIZE = 16
 
 _CHECKSUM_RE = re.compile(r"sha256:[0-9a-f]{64}\Z")
 _FIELD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
-
-
-def checksum_of(data: bytes | bytearray | memoryview) -> str:
-    """`"sha256:<hex>"` of `data`: the form the manifest stores.
-
-    >>> checksum_of(b"")[:15]
-    'sha256:e3b0c442'
-    """
-    return f"{CHECKSUM_ALGORITHM}:{hashlib.sha256(data).hexdigest()}"
-
-
-def sample_digest(data: bytes | bytearray | memoryview) -> bytes:
-    """A sample's digest in a version 2 sample index: the first 16 bytes of its SHA-256.
-
-    >>> sample_digest(b"").hex()
-    'e3b0c44298fc1c149afbf4c8996fb924'
-    """
-    return hashlib.sha256(data).digest()[:SAMPLE_DIGEST_SIZE]
-
-
-def index_name(shard_name: str) -> str:
-    """The sample index's key beside a shard: `shard-000000.tar` → `shard-000000.idx`.
-
-    >>> index_name("train/shard-000012.tar")
-    'train/shard-000012.idx'
-    """
-    stem = shard_name[:-4] if shard_name.endswith(".tar") else shard_name
-    return stem + INDEX_SUFFIX
-
-
-# -- the per-shard sample index ------------------------------------------------------------
-@dataclass(frozen=True)
-class SampleSpan:
-    """Bytes `[offset, offset + size)` of a shard: one sample, or a run of samples."""
-
-    offset: int
-    size: int
-
-    @property
-    def end(self) -> int:
-        return self.offset + self.size
-
-
-class SampleIndex:
-    """Where each sample of one shard starts and ends, and (version 2) each sample's digest;
-    see the module docstring for the file.
-
-    >>> index = SampleIndex([0, 2048, 5120], shard_size=6144)
-    >>> len(index), index[1], index.run(0, 2), index.version
-    (2, SampleSpan(offset=2048, size=3072), SampleSpan(offset=0, size=5120), 1)
-    """
-
-    MAGIC = b"DLSIDX02"
-    MAGIC_V1 = b"DLSIDX01"
-    _HEADER = struct.Struct("<8sQQ32s32s")
-
-    __slots__ = ("offsets", "shard_size", "sha256", "recipe", "sample_digests")
-
-    def __init__(
-        self,
-        offsets: Sequence[int] | np.ndarray,
-        shard_size: int,
-        sha256: bytes = bytes(32),
-        recipe: bytes = bytes(32),
-        sample_digests: bytes | None = None,
-    ) -> None:
-        array = np.array(offsets, dtype=np.int64)
-        if array.ndim != 1 or array.size < 1:
-            raise FormatError("a sample index needs at least one offset (the end of the last sample)")
-        if len(sha256) != 32 or len(recipe) != 32:
-            raise FormatError("a sample index's digests are 32 bytes each")
-        if not (int(array[0]) >= 0 and int(array[-1]) <= shard_size):
-            raise FormatError(
-                f"sample offsets run from {int(array[0])} to {int(array[-1])}, outside a {shard_size}-byte shard"
-            )
-        if np.any(array % 512) or np.any(np.diff(array) < 512):
-            raise FormatError("sample offsets must be multiples of 512, each at least one tar block after the last")
-        if sample_digests is not None and len(sample_digests) != SAMPLE_DIGEST_SIZE * (array.size - 1):
-            raise FormatError(
-                f"a sample index of {array.size - 1} samples needs {SAMPLE_DIGEST_SIZE * (array.size - 1)} bytes "
-                f"of sample digests, not {len(sample_digests)}"
-            )
-        array.flags.writeable = False
-        self.offsets = array
-        self.shard_size = int(shard_size)
-        self.sha256 = bytes(sha256)
-        self.recipe = bytes(recipe)
-        self.sample_digests = None if sample_digests is None else bytes(sample_digests)
-
-    def __len__(self) -> int:
-        return self.offsets.size - 1
-
-    def __getitem__(self, i: int) -> SampleSpan:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"sample {i} of a shard with {n} samples")
-        i %= n
-        start = int(self.offsets[i])
-        return SampleSpan(start, int(self.offsets[i + 1]) - start)
-
-    def run(self, start: int, stop: int) -> SampleSpan:
-        """The byte span of samples `start .. stop-1`: one ranged GET."""
-        if not 0 <= start < stop <= len(self):
-            raise IndexError(f"samples [{start}, {stop}) of a shard with {len(self)} samples")
-        first = int(self.offsets[start])
-        return SampleSpan(first, int(self.offsets[stop]) - first)
-
-    @property
-    def checksum(self) -> str:
-        return f"{CHECKSUM_ALGORITHM}:{self.sha256.hex()}"
-
-    @classmethod
-    def file_size(cls, samples: int, version: int) -> int:
-        """The bytes of an index file of `samples` samples in `version` (1 or 2): the manifest's
-        `index_size` tells an index's version without fetching it (`describe_dataset`).
-
-        >>> SampleIndex.file_size(3, 1), SampleIndex.file_size(3, 2)
-        (120, 168)
-        """
-        return cls._HEADER.size + 8 * (samples + 1) + (SAMPLE_DIGEST_SIZE * samples if version >= 2 else 0)
-
-    @property
-    def version(self) -> int:
-        """The file format this index is written in: 2 with sample digests, 1 without."""
-        return 1 if self.sample_digests is None else 2
-
-    def digest(self, i: int) -> bytes:
-        """Sample i's digest (`sample_digest` of its bytes); `FormatError` for a version 1 index."""
-        if self.sample_digests is None:
-            raise FormatError("a version 1 sample index has no sample digests")
-        self[i]  # bounds check
-        i %= len(self)
-        return self.sample_digests[SAMPLE_DIGEST_SIZE * i : SAMPLE_DIGEST_SIZE * (i + 1)]
-
-    def with_sample_digests(self, digests: Iterable[bytes]) -> SampleIndex:
-        """This index with each sample's digest (in sample order): a version 2 index."""
-        return SampleIndex(self.offsets, self.shard_size, self.sha256, self.recipe, b"".join(digests))
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, SampleIndex)
-            and self.shard_size == other.shard_size
-            and self.sha256 == other.sha256
-            and self.recipe == other.recipe
-            and self.sample_digests == other.sample_digests
-            and np.array_equal(self.offsets, other.offsets)
-        )
-
-    def __repr__(self) -> str:
-        return f"SampleIndex({len(self)} samples, shard_size={self.shard_size}, version={self.version})"
-
-    def to_bytes(self) -> bytes:
-        """The index file: version 2 with sample digests, else version 1."""
-        magic = self.MAGIC_V1 if self.sample_digests is None else self.MAGIC
-        header = self._HEADER.pack(magic, len(self), self.shard_size, self.sha256, self.recipe)
-        return header + self.offsets.astype("<u8").tobytes() + (self.sample_digests or b"")
-
-    @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview) -> SampleIndex:
-        """Parse and validate an index file (version 1 or 2); anything malformed is a `FormatError`."""
-        data = bytes(data)
-        size = cls._HEADER.size
-        if len(data) < size + 8:
-            raise FormatError(f"a sample index is at least {size + 8} bytes, this one has {len(data)}")
-        magic, count, shard_size, sha256, recipe = cls._HEADER.unpack_from(data)
-        if magic not in (cls.MAGIC, cls.MAGIC_V1):
-            # A later version keeps the prefix: say so, or the index reads as foreign or damaged.
-            newer = "; made by a newer dlstore: upgrade it" if magic[:6] == cls.MAGIC[:6] and magic > cls.MAGIC else ""
-            raise FormatError(
-                f"not a dlstore sample index (magic {magic!r}, expected {cls.MAGIC!r} or {cls.MAGIC_V1!r}){newer}"
-            )
-        per_sample = 8 + (SAMPLE_DIGEST_SIZE if magic == cls.MAGIC else 0)
-        if len(data) != size + 8 + per_sample * count:
-            raise FormatError(f"sample index says {count} samples but holds {(len(data) - size - 8) / per_sample:g}")
-        if shard_size >= 2**62:
-            raise FormatError(f"sample index gives an impossible shard size {shard_size}")
-        end = size + 8 * (count + 1)
-        offsets = np.frombuffer(data, dtype="<u8", offset=size, count=count + 1)
-        if np.any(offsets >= 2**62):
-            raise FormatError("sample index has an impossible offset")
-        digests = data[end:] if magic == cls.MAGIC else None
-        return cls(offsets.astype(np.int64), shard_size, sha256, recipe, digests)
-
-
-def load_sample_index(store, shard: ShardInfo) -> SampleIndex:
-    """Fetch the sample index of one shard of a manifest, and check it against the manifest
-    (its checksum when the manifest has one, and the shard's size, samples and checksum)."""
-    if shard.index is None:
-        raise FormatError(f"shard {shard.name!r} has no sample index in the manifest")
-    data = store.get_bytes(shard.index)
-    if shard.index_checksum is not None and checksum_of(data) != shard.index_checksum:
-        # The sample digests are only as trustworthy as the index: check it against the manifest.
-        raise FormatError(
-            f"sample index {shard.index!r} fails its checksum: {checksum_of(data)[:19]}…, "
-            f"manifest {shard.index_checksum[:19]}…"
-        )
-    index = SampleIndex.from_bytes(data)
-    if len(index) != shard.samples or index.shard_size != shard.size or index.checksum != shard.checksum:
-        raise FormatError(
-            f"sample index {shard.index!r} describes a shard of {index.shard_size} bytes and {len(index)} samples "
-            f"(checksum {index.checksum[:19]}…), the manifest one of {shard.size} bytes and {shard.samples} samples"
-        )
-    return index
 
 
 # -- the manifest ----------------------------------------------------------------------------
@@ -337,6 +98,7 @@ class CreationInfo:
 class Manifest:
     """The dataset manifest; see the module docstring for the JSON.
 
+    >>> from dlstore.sample_index import checksum_of
     >>> m = Manifest(shards=(ShardInfo("a.tar", 2048, 1, checksum_of(b"x")),), classes=("cat",),
     ...              fields=("cls", "jpg"), label_field="cls")
     >>> Manifest.from_json(m.to_json()) == m

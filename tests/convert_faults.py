@@ -24,7 +24,7 @@ from pathlib import Path
 
 from dlstore.convert import ConvertOptions, ConvertProgress, convert
 from dlstore.errors import DlstoreError
-from dlstore.manifest import index_name
+from dlstore.sample_index import index_name
 from dlstore.shards import shard_name
 from dlstore.storage import open_store
 

@@ -41,8 +41,9 @@ from dlstore.cache import (
 from dlstore.cli import main
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound
-from dlstore.manifest import SampleIndex, sample_digest
-from dlstore.shards import TarShardWriter, read_sample_from_file
+from dlstore.sample_index import SampleIndex, sample_digest
+from dlstore.shard_writer import TarShardWriter
+from dlstore.shards import read_sample_from_file
 from dlstore.storage.local import LocalStore
 
 FORK = multiprocessing.get_context("fork")

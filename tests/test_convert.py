@@ -36,7 +36,8 @@ from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBui
 from dlstore.convert.shard_plan import plan_tasks
 from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, FormatError
-from dlstore.manifest import MANIFEST_NAME, Manifest, SampleIndex, checksum_of, load_sample_index, sample_digest
+from dlstore.manifest import MANIFEST_NAME, Manifest
+from dlstore.sample_index import SampleIndex, checksum_of, load_sample_index, sample_digest
 from dlstore.shards import iter_samples, read_sample
 from dlstore.storage import open_store
 
@@ -439,8 +440,9 @@ def test_verify_catches_a_flipped_byte_and_a_missing_shard(data, tmp_path, capsy
 
 
 def test_deep_verify_catches_labels_out_of_range_and_undecodable_images(tmp_path):
-    from dlstore.manifest import CreationInfo, ShardInfo, checksum_of, index_name
-    from dlstore.shards import TarShardWriter
+    from dlstore.manifest import CreationInfo, ShardInfo
+    from dlstore.sample_index import checksum_of, index_name
+    from dlstore.shard_writer import TarShardWriter
 
     store = open_store(f"file://{tmp_path}")
     buffer = io.BytesIO()

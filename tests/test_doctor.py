@@ -19,7 +19,8 @@ from dlstore.doctor.credentials import credentials_check
 from dlstore.doctor.gpu import TorchFacts, cuda_check, nccl_check, torch_check
 from dlstore.doctor.launch import distributed_check
 from dlstore.doctor.node import LoaderShape, cache_check, filesystem_type, shm_check
-from dlstore.manifest import Manifest, ShardInfo, checksum_of
+from dlstore.manifest import Manifest, ShardInfo
+from dlstore.sample_index import checksum_of
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:

@@ -11,18 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlstore.errors import FormatError
-from dlstore.manifest import (
-    MANIFEST_NAME,
-    CreationInfo,
-    Manifest,
-    SampleIndex,
-    ShardInfo,
-    checksum_of,
-    describe_dataset,
-    index_name,
-    load_sample_index,
-    sample_digest,
-)
+from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, ShardInfo, describe_dataset
+from dlstore.sample_index import SampleIndex, checksum_of, index_name, load_sample_index, sample_digest
 from dlstore.storage import open_store
 
 

@@ -23,7 +23,6 @@ from dlstore.config import StoreConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import ConfigError
-from dlstore.manifest import SampleIndex, checksum_of, load_sample_index
 from dlstore.plan import (
     EpochState,
     PlanConfig,
@@ -37,6 +36,7 @@ from dlstore.plan import (
     shard_order,
     world_plans,
 )
+from dlstore.sample_index import SampleIndex, checksum_of, load_sample_index
 from dlstore.storage import open_store
 from dlstore.world import World
 

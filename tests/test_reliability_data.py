@@ -31,8 +31,10 @@ from test_shards import MALICIOUS
 import dlstore
 from dlstore.cache import cache_report
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, NoSpace
-from dlstore.manifest import Manifest, SampleIndex, ShardInfo, checksum_of, index_name
-from dlstore.shards import TarShardWriter, read_sample_from_file, read_shard_index, scan_shard, shard_name
+from dlstore.manifest import Manifest, ShardInfo
+from dlstore.sample_index import SampleIndex, checksum_of, index_name
+from dlstore.shard_writer import TarShardWriter
+from dlstore.shards import read_sample_from_file, read_shard_index, scan_shard, shard_name
 from dlstore.storage import open_store
 from dlstore.world import World
 

@@ -15,11 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlstore.errors import CorruptShard
-from dlstore.manifest import SampleIndex
+from dlstore.sample_index import SampleIndex
+from dlstore.shard_writer import TarShardWriter, _header, _pax_record
 from dlstore.shards import (
-    TarShardWriter,
-    _header,
-    _pax_record,
     iter_members,
     iter_samples,
     parse_samples,

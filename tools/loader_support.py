@@ -12,8 +12,10 @@ from PIL import Image
 
 import dlstore
 from dlstore.config import StoreConfig
-from dlstore.manifest import Manifest, ShardInfo, index_name
-from dlstore.shards import TarShardWriter, shard_name
+from dlstore.manifest import Manifest, ShardInfo
+from dlstore.sample_index import index_name
+from dlstore.shard_writer import TarShardWriter
+from dlstore.shards import shard_name
 from dlstore.storage import Store
 from dlstore.world import World
 

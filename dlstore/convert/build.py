@@ -26,8 +26,10 @@ from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
 from dlstore.convert.shard_plan import ShardTask, sample_key, sample_metadata
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, FormatError, NotFound
-from dlstore.manifest import SampleIndex, ShardInfo, checksum_of, index_name, sample_digest
-from dlstore.shards import TarShardWriter, scan_shard
+from dlstore.manifest import ShardInfo
+from dlstore.sample_index import SampleIndex, checksum_of, index_name, sample_digest
+from dlstore.shard_writer import TarShardWriter
+from dlstore.shards import scan_shard
 from dlstore.storage import Store
 
 __all__ = ["BuildContext", "BuildStopped", "Built", "Counters", "ShardBuilder", "existing_shard", "shard_info"]

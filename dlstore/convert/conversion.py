@@ -21,7 +21,8 @@ from dlstore.convert.shard_plan import ShardTask, plan_tasks
 from dlstore.convert.sources import list_source
 from dlstore.convert.workers import build_shards
 from dlstore.errors import ConfigError, FormatError
-from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, index_name
+from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest
+from dlstore.sample_index import index_name
 from dlstore.shards import IMAGE_FIELDS
 from dlstore.storage import Store, open_store
 

@@ -12,7 +12,8 @@ from dlstore import __version__
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
 from dlstore.errors import CorruptSample, FormatError
-from dlstore.manifest import CreationInfo, Manifest, ShardInfo, index_name
+from dlstore.manifest import CreationInfo, Manifest, ShardInfo
+from dlstore.sample_index import index_name
 from dlstore.shards import parse_label, scan_shard
 from dlstore.storage import Store, open_store
 

@@ -19,7 +19,8 @@ from PIL import Image
 
 from dlstore.config import StoreConfig
 from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
-from dlstore.manifest import MANIFEST_NAME, Manifest, SampleIndex, ShardInfo, checksum_of
+from dlstore.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from dlstore.sample_index import SampleIndex, checksum_of
 from dlstore.shards import image_field, parse_label, scan_shard
 from dlstore.storage import Store, open_store
 
