@@ -176,7 +176,12 @@ class ProcessEngine:
 
     def batches(self, epoch: int, history: tuple) -> Iterator[dict]:
         self.sampler.epoch, self.sampler.history = epoch, history
-        items = iter(self._dataloader)
+        # The DataLoader's iterator is made here, in the caller's (main) thread, not at the first
+        # batch, which device decode takes in its prefetch thread: torch watches its workers
+        # with a SIGCHLD handler only when they start from the main thread.
+        return self._with_chunks_joined(iter(self._dataloader))
+
+    def _with_chunks_joined(self, items: Iterator[dict]) -> Iterator[dict]:
         for batch in items:
             if "chunk" in batch:  # the first of the batch's chunks: the others follow it
                 batch = self._joined([batch] + [next(items) for _ in range(batch["chunk"][1] - 1)])
