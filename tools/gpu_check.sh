@@ -16,6 +16,8 @@
 # Budget: about 5 minutes on an H100 node with 16 cores; the steps' timeouts add up to 9 minutes.
 # On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git);
 # the torch wheels (GBs) do not travel there: its image's torch must be the pair, or say which is.
+# With device time left, the peers on that node's cores (the .whl/ wheels pip-installed into a
+# directory on PYTHONPATH): python3 tools/bench_peers.py --workers 14 --images 20000 --rounds 1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +39,8 @@ if [[ ${1:-} == "--wheels" ]]; then
     # What dlstore's local-store path needs beyond torch, numpy, pillow and tqdm (their own
     # dependencies are in any torch image), then the test tools with theirs.
     "$PYTHON" -m pip download -q --no-deps "${target[@]}" -d .whl \
-        "tenacity==$(version tenacity)" "simplejpeg==$(version simplejpeg)"
+        "tenacity==$(version tenacity)" "simplejpeg==$(version simplejpeg)" \
+        "webdataset==$(version webdataset)" "braceexpand==$(version braceexpand)"  # for tools/bench_peers.py
     "$PYTHON" -m pip download -q "${target[@]}" -d .whl \
         "pytest==$(version pytest)" "pytest-timeout==$(version pytest-timeout)"
     if [[ ${2:-} == "--with-torch" ]]; then
