@@ -70,11 +70,9 @@ from bench_loader import spread
 from bench_storage import curl, make_payload, read_env_file
 from wan_proxy import WanProxyProcess
 
-import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import StoreConfig, parse_size
 from dlstore.storage import Store, open_store
-from dlstore.world import World
 
 CONTAINER = "dlstore-bench"
 KEY = "cold/shard-000000.tar"
@@ -313,19 +311,7 @@ def cpu_of(processes: list[psutil.Process]) -> float:
 
 def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argparse.Namespace, fetch: dict) -> Epoch:
     """Epoch 0 of a fresh `Dataset` + `Loader` (the issue's settings) over `cache_dir`."""
-    ds = dlstore.Dataset(
-        url,
-        cache_dir=cache_dir,
-        cache_limit="4GB",
-        transform="train",
-        image_size=args.image_size,
-        batch_size=args.batch_size,
-        seed=0,
-        world=World(),
-        store_config=store_config,
-        **fetch,
-    )
-    loader = dlstore.Loader(ds, num_workers=args.workers, device="cpu", dtype="uint8")
+    loader, _ = bench_loader.dlstore_loader(url, cache_dir, args, "uint8", store_config, dataset_options=fetch)
     try:
         images, first, first_images = 0, None, 0
         store_side = store_processes(args.env)
@@ -338,8 +324,8 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
         store_cpu = cpu_of(store_side) - store_cpu
     finally:
         loader.close()
-        ds.cache.close()
-        del loader, ds
+        loader.dataset.cache.close()
+        del loader
         gc.collect()  # the download workers' connections (in reference cycles) close now, not in a later run
     after = (images - first_images) / max(seconds - (first or 0.0), 1e-9)
     return Epoch(images / seconds, first or 0.0, seconds, cpu, store_cpu, after_first_img_s=after)

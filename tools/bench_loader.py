@@ -140,10 +140,12 @@ def dlstore_loader(
     dtype: str,
     store_config: StoreConfig | None = None,
     shared_slots: bool = True,
+    dataset_options: dict | None = None,
     **loader_options,
 ):
     """A loader of `args`' workers, image size and batch size on the CPU, and `batches(epoch)`;
-    `loader_options` go to `dlstore.Loader` as they are (e.g. `engine=`)."""
+    `dataset_options` go to `dlstore.Dataset` (e.g. fetch settings) and `loader_options` to
+    `dlstore.Loader` (e.g. `engine=`), as they are."""
     ds = dlstore.Dataset(
         url,
         cache_dir=cache_dir,
@@ -154,6 +156,7 @@ def dlstore_loader(
         seed=0,
         world=World(),
         store_config=store_config,
+        **(dataset_options or {}),
     )
     loader = dlstore.Loader(
         ds, num_workers=args.workers, device="cpu", dtype=dtype, shared_slots=shared_slots, **loader_options
