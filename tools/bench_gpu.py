@@ -5,7 +5,8 @@ and on the GPU (nvJPEG).
 
 1. data: an ImageNet-like train set (default 8,000 JPEGs of 500x375, ~130 KB, like
    ImageNet's average) made by `dlstore.demo.datagen` in parallel, converted into shards in a
-   local store (a warm node cache reads the same way);
+   local store (a warm node cache reads the same way); `--stored full,341` also converts them
+   shrunk to 341 px on the long side (`dlstore convert --resize-max-side 341`) and runs both;
 2. demand: `measure_training_rate`, the trainer's own step on one synthetic batch kept on the
    device (no data path at all);
 3. fed: `dlstore.train.main` on the shards for `--steps` steps, once per decode mode; its
@@ -31,53 +32,40 @@ import shutil
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from bench_loader import make_images  # noqa: E402
 
 
-def _make_part(args: tuple[str, int, int, tuple[int, int], int]) -> None:
-    from dlstore.demo.datagen import make_imagenet
-
-    root, classes, per_class, size, seed = args
-    make_imagenet(root, num_classes=classes, train_per_class=per_class, val_per_class=1, image_size=size, seed=seed)
-
-
-def make_dataset(workdir: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> str:
-    """Generated in `procs` parts (other seeds, same classes), merged into one ImageFolder-like
-    train tree, converted to `file://workdir/store/train`. A tree made with the same settings is
-    reused (its conversion finishes where it stopped); another or a half-made one is made anew."""
-    from dlstore.convert import ConvertOptions, convert
-
+def make_dataset(workdir: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> Path:
+    """`images` generated JPEGs of `size` in `classes` classes, an ImageFolder-like train tree
+    under `workdir/source/train`. A tree made with the same settings is reused; another or a
+    half-made one is made anew."""
     train = workdir / "source" / "train"
-    url = f"file://{workdir}/store/train"
     made = workdir / "source" / "made.json"  # written last: a tree without it is half made
     settings = json.dumps({"images": images, "classes": classes, "size": list(size)})
     if not made.exists() or made.read_text() != settings:
         shutil.rmtree(workdir / "source", ignore_errors=True)
         shutil.rmtree(workdir / "store", ignore_errors=True)
-        _generate(train, images, classes, size, procs)
+        make_images(train, images, classes, size, procs)
         made.write_text(settings)
-    convert("imagefolder", train, url, ConvertOptions(shard_size=64 * 10**6, workers=procs))
+    return train
+
+
+def convert_dataset(train: Path, workdir: Path, stored: str, procs: int) -> str:
+    """`train` converted into shards as `dlstore convert` would: as it is (`stored` "full"), or
+    with its images shrunk to at most `stored` px on their long side (`--resize-max-side`, how a
+    user makes decoding cheaper). A conversion left half done finishes where it stopped."""
+    from dlstore.convert import ConvertOptions, convert
+
+    max_side = None if stored == "full" else int(stored)
+    url = f"file://{workdir}/store/train" + ("" if max_side is None else f"-max{max_side}")
+    convert("imagefolder", train, url, ConvertOptions(shard_size=64 * 10**6, workers=procs, resize_max_side=max_side))
     return url
-
-
-def _generate(train: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> None:
-    workdir = train.parent.parent
-    per_part = max(1, images // (classes * procs))
-    parts = [(str(workdir / f"part{i}"), classes, per_part, size, i) for i in range(procs)]
-    with ProcessPoolExecutor(procs) as pool:
-        list(pool.map(_make_part, parts))
-    for number, (root, *_rest) in enumerate(parts):
-        for class_dir in sorted((Path(root) / "train").iterdir()):
-            target = train / class_dir.name
-            target.mkdir(parents=True, exist_ok=True)
-            for image in class_dir.iterdir():
-                image.rename(target / f"p{number}_{image.name}")
-        shutil.rmtree(root)
 
 
 def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict:
@@ -184,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--engines", default="auto", help="loader engines to run (auto, threads, processes), comma-separated"
     )
+    parser.add_argument(
+        "--stored",
+        default="full",
+        help="stored image sizes to run, comma-separated: full, or a long side in px (convert --resize-max-side)",
+    )
     parser.add_argument("--workdir", help="keep the data here (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
@@ -207,9 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         started = time.perf_counter()
-        url = make_dataset(workdir, args.images, args.classes, (args.image_width, args.image_height), min(cores, 16))
+        procs = min(cores, 16)
+        train = make_dataset(workdir, args.images, args.classes, (args.image_width, args.image_height), procs)
+        urls = {stored: convert_dataset(train, workdir, stored, procs) for stored in args.stored.split(",")}
         result["data_seconds"] = time.perf_counter() - started
-        print(f"data: {url} in {result['data_seconds']:.0f} s", flush=True)
+        print(f"data: {', '.join(urls.values())} in {result['data_seconds']:.0f} s", flush=True)
 
         demand = measure_training_rate(
             args.model,
@@ -223,12 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"synthetic: {demand.images_per_s:,.0f} img/s ({demand.precision}, channels_last)", flush=True)
 
         result["fed"] = []
-        for mode, engine in itertools.product(args.decode.split(","), args.engines.split(",")):
+        runs = itertools.product(urls.items(), args.decode.split(","), args.engines.split(","))
+        for (stored, url), mode, engine in runs:
             fed = fed_rate(url, workdir, args, mode, engine)
+            fed["stored"] = stored
             fed["vs_synthetic"] = fed["images_per_s"] / demand.images_per_s
             result["fed"].append(fed)
             print(
-                f"fed, decode on {mode}, {engine} ({fed['engine_used']}): {fed['images_per_s']:,.0f} img/s = {fed['vs_synthetic']:.3f} of synthetic, "
+                f"fed, {stored} images, decode on {mode}, {engine} ({fed['engine_used']}): "
+                f"{fed['images_per_s']:,.0f} img/s = {fed['vs_synthetic']:.3f} of synthetic, "
                 f"loop waited for data {fed['data_wait_pct']:.1f}% of the time "
                 f"(with epoch starts: {fed['with_epoch_starts']['images_per_s']:,.0f} img/s)",
                 flush=True,
@@ -238,11 +236,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
     print(f"\n{result['machine']['gpu']}, {cores} cores, {args.model} batch {args.batch_size}, {args.workers} workers")
-    print(f"  {'run':<28}{'img/s':>10}{'/ synthetic':>13}{'waited for data':>17}")
-    print(f"  {'synthetic (no data path)':<28}{demand.images_per_s:>10,.0f}{1:>13.3f}{'-':>17}")
+    print(f"  {'run':<40}{'img/s':>10}{'/ synthetic':>13}{'waited for data':>17}")
+    print(f"  {'synthetic (no data path)':<40}{demand.images_per_s:>10,.0f}{1:>13.3f}{'-':>17}")
     for fed in result["fed"]:
-        label = f"decode on {fed['decode_on']}, {fed['engine_used']}"
-        print(f"  {label:<28}{fed['images_per_s']:>10,.0f}{fed['vs_synthetic']:>13.3f}{fed['data_wait_pct']:>16.1f}%")
+        size = "full size" if fed["stored"] == "full" else f"max side {fed['stored']}"
+        label = f"{size}, decode on {fed['decode_on']}, {fed['engine_used']}"
+        print(f"  {label:<40}{fed['images_per_s']:>10,.0f}{fed['vs_synthetic']:>13.3f}{fed['data_wait_pct']:>16.1f}%")
     print("  goal: dlstore-fed >= 0.95 of synthetic")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

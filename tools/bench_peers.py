@@ -91,7 +91,9 @@ def prepare_data(workdir: Path, images: int, shards: int) -> Data:
     store_dir = root / "store" / "train"
     if not (store_dir / "index.json").exists():
         shutil.rmtree(root, ignore_errors=True)  # what an interrupted earlier run left
-        bench_loader.make_shards(root, classes, per_class, -(-classes * per_class // shards))
+        bench_loader.make_shards(
+            root, classes, per_class, -(-classes * per_class // shards), len(os.sched_getaffinity(0))
+        )
     return Data(f"file://{store_dir}", store_dir, root / "source" / "train", str(root / "cache"))
 
 

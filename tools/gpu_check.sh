@@ -13,11 +13,10 @@
 # tools/setup.sh (or DLSTORE_TORCH_SPEC, e.g. "torch torchvision" for any), when a CUDA test is
 # skipped for want of a device, or when a step fails.
 # The interpreter is setup.sh's: .venv/bin/python when there is one, else python3 (or $PYTHON).
-# Budget: about 5 minutes on an H100 node with 16 cores; the steps' timeouts add up to 9 minutes.
+# Budget: about 7 minutes on an H100 node with 16 cores; the steps' timeouts add up to 13 minutes.
 # On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git);
 # the torch wheels (GBs) do not travel there: its image's torch must be the pair, or say which is.
-# With device time left, the peers on that node's cores (the .whl/ wheels pip-installed into a
-# directory on PYTHONPATH): python3 tools/bench_peers.py --workers 14 --images 20000 --rounds 1
+# Last, the peers on that node's cores (tools/bench_peers.py, one round), where webdataset is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -99,10 +98,13 @@ export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DLSTO
 "$PYTHON" - <<'EOF' | tee "$OUT/versions.txt"
 import sys
 
+import cv2
+import simplejpeg
 import torch
 import torchvision
 
 print(sys.executable, "torch", torch.__version__, "torchvision", torchvision.__version__, "CUDA", torch.version.cuda)
+print("opencv", cv2.__version__, "simplejpeg", simplejpeg.__version__)
 EOF
 if ! torch_matches; then
     echo "gpu_check: torch and torchvision are not $TORCH_SPEC (tools/setup.sh's pair, or DLSTORE_TORCH_SPEC):" \
@@ -132,7 +134,7 @@ fi
 
 echo "== synthetic vs fed training rate"
 bench=0
-timeout -k 15 300 "$PYTHON" tools/bench_gpu.py --workdir "$work" --engines auto,threads --json "$OUT/bench_gpu.json" 2>&1 |
+timeout -k 15 300 "$PYTHON" tools/bench_gpu.py --workdir "$work" --stored full,341 --steps 200 --json "$OUT/bench_gpu.json" 2>&1 |
     tee "$OUT/bench_gpu.txt" || bench=$?
 
 echo "== dlstore bench (stage split, verdict)"
@@ -141,5 +143,15 @@ workers=$(($(nproc) - 2))
 timeout -k 15 90 "$PYTHON" -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" \
     --batches 10 --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt" || verdict=$?
 
-echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict"
-[[ $tests == 0 && $bench == 0 && $verdict == 0 ]]
+echo "== the peers on this node's cores (tools/bench_peers.py)"
+peers=0
+if "$PYTHON" -c "import webdataset" 2>/dev/null; then
+    timeout -k 15 240 "$PYTHON" tools/bench_peers.py --workdir "$work/peers" --workers "$workers" --images 16000 \
+        --shards 32 --rounds 1 --epochs 2 --batch-size 256 --rss-workers "$workers" --single-core-samples 300 \
+        --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.txt" || peers=$?
+else
+    echo "no webdataset here: skipped (bash tools/gpu_check.sh --wheels fetches it)"
+fi
+
+echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict, peers $peers"
+[[ $tests == 0 && $bench == 0 && $verdict == 0 && $peers == 0 ]]
