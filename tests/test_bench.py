@@ -57,7 +57,8 @@ def test_bench_cli_writes_json_and_plot(dataset_url, tmp_path, capsys):
         assert cold["bytes_fetched"] > 0 and cold["fetch_mb_per_s"] > 0 and cold["connections"] >= 1
         assert cold["bytes_fetched"] + warm["bytes_fetched"] <= report["dataset"]["bytes"]
         assert warm["connections"] == 0
-    assert "cold cache" in printed and "first batch s" in printed
+        assert cold["engine"] == warm["engine"] == "threads"  # what engine="auto" runs on a CPU
+    assert "cold cache" in printed and "first batch s" in printed and "threads" in printed
 
     stages = {s["cache"]: s for s in report["stages"]}
     assert set(stages) == {"cold", "warm"}

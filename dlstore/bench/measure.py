@@ -56,6 +56,7 @@ def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str
     created = time.perf_counter()
     loader = Loader(ds, num_workers=workers, device=str(device), dtype=dtype, channels_last=channels_last)
     loader.set_epoch(0)
+    engine = loader.cfg.engine  # "auto" resolved
     per_round, available = max(workers, 1), len(loader)
     if available >= 2 * per_round:
         untimed = per_round
@@ -103,6 +104,7 @@ def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str
         images_per_s=rate,
         mb_per_s=rate * sample_bytes / 1e6,
         first_batch_s=(first_batch or ended) - created,
+        engine=engine,
     )
 
 

@@ -55,6 +55,7 @@ class LoaderRun:
     bytes_fetched: int = 0
     fetch_mb_per_s: float | None = None
     connections: int = 0
+    engine: str = ""  # what the loader ran on ("threads" or "processes": what engine="auto" chose)
 
 
 @dataclass(frozen=True)
@@ -375,6 +376,7 @@ def _loader_lines(report: BenchReport) -> list[str]:
             [
                 str(r.batch_size),
                 str(r.workers),
+                r.warm.engine or "-",
                 _fmt_rate(r.cold.images_per_s),
                 _fmt_rate(r.cold.mb_per_s),
                 _fmt_rate(r.warm.images_per_s),
@@ -387,6 +389,7 @@ def _loader_lines(report: BenchReport) -> list[str]:
     headers = [
         "batch",
         "workers",
+        "engine",
         "cold img/s",
         "cold MB/s",
         "warm img/s",
