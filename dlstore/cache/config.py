@@ -39,11 +39,15 @@ class CacheConfig:
     as fast as its connections allow; a larger one into parts of at least `part_size` bytes
     (more when the measured round trip and rate say a part that small would spend too much
     of its time waiting for its first byte). The prefetch keeps up to `shards_in_flight`
-    shards of its window downloading at once: all of them until the rates are measured (a
-    cold start), then as many as bring the window in at twice the rate the readers reach it
-    (`dlstore.cache.pace`). A process opens at most `parts_in_flight * (shards_in_flight + 1)`
-    connections (room for the reader's own download beside the prefetch's); the reader's
-    shard goes first.
+    shards of its window downloading at once, each on up to `parts_in_flight` connections:
+    all of them until the rates are measured (a cold start), then as few connections as
+    bring the window in at twice the rate the readers reach it, given the rate one
+    connection gets, on as few shards as hold them (`dlstore.cache.pace`): a fast link and
+    slow readers need a connection or two, not 32 sockets on the store. Both are caps, never
+    exceeded; the readers' own shard always gets `parts_in_flight`, and so does a prefetched
+    one a reader reaches while it is in flight. A process opens at most
+    `parts_in_flight * (shards_in_flight + 1)` connections (room for the reader's own download
+    beside the prefetch's); the reader's shard goes first.
 
     `node_connections` caps the connections of all the processes sharing the directory
     together (`dlstore.cache.slots`: each GET holds one of that many slot files; 0: no cap).

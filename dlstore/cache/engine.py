@@ -24,8 +24,12 @@ How it works, and why:
   than the shard's share of `parts_in_flight` connections. With `parts_in_flight=1` a
   shard is one GET.
 * **Scheduling**: downloads by (priority, arrival); an idle worker takes the next part of
-  the first download that has bytes left and fewer than its `parts_in_flight` parts
-  running. The reader's shard (priority 0) goes before the prefetch's.
+  the first download that has bytes left and fewer parts running than its width: its
+  `parts_in_flight`, or for a prefetch (priority above 0) at most `background_parts`, which
+  the prefetch sets from its pace (`pace.PrefetchPace.concurrency`: a fast link and slow
+  readers need few connections). The reader's shard (priority 0) goes before the
+  prefetch's, at full width; `hurry` makes a prefetch that a reader now waits for one.
+  Parts are cut for the full width either way, so a narrowed download can widen again.
 * **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes
   from the next byte after a cut, and whose retry budget starts again after any attempt
   that moved bytes (`storage.retry.ProgressRetry`).
@@ -38,8 +42,10 @@ How it works, and why:
   running parts stop at their next chunk, and `Download.wait` raises that error (store
   errors re-raised naming the shard and the part's bytes) only once no part can write to
   the file any more, so the caller may close and unlink it.
-* **Shard rate**: the bytes per second a whole shard's download got (start to last byte,
-  smoothed), which the prefetch paces itself by (`pace.PrefetchPace`).
+* **Rates** the prefetch paces itself by (`pace.PrefetchPace`): the bytes per second one
+  connection moves, its wait for the first byte included (`connection_rate`, smoothed over
+  parts), and those a whole shard's download got (`shard_rate`, start to last byte,
+  smoothed over shards).
 * **Workers** are made on demand, at most `connections`, and end after `idle_s` without
   work. A backend's per-thread connection (Swift) therefore stays open across parts.
 * **Node slots** (`slots.NodeSlots`, when given): a part starts only once it holds one of
@@ -99,21 +105,27 @@ class _Part:
 
 
 class _LinkEstimate:
-    """Time to first byte and bytes per second of one connection, smoothed over recent parts."""
+    """Time to first byte and bytes per second of one connection, smoothed over recent parts:
+    `rate` while bytes flow (what a part's size is chosen by), `connection_rate` over the
+    whole GET, its wait for the first byte included (what a connection is worth to the
+    prefetch's pace: it is held all that time)."""
 
     def __init__(self) -> None:
         self.first_byte_s: float | None = None
         self.rate: float | None = None
+        self.connection_rate: float | None = None
 
     def add(self, first_byte_s: float, nbytes: int, transfer_s: float) -> None:
         if nbytes < _MIN_SAMPLE_BYTES or transfer_s <= 0.005:
             return
         rate = nbytes / transfer_s
-        if self.rate is None or self.first_byte_s is None:
-            self.first_byte_s, self.rate = first_byte_s, rate
+        connection_rate = nbytes / (max(first_byte_s, 0.0) + transfer_s)
+        if self.rate is None or self.first_byte_s is None or self.connection_rate is None:
+            self.first_byte_s, self.rate, self.connection_rate = first_byte_s, rate, connection_rate
         else:
             self.first_byte_s = 0.7 * self.first_byte_s + 0.3 * first_byte_s
             self.rate = 0.7 * self.rate + 0.3 * rate
+            self.connection_rate = 0.7 * self.connection_rate + 0.3 * connection_rate
 
     def part_size(self, floor: int, ceiling: int) -> int:
         if self.rate is None or self.first_byte_s is None:
@@ -270,6 +282,14 @@ class DownloadEngine:
         self.most_running = 0  # the most parts running at once (connections), for the cache's stats
         self._waiting_failed = False  # the node slots' waiting file could not be used (logged once)
         self.shard_rate: float | None = None  # bytes/s a whole shard's download has been getting, smoothed
+        #: The most parts a prefetch (priority above 0) runs at once; None: its `parts_in_flight`.
+        #: Set by the prefetch's pace; a reader's download (priority 0) is never narrowed.
+        self.background_parts: int | None = None
+
+    @property
+    def connection_rate(self) -> float | None:
+        """Bytes per second one connection has been moving, its wait for the first byte included."""
+        return self.link.connection_rate
 
     def start(
         self,
@@ -307,6 +327,20 @@ class DownloadEngine:
             self._work.notify_all()
         return download
 
+    def hurry(self, name: str, object_offset: int | None = None) -> None:
+        """A reader now waits for the prefetch of object `name` (from `object_offset`): make
+        it a reader's download, which goes first, at its full `parts_in_flight`."""
+        with self._lock:
+            hurried = [
+                d for d in self._downloads if d.name == name and d.object_offset == object_offset and d.order[0] > 0
+            ]
+            for download in hurried:
+                download.order = (0, download.order[1])
+            if hurried:
+                self._downloads.sort(key=lambda d: d.order)
+                self._spawn(max(d.parts_in_flight for d in hurried))
+                self._work.notify_all()
+
     def close(self) -> None:
         """Let idle workers end now (running parts finish; a later `start` makes new workers)."""
         with self._lock:
@@ -337,7 +371,7 @@ class DownloadEngine:
         first download with work gets no slot (`_slot_wanted`; the later ones would not either)."""
         self._slot_wanted = False
         for download in self._downloads:
-            if download._has_work() and download.running < download.parts_in_flight:
+            if download._has_work() and download.running < self._width(download):
                 break
         else:
             self._set_reader_waiting(False)
@@ -355,6 +389,12 @@ class DownloadEngine:
         # A reader's shard with parts still to start keeps the prefetches back between them.
         self._set_reader_waiting(urgent and download._has_work() and download.running < download.parts_in_flight)
         return download, part
+
+    def _width(self, download: Download) -> int:
+        """Parts of `download` that may run at once: a prefetch's as its pace allows."""
+        if download.order[0] == 0 or self.background_parts is None:
+            return download.parts_in_flight
+        return max(1, min(download.parts_in_flight, self.background_parts))
 
     def _slot_for(self, slots: NodeSlots, download: Download) -> int | None:
         """A node slot for a part of `download`, or None when none is free now (or the slot

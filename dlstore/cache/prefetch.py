@@ -1,8 +1,10 @@
 """The background prefetch of one process: daemon threads (`CacheConfig.shards_in_flight`
 of them, each fetching one shard at a time) that keep the next `CacheConfig.prefetch`
 shards of the reader's list cached, sooner shards first, and the window that the reader
-moves on as it reaches each shard. How many of the threads download at once is paced by
-the rates measured (`pace.PrefetchPace`). All of its state lives in the process's `_Runtime`."""
+moves on as it reaches each shard. How many of the threads download at once, and on how
+many connections each, is paced by the rates measured (`pace.PrefetchPace`); a shard the
+reader reaches while it is still in flight is widened to a reader's download
+(`DownloadEngine.hurry`). All of its state lives in the process's `_Runtime`."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from collections.abc import Callable
 
 from dlstore.cache.config import ShardSpec
 from dlstore.cache.layout import _release
+from dlstore.cache.pace import Concurrency
 from dlstore.cache.runtime import _Runtime
 
 log = logging.getLogger(__name__)
@@ -24,9 +27,10 @@ _PACE_RECHECK_S = 0.25
 PrefetchFetch = Callable[[ShardSpec, frozenset[str]], "int | None"]
 
 
-def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, threads: int) -> None:
-    """Replace the list of upcoming shards, and start the threads that do not run already.
-    The same list again changes nothing: the readers' place in it stands."""
+def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, caps: Concurrency) -> None:
+    """Replace the list of upcoming shards, and start the threads that do not run already
+    (`caps.shards`; `caps.parts`: the most connections a shard of theirs uses). The same list
+    again changes nothing: the readers' place in it stands."""
     with rt.lock:
         if specs == rt.upcoming and not rt.closing:
             return
@@ -36,9 +40,9 @@ def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: Pref
         rt.generation += 1
         rt.closing = False
         rt.threads = [thread for thread in rt.threads if thread.is_alive()]
-        while len(rt.threads) < min(threads, depth):
+        while len(rt.threads) < min(caps.shards, depth):
             thread = threading.Thread(
-                target=_prefetch_loop, args=(rt, depth, fetch, threads), name="dlstore-cache-prefetch", daemon=True
+                target=_prefetch_loop, args=(rt, depth, fetch, caps), name="dlstore-cache-prefetch", daemon=True
             )
             thread.start()
             rt.threads.append(thread)
@@ -65,8 +69,10 @@ def raise_prefetch_error(rt: _Runtime, name: str) -> None:
 
 
 def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
-    """The reader reached `name`: move the prefetch window past it. Returns the window,
-    which the reader's own evictions spare when they can."""
+    """The reader reached `name`: move the prefetch window past it, and hurry its download if
+    the prefetch is still fetching it (the reader waits for it now; the pace may have made it
+    narrow). Returns the window, which the reader's own evictions spare when they can."""
+    in_flight = None
     with rt.lock:
         for index in range(rt.position, len(rt.upcoming)):
             if rt.upcoming[index].name == name:
@@ -75,17 +81,30 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
                     rt.pace.reached(spec.name, spec.size, now)
                 rt.position = index + 1
                 rt.wake.notify_all()
+                if name in rt.active:
+                    in_flight = rt.upcoming[index]
                 break
         window = rt.upcoming[rt.position : rt.position + depth]
+    if in_flight is not None and rt.engine is not None:
+        if in_flight.samples is None:
+            rt.engine.hurry(in_flight.name)
+        else:  # a run of samples: bytes of its shard's object
+            rt.engine.hurry(in_flight.samples.shard, in_flight.samples.byte_start)
     return frozenset(spec.name for spec in window)
 
 
-def _next_prefetch(rt: _Runtime, depth: int, cap: int) -> tuple[ShardSpec, frozenset[str]] | None:
+def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSpec, frozenset[str]] | None:
     """The next shard to prefetch, and the shards its eviction must spare: those sooner in
     the list, and the one the reader has just reached (it may not hold its lock yet). A shard
-    another prefetch thread is fetching is skipped; none while the pace allows no more."""
-    shard_rate = rt.engine.shard_rate if rt.engine is not None else None
-    if len(rt.active) >= rt.pace.shards_at_once(cap, shard_rate):
+    another prefetch thread is fetching is skipped; none while the pace allows no more. Sets
+    the connections each prefetched shard may use to the pace's."""
+    engine = rt.engine
+    if engine is None:
+        pace = caps
+    else:
+        pace = rt.pace.concurrency(caps, engine.connection_rate, engine.shard_rate)
+        engine.background_parts = pace.parts
+    if len(rt.active) >= pace.shards:
         return None
     start = rt.position
     window = rt.upcoming[start : start + depth]
@@ -95,11 +114,11 @@ def _next_prefetch(rt: _Runtime, depth: int, cap: int) -> tuple[ShardSpec, froze
     return None
 
 
-def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch, cap: int) -> None:
+def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch, caps: Concurrency) -> None:
     while True:
         with rt.lock:
             job = None
-            while not rt.closing and (job := _next_prefetch(rt, depth, cap)) is None:
+            while not rt.closing and (job := _next_prefetch(rt, depth, caps)) is None:
                 # The pace changes with the rates, not only when woken: look again now and then.
                 rt.wake.wait(timeout=_PACE_RECHECK_S if rt.active else None)
             if rt.closing or job is None:

@@ -21,6 +21,7 @@ from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
 from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, write_verified
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
+from dlstore.cache.pace import Concurrency
 from dlstore.cache.partial import SampleRange, write_verified_range
 from dlstore.cache.policy import HintWriter, read_next_use, victim_order
 from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
@@ -203,7 +204,7 @@ class ShardCache:
             lambda spec, sooner: self._acquire(
                 rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner), epoch=rt.prefetch_epoch
             ),
-            self.config.shards_in_flight,
+            Concurrency(self.config.shards_in_flight, self.config.parts_in_flight),
         )
 
     def hint(self, names: Iterable[str]) -> None:
