@@ -291,6 +291,32 @@ def test_close_stops_the_decode_threads(local_dataset, tmp_path):
     assert not decode_threads() - before
 
 
+def test_an_iterator_kept_past_close_ends_without_a_hang(local_dataset, tmp_path):
+    """close() while an iterator is suspended mid-epoch (kept in a variable, not a for loop's):
+    ending that iterator afterwards must not wait for the batches close() cancelled (a
+    cancelled future that no pool thread will ever pick up never counts as done for
+    `concurrent.futures.wait`), and the loader iterates again after it."""
+    url, _ = local_dataset
+    for engine in ("threads", "processes"):
+        loader = dlstore.Loader(_dataset(url, tmp_path / engine), num_workers=2, device="cpu", engine=engine)
+        kept = iter(loader)
+        next(kept)
+        loader.close()
+        if engine == "threads":  # the pass does not go on after close() (the processes' restarts)
+            with pytest.raises(RuntimeError, match="closed during this pass"):
+                next(kept)
+            kept = iter(loader)
+            next(kept)
+            loader.close()
+        ending = threading.Thread(target=kept.close, daemon=True)
+        ending.start()
+        ending.join(timeout=60)
+        assert not ending.is_alive(), f"{engine}: ending an iterator kept past close() hangs"
+        loader.set_epoch(1)
+        assert len(_epoch(loader)) == 23, engine
+        loader.close()
+
+
 _SHM_RUN = """
 import sys, torch, dlstore
 from loader_support import write_dataset

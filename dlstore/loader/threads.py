@@ -118,7 +118,8 @@ class ThreadEngine:
         self.handed = _HandedBuffers(keep=self.lookahead + 2)
         # Jobs started for the next epoch: ((epoch, history), jobs, batches submitted).
         self._ahead: tuple[tuple, deque[_Job], int] | None = None
-        self.pool = futures.ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
+        self._pool: futures.ThreadPoolExecutor | None = None  # made at the first batch, again after close()
+        self._closes = 0  # close() calls so far: a pass begun before one does not go on
 
     @staticmethod
     def slot_count(cfg: LoaderConfig) -> int:
@@ -133,8 +134,11 @@ class ThreadEngine:
         a loop that goes on to it finds its first batches built: no pause between epochs."""
         plan = self.dataset.plan(epoch, history)
         pending, submitted = self._started_for(epoch, history)
+        closes = self._closes
         try:
             while pending or submitted < plan.num_batches:
+                if self._closes != closes:
+                    raise RuntimeError("the loader was closed during this pass: iterate it again to go on")
                 while submitted < plan.num_batches and len(pending) <= self.lookahead:
                     pending.append(self._submit(self.dataset.request(plan, epoch, submitted)))
                     self.dataset.prefetch_after(plan, submitted)
@@ -187,8 +191,10 @@ class ThreadEngine:
             else:
                 images = self.handed.take(n, self.path.cfg.batch_size, self.path.cfg.transform.image_size)
         bounds = np.linspace(0, n, min(self.threads, max(n, 1)) + 1).astype(int)
+        if self._pool is None:
+            self._pool = futures.ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
         chunks = [
-            self.pool.submit(self._chunk, request, int(lo), int(hi), images)
+            self._pool.submit(self._chunk, request, int(lo), int(hi), images)
             for lo, hi in zip(bounds[:-1], bounds[1:])
             if hi > lo
         ]
@@ -243,11 +249,13 @@ class ThreadEngine:
 
     def _abandon(self, pending: deque[_Job]) -> None:
         """Cancel queued chunks, wait for running ones (they write into slots), free their slots
-        (only theirs: jobs started for the next epoch keep their own)."""
-        for job in pending:
-            for chunk in job.chunks:
-                chunk.cancel()
-        futures.wait([chunk for job in pending for chunk in job.chunks])
+        (only theirs: jobs started for the next epoch keep their own).
+
+        Only the chunks that could not be cancelled are waited for: a cancelled future counts as
+        done for `futures.wait` only once a pool thread has taken it off the queue, and after
+        `close()` (the pool shut down, its queue dropped) none ever will."""
+        started = [chunk for job in pending for chunk in job.chunks if not chunk.cancel()]
+        futures.wait(started)
         for job in pending:
             if job.slot is not None:
                 self.slots.release(job.slot)
@@ -256,4 +264,7 @@ class ThreadEngine:
         if self._ahead is not None:
             self._abandon(self._ahead[1])
             self._ahead = None
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self._closes += 1
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
