@@ -78,8 +78,8 @@ Downloads: each process has one `engine.DownloadEngine` (worker threads, at most
 `CacheConfig.connections`), shared by its reader and its prefetch threads: a shard is
 fetched as up to `parts_in_flight` ranged GETs at once, each retried on its own and
 resumed from its next byte; the prefetch keeps up to `shards_in_flight` shards of its
-window in flight, as many as the rates measured call for (`pace`); the shard a reader
-waits for goes first. All the processes of a node together hold at most
+window in flight, as many as the rates measured call for, each on as many connections as
+they call for (`pace`); the shard a reader waits for goes first, at full width. All the processes of a node together hold at most
 `CacheConfig.node_connections` GETs at once (`slots`), a waiting reader's before any prefetch's. Each in-flight shard holds its
 own reservation, so the limit holds with several shards in flight.
 
