@@ -33,7 +33,7 @@ from dlstore.config import DataConfig
 from dlstore.errors import CorruptSample, CorruptShard
 from dlstore.manifest import Manifest
 from dlstore.plan import locate
-from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample_from_file, read_shard_index
+from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample_from_file
 from dlstore.transforms import CropSource, crop_plan, decode_for_crop, device_jpeg, resize_crop, sample_rng
 
 __all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "join_encoded"]
@@ -93,6 +93,7 @@ class SamplePath:
         # Only the fields this dataset has, in the one order of preference.
         self.image_fields = tuple(f for f in IMAGE_FIELDS if f in manifest.fields)
         self._indexes: OrderedDict[str, Any] = OrderedDict()
+        self._building: dict[str, threading.Lock] = {}  # indexes being read now: one thread per shard
         # The shards this node reads only part of, as the runs of samples its cache holds
         # (set by `Dataset`; `dlstore.cache.partial`): {shard: SampleRange}.
         self.partial: dict[int, SampleRange] = {}
@@ -105,7 +106,7 @@ class SamplePath:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_indexes"], state["_rechecked"] = OrderedDict(), set()
+        state["_indexes"], state["_rechecked"], state["_building"] = OrderedDict(), set(), {}
         del state["_lock"]
         return state
 
@@ -150,16 +151,35 @@ class SamplePath:
         return samples  # type: ignore[return-value]
 
     def _index(self, shard: int, path: str):
-        name = self.manifest.shards[shard].name
-        with self._lock:
-            index = self._indexes.get(name)
-        if index is None:
-            index = read_shard_index(path)  # outside the lock: a file read
+        """The sample index of `shard`, held at `path`: this process's copy, else the cache's
+        (`ShardCache.sample_index`: kept per node, walked from the file only once). One thread
+        reads each shard's; the others wait for it rather than walk the same file."""
+        info = self.manifest.shards[shard]
+        while True:
             with self._lock:
-                self._indexes[name] = index
+                index = self._indexes.get(info.name)
+                if index is not None:
+                    return index
+                building = self._building.get(info.name)
+                mine = building is None
+                if mine:
+                    building = self._building[info.name] = threading.Lock()
+                    building.acquire()
+            if mine:
+                break
+            with building:  # another thread reads it: wait, then look again (it may have failed)
+                pass
+        try:
+            index = self.cache.sample_index(path, info.checksum)  # outside the lock: file reads
+            with self._lock:
+                self._indexes[info.name] = index
                 while len(self._indexes) > 64:
                     self._indexes.popitem(last=False)
-        return index
+            return index
+        finally:
+            with self._lock:
+                del self._building[info.name]
+            building.release()
 
     def _read_from_shard(
         self,

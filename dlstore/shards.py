@@ -500,8 +500,9 @@ def read_shard_index(path: str | os.PathLike[str]) -> SampleIndex:
     """The sample index of a local shard file: from `<shard>.idx` beside it when that exists
     and matches the file's size, otherwise by walking the tar's headers (seeking over data).
 
-    The second way reads one 512-byte header per member: ~1 ms for a 256 MB shard of
-    ImageNet JPEGs from page cache. Such an index has no checksum (zeros)."""
+    The second way reads one 512-byte header per member, ~5 us each from page cache here:
+    ~10 ms for a 64 MB shard of 100 KB JPEGs (three members per sample). Such an index has no
+    checksum (zeros). The node cache keeps the indexes it walks (`dlstore.cache.indexes`)."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     beside = path[:-4] + ".idx" if path.endswith(".tar") else path + ".idx"

@@ -17,6 +17,8 @@ Layout of the directory::
                         a partial entry (`partial`: a run of samples of a boundary shard) is
                         one too, under the stem of its key `<shard>#samples=<start>-<stop>`
     locks/<stem>.lock   per-shard lock: readers hold LOCK_SH, a downloader or evictor LOCK_EX
+    indexes/<stem>.idx  the sample index of a cached shard, walked from it once per node
+                        (`indexes`); written by a reader holding the shard, removed with it
     tmp/<stem>.<pid>.<token>.<size>.part
                         downloads in flight; the name records the bytes reserved, the
                         downloader holds LOCK_EX on the file itself while it lives

@@ -140,11 +140,12 @@ class _CacheDir:
         self.shards = os.path.join(root, "shards")
         self.tmp = os.path.join(root, "tmp")
         self.locks = os.path.join(root, "locks")
+        self.indexes = os.path.join(root, "indexes")  # sample indexes of cached shards (`indexes.py`)
         self.lock_path = os.path.join(root, "cache.lock")
         self.stats_path = os.path.join(root, "stats.json")
 
     def create(self) -> None:
-        for directory in (self.shards, self.tmp, self.locks):
+        for directory in (self.shards, self.tmp, self.locks, self.indexes):
             os.makedirs(directory, exist_ok=True)
 
     def require(self) -> None:
@@ -153,6 +154,10 @@ class _CacheDir:
 
     def shard_path(self, stem: str) -> str:
         return os.path.join(self.shards, stem)
+
+    def index_path(self, stem: str) -> str:
+        """Where the sample index of cached shard `stem` is kept (`indexes.cached_sample_index`)."""
+        return os.path.join(self.indexes, stem + ".idx")
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -238,8 +243,9 @@ class _CacheDir:
             _release(fd)
 
     def remove_shard(self, stem: str) -> int:
-        """Unlink a shard whose lock the caller holds exclusively; bytes freed."""
+        """Unlink a shard whose lock the caller holds exclusively, and its sample index; bytes freed."""
         path = self.shard_path(stem)
+        _unlink_quietly(self.index_path(stem))
         try:
             size = os.stat(path).st_size
             os.unlink(path)

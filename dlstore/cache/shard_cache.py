@@ -20,6 +20,7 @@ from urllib.parse import quote
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
 from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, write_verified
 from dlstore.cache.engine import DownloadEngine
+from dlstore.cache.indexes import cached_sample_index
 from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.partial import SampleRange, write_verified_range
@@ -28,6 +29,7 @@ from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_p
 from dlstore.cache.runtime import _Runtime
 from dlstore.cache.slots import node_slots
 from dlstore.errors import ConfigError, NoSpace, TransientError
+from dlstore.sample_index import SampleIndex
 from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)
@@ -164,6 +166,11 @@ class ShardCache:
             # No touch here: LRU goes by when a read started, so a shard just read is evicted
             # before the prefetched ones the reader has not reached yet.
             _release(fd)
+
+    def sample_index(self, path: str, checksum: str | None) -> SampleIndex:
+        """The sample index of the shard held at `path` (a `hold`'s), kept in the cache
+        (`indexes.cached_sample_index`); `checksum` is the manifest's."""
+        return cached_sample_index(self._dir.index_path(os.path.basename(path)), path, checksum)
 
     def fetch(
         self,
@@ -490,6 +497,8 @@ class ShardCache:
             # Under the cache-wide lock: a scan (which holds it) must not see the bytes leave
             # tmp/ after it counted them there and then find them again under shards/.
             with self._dir.locked():
+                # A copy replaced (a damaged one): its kept sample index may come from the damage.
+                _unlink_quietly(self._dir.index_path(os.path.basename(path)))
                 os.replace(temp, path)
             temp = None
         except OSError as exc:

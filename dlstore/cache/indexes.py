@@ -1,0 +1,88 @@
+"""Sample indexes of cached shards, kept in the cache beside them (`indexes/<stem>.idx`).
+
+Why: a sample is read with one `pread` of its span, which its shard's `SampleIndex` gives.
+Built from the cached file, that index is a walk over every tar header of the shard (~5 us
+each here, tens of ms for a 256 MB shard of ImageNet JPEGs, more on a slower core), and it
+was made again in every process that read the shard: each worker process of each rank, again
+each epoch once the process's own few dozen had moved on. Kept in the cache, it is walked
+once per node while the shard stays cached, and read back in well under a millisecond.
+
+An index kept here carries the shard's checksum from the manifest (the cached copy was
+verified against it), so a shard cached again with other content never meets an old index;
+the index of a shard without a sha256 checksum is not kept. Eviction removes it with its
+shard (`_CacheDir.remove_shard`). Indexes are small (8 bytes per sample) and are not counted
+against the cache's limit. Writing one is best effort: a full disk or a read-only cache
+costs the walk again, not the read."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+
+from dlstore.errors import FormatError
+from dlstore.sample_index import CHECKSUM_ALGORITHM, SampleIndex
+from dlstore.shards import read_shard_index
+
+__all__ = ["cached_sample_index"]
+
+log = logging.getLogger(__name__)
+
+
+def cached_sample_index(index_path: str, shard_path: str, checksum: str | None) -> SampleIndex:
+    """The sample index of the cached shard at `shard_path` (held by the caller, so not evicted
+    meanwhile): the one kept at `index_path` when it is this shard's (its size and
+    `checksum`), else walked from the file and kept there for the next reader."""
+    digest = _sha256(checksum)
+    shard_size = os.path.getsize(shard_path)
+    if digest is not None:
+        kept = _read_kept(index_path, shard_size, digest)
+        if kept is not None:
+            return kept
+    index = read_shard_index(shard_path)
+    if digest is None:
+        return index
+    index = SampleIndex(index.offsets, index.shard_size, digest, index.recipe, index.sample_digests)
+    _keep(index_path, index)
+    return index
+
+
+def _sha256(checksum: str | None) -> bytes | None:
+    algorithm, _, hexdigest = (checksum or "").partition(":")
+    if algorithm != CHECKSUM_ALGORITHM:
+        return None
+    try:
+        digest = bytes.fromhex(hexdigest)
+    except ValueError:
+        return None
+    return digest if len(digest) == 32 else None
+
+
+def _read_kept(index_path: str, shard_size: int, digest: bytes) -> SampleIndex | None:
+    try:
+        with open(index_path, "rb") as file:
+            index = SampleIndex.from_bytes(file.read())
+    except FileNotFoundError:
+        return None
+    except (OSError, FormatError) as exc:  # damaged or unreadable: walked again, and replaced
+        log.info("sample index %s not used: %s", index_path, exc)
+        return None
+    if index.shard_size != shard_size or index.sha256 != digest:
+        return None  # another shard's (one cached under this name before)
+    return index
+
+
+def _keep(index_path: str, index: SampleIndex) -> None:
+    """Write the index atomically (a temp file renamed over it): readers never see half of one."""
+    temp = f"{index_path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        os.makedirs(os.path.dirname(index_path), exist_ok=True)  # caches made before indexes/ was
+        with open(temp, "wb") as file:
+            file.write(index.to_bytes())
+        os.replace(temp, index_path)
+    except OSError as exc:
+        log.debug("sample index %s not kept: %s", index_path, exc)
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
