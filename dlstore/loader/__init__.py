@@ -7,12 +7,11 @@
 from __future__ import annotations
 
 from dlstore.loader.config import ENGINES, LoaderConfig, default_workers
-from dlstore.loader.loader import MAX_AUTO_THREADS, Loader, choose_engine, resolve_auto
+from dlstore.loader.loader import Loader, choose_engine, resolve_auto
 from dlstore.loader.prefetch import GpuPrefetcher
 from dlstore.loader.slots import BatchSlots
 
 __all__ = [
-    "MAX_AUTO_THREADS",
     "ENGINES",
     "BatchSlots",
     "GpuPrefetcher",

@@ -23,8 +23,8 @@ START_METHODS = (None, "fork", "forkserver", "spawn")
 class LoaderConfig:
     """`num_workers`: decode threads (thread engine) or worker processes (process engine).
 
-    `engine="auto"` is resolved by the `Loader`: worker processes when the batches go to a GPU
-    or for more than 8 workers, decode threads otherwise (why: `choose_engine`).
+    `engine="auto"` is resolved by the `Loader`: worker processes when the batches go to a GPU,
+    decode threads otherwise (why: `choose_engine`).
 
     >>> LoaderConfig(num_workers=4, device="cpu", dtype="uint8").engine
     'auto'

@@ -26,7 +26,7 @@ from dlstore.loader.slots import BatchSlots
 from dlstore.loader.threads import ThreadEngine
 from dlstore.plan import EpochState
 
-__all__ = ["MAX_AUTO_THREADS", "Loader", "choose_engine", "resolve_auto"]
+__all__ = ["Loader", "choose_engine", "resolve_auto"]
 
 log = logging.getLogger(__name__)
 
@@ -148,28 +148,24 @@ class Loader:
         }
 
 
-# The most decode threads `engine="auto"` runs for a CPU loader. Threads share one GIL, taken a
-# few times per image: on a 16-core H100 node (uint8 CPU batches, tools/bench_workers.py, 2
-# rounds) they fed 1,914 / 2,917 / 2,977 img/s at 4 / 8 / 14, worker processes 1,557 / 2,354 /
-# 3,512: threads stop scaling past ~8, processes go on.
-MAX_AUTO_THREADS = 8
-
-
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
-    """What `engine="auto"` means: worker processes when the batches go to a GPU or when more
-    than `MAX_AUTO_THREADS` workers are asked for, decode threads otherwise.
+    """What `engine="auto"` means: worker processes when the batches go to a GPU, decode
+    threads otherwise.
 
     Why: beside a GPU training loop the decode threads and the loop share one GIL, and every
     decode call and every kernel launch hands it over: on an H100 node (16 cores, 14 workers,
     ResNet-50 bf16) threads fed 1,045-1,828 img/s where worker processes fed 3,445 (a switch
     interval of 0.5 ms instead of 5 gave the threads 1,251). On the CPU (no loop in between)
-    threads up to ~8 are faster (2 cores: 1.14x the processes; 16 cores, 4 and 8 workers:
-    1.2x) and spare what processes cost (/dev/shm, a fork, 8x the resident memory, 1.6x
-    counting shared pages once); past that the GIL holds them back (`MAX_AUTO_THREADS`).
-    Processes need room in `/dev/shm` for the batches in flight (the ranks of a node
-    together): without it, threads, with a warning, rather than a loader that fails:
-    `/dev/shm` must be as large as the node's need, and hold this rank's in what is free."""
-    if cfg.num_workers == 0 or (device.type != "cuda" and cfg.num_workers <= MAX_AUTO_THREADS):
+    threads are as fast or faster up to ~8 (2 cores: 1.14x the processes; 16 cores, 4 and 8
+    workers: 1.2x) and spare what processes cost (/dev/shm, a fork, 8x the resident memory,
+    1.6x counting shared pages once, and the `__main__` guard a fork server needs). Past ~8
+    the GIL holds threads back (14 on 16 cores: 0.85x the processes), yet they stay the CPU
+    default: a script that ran on threads must not fail for want of that guard because its
+    machine has more cores (`num_workers` defaults to the cores); ask for processes there. Processes need room in
+    `/dev/shm` for the batches in flight (the ranks of a node together): without it, threads,
+    with a warning, rather than a loader that fails: `/dev/shm` must be as large as the node's
+    need, and hold this rank's in what is free."""
+    if device.type != "cuda" or cfg.num_workers == 0:
         return "threads"
     data = dataset.cfg
     in_flight = cfg.prefetch_factor * cfg.num_workers + 2
@@ -190,10 +186,9 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
         log.warning(
             "%s has %.1f GB free of %.1f GB; worker processes need about %.1f GB for this rank's "
             "batches in flight, %.1f GB for the node's %d ranks: decode threads instead, slower "
-            "beside a GPU training loop and past %d workers (more shared memory: docker run "
-            "--shm-size=%dg, or fewer workers)",
+            "beside a GPU training loop (more shared memory: docker run --shm-size=%dg, or fewer workers)",
             shm, free / 1e9, total / 1e9, own / 1e9, node / 1e9, dataset.world.local_world_size,
-            MAX_AUTO_THREADS, -(-node // 10**9) + 1,
+            -(-node // 10**9) + 1,
         )  # fmt: skip
         return "threads"
     return "processes"

@@ -45,7 +45,7 @@ class TrainConfig:
     sync_bn: bool = False
 
     # data beyond `data`: the loader's engine, evaluation and progressive resizing
-    engine: str = "auto"  # processes on a GPU or past 8 workers, else threads (dlstore.loader.choose_engine)
+    engine: str = "auto"  # worker processes on a GPU, decode threads on the CPU (dlstore.loader.choose_engine)
     eval_image_size: int | None = None  # default: image_size
     # Progressive resizing (FFCV): image size ramps linearly from resize_min at
     # resize_start_epoch to image_size at resize_end_epoch, in steps of resize_step pixels.
