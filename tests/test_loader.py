@@ -297,12 +297,23 @@ def test_an_iterator_kept_past_close_ends_without_a_hang(local_dataset, tmp_path
     cancelled future that no pool thread will ever pick up never counts as done for
     `concurrent.futures.wait`), and the loader iterates again after it."""
     url, _ = local_dataset
-    for engine in ("threads", "processes"):
-        loader = dlstore.Loader(_dataset(url, tmp_path / engine), num_workers=2, device="cpu", engine=engine)
+
+    def decode_threads():
+        return {t for t in threading.enumerate() if t.name.startswith("dlstore-decode") and t.is_alive()}
+
+    before = decode_threads()
+    for engine, decode_on in (("threads", "worker"), ("threads", "device"), ("processes", "worker")):
+        # Device decode runs the pass in the prefetcher's thread, which goes on while close() runs.
+        ds = _dataset(url, tmp_path / f"{engine}-{decode_on}", decode_on=decode_on)
+        loader = dlstore.Loader(ds, num_workers=2, device="cpu", engine=engine)
         kept = iter(loader)
         next(kept)
         loader.close()
-        if engine == "threads":  # the pass does not go on after close() (the processes' restarts)
+        if engine == "threads":
+            time.sleep(0.5)  # room for a pass in another thread to (wrongly) start more after close()
+            assert not decode_threads() - before, "decode threads made again after close()"
+            assert loader.engine._ahead is None
+        if (engine, decode_on) == ("threads", "worker"):  # the pass does not go on after close()
             with pytest.raises(RuntimeError, match="closed during this pass"):
                 next(kept)
             kept = iter(loader)
@@ -313,8 +324,44 @@ def test_an_iterator_kept_past_close_ends_without_a_hang(local_dataset, tmp_path
         ending.join(timeout=60)
         assert not ending.is_alive(), f"{engine}: ending an iterator kept past close() hangs"
         loader.set_epoch(1)
-        assert len(_epoch(loader)) == 23, engine
+        assert len(_epoch(loader)) == 23, (engine, decode_on)
         loader.close()
+
+
+def test_close_while_a_pass_in_another_thread_starts_the_next_epoch(local_dataset, tmp_path):
+    """Device decode runs the thread engine's pass in the prefetcher's thread. A close() while
+    that thread starts the next epoch's batches (held at its first submit here) must leave no
+    decode threads, no batches started ahead, and a loader that runs its next epoch whole."""
+    url, _ = local_dataset
+    loader = dlstore.Loader(_dataset(url, tmp_path, decode_on="device"), num_workers=2, device="cpu")
+    engine = loader.engine
+    submit, held, resume = engine._submit, threading.Event(), threading.Event()
+
+    def held_submit(request, closes):
+        if request.epoch == 1 and threading.current_thread() is not threading.main_thread() and not held.is_set():
+            held.set()
+            resume.wait(timeout=60)
+        return submit(request, closes)
+
+    engine._submit = held_submit
+    before = {t for t in threading.enumerate() if t.name.startswith("dlstore-decode")}
+    kept = iter(loader)
+    for _ in range(6):  # the epoch's 6 batches: the pass runs on into the next epoch near its end
+        next(kept)
+        if held.wait(timeout=5):
+            break
+    assert held.is_set()  # the pass reached the next epoch's first submit
+    loader.close()
+    resume.set()
+    with pytest.raises(RuntimeError, match="closed"):
+        for _ in kept:
+            pass
+    kept.close()
+    alive = {t for t in threading.enumerate() if t.name.startswith("dlstore-decode") and t.is_alive()} - before
+    assert not alive and engine._ahead is None and engine._pool is None
+    loader.set_epoch(1)
+    assert len(_epoch(loader)) == 23
+    loader.close()
 
 
 _SHM_RUN = """

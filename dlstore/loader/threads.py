@@ -121,6 +121,8 @@ class ThreadEngine:
         self._ahead: tuple[tuple, deque[_Job], int] | None = None
         self._pool: futures.ThreadPoolExecutor | None = None  # made at the first batch, again after close()
         self._closes = 0  # close() calls so far: a pass begun before one does not go on
+        # close() against a pass running in another thread: `_closes`, `_ahead`, `_pool`.
+        self._guard = threading.Lock()
 
     @staticmethod
     def slot_count(cfg: LoaderConfig) -> int:
@@ -132,34 +134,44 @@ class ThreadEngine:
         error) cancels what is queued and waits only for the chunks already running.
 
         Near the end of an epoch the lookahead runs on into the next one (from its start), so
-        a loop that goes on to it finds its first batches built: no pause between epochs."""
+        a loop that goes on to it finds its first batches built: no pause between epochs.
+
+        A pass may run in another thread than `close()` (device decode's prefetch thread):
+        after a `close()` it starts nothing more and raises at its next batch."""
         plan = self.dataset.plan(epoch, history)
-        pending, submitted = self._started_for(epoch, history)
-        closes = self._closes
+        with self._guard:
+            closes = self._closes
+            ahead, self._ahead = self._ahead, None
+        pending, submitted = self._started_for(ahead, epoch, history)
         try:
             while pending or submitted < plan.num_batches:
-                if self._closes != closes:
-                    raise RuntimeError("the loader was closed during this pass: iterate it again to go on")
+                self._check_open(closes)
                 while submitted < plan.num_batches and len(pending) <= self.lookahead:
-                    pending.append(self._submit(self.dataset.request(plan, epoch, submitted)))
+                    pending.append(self._submit(self.dataset.request(plan, epoch, submitted), closes))
                     self.dataset.prefetch_after(plan, submitted)
                     submitted += 1
                 if submitted == plan.num_batches and not history:
-                    self._start_next_epoch(epoch + 1, self.lookahead + 1 - len(pending))
+                    self._start_next_epoch(epoch + 1, self.lookahead + 1 - len(pending), closes)
                 job = pending.popleft()
                 try:
                     batch = self._finish(job)
-                except BaseException:
+                except BaseException as exc:
                     self._abandon(deque([job]))  # its slot is free again
+                    if isinstance(exc, futures.CancelledError):
+                        self._check_open(closes)  # cancelled by close(): say so
                     raise
                 yield batch
         finally:
             self._abandon(pending)
 
-    def _started_for(self, epoch: int, history: tuple) -> tuple[deque[_Job], int]:
-        """The jobs started ahead for this pass (the next epoch from its start), if this is the
-        pass they were started for; otherwise they are abandoned."""
-        ahead, self._ahead = self._ahead, None
+    def _check_open(self, closes: int) -> None:
+        """Raise if `close()` was called since the pass that saw `closes` began."""
+        if self._closes != closes:
+            raise RuntimeError("the loader was closed during this pass: iterate it again to go on")
+
+    def _started_for(self, ahead, epoch: int, history: tuple) -> tuple[deque[_Job], int]:
+        """The jobs started ahead (`ahead`, taken from `_ahead`) if this pass (the next epoch
+        from its start) is the one they were started for; otherwise they are abandoned."""
         if ahead is not None and ahead[0] == (epoch, history):
             return ahead[1], ahead[2]
         if ahead is not None:
@@ -168,21 +180,31 @@ class ThreadEngine:
             self.slots.forget_claims()
         return deque(), 0
 
-    def _start_next_epoch(self, epoch: int, room: int) -> None:
+    def _start_next_epoch(self, epoch: int, room: int, closes: int) -> None:
         """Start up to `room` first batches of `epoch` (only a fresh epoch: a resumed one's
-        history is not known here)."""
+        history is not known here), unless the loader was closed since the pass began."""
         if room <= 0:
             return
-        if self._ahead is None:
-            self._ahead = ((epoch, ()), deque(), 0)
-        key, jobs, submitted = self._ahead
+        with self._guard:
+            ahead, self._ahead = self._ahead, None
+        key, jobs, submitted = ahead if ahead is not None else ((epoch, ()), deque(), 0)
         plan = self.dataset.plan(epoch)
-        while room > 0 and submitted < plan.num_batches and len(jobs) < room:
-            jobs.append(self._submit(self.dataset.request(plan, epoch, submitted)))
-            submitted += 1
-        self._ahead = (key, jobs, submitted)
+        try:
+            while room > 0 and submitted < plan.num_batches and len(jobs) < room:
+                jobs.append(self._submit(self.dataset.request(plan, epoch, submitted), closes))
+                submitted += 1
+        except RuntimeError:  # closed meanwhile
+            self._abandon(jobs)
+            raise
+        with self._guard:
+            if self._closes == closes:
+                self._ahead, jobs = (key, jobs, submitted), deque()
+        self._abandon(jobs)  # closed meanwhile: close() did not see these
 
-    def _submit(self, request: BatchRequest) -> _Job:
+    def _submit(self, request: BatchRequest, closes: int) -> _Job:
+        """Start building `request`'s batch: its chunks queued on the pool (made here the first
+        time, and again after a `close()`), unless the loader was closed since `closes`."""
+        self._check_open(closes)
         n = len(request.ids)
         images, slot = None, None
         if self.path.cfg.decode_on != "device":
@@ -192,13 +214,19 @@ class ThreadEngine:
             else:
                 images = self.handed.take(n, self.path.cfg.batch_size, self.path.cfg.transform.image_size)
         bounds = np.linspace(0, n, min(self.threads, max(n, 1)) + 1).astype(int)
-        if self._pool is None:
-            self._pool = futures.ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
-        chunks = [
-            self._pool.submit(self._chunk, request, int(lo), int(hi), images)
-            for lo, hi in zip(bounds[:-1], bounds[1:])
-            if hi > lo
-        ]
+        with self._guard:  # close() swaps the pool out under it: never a new pool after a close()
+            if self._closes != closes:
+                if slot is not None:
+                    self.slots.release(slot)
+                self._check_open(closes)
+            if self._pool is None:
+                self._pool = futures.ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
+            pool = self._pool
+            chunks = [
+                pool.submit(self._chunk, request, int(lo), int(hi), images)
+                for lo, hi in zip(bounds[:-1], bounds[1:])
+                if hi > lo
+            ]
         return _Job(request, images, slot, chunks)
 
     def _chunk(self, request: BatchRequest, lo: int, hi: int, images: torch.Tensor | None) -> list[_Row | None]:
@@ -262,10 +290,11 @@ class ThreadEngine:
                 self.slots.release(job.slot)
 
     def close(self) -> None:
-        if self._ahead is not None:
-            self._abandon(self._ahead[1])
-            self._ahead = None
-        self._closes += 1
-        pool, self._pool = self._pool, None
+        with self._guard:
+            self._closes += 1
+            ahead, self._ahead = self._ahead, None
+            pool, self._pool = self._pool, None
+        if ahead is not None:
+            self._abandon(ahead[1])
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
