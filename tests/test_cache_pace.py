@@ -18,8 +18,11 @@ from test_cache import config, make_remote, read
 from test_download import PartStore
 
 from dlstore.cache import ShardCache
+from dlstore.cache.config import ShardSpec
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.pace import Concurrency, PrefetchPace
+from dlstore.cache.prefetch import start_prefetch, stop_prefetch
+from dlstore.cache.runtime import _Runtime
 
 MIB = 2**20
 CAPS = Concurrency(shards=4, parts=8)
@@ -79,6 +82,26 @@ def test_the_pace_widens_while_readers_wait_and_settles_on_a_shared_link():
     assert widths == sorted(widths, reverse=True) and widths[-4:] == [3] * 4
 
 
+def test_lists_that_move_on_tell_the_pace_how_far_the_readers_are():
+    """With worker processes the readers hold shards in other processes: the lists the loader
+    gives (each led by the shards of the batch just requested) tell this process's pace."""
+    rt = _Runtime()
+    specs = [ShardSpec(f"shard-{i:02d}.tar", 10_000_000) for i in range(16)]
+    caps = Concurrency(shards=1, parts=1)
+    try:
+        start_prefetch(rt, specs[:6], depth=4, fetch=lambda spec, sooner: None, caps=caps)
+        start_prefetch(rt, specs[:6], depth=4, fetch=lambda spec, sooner: None, caps=caps)  # the same list
+        assert rt.pace.consumed_rate() is None
+        for step in range(1, 5):
+            time.sleep(0.05)
+            start_prefetch(rt, specs[2 * step : 2 * step + 6], depth=4, fetch=lambda spec, sooner: None, caps=caps)
+        rate = rt.pace.consumed_rate()
+        # 2 shards of 10 MB every 50+ ms: ~400 MB/s (the estimate counts the first step's shards too)
+        assert rate is not None and 20e6 / 0.2 < rate < 2 * 20e6 / 0.05
+    finally:
+        stop_prefetch(rt, 5.0)
+
+
 # -- the engine ------------------------------------------------------------------------------------
 def test_a_prefetch_runs_at_most_background_parts_until_a_reader_hurries_it(tmp_path):
     """A prefetch (priority above 0) runs `background_parts` parts at once; a reader's shard
@@ -107,6 +130,30 @@ def test_a_prefetch_runs_at_most_background_parts_until_a_reader_hurries_it(tmp_
         store.gate.set()
         for fd in files:
             os.close(fd)
+        engine.close()
+
+
+def test_a_prefetch_hurried_before_its_download_begins_begins_at_full_width(tmp_path):
+    """A reader can reach a prefetched shard while its prefetch still reserves room, before
+    the download exists: the download then begins as a reader's (first, full width)."""
+    specs, contents = make_remote(tmp_path / "remote", [40_000])
+    store = PartStore(str(tmp_path / "remote"))
+    store.gate.clear()
+    engine = DownloadEngine(connections=8)
+    engine.background_parts = 1
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    ((name, size, _),) = specs
+    try:
+        engine.hurry(name)  # nothing to hurry yet
+        download = engine.start(store, name, fd, size, priority=1, parts_in_flight=4, part_size=4096)
+        _wait_for(lambda: len(store.reads_of(name)) >= 4)
+        assert len(store.reads_of(name)) == 4
+        store.gate.set()
+        download.wait()
+        assert os.pread(fd, size, 0) == contents[name]
+    finally:
+        store.gate.set()
+        os.close(fd)
         engine.close()
 
 

@@ -70,6 +70,7 @@ import math
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -93,6 +94,8 @@ _SLOT_POLL_S = 0.01
 #: whenever a part ends in this process, or the poller gets a slot; a scan that found every
 #: slot taken is repeated only after a slot is given back here or the poller's next tick).
 _SLOT_RECHECK_S = 1.0
+#: Objects `hurry` remembers, for downloads of them that begin after it was called.
+_HURRIED_KEPT = 64
 
 
 @dataclass
@@ -285,6 +288,7 @@ class DownloadEngine:
         #: The most parts a prefetch (priority above 0) runs at once; None: its `parts_in_flight`.
         #: Set by the prefetch's pace; a reader's download (priority 0) is never narrowed.
         self.background_parts: int | None = None
+        self._hurried: OrderedDict[tuple[str, int | None], None] = OrderedDict()  # (name, offset), `hurry`
 
     @property
     def connection_rate(self) -> float | None:
@@ -320,6 +324,8 @@ class DownloadEngine:
         )
         with self._lock:
             self._closing = False
+            if priority > 0 and (name, object_offset) in self._hurried:
+                priority = 0  # a reader reached it before its download began (`hurry`)
             download.order = (priority, next(self._arrivals))
             self._downloads.append(download)
             self._downloads.sort(key=lambda d: d.order)
@@ -329,8 +335,13 @@ class DownloadEngine:
 
     def hurry(self, name: str, object_offset: int | None = None) -> None:
         """A reader now waits for the prefetch of object `name` (from `object_offset`): make
-        it a reader's download, which goes first, at its full `parts_in_flight`."""
+        it a reader's download, which goes first, at its full `parts_in_flight`. A download of
+        it that has not begun yet (its prefetch still reserving room) begins as one, and so
+        does a second attempt after a failed checksum (the last few objects hurried are kept)."""
         with self._lock:
+            self._hurried[name, object_offset] = None
+            while len(self._hurried) > _HURRIED_KEPT:
+                self._hurried.popitem(last=False)
             hurried = [
                 d for d in self._downloads if d.name == name and d.object_offset == object_offset and d.order[0] > 0
             ]

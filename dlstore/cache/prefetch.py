@@ -34,6 +34,7 @@ def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: Pref
     with rt.lock:
         if specs == rt.upcoming and not rt.closing:
             return
+        _count_passed(rt, specs)
         rt.upcoming = specs
         rt.position = 0
         rt.done = set()
@@ -47,6 +48,23 @@ def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: Pref
             thread.start()
             rt.threads.append(thread)
         rt.wake.notify_all()
+
+
+def _count_passed(rt: _Runtime, specs: list[ShardSpec]) -> None:
+    """A new list that starts further along the old one: the shards of the old list before
+    its first one were reached, for the pace. Why: with worker processes the readers hold
+    shards in other processes, so this process learns how far they are only from the lists
+    its loader gives (each led by the shards of the batch just requested)."""
+    if not specs or not rt.upcoming:
+        return
+    names = [spec.name for spec in rt.upcoming]
+    try:
+        first = names.index(specs[0].name)
+    except ValueError:
+        return
+    now = time.monotonic()
+    for spec in rt.upcoming[rt.position : first]:
+        rt.pace.reached(spec.name, spec.size, now)
 
 
 def stop_prefetch(rt: _Runtime, timeout_s: float) -> None:
