@@ -73,7 +73,7 @@ def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict
     from dlstore.config import DataConfig
     from dlstore.train import TrainConfig, main, read_metrics
 
-    out = workdir / f"run-{decode_on}-{engine}"
+    out = workdir / f"run-{url.rsplit('/', 1)[-1]}-{decode_on}-{engine}"
     shutil.rmtree(out, ignore_errors=True)  # a run of this script before: not resumed
     data = DataConfig.from_env(
         url, batch_size=args.batch_size, workers=args.workers, cache_dir=str(workdir / "cache"), decode_on=decode_on

@@ -81,12 +81,15 @@ def _make_part(args: tuple[str, int, int, tuple[int, int], int]) -> None:
 
 
 def make_images(train: Path, images: int, classes: int, size: tuple[int, int], procs: int) -> None:
-    """An ImageFolder tree of ~`images` generated JPEGs of `size` in `classes` classes under
-    `train`, made in `procs` processes (one seed each; generating is ~10 ms per image)."""
+    """An ImageFolder tree of `images` generated JPEGs of `size` in `classes` classes (rounded
+    down to a multiple of `classes`) under `train`, made in `procs` processes (one seed each;
+    generating is ~10 ms per image)."""
     workdir = train.parent.parent
-    procs = max(1, min(procs, images // classes))
-    per_part = max(1, images // (classes * procs))
-    parts = [(str(workdir / f"part{i}"), classes, per_part, size, i) for i in range(procs)]
+    per_class = max(1, images // classes)
+    procs = max(1, min(procs, per_class))
+    # Parts of whole classes' worth each, all `images // classes` per class in all.
+    counts = [per_class // procs + (i < per_class % procs) for i in range(procs)]
+    parts = [(str(workdir / f"part{i}"), classes, n, size, i) for i, n in enumerate(counts)]
     with multiprocessing.get_context("fork").Pool(procs) as pool:
         pool.map(_make_part, parts)
     for number, (root, *_rest) in enumerate(parts):
