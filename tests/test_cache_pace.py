@@ -157,6 +157,33 @@ def test_a_prefetch_hurried_before_its_download_begins_begins_at_full_width(tmp_
         engine.close()
 
 
+def test_a_running_prefetch_widens_as_soon_as_the_pace_allows(tmp_path):
+    """`set_background_parts` raised while a narrowed prefetch runs (no part has ended yet):
+    its other parts start at once."""
+    specs, contents = make_remote(tmp_path / "remote", [40_000])
+    store = PartStore(str(tmp_path / "remote"))
+    store.gate.clear()
+    engine = DownloadEngine(connections=8)
+    engine.set_background_parts(1)
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    ((name, size, _),) = specs
+    try:
+        download = engine.start(store, name, fd, size, priority=1, parts_in_flight=4, part_size=4096)
+        _wait_for(lambda: len(store.reads_of(name)) >= 1)
+        time.sleep(0.1)
+        assert len(store.reads_of(name)) == 1
+        engine.set_background_parts(4)
+        _wait_for(lambda: len(store.reads_of(name)) >= 4)
+        assert len(store.reads_of(name)) == 4
+        store.gate.set()
+        download.wait()
+        assert os.pread(fd, size, 0) == contents[name]
+    finally:
+        store.gate.set()
+        os.close(fd)
+        engine.close()
+
+
 # -- the prefetch over a real store ------------------------------------------------------------------
 class PacedStore(PartStore):
     """A local store whose reads move at most 64 MiB/s each (a 64 KiB chunk a millisecond),

@@ -333,6 +333,19 @@ class DownloadEngine:
             self._work.notify_all()
         return download
 
+    def set_background_parts(self, parts: int) -> None:
+        """The most parts a prefetch runs at once (the prefetch's pace sets it). When it widens,
+        the parts it now allows start at once: idle workers are woken (none would otherwise
+        look before a part ends) and made again where they have ended."""
+        with self._lock:
+            widened = self.background_parts is not None and parts > self.background_parts
+            self.background_parts = parts
+            if widened:
+                runnable = sum(max(0, self._width(d) - d.running) for d in self._downloads if d._has_work())
+                if runnable:
+                    self._spawn(runnable)
+                    self._work.notify_all()
+
     def hurry(self, name: str, object_offset: int | None = None) -> None:
         """A reader now waits for the prefetch of object `name` (from `object_offset`): make
         it a reader's download, which goes first, at its full `parts_in_flight`. A download of

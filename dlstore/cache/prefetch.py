@@ -121,7 +121,7 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
         pace = caps
     else:
         pace = rt.pace.concurrency(caps, engine.connection_rate, engine.shard_rate)
-        engine.background_parts = pace.parts
+        engine.set_background_parts(pace.parts)
     if len(rt.active) >= pace.shards:
         return None
     start = rt.position
