@@ -10,6 +10,7 @@ asserted: the behavioural test only makes the link far faster than its readers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -133,55 +134,58 @@ def test_a_prefetch_runs_at_most_background_parts_until_a_reader_hurries_it(tmp_
         engine.close()
 
 
-def test_a_prefetch_hurried_before_its_download_begins_begins_at_full_width(tmp_path):
-    """A reader can reach a prefetched shard while its prefetch still reserves room, before
-    the download exists: the download then begins as a reader's (first, full width)."""
+@contextlib.contextmanager
+def _gated_prefetch(tmp_path, background_parts: int):
+    """An engine narrowed to `background_parts` and a one-object store whose reads stay
+    running until its gate opens (reads started = reads running); yields (engine, the object's
+    name, its reads so far, start), `start()` beginning its download as a prefetch 4 parts
+    wide. On leaving,
+    the gate opens and the download must bring the object whole."""
     specs, contents = make_remote(tmp_path / "remote", [40_000])
+    ((name, size, _),) = specs
     store = PartStore(str(tmp_path / "remote"))
     store.gate.clear()
     engine = DownloadEngine(connections=8)
-    engine.background_parts = 1
+    engine.set_background_parts(background_parts)
     fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
-    ((name, size, _),) = specs
+    downloads = []
+
+    def start():
+        downloads.append(engine.start(store, name, fd, size, priority=1, parts_in_flight=4, part_size=4096))
+
     try:
-        engine.hurry(name)  # nothing to hurry yet
-        download = engine.start(store, name, fd, size, priority=1, parts_in_flight=4, part_size=4096)
-        _wait_for(lambda: len(store.reads_of(name)) >= 4)
-        assert len(store.reads_of(name)) == 4
+        yield engine, name, lambda: len(store.reads_of(name)), start
         store.gate.set()
-        download.wait()
+        for download in downloads:
+            download.wait()
         assert os.pread(fd, size, 0) == contents[name]
     finally:
         store.gate.set()
         os.close(fd)
         engine.close()
+
+
+def test_a_prefetch_hurried_before_its_download_begins_begins_at_full_width(tmp_path):
+    """A reader can reach a prefetched shard while its prefetch still reserves room, before
+    the download exists: the download then begins as a reader's (first, full width)."""
+    with _gated_prefetch(tmp_path, background_parts=1) as (engine, name, reads, start):
+        engine.hurry(name)  # nothing to hurry yet
+        start()
+        _wait_for(lambda: reads() >= 4)
+        assert reads() == 4
 
 
 def test_a_running_prefetch_widens_as_soon_as_the_pace_allows(tmp_path):
     """`set_background_parts` raised while a narrowed prefetch runs (no part has ended yet):
     its other parts start at once."""
-    specs, contents = make_remote(tmp_path / "remote", [40_000])
-    store = PartStore(str(tmp_path / "remote"))
-    store.gate.clear()
-    engine = DownloadEngine(connections=8)
-    engine.set_background_parts(1)
-    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
-    ((name, size, _),) = specs
-    try:
-        download = engine.start(store, name, fd, size, priority=1, parts_in_flight=4, part_size=4096)
-        _wait_for(lambda: len(store.reads_of(name)) >= 1)
+    with _gated_prefetch(tmp_path, background_parts=1) as (engine, _, reads, start):
+        start()
+        _wait_for(lambda: reads() >= 1)
         time.sleep(0.1)
-        assert len(store.reads_of(name)) == 1
+        assert reads() == 1
         engine.set_background_parts(4)
-        _wait_for(lambda: len(store.reads_of(name)) >= 4)
-        assert len(store.reads_of(name)) == 4
-        store.gate.set()
-        download.wait()
-        assert os.pread(fd, size, 0) == contents[name]
-    finally:
-        store.gate.set()
-        os.close(fd)
-        engine.close()
+        _wait_for(lambda: reads() >= 4)
+        assert reads() == 4
 
 
 # -- the prefetch over a real store ------------------------------------------------------------------
