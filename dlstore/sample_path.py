@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -93,7 +94,9 @@ class SamplePath:
         # Only the fields this dataset has, in the one order of preference.
         self.image_fields = tuple(f for f in IMAGE_FIELDS if f in manifest.fields)
         self._indexes: OrderedDict[str, Any] = OrderedDict()
-        self._building: dict[str, threading.Lock] = {}  # indexes being read now: one thread per shard
+        # Indexes being read now, one thread per shard: {name: (pid, lock)}; an entry of another
+        # pid was copied by a fork from a parent thread that was reading it, and is not waited for.
+        self._building: dict[str, tuple[int, threading.Lock]] = {}
         # The shards this node reads only part of, as the runs of samples its cache holds
         # (set by `Dataset`; `dlstore.cache.partial`): {shard: SampleRange}.
         self.partial: dict[int, SampleRange] = {}
@@ -160,11 +163,14 @@ class SamplePath:
                 index = self._indexes.get(info.name)
                 if index is not None:
                     return index
-                building = self._building.get(info.name)
-                mine = building is None
+                entry = self._building.get(info.name)
+                mine = entry is None or entry[0] != os.getpid()
                 if mine:
-                    building = self._building[info.name] = threading.Lock()
+                    building = threading.Lock()
                     building.acquire()
+                    self._building[info.name] = (os.getpid(), building)
+                else:
+                    building = entry[1]
             if mine:
                 break
             with building:  # another thread reads it: wait, then look again (it may have failed)
@@ -221,6 +227,8 @@ class SamplePath:
                 return False
             self._rechecked.add(spec.name)
             self._indexes.pop(spec.name, None)  # built from the damaged file, maybe
+        if spec.samples is None:
+            self.cache.forget_sample_index(spec.name)  # the node's copy too: it may be the damaged part
         self.cache.fetch(*spec, recheck=True)
         return True
 

@@ -5,6 +5,7 @@ with the shard; and walked by one thread of a process at a time."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -82,6 +83,21 @@ def test_a_kept_index_of_other_content_or_damaged_is_walked_again(data_url, tmp_
         assert SampleIndex.from_bytes(path.read_bytes()).sha256 != bytes(range(32))
 
 
+def test_a_kept_index_that_misleads_a_read_is_dropped_and_walked_again(data_url, tmp_path):
+    """A kept index with the right size and checksum but wrong offsets (a stray write, a bad
+    disk): the read it misleads fails, the node's copy is dropped with the recheck, and the
+    read is retried from a fresh walk, for this process and the next."""
+    cache = tmp_path / "cache"
+    first = _all_keys(_dataset(data_url, cache))
+    kept = sorted((cache / "indexes").iterdir(), key=lambda path: path.stat().st_size)[-1]  # 9 samples
+    good = SampleIndex.from_bytes(kept.read_bytes())
+    merged = np.delete(good.offsets, 1)  # samples 0 and 1 as one span: still a well-formed index
+    kept.write_bytes(SampleIndex(merged, good.shard_size, good.sha256).to_bytes())
+    assert _all_keys(_dataset(data_url, cache)) == first
+    assert SampleIndex.from_bytes(kept.read_bytes()) == good
+    assert _all_keys(_dataset(data_url, cache)) == first
+
+
 def test_eviction_removes_the_shards_index(data_url, tmp_path):
     """A cache that holds two of the four shards at most: reading them all evicts, and every
     index kept is that of a shard still there."""
@@ -124,3 +140,33 @@ def test_threads_of_a_process_walk_a_shard_once(data_url, tmp_path, monkeypatch)
         thread.join(timeout=60)
     assert len(walked) == 1
     assert all(result == results[0] and len(result) == 9 for result in results)
+
+
+def test_a_fork_while_a_thread_walks_a_shard_does_not_hang_the_child(data_url, tmp_path, monkeypatch):
+    """A worker forked (torch's default start) while a thread of the parent walks a shard: the
+    child reads that shard itself instead of waiting for a walk that goes on only in the parent."""
+    ds = _dataset(data_url, tmp_path / "cache")
+    ds.cache.fetch(*ds.samples.shard_ref(1))
+    walking, walk = threading.Event(), indexes.read_shard_index
+
+    def slow_walk(path):
+        if os.getpid() == parent:
+            walking.set()
+            time.sleep(1.0)
+        return walk(path)
+
+    parent = os.getpid()
+    monkeypatch.setattr(indexes, "read_shard_index", slow_walk)
+    reader = threading.Thread(target=ds.samples.read, args=(np.arange(5, 14),))
+    reader.start()
+    assert walking.wait(timeout=30)
+    child = os.fork()
+    if child == 0:  # the child: read the shard being walked, within a bound
+        signal.alarm(20)
+        try:
+            os._exit(0 if len(ds.samples.read(np.arange(5, 14))) == 9 else 1)
+        except BaseException:
+            os._exit(2)
+    reader.join(timeout=30)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

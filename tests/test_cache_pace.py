@@ -175,6 +175,18 @@ def test_a_prefetch_hurried_before_its_download_begins_begins_at_full_width(tmp_
         assert reads() == 4
 
 
+def test_a_hurry_holds_for_one_prefetch_of_the_object_only(tmp_path):
+    """Once the prefetch a reader hurried is over (`forget_hurry`), a later prefetch of the
+    same object (say next epoch, after an eviction) runs as narrow as the pace says."""
+    with _gated_prefetch(tmp_path, background_parts=1) as (engine, name, reads, start):
+        engine.hurry(name)
+        engine.forget_hurry(name)
+        start()
+        _wait_for(lambda: reads() >= 1)
+        time.sleep(0.1)
+        assert reads() == 1
+
+
 def test_a_running_prefetch_widens_as_soon_as_the_pace_allows(tmp_path):
     """`set_background_parts` raised while a narrowed prefetch runs (no part has ended yet):
     its other parts start at once."""

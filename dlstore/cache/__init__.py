@@ -32,7 +32,8 @@ Invariants (DESIGN.md, "Cache invariants") and how they hold:
 
 * **Byte limit.** Bytes on disk = published shards + reservations of downloads in flight
   + the 1 KiB stats file (not counted: the readers' hint files, about 60 bytes per shard
-  of a reader's share). A download reserves its full size under the cache-wide lock
+  of a reader's share, and the kept sample indexes, 8 bytes per sample, a 4 KiB block at
+  least each). A download reserves its full size under the cache-wide lock
   (creating its temp file, whose name carries the size) after evicting shards that no
   reader holds (in `policy`'s order); if they cannot make room it waits, and raises `CacheFull`
   after `wait_timeout_s`. So the directory never exceeds the limit, not even by the shard

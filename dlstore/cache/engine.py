@@ -346,6 +346,11 @@ class DownloadEngine:
                     self._spawn(runnable)
                     self._work.notify_all()
 
+    def forget_hurry(self, name: str, object_offset: int | None = None) -> None:
+        """The prefetch that `hurry` named is over: later downloads of it begin as the pace says."""
+        with self._lock:
+            self._hurried.pop((name, object_offset), None)
+
     def hurry(self, name: str, object_offset: int | None = None) -> None:
         """A reader now waits for the prefetch of object `name` (from `object_offset`): make
         it a reader's download, which goes first, at its full `parts_in_flight`. A download of

@@ -104,11 +104,16 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
                 break
         window = rt.upcoming[rt.position : rt.position + depth]
     if in_flight is not None and rt.engine is not None:
-        if in_flight.samples is None:
-            rt.engine.hurry(in_flight.name)
-        else:  # a run of samples: bytes of its shard's object
-            rt.engine.hurry(in_flight.samples.shard, in_flight.samples.byte_start)
+        rt.engine.hurry(*_object_of(in_flight))
     return frozenset(spec.name for spec in window)
+
+
+def _object_of(spec: ShardSpec) -> tuple[str, int | None]:
+    """The store object a spec's download reads, and from which byte (a run of samples: its
+    shard's object, from the run's first byte), as `DownloadEngine.hurry` names it."""
+    if spec.samples is None:
+        return spec.name, None
+    return spec.samples.shard, spec.samples.byte_start
 
 
 def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSpec, frozenset[str]] | None:
@@ -152,6 +157,8 @@ def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch, caps: Concurr
             fd, error = None, exc
         if fd is not None:
             _release(fd)
+        if rt.engine is not None:  # a hurry of it held for this fetch only (its retries too)
+            rt.engine.forget_hurry(*_object_of(spec))
         with rt.lock:
             rt.active.discard(spec.name)  # and marked done in the same breath: no thread fetches it twice
             if error is not None:

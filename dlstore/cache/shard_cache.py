@@ -167,6 +167,10 @@ class ShardCache:
             # before the prefetched ones the reader has not reached yet.
             _release(fd)
 
+    def forget_sample_index(self, name: str) -> None:
+        """Drop the kept sample index of shard `name` (a read through it failed: walked again)."""
+        _unlink_quietly(self._dir.index_path(self._stem(name)))
+
     def sample_index(self, path: str, checksum: str | None) -> SampleIndex:
         """The sample index of the shard held at `path` (a `hold`'s), kept in the cache
         (`indexes.cached_sample_index`); `checksum` is the manifest's."""

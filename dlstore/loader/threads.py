@@ -193,7 +193,7 @@ class ThreadEngine:
             while room > 0 and submitted < plan.num_batches and len(jobs) < room:
                 jobs.append(self._submit(self.dataset.request(plan, epoch, submitted), closes))
                 submitted += 1
-        except RuntimeError:  # closed meanwhile
+        except BaseException:  # closed meanwhile, or a slot's wait interrupted: none left running
             self._abandon(jobs)
             raise
         with self._guard:
