@@ -12,7 +12,8 @@ verified against it), so a shard cached again with other content never meets an 
 the index of a shard without a sha256 checksum is not kept. Eviction removes it with its
 shard (`_CacheDir.remove_shard`). Indexes are small (8 bytes per sample) and are not counted
 against the cache's limit. Writing one is best effort: a full disk or a read-only cache
-costs the walk again, not the read."""
+costs the walk again, not the read. A writer that dies before its rename leaves a temp file,
+which the next process to open the cache removes (`_CacheDir.remove_stale_index_temps`)."""
 
 from __future__ import annotations
 

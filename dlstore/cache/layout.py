@@ -12,6 +12,7 @@ import logging
 import operator
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -113,6 +114,27 @@ def _release(fd: int) -> None:
         os.close(fd)
 
 
+def _writer_pid(temp_name: str) -> int | None:
+    """The pid in a kept index's temp name, `<stem>.idx.<pid>.<hex>.tmp`; None if there is none."""
+    parts = temp_name.rsplit(".", 3)
+    try:
+        return int(parts[1]) if len(parts) == 4 else None
+    except ValueError:
+        return None
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if pid is None or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -204,6 +226,30 @@ class _CacheDir:
                 continue
             shards.append((stat.st_mtime_ns, entry.name, stat.st_size))
         return _Usage(shards, in_flight, in_flight_bytes, stale)
+
+    def remove_stale_index_temps(self, max_age_s: float = 3600.0) -> int:
+        """Remove the temp files of kept sample indexes (`indexes.py`) whose writer died before
+        renaming them; how many. A writer takes milliseconds, so a temp file is stale when the
+        process named in it is gone, or when it is older than `max_age_s` (its pid reused)."""
+        removed = 0
+        try:
+            entries = list(os.scandir(self.indexes))
+        except FileNotFoundError:
+            return 0
+        now = time.time()
+        for entry in entries:
+            if not entry.name.endswith(".tmp"):
+                continue
+            try:
+                age = now - entry.stat(follow_symlinks=False).st_mtime
+            except FileNotFoundError:
+                continue  # renamed or removed meanwhile
+            if _pid_alive(_writer_pid(entry.name)) and age < max_age_s:
+                continue
+            _unlink_quietly(entry.path)
+            removed += 1
+            log.info("removed stale sample index temp file %s (its writer died)", entry.path)
+        return removed
 
     @staticmethod
     def _reserved_size(temp_name: str) -> int:

@@ -283,6 +283,7 @@ class ShardCache:
         self._dir.create()
         with self._dir.locked():
             usage = self._dir.scan()
+            usage.stale_removed += self._dir.remove_stale_index_temps()
             data = self._dir.read_stats()
             previous = data.get("limit_bytes")
             if previous not in (None, self.config.limit_bytes):
