@@ -304,6 +304,33 @@ def test_same_seed_same_bytes_other_seed_other_order_and_workers_do_not_matter(d
     check_exactly_once(f"file://{tmp_path}/c", made.samples["train"])
 
 
+def test_an_unguarded_script_with_workers_fails_with_a_clear_error_and_does_not_hang(tmp_path):
+    """A script that calls convert with workers > 1 and no `if __name__ == "__main__":`: each
+    spawned worker imports the script, and its own convert stops it before it starts. The
+    conversion ends with an error that names the guard. Before, with a listing past the start-up
+    pipe's 64 KB (1,500 inputs here), this process blocked forever writing it to a dead worker."""
+    source = tmp_path / "folder"
+    jpeg = io.BytesIO()
+    Image.new("RGB", (8, 8), (200, 10, 10)).save(jpeg, "JPEG")
+    for label in range(3):
+        (source / f"class{label}").mkdir(parents=True)
+        for n in range(500):
+            (source / f"class{label}" / f"{n:04d}-with-a-longer-file-name.jpg").write_bytes(jpeg.getvalue())
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import sys\n"
+        "from dlstore.convert import ConvertOptions, convert\n"
+        "convert('imagefolder', sys.argv[1], sys.argv[2], ConvertOptions(samples_per_shard=300, workers=2))\n"
+    )
+    store = tmp_path / "store"
+    result = subprocess.run(
+        [sys.executable, str(script), str(source), f"file://{store}"], capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode != 0
+    assert "a convert worker process died" in result.stderr and "__main__" in result.stderr
+    assert not (store / MANIFEST_NAME).exists()
+
+
 class Stop(Exception):
     pass
 

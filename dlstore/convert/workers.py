@@ -13,18 +13,28 @@ How a failing conversion ends (the first error wins, and reaches the caller prom
 
 Workers install no Python signal handlers: a handler runs only when the main thread executes
 Python code, so a worker blocked in a lock never ran one, and the pool's join waited forever.
+
+A worker that dies before it starts (a script that calls `convert` without an
+`if __name__ == "__main__":` guard: a spawned worker imports the main module, and its own
+`convert` stops it) ends the conversion with an error that says so. The listing reaches the
+workers through a file, not in their start-up message: a message larger than the pipe's
+buffer (64 KB, a few thousand inputs) left this process blocked forever writing it to a
+worker that had died.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
+import pickle
 import shutil
 import signal
 import tempfile
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from dlstore.convert.build import BuildContext, Built, Counters, ShardBuilder
@@ -81,14 +91,26 @@ def _build_in_process(
         report(counters)
 
 
-def _start_worker(context: BuildContext, shared: tuple, stop: Any, pids: Any) -> None:
-    """Pool initializer: this worker's builder, and its pid sent to the parent (which kills it
-    only if it is stuck). Ctrl-C reaches the whole process group; only the parent acts on it
-    (through `stop`), so a worker ignores SIGINT (SIG_IGN: no Python handler)."""
+def _start_worker(context: BuildContext, items_path: str, shared: tuple, stop: Any, pids: Any) -> None:
+    """Pool initializer: this worker's builder (its context's listing read from `items_path`),
+    and its pid sent to the parent (which kills it only if it is stuck). Ctrl-C reaches the
+    whole process group; only the parent acts on it (through `stop`), so a worker ignores
+    SIGINT (SIG_IGN: no Python handler)."""
     global _process_builder
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pids.put(os.getpid())
+    with open(items_path, "rb") as file:
+        items = pickle.load(file)
+    context = dataclasses.replace(context, source=dataclasses.replace(context.source, items=items))
     _process_builder = ShardBuilder(context, Counters(shared), stop)
+
+
+def _without_items(context: BuildContext) -> tuple[BuildContext, str]:
+    """The context without its listing, and the file in its temp dir that holds the listing."""
+    items_path = os.path.join(context.tmp_dir, "items.pickle")
+    with open(items_path, "wb") as file:
+        pickle.dump(context.source.items, file, protocol=pickle.HIGHEST_PROTOCOL)
+    return dataclasses.replace(context, source=dataclasses.replace(context.source, items=[])), items_path
 
 
 def _build_in_worker(task: ShardTask) -> Built:
@@ -106,7 +128,10 @@ def _build_in_pool(
     counters = Counters(shared)
     stop, pids = ctx.Event(), ctx.SimpleQueue()
     workers = min(context.options.workers, len(todo))
-    pool = ProcessPoolExecutor(workers, ctx, initializer=_start_worker, initargs=(context, shared, stop, pids))
+    light, items_path = _without_items(context)
+    pool = ProcessPoolExecutor(
+        workers, ctx, initializer=_start_worker, initargs=(light, items_path, shared, stop, pids)
+    )
     pending: set[Future] = set()
     try:
         pending = {pool.submit(_build_in_worker, task) for task in todo}
@@ -117,9 +142,15 @@ def _build_in_pool(
                 built[finished.number] = finished
                 report(counters)
             report(counters)
-    except BaseException:
+    except BaseException as exc:
         stop.set()
         _stop_pool(pool, pending, pids)
+        if isinstance(exc, BrokenProcessPool):
+            raise DlstoreError(
+                "a convert worker process died (killed, out of memory, or it could not start: a script that "
+                'calls convert with workers > 1 needs `if __name__ == "__main__":`, since each worker is a '
+                "new Python that imports the script)"
+            ) from exc
         raise
     pool.shutdown(wait=True)
 
