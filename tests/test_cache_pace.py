@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -223,11 +225,13 @@ class PacedStore(PartStore):
                 self.running_of[key] -= 1
 
 
-def test_a_prefetched_shard_gets_the_connections_its_readers_need_and_full_width_once_waited_for(tmp_path):
+@contextlib.contextmanager
+def _narrowed_prefetch(tmp_path):
     """Readers taking a 4 MiB shard every 0.6 s (some 7 MB/s) from a link whose connections
     each move up to 64 MiB/s: once both rates are measured, the prefetch fetches each shard
-    on one connection, not 4. A prefetched shard that a reader reaches while it is in flight
-    is widened to all 4."""
+    on one connection, not 4. Yields (cache, the shard the prefetch now fetches on one
+    connection, its spec, its bytes, the store), its reads held running until the store's
+    gate opens; on leaving, the gate opens and the shard must arrive whole."""
     specs, contents = make_remote(tmp_path / "remote", [4 * MIB] * 10)
     store = PacedStore(str(tmp_path / "remote"))
     settings = dict(prefetch=2, shards_in_flight=2, parts_in_flight=4, part_size=MIB)
@@ -246,17 +250,56 @@ def test_a_prefetched_shard_gets_the_connections_its_readers_need_and_full_width
         _wait_for(lambda: store.running >= 1)
         time.sleep(0.2)  # room for more reads to start, were the prefetch wider
         assert store.running_of[narrow] == 1 and store.running == 1  # one connection, one shard
-        reader = threading.Thread(target=lambda: cache.fetch(*specs[8]))
-        reader.start()  # it reaches the shard in flight: widened, as a reader's own fetch is
-        _wait_for(lambda: store.running_of[narrow] >= 4)
-        assert store.running_of[narrow] == 4
+        yield cache, narrow, specs[8], contents[narrow], store
         store.gate.set()
-        reader.join(30)
         with cache.hold(*specs[8]) as path:
             assert read(path) == contents[narrow]
     finally:
         store.gate.set()
         cache.close()
+
+
+def test_a_prefetched_shard_gets_the_connections_its_readers_need_and_full_width_once_waited_for(tmp_path):
+    """A prefetched shard that a reader reaches while it is in flight (narrowed to one
+    connection by the pace) is widened to all 4."""
+    with _narrowed_prefetch(tmp_path) as (cache, narrow, spec, _, store):
+        reader = threading.Thread(target=lambda: cache.fetch(*spec))
+        reader.start()  # it reaches the shard in flight: widened, as a reader's own fetch is
+        _wait_for(lambda: store.running_of[narrow] >= 4)
+        assert store.running_of[narrow] == 4
+        store.gate.set()
+        reader.join(30)
+
+
+_OTHER_PROCESS_READER = """
+import hashlib, sys
+from dlstore.cache import CacheConfig, ShardCache
+from dlstore.storage import open_store
+cache_dir, limit, url, name, size, checksum = sys.argv[1:]
+cache = ShardCache(CacheConfig(cache_dir, int(limit), prefetch=0, fsync=False), open_store(url))
+with cache.hold(name, int(size), checksum) as path, open(path, "rb") as file:
+    digest = hashlib.sha256(file.read()).hexdigest()
+sys.exit(0 if "sha256:" + digest == checksum else 3)
+"""
+
+
+def test_a_prefetch_is_widened_when_a_reader_of_another_process_waits_for_it(tmp_path):
+    """A reader in another process (a DataLoader worker, another rank) waits on the shard's
+    lock, not in this process's prefetch: it says so on the shard's `.wanted` lock, and the
+    prefetch here widens the download to all 4 connections."""
+    with _narrowed_prefetch(tmp_path) as (cache, narrow, spec, _, store):
+        reader = subprocess.Popen(
+            [sys.executable, "-c", _OTHER_PROCESS_READER, cache.config.cache_dir, str(cache.config.limit_bytes),
+             f"file://{tmp_path / 'remote'}", *map(str, spec)],
+        )  # fmt: skip
+        try:
+            _wait_for(lambda: store.running_of[narrow] >= 4, timeout_s=60)
+            assert store.running_of[narrow] == 4
+            store.gate.set()
+            assert reader.wait(60) == 0  # it read the shard the prefetch published
+        finally:
+            reader.kill()
+            reader.wait()
 
 
 def _wait_for(condition, timeout_s: float = 10.0) -> None:

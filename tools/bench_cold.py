@@ -282,20 +282,22 @@ class Epoch:
     images_per_s: float
     first_batch_s: float
     seconds: float
-    cpu_s: float  # this process's (the loader's threads and the cache's)
+    cpu_s: float  # the loader's: this process (its threads, the cache's) and its worker processes
     store_cpu_s: float  # the local Swift's and the WAN emulators' (not on a real node)
     connections: int | None = None  # the most open at once through the WAN emulator
     after_first_img_s: float = 0.0  # from the first batch on: the streaming, without the start
 
 
-def store_processes(env: Mapping[str, str]) -> list[psutil.Process]:
-    """The local Swift's processes (their command lines name its data directory) and this
-    process's children (the WAN emulators): the store side, which on a real node runs
-    elsewhere, but here takes its CPU from the same cores as the decode threads."""
+def store_processes(env: Mapping[str, str], wan_pids: list[int]) -> list[psutil.Process]:
+    """The local Swift's processes (their command lines name its data directory) and the WAN
+    emulators (`wan_pids`): the store side, which on a real node runs elsewhere, but here
+    takes its CPU from the same cores as the decode threads."""
     swift_dir = env.get("DLSTORE_SWIFT_DIR") or "/nonexistent"
-    found = psutil.Process().children(recursive=True)
+    found = [psutil.Process(pid) for pid in wan_pids]
+    ours = {os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))} - set(wan_pids)
     for proc in psutil.process_iter(["cmdline"]):
-        if any(swift_dir in part for part in proc.info["cmdline"] or ()):
+        # Not this process nor its workers: their command lines may name the directory too (--env-file).
+        if proc.pid not in ours and any(swift_dir in part for part in proc.info["cmdline"] or ()):
             found.append(proc)
     return found
 
@@ -311,16 +313,21 @@ def cpu_of(processes: list[psutil.Process]) -> float:
 
 def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argparse.Namespace, fetch: dict) -> Epoch:
     """Epoch 0 of a fresh `Dataset` + `Loader` (the issue's settings) over `cache_dir`."""
-    loader, _ = bench_loader.dlstore_loader(url, cache_dir, args, "uint8", store_config, dataset_options=fetch)
+    loader, _ = bench_loader.dlstore_loader(
+        url, cache_dir, args, "uint8", store_config, dataset_options=fetch, engine=args.engine
+    )
     try:
         images, first, first_images = 0, None, 0
-        store_side = store_processes(args.env)
-        store_cpu, cpu, started = cpu_of(store_side), time.process_time(), time.perf_counter()
+        store_side = store_processes(args.env, args.wan_pids)
+        wan = set(args.wan_pids)
+        store_cpu, before, started = cpu_of(store_side), bench_loader.tree_usage(), time.perf_counter()
         for batch, _ in loader:
             if first is None:
                 first, first_images = time.perf_counter() - started, batch.shape[0]
             images += batch.shape[0]
-        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        seconds = time.perf_counter() - started
+        now = bench_loader.tree_usage()  # this process and its workers (before close() ends them)
+        cpu = sum(c - before.get(pid, (0.0, 0))[0] for pid, (c, _) in now.items() if pid not in wan)
         store_cpu = cpu_of(store_side) - store_cpu
     finally:
         loader.close()
@@ -362,6 +369,7 @@ def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tm
                 swift_port_of(env), rate=parse_size(rate_text), delay_s=args.delay_ms / 1000, lifetime_s=3600
             )
             stack.enter_context(wan)
+            args.wan_pids.append(wan.pid)
             settings[f"{rate_text}/s+{args.delay_ms:g}ms"] = (StoreConfig.from_env(proxied(env, wan)), wan)
         rounds = []
         for number in range(args.rounds):
@@ -410,7 +418,7 @@ def summarize_loader(rounds: list[dict]) -> dict:
 def print_loader_report(report: dict) -> None:
     print(
         f"one epoch of {report['images']} images in {report['shards']} shards (~{report['shard_mb']:.0f} MB), "
-        f"batch {report['batch_size']}, {report['workers']} decode threads, {report['rounds']} rounds; "
+        f"batch {report['batch_size']}, {report['workers']} {report['engine']}, {report['rounds']} rounds; "
         "median [min .. max]"
     )
     print(
@@ -438,6 +446,7 @@ def loader_main(argv: list[str]) -> int:
     parser.add_argument("--shards", type=int, default=6, help="shards (default 6: ~32 MB each)")
     parser.add_argument("--batch-size", type=int, default=128)
     parser.add_argument("--workers", type=int, default=2, help="decode threads (default 2)")
+    parser.add_argument("--engine", default="threads", help="the loader's engine: threads (default) or processes")
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--rates", default="10MB,40MB,200MB", help="per-connection rates of the emulator")
@@ -450,7 +459,7 @@ def loader_main(argv: list[str]) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     env: Mapping[str, str] = read_env_file(args.env_file) if args.env_file else os.environ
-    args.env = env
+    args.env, args.wan_pids = env, []
     with tempfile.TemporaryDirectory(prefix="dlstore-bench-cold-") as tmp:
         data = bench_peers.prepare_data(Path(args.workdir or tmp), args.images, args.shards)
         root = data.store_dir.parents[1]
@@ -463,6 +472,7 @@ def loader_main(argv: list[str]) -> int:
         "shard_mb": statistics.mean(sizes) / 1e6,
         "batch_size": args.batch_size,
         "workers": args.workers,
+        "engine": args.engine,
         "rounds": args.rounds,
         "delay_ms": args.delay_ms,
         "settings": summarize_loader(rounds),

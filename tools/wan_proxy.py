@@ -304,6 +304,11 @@ class WanProxyProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int | None:
+        """The emulator's process (its CPU is the store side's in a benchmark)."""
+        return self._process.pid if self._process is not None else None
+
     def start(self) -> WanProxyProcess:
         context = multiprocessing.get_context("spawn")
         self._commands, child = context.Pipe()

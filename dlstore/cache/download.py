@@ -109,13 +109,26 @@ def fetch_checked(
     priority: int,
     new_check: Callable[[], EntryCheck | None],
     object_offset: int | None = None,
+    reader_waits: Callable[[], bool] | None = None,
 ) -> DownloadReport:
     """Fetch `size` bytes of object `name` (from `object_offset`, default the whole object)
     into `fd` through `engine`, checked as they arrive by `new_check()` (one per attempt; None:
     no check). Bytes that fail are fetched once more, since they may have been damaged on the
     way; a second failure raises `CorruptShard`. The one fetch loop of the cache's entries:
-    whole shards (`write_verified`) and runs of samples (`dlstore.cache.partial`)."""
+    whole shards (`write_verified`) and runs of samples (`dlstore.cache.partial`).
+
+    `reader_waits` (a prefetch's, `priority` above 0): whether a reader of another process
+    waits for these bytes now. Looked at while the download runs; when it says so, the
+    download is hurried (`DownloadEngine.hurry`): that reader's own `hurry` cannot reach it."""
     started = time.monotonic()
+    hurried = False
+
+    def look_for_readers() -> None:
+        nonlocal hurried
+        if not hurried and reader_waits is not None and reader_waits():
+            engine.hurry(name, object_offset)
+            hurried = True
+
     for attempt in (1, 2):
         download = engine.start(
             store,
@@ -128,7 +141,10 @@ def fetch_checked(
             object_offset=object_offset,
         )
         check = new_check()
-        download.wait(check.update if check is not None else None)
+        download.wait(
+            check.update if check is not None else None,
+            look_for_readers if reader_waits is not None and priority > 0 and not hurried else None,
+        )
         verdict = time.monotonic()
         failure = check.failure() if check is not None else None
         if failure is None:
@@ -148,13 +164,20 @@ def fetch_checked(
 
 
 def write_verified(
-    fd: int, engine: DownloadEngine, store: Store, spec: ShardSpec, size: int, config: CacheConfig, priority: int
+    fd: int,
+    engine: DownloadEngine,
+    store: Store,
+    spec: ShardSpec,
+    size: int,
+    config: CacheConfig,
+    priority: int,
+    reader_waits: Callable[[], bool] | None = None,
 ) -> DownloadReport:
     """Fetch shard `spec` of `store` into `fd` (exactly `size` bytes, never more) through
     `engine`, then check its size and, when `config.verify`, its checksum, which the bytes
     are hashed for as they arrive. A copy that fails its checksum is fetched once more (the
     bytes may have been damaged on the way); a second failure, or a size that differs from
-    the manifest's, raises `CorruptShard` naming the shard."""
+    the manifest's, raises `CorruptShard` naming the shard. `reader_waits`: `fetch_checked`'s."""
     if config.preallocate and size:
         try:
             os.posix_fallocate(fd, 0, size)
@@ -163,9 +186,19 @@ def write_verified(
                 raise
             # EOPNOTSUPP, EINVAL: the file system cannot preallocate; writing still works.
     if not config.verify or spec.checksum is None:
-        return fetch_checked(fd, engine, store, spec.name, size, config, priority, lambda: None)
+        return fetch_checked(
+            fd, engine, store, spec.name, size, config, priority, lambda: None, reader_waits=reader_waits
+        )
     algo, expected = _parse_checksum(spec.checksum)
     what = f"shard {spec.name!r} in {store.url}"
     return fetch_checked(
-        fd, engine, store, spec.name, size, config, priority, lambda: _ChecksumCheck(fd, algo, expected, what)
+        fd,
+        engine,
+        store,
+        spec.name,
+        size,
+        config,
+        priority,
+        lambda: _ChecksumCheck(fd, algo, expected, what),
+        reader_waits=reader_waits,
     )

@@ -94,6 +94,9 @@ _SLOT_POLL_S = 0.01
 #: whenever a part ends in this process, or the poller gets a slot; a scan that found every
 #: slot taken is repeated only after a slot is given back here or the poller's next tick).
 _SLOT_RECHECK_S = 1.0
+#: How often a download's waiting thread looks whether a reader of another process waits for it.
+_POLL_S = 0.1
+
 #: Objects `hurry` remembers, for downloads of them that begin after it was called.
 _HURRIED_KEPT = 64
 
@@ -220,21 +223,30 @@ class Download:
         return self.running == 0 and not self._has_work()
 
     # -- the caller's side ---------------------------------------------------------------------------
-    def wait(self, on_prefix: Callable[[int, int], None] | None = None) -> None:
+    def wait(
+        self, on_prefix: Callable[[int, int], None] | None = None, on_poll: Callable[[], None] | None = None
+    ) -> None:
         """Block until every part has ended, calling `on_prefix(start, end)` (in this thread)
-        for each new stretch of the contiguous prefix written. Raises the first part's error,
-        or `on_prefix`'s, once no part writes to the file any more."""
+        for each new stretch of the contiguous prefix written, and `on_poll()` about every
+        `_POLL_S` while it waits. Raises the first part's error, or a callback's, once no part
+        writes to the file any more."""
         done = 0
+        polled = time.monotonic()
         try:
             while True:
                 with self._lock:
                     while not self._finished() and self.error is None:
                         if on_prefix is not None and self._prefix() > done:
                             break
-                        self._progress.wait()
+                        if on_poll is not None and time.monotonic() - polled >= _POLL_S:
+                            break
+                        self._progress.wait(timeout=_POLL_S if on_poll is not None else None)
                     prefix, finished, failed = self._prefix(), self._finished(), self.error is not None
                 if failed:
                     break
+                if on_poll is not None and time.monotonic() - polled >= _POLL_S:
+                    polled = time.monotonic()
+                    on_poll()
                 if on_prefix is not None and prefix > done:
                     on_prefix(done, prefix)
                     done = prefix

@@ -199,6 +199,34 @@ class _CacheDir:
     def open_lock(self, stem: str) -> int:
         return os.open(os.path.join(self.locks, stem + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
 
+    # A reader that waits for another process's download of a shard holds a shared lock on the
+    # shard's `.wanted` file while it waits; the process downloading it for its prefetch probes
+    # it (`reader_waits`) and, when held, widens that download to a reader's (`hurry`).
+    def mark_wanted(self, stem: str) -> int | None:
+        """Hold `stem`'s wanted lock shared (release with `_release`); None if it cannot be now."""
+        try:
+            fd = os.open(os.path.join(self.locks, stem + ".wanted"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError:
+            return None  # e.g. no descriptors left: the download is not hurried, nothing else changes
+        if _try_flock(fd, fcntl.LOCK_SH):
+            return fd
+        os.close(fd)  # a probe holds it for a moment: try again at the next look
+        return None
+
+    def reader_waits(self, stem: str) -> bool:
+        """Whether a reader (of any process) waits for shard `stem` now (`mark_wanted`)."""
+        try:
+            fd = os.open(os.path.join(self.locks, stem + ".wanted"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False  # never wanted (or unreadable)
+        try:
+            if _try_flock(fd, fcntl.LOCK_EX):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                return False
+            return True
+        finally:
+            os.close(fd)
+
     # -- under the cache-wide lock -----------------------------------------------------------------
     def scan(self) -> _Usage:
         """Bytes on disk, removing temp files of dead processes. Exact because downloads

@@ -135,13 +135,20 @@ class _SampleCheck:
 
 
 def write_verified_range(
-    fd: int, engine: DownloadEngine, store: Store, samples: SampleRange, config: CacheConfig, priority: int
+    fd: int,
+    engine: DownloadEngine,
+    store: Store,
+    samples: SampleRange,
+    config: CacheConfig,
+    priority: int,
+    reader_waits: Callable[[], bool] | None = None,
 ) -> DownloadReport:
     """Fetch `samples` of their shard in `store` into `fd` (its bytes at 0, exactly
     `samples.size` of them) through `engine`, checking every sample against its digest as
     the bytes arrive. A range with a bad sample is fetched once more (the bytes may have been
     damaged on the way); a second failure raises `CorruptShard` naming the shard and samples.
-    The digests are checked whatever `config.verify` says: they are the only check a range has."""
+    The digests are checked whatever `config.verify` says: they are the only check a range has.
+    `reader_waits`: `fetch_checked`'s."""
     what = f"shard {samples.shard!r} in {store.url}"
     return fetch_checked(
         fd,
@@ -153,4 +160,5 @@ def write_verified_range(
         priority,
         lambda: _SampleCheck(fd, samples, what),
         object_offset=samples.byte_start,
+        reader_waits=reader_waits,
     )

@@ -386,6 +386,7 @@ class ShardCache:
         fd = self._dir.open_lock(stem)
         deadline = time.monotonic() + self.config.wait_timeout_s
         delay, waited, downloaded = 0.001, 0.0, False
+        wanted: int | None = None  # held while a reader waits for another process's download
         if epoch is None:
             epoch = self._epoch_of(rt, spec.name)
         try:
@@ -411,7 +412,10 @@ class ShardCache:
                         # EX -> SH is not atomic: an evictor may slip in, so loop and check.
                         fcntl.flock(fd, fcntl.LOCK_UN)
                         continue
-                # Another process holds it exclusively: downloading it, or evicting it.
+                # Another process holds it exclusively: downloading it, or evicting it. A reader
+                # says it waits, so that a prefetch of it there is widened (`reader_waits`).
+                if wanted is None and not prefetching:
+                    wanted = self._dir.mark_wanted(stem)
                 if time.monotonic() > deadline:
                     raise TransientError(
                         f"waited {self.config.wait_timeout_s:.0f}s for shard {spec.name!r} in cache "
@@ -424,6 +428,9 @@ class ShardCache:
             with contextlib.suppress(OSError):
                 _release(fd)
             raise
+        finally:
+            if wanted is not None:
+                _release(wanted)
 
     def _fetch_exclusively(
         self,
@@ -495,10 +502,12 @@ class ShardCache:
         fd, temp = reserved
         assert rt.engine is not None
         try:
+            # A prefetch looks whether readers of other processes wait for it (`_acquire`).
+            waits = (lambda: self._dir.reader_waits(stem)) if prefetching else None
             if spec.samples is not None:
-                report = write_verified_range(fd, rt.engine, self.store, spec.samples, self.config, priority)
+                report = write_verified_range(fd, rt.engine, self.store, spec.samples, self.config, priority, waits)
             else:
-                report = write_verified(fd, rt.engine, self.store, spec, size, self.config, priority)
+                report = write_verified(fd, rt.engine, self.store, spec, size, self.config, priority, waits)
             # Under the cache-wide lock: a scan (which holds it) must not see the bytes leave
             # tmp/ after it counted them there and then find them again under shards/.
             with self._dir.locked():

@@ -18,9 +18,9 @@ a prefetch's part takes no slot while anyone holds it (an exclusive non-blocking
 fails). So when slots are all taken, each one that frees goes to a waiting reader before
 any prefetch, on every process of the node, and a reader waits at most for one part of
 someone's GET to end, not behind the node's prefetch queue. Slots are not set aside for
-readers: an idle slot would be a connection the node could have used. Not covered: a
-reader waiting for another process's prefetch of the same shard (the cache's per-shard
-lock) does not hurry that download, which still yields to other readers' parts.
+readers: an idle slot would be a connection the node could have used. A reader waiting for
+another process's prefetch of the same shard (the cache's per-shard lock) says so on the
+shard's `.wanted` lock, and that process hurries the download (`_CacheDir.reader_waits`).
 
 Not thread-safe: the `DownloadEngine` calls it under its own lock. Its descriptors are
 opened when first needed and closed when the engine closes with no part running; an engine
