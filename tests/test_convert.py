@@ -308,7 +308,8 @@ def test_an_unguarded_script_with_workers_fails_with_a_clear_error_and_does_not_
     """A script that calls convert with workers > 1 and no `if __name__ == "__main__":`: each
     spawned worker imports the script, and its own convert stops it before it starts. The
     conversion ends with an error that names the guard. Before, with a listing past the start-up
-    pipe's 64 KB (1,500 inputs here), this process blocked forever writing it to a dead worker."""
+    pipe's 64 KB (1,500 inputs and 1,500 skipped files here), this process blocked forever
+    writing it to a dead worker."""
     source = tmp_path / "folder"
     jpeg = io.BytesIO()
     Image.new("RGB", (8, 8), (200, 10, 10)).save(jpeg, "JPEG")
@@ -316,6 +317,7 @@ def test_an_unguarded_script_with_workers_fails_with_a_clear_error_and_does_not_
         (source / f"class{label}").mkdir(parents=True)
         for n in range(500):
             (source / f"class{label}" / f"{n:04d}-with-a-longer-file-name.jpg").write_bytes(jpeg.getvalue())
+            (source / f"class{label}" / f"{n:04d}-annotation.txt").write_text("not an image: skipped")
     script = tmp_path / "unguarded.py"
     script.write_text(
         "import sys\n"

@@ -779,16 +779,36 @@ def test_a_first_batch_built_in_chunks_equals_one_built_whole(tmp_path, dtype, d
 
 
 def test_the_first_batch_of_each_pass_is_built_by_every_worker(local_dataset, tmp_path):
-    """Its chunks went to the three workers; later batches are built whole, each by one."""
+    """Its chunks went to the three workers; later batches are built whole, each by one. The
+    epoch that follows a fresh epoch run to its end is no new pass: its batches were requested
+    before the loop asked (no drain between epochs), its first one whole like the rest. Another
+    epoch (here 1 again) starts a pass of its own, with the same batches."""
     url, _ = local_dataset
     ds = _dataset(url, tmp_path, batch_size=7)
     with dlstore.Loader(ds, num_workers=3, device="cpu", engine="processes", dtype="uint8") as loader:
         assert loader.slots is None
-        for epoch in (0, 1):  # the second pass runs on the same (persistent) workers
+        keys = {}
+        for epoch, new_pass in ((0, True), (1, False), (1, True)):  # all on the same (persistent) workers
             batches = list(loader.engine.batches(epoch, ()))
-            assert sorted(batches[0]["chunk_workers"]) == [0, 1, 2]
+            if new_pass:
+                assert sorted(batches[0]["chunk_workers"]) == [0, 1, 2]
             assert [len(b["keys"]) for b in batches] == [7, 7, 7, 2]
-            assert not any("chunk_workers" in b for b in batches[1:])
+            assert not any("chunk_workers" in b for b in batches[1 if new_pass else 0 :])
+            keys.setdefault(epoch, []).append([b["keys"] for b in batches])
+        assert keys[1][0] == keys[1][1] and keys[0][0] != keys[1][0]
+
+
+def test_an_epoch_with_no_batches_ends_at_once_with_worker_processes(local_dataset, tmp_path):
+    """`drop_last` with fewer samples than a batch: every epoch is empty. The sampler goes on
+    into the next epoch only after one with batches (before that rule it looked for one
+    forever, and the loop hung)."""
+    url, _ = local_dataset
+    ds = _dataset(url, tmp_path, batch_size=4096, drop_last=True)
+    with dlstore.Loader(ds, num_workers=2, device="cpu", engine="processes", timeout_s=60) as loader:
+        for epoch in (0, 1):
+            loader.set_epoch(epoch)
+            assert len(loader) == 0
+            assert list(loader) == []
 
 
 def test_a_corrupt_sample_in_a_chunk_of_the_first_batch_raises_in_every_pass(tmp_path):

@@ -13,7 +13,8 @@ the index of a shard without a sha256 checksum is not kept. Eviction removes it 
 shard (`_CacheDir.remove_shard`). Indexes are small (8 bytes per sample) and are not counted
 against the cache's limit. Writing one is best effort: a full disk or a read-only cache
 costs the walk again, not the read. A writer that dies before its rename leaves a temp file,
-which the next process to open the cache removes (`_CacheDir.remove_stale_index_temps`)."""
+which a process that opens the cache ten minutes later or more removes
+(`_CacheDir.remove_stale_index_temps`)."""
 
 from __future__ import annotations
 

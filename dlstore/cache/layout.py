@@ -114,27 +114,6 @@ def _release(fd: int) -> None:
         os.close(fd)
 
 
-def _writer_pid(temp_name: str) -> int | None:
-    """The pid in a kept index's temp name, `<stem>.idx.<pid>.<hex>.tmp`; None if there is none."""
-    parts = temp_name.rsplit(".", 3)
-    try:
-        return int(parts[1]) if len(parts) == 4 else None
-    except ValueError:
-        return None
-
-
-def _pid_alive(pid: int | None) -> bool:
-    if pid is None or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True
-
-
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -208,8 +187,11 @@ class _CacheDir:
             fd = os.open(os.path.join(self.locks, stem + ".wanted"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError:
             return None  # e.g. no descriptors left: the download is not hurried, nothing else changes
-        if _try_flock(fd, fcntl.LOCK_SH):
-            return fd
+        try:
+            if _try_flock(fd, fcntl.LOCK_SH):
+                return fd
+        except OSError:  # a hint only: a file system without flock costs the hurry, not the read
+            pass
         os.close(fd)  # a probe holds it for a moment: try again at the next look
         return None
 
@@ -224,6 +206,8 @@ class _CacheDir:
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 return False
             return True
+        except OSError:  # a hint only: never a reason to fail the download
+            return False
         finally:
             os.close(fd)
 
@@ -255,10 +239,10 @@ class _CacheDir:
             shards.append((stat.st_mtime_ns, entry.name, stat.st_size))
         return _Usage(shards, in_flight, in_flight_bytes, stale)
 
-    def remove_stale_index_temps(self, max_age_s: float = 3600.0) -> int:
+    def remove_stale_index_temps(self, max_age_s: float = 600.0) -> int:
         """Remove the temp files of kept sample indexes (`indexes.py`) whose writer died before
-        renaming them; how many. A writer takes milliseconds, so a temp file is stale when the
-        process named in it is gone, or when it is older than `max_age_s` (its pid reused)."""
+        renaming them; how many. A writer takes milliseconds, so one older than `max_age_s` is
+        stale. By age, not by pid: the processes sharing a cache may not share a pid namespace."""
         removed = 0
         try:
             entries = list(os.scandir(self.indexes))
@@ -272,7 +256,7 @@ class _CacheDir:
                 age = now - entry.stat(follow_symlinks=False).st_mtime
             except FileNotFoundError:
                 continue  # renamed or removed meanwhile
-            if _pid_alive(_writer_pid(entry.name)) and age < max_age_s:
+            if age < max_age_s:
                 continue
             _unlink_quietly(entry.path)
             removed += 1

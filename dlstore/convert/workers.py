@@ -91,26 +91,27 @@ def _build_in_process(
         report(counters)
 
 
-def _start_worker(context: BuildContext, items_path: str, shared: tuple, stop: Any, pids: Any) -> None:
-    """Pool initializer: this worker's builder (its context's listing read from `items_path`),
+def _start_worker(context: BuildContext, source_path: str, shared: tuple, stop: Any, pids: Any) -> None:
+    """Pool initializer: this worker's builder (its context's source, with the listing, read from `source_path`),
     and its pid sent to the parent (which kills it only if it is stuck). Ctrl-C reaches the
     whole process group; only the parent acts on it (through `stop`), so a worker ignores
     SIGINT (SIG_IGN: no Python handler)."""
     global _process_builder
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pids.put(os.getpid())
-    with open(items_path, "rb") as file:
-        items = pickle.load(file)
-    context = dataclasses.replace(context, source=dataclasses.replace(context.source, items=items))
+    with open(source_path, "rb") as file:
+        context = dataclasses.replace(context, source=pickle.load(file))
     _process_builder = ShardBuilder(context, Counters(shared), stop)
 
 
-def _without_items(context: BuildContext) -> tuple[BuildContext, str]:
-    """The context without its listing, and the file in its temp dir that holds the listing."""
-    items_path = os.path.join(context.tmp_dir, "items.pickle")
-    with open(items_path, "wb") as file:
-        pickle.dump(context.source.items, file, protocol=pickle.HIGHEST_PROTOCOL)
-    return dataclasses.replace(context, source=dataclasses.replace(context.source, items=[])), items_path
+def _without_listing(context: BuildContext) -> tuple[BuildContext, str]:
+    """The context without its listing (inputs and skipped files: their size grows with the
+    dataset), and the file in its temp dir that holds the source with its listing."""
+    source_path = os.path.join(context.tmp_dir, "source.pickle")
+    with open(source_path, "wb") as file:
+        pickle.dump(context.source, file, protocol=pickle.HIGHEST_PROTOCOL)
+    light = dataclasses.replace(context.source, items=[], skipped=[])
+    return dataclasses.replace(context, source=light), source_path
 
 
 def _build_in_worker(task: ShardTask) -> Built:
@@ -128,9 +129,9 @@ def _build_in_pool(
     counters = Counters(shared)
     stop, pids = ctx.Event(), ctx.SimpleQueue()
     workers = min(context.options.workers, len(todo))
-    light, items_path = _without_items(context)
+    light, source_path = _without_listing(context)
     pool = ProcessPoolExecutor(
-        workers, ctx, initializer=_start_worker, initargs=(light, items_path, shared, stop, pids)
+        workers, ctx, initializer=_start_worker, initargs=(light, source_path, shared, stop, pids)
     )
     pending: set[Future] = set()
     try:
@@ -147,9 +148,9 @@ def _build_in_pool(
         _stop_pool(pool, pending, pids)
         if isinstance(exc, BrokenProcessPool):
             raise DlstoreError(
-                "a convert worker process died (killed, out of memory, or it could not start: a script that "
-                'calls convert with workers > 1 needs `if __name__ == "__main__":`, since each worker is a '
-                "new Python that imports the script)"
+                f"a convert worker process died ({exc}). If it could not start: a script that calls convert "
+                'with workers > 1 needs `if __name__ == "__main__":`, since each worker is a new Python that '
+                "imports the script; otherwise it was killed (out of memory?) or its start-up failed (above)"
             ) from exc
         raise
     pool.shutdown(wait=True)

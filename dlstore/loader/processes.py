@@ -12,6 +12,12 @@ an H100 node's worker) while the others built later batches. It goes out as one 
 consecutive samples per worker instead, all written into the batch's slot, and the engine
 joins the chunks into the batch a whole build would give. Later batches stay whole: handing
 a worker a whole batch costs the least per image.
+
+Epochs follow on without a pause: after a fresh epoch's last batch request the sampler goes on
+with the next epoch's (its plan is known: a pure function of the epoch), so the workers never
+run dry at an epoch's end, and the loop's next `iter()` finds that epoch's first batches built
+(before, the DataLoader drained at every epoch's end: ~1 s lost per epoch on an H100 node).
+Anything else (a resumed epoch, another epoch, a pass left early) starts a fresh pass.
 """
 
 from __future__ import annotations
@@ -68,6 +74,14 @@ def _ignore_stop_signals(_worker_id: int) -> None:
 
 
 @dataclass(frozen=True)
+class _Whole:
+    """A whole batch, written into `slot` (None: no slots)."""
+
+    request: BatchRequest
+    slot: int | None
+
+
+@dataclass(frozen=True)
 class _Chunk:
     """Rows `start:start + len(part.ids)` of a batch built in `count` chunks; `part` is a request
     for those samples alone (a sample's augmentation depends on its id, not on its row)."""
@@ -75,18 +89,19 @@ class _Chunk:
     part: BatchRequest
     start: int
     count: int
+    slot: int | None
 
 
-def _chunks(request: BatchRequest, count: int) -> Iterator[BatchRequest | _Chunk]:
-    """`request` as up to `count` chunks of consecutive samples (itself when that is one)."""
+def _chunks(request: BatchRequest, count: int, slot: int | None) -> Iterator[_Whole | _Chunk]:
+    """`request` as up to `count` chunks of consecutive samples (whole when that is one)."""
     n = len(request.ids)
     bounds = np.linspace(0, n, min(count, n) + 1).astype(int).tolist()
     if len(bounds) <= 2:
-        yield request
+        yield _Whole(request, slot)
         return
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         part = replace(request, ids=request.ids[lo:hi], is_padding=request.is_padding[lo:hi])
-        yield _Chunk(part, lo, len(bounds) - 1)
+        yield _Chunk(part, lo, len(bounds) - 1, slot)
 
 
 class _BatchWriter(torch.utils.data.Dataset):
@@ -97,16 +112,15 @@ class _BatchWriter(torch.utils.data.Dataset):
         self.dataset = dataset
         self.buffers = slots.buffers if slots is not None else None
 
-    def __getitem__(self, item: BatchRequest | _Chunk) -> dict:
+    def __getitem__(self, item: _Whole | _Chunk) -> dict:
         chunk = item if isinstance(item, _Chunk) else None
-        request = chunk.part if chunk is not None else item
-        if self.buffers is None:
+        request = item.part if isinstance(item, _Chunk) else item.request
+        if self.buffers is None or item.slot is None:
             batch = self.dataset.build_batch(request)
         else:
-            slot = request.index % len(self.buffers)
             start = chunk.start if chunk is not None else 0
-            batch = self.dataset.build_batch(request, out=self.buffers[slot, start:])
-            batch["images"], batch["slot"] = None, slot
+            batch = self.dataset.build_batch(request, out=self.buffers[item.slot, start:])
+            batch["images"], batch["slot"] = None, item.slot
         if chunk is not None:
             worker = torch.utils.data.get_worker_info()
             batch["chunk"] = (chunk.start, chunk.count, worker.id if worker is not None else None)
@@ -114,8 +128,9 @@ class _BatchWriter(torch.utils.data.Dataset):
 
 
 class _PlanSampler(Sampler):
-    """Yields this rank's batch requests for the current epoch, from a start batch; the
-    first one as its chunks, one per worker (see the module docstring)."""
+    """Yields this rank's batch requests from (`epoch`, `history`) on: that epoch's rest and,
+    when it is a fresh one, the epochs after it (see the module docstring); the pass's first
+    batch as its chunks, one per worker. Batches take the ring's slots in turn."""
 
     def __init__(self, dataset: Dataset, slots: BatchSlots | None = None, chunks: int = 1) -> None:
         self.dataset = dataset
@@ -124,20 +139,28 @@ class _PlanSampler(Sampler):
         self.epoch = 0
         self.history: tuple = ()
 
-    def __len__(self) -> int:
+    def __len__(self) -> int:  # the first epoch's
         return self.dataset.plan(self.epoch, self.history).num_batches
 
-    def __iter__(self) -> Iterator[BatchRequest]:
-        # The plan of what this epoch has left after `history`: it starts at its batch 0.
-        plan = self.dataset.plan(self.epoch, self.history)
+    def __iter__(self) -> Iterator[_Whole | _Chunk]:
+        epoch, history, sequence = self.epoch, self.history, 0
         if self.slots is not None:
             self.slots.forget_claims()
-        for index in range(plan.num_batches):
-            if self.slots is not None:
-                self.slots.claim(index)  # once per batch: its chunks share its slot
-            request = self.dataset.request(plan, self.epoch, index)
-            yield from _chunks(request, self.chunks) if index == 0 else (request,)
-            self.dataset.prefetch_after(plan, index)
+        while True:
+            # The plan of what this epoch has left after `history`: it starts at its batch 0.
+            plan = self.dataset.plan(epoch, history)
+            for index in range(plan.num_batches):
+                slot = None
+                if self.slots is not None:
+                    self.slots.claim(sequence)  # once per batch: its chunks share its slot
+                    slot = self.slots.slot_of(sequence)
+                request = self.dataset.request(plan, epoch, index)
+                yield from _chunks(request, self.chunks, slot) if sequence == 0 else (_Whole(request, slot),)
+                sequence += 1
+                self.dataset.prefetch_after(plan, index)
+            if history or plan.num_batches == 0:  # a resumed epoch: the next pass is not known here
+                return
+            epoch += 1
 
 
 class ProcessEngine:
@@ -150,11 +173,16 @@ class ProcessEngine:
         workers = cfg.num_workers
         if workers > 0 and cfg.start_method == "forkserver":
             start_fork_server()
+        self.dataset = dataset
         self.slots = slots
         # Chunks of the first batch: one per worker (the DataLoader hands its items to the
         # workers in turn, so consecutive ones go to different workers).
         self.sampler = _PlanSampler(dataset, slots, chunks=workers)
         self.counts_in_workers = workers > 0
+        # The batches already requested for the pass that follows the last one, if it ran to its
+        # end: (that pass's (epoch, history), the DataLoader's batches).
+        self._follow_on: tuple[tuple, Iterator[dict]] | None = None
+        self._closes = 0  # close() calls: a pass that ends after one keeps nothing for the next
         self._dataloader = DataLoader(
             _BatchWriter(dataset, slots),
             sampler=self.sampler,
@@ -175,11 +203,33 @@ class ProcessEngine:
         return cfg.prefetch_factor * cfg.num_workers + 2
 
     def batches(self, epoch: int, history: tuple) -> Iterator[dict]:
-        self.sampler.epoch, self.sampler.history = epoch, history
-        # The DataLoader's iterator is made here, in the caller's (main) thread, not at the first
-        # batch, which device decode takes in its prefetch thread: torch watches its workers
-        # with a SIGCHLD handler only when they start from the main thread.
-        return self._with_chunks_joined(iter(self._dataloader))
+        """This epoch's batches after `history`: from the batches requested ahead when the last
+        pass ended in full and this one follows it, else from a fresh pass of the DataLoader."""
+        follow_on, self._follow_on = self._follow_on, None
+        if follow_on is not None and follow_on[0] == (epoch, history):
+            items = follow_on[1]
+        else:
+            self.sampler.epoch, self.sampler.history = epoch, history
+            # The DataLoader's iterator is made here, in the caller's (main) thread, not at the
+            # first batch, which device decode takes in its prefetch thread: torch watches its
+            # workers with a SIGCHLD handler only when they start from the main thread.
+            items = self._with_chunks_joined(iter(self._dataloader))
+        return self._one_epoch(items, epoch, history)
+
+    def _one_epoch(self, items: Iterator[dict], epoch: int, history: tuple) -> Iterator[dict]:
+        """The epoch's batches from `items`; once all are taken, the rest of `items` (the next
+        epoch's, when this one is fresh) is kept for the pass that follows."""
+        closes, count = self._closes, self.dataset.plan(epoch, history).num_batches
+        for index in range(count):
+            try:
+                batch = next(items)
+            except StopIteration:
+                raise RuntimeError(
+                    f"epoch {epoch} ended after {index} batches, short of its plan (a loader bug)"
+                ) from None
+            yield batch
+        if not history and count and self._dataloader.num_workers > 0 and closes == self._closes:
+            self._follow_on = ((epoch + 1, ()), items)
 
     def _with_chunks_joined(self, items: Iterator[dict]) -> Iterator[dict]:
         for batch in items:
@@ -216,6 +266,8 @@ class ProcessEngine:
         return batch
 
     def close(self) -> None:
+        self._closes += 1
+        self._follow_on = None
         iterator = getattr(self._dataloader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
