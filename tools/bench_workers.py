@@ -12,9 +12,15 @@ run (1 warm-up epoch, then `--epochs` timed, `bench_peers.time_run`); each round
 (workers, engine) pair, the engines alternating. Reported: img/s and processes / threads per
 worker count, median [min .. max] over rounds.
 
-Example (a 16-core node)::
+`--step-ms` makes the loop a GPU's: it waits that long after each batch, using no CPU, as a
+training step on a GPU would. The loop is then the bottleneck when the workers keep ahead, and
+what an engine loses at epoch starts shows: the report adds the pause from an epoch's last batch
+to the next one's first, which is one step when nothing waits.
+
+Examples (a 16-core node; this 2-core box)::
 
     python tools/bench_workers.py --workers 2,4,8,14 --images 4000 --rounds 1
+    python tools/bench_workers.py --workers 4 --batch-size 128 --step-ms 120 --epochs 4 --images 5000 --shards 8
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_peers  # noqa: E402
+from bench_peers import Candidate  # noqa: E402
 
 ENGINES = ("threads", "processes")
 
@@ -44,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=1, help="timed epochs per run, after 1 warm-up epoch")
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=0.0, help="the loop waits this long after each batch")
     parser.add_argument("--workdir", help="keep the data here and reuse it (default: a temp dir)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)
@@ -53,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     rates: dict[tuple[int, str], list[float]] = {(n, e): [] for n in counts for e in ENGINES}
+    pauses: dict[tuple[int, str], list[float]] = {(n, e): [] for n in counts for e in ENGINES}
     try:
         data = bench_peers.prepare_data(workdir, args.images, args.shards)
         print(f"data: {args.images} JPEGs in {args.shards} shards, ready in {time.perf_counter() - started:.0f} s")
@@ -64,17 +73,25 @@ def main(argv: list[str] | None = None) -> int:
                         ["--workers", str(n), "--batch-size", str(args.batch_size), "--images", str(args.images)]
                     )
                     times = bench_peers.time_run(
-                        lambda run_args=run_args, engine=engine: bench_peers.dlstore_candidate(data, run_args, engine),
+                        lambda run_args=run_args, engine=engine: _stepped(
+                            bench_peers.dlstore_candidate(data, run_args, engine), args.step_ms / 1000
+                        ),
                         args.epochs,
                     )
                     rates[n, engine].append(times.images_per_s)
-                    print(f"round {number + 1}: {n} workers, {engine}: {times.images_per_s:,.0f} img/s", flush=True)
+                    pauses[n, engine].append(statistics.median(times.pauses_s[1:] or times.pauses_s))
+                    print(
+                        f"round {number + 1}: {n} workers, {engine}: {times.images_per_s:,.0f} img/s, "
+                        f"epoch-start pauses {[round(p, 3) for p in times.pauses_s]} s",
+                        flush=True,
+                    )
     finally:
         if own:
             shutil.rmtree(workdir, ignore_errors=True)
 
     cores = len(os.sched_getaffinity(0))
-    print(f"\n{cores} cores, batch {args.batch_size}, median [min .. max] over {args.rounds} rounds")
+    step = f", a {args.step_ms:g} ms step per batch" if args.step_ms else ""
+    print(f"\n{cores} cores, batch {args.batch_size}{step}, median [min .. max] over {args.rounds} rounds")
     print(f"  {'workers':>7}  {'threads img/s':>22}  {'processes img/s':>22}  {'processes / threads':>22}")
     summary = []
     for n in counts:
@@ -82,14 +99,34 @@ def main(argv: list[str] | None = None) -> int:
         row = {"workers": n, **{e: rates[n, e] for e in ENGINES}, "processes_over_threads": ratios}
         summary.append(row)
         print(f"  {n:>7}  " + "  ".join(_spread(v) for v in (rates[n, "threads"], rates[n, "processes"], ratios)))
+    print(
+        f"\n  epoch-start pause, s (median per run, the warm-up's left out){' vs a step of ' + step[4:] if step else ''}"
+    )
+    for n in counts:
+        row = next(r for r in summary if r["workers"] == n)
+        row["pauses_s"] = {e: pauses[n, e] for e in ENGINES}
+        print(f"  {n:>7}  " + "  ".join(_spread(pauses[n, e], "{:.3f}") for e in ENGINES))
     print(f"took {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"cores": cores, "settings": vars(args), "runs": summary}, indent=2))
     return 0
 
 
-def _spread(values: list[float]) -> str:
-    fmt = "{:,.0f}" if max(values) > 10 else "{:.2f}"
+def _stepped(candidate: Candidate, step_s: float) -> Candidate:
+    """The candidate's batches with a loop that waits `step_s` after each (no CPU: a GPU's step)."""
+    if not step_s:
+        return candidate
+
+    def batches(epoch: int):
+        for batch in candidate.batches(epoch):
+            yield batch
+            time.sleep(step_s)
+
+    return Candidate(batches, candidate.close)
+
+
+def _spread(values: list[float], fmt: str | None = None) -> str:
+    fmt = fmt or ("{:,.0f}" if max(values) > 10 else "{:.2f}")
     text = f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))} .. {fmt.format(max(values))}]"
     return f"{text:>22}"
 
