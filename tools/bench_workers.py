@@ -99,9 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {"workers": n, **{e: rates[n, e] for e in ENGINES}, "processes_over_threads": ratios}
         summary.append(row)
         print(f"  {n:>7}  " + "  ".join(_spread(v) for v in (rates[n, "threads"], rates[n, "processes"], ratios)))
-    print(
-        f"\n  epoch-start pause, s (median per run, the warm-up's left out){' vs a step of ' + step[4:] if step else ''}"
-    )
+    each = f"; one step is {args.step_ms / 1000:g} s" if args.step_ms else ""
+    print(f"\n  epoch-start pause, s (median per run, the warm-up's left out{each}): threads, processes")
     for n in counts:
         row = next(r for r in summary if r["workers"] == n)
         row["pauses_s"] = {e: pauses[n, e] for e in ENGINES}
