@@ -188,7 +188,7 @@ class Dataset(torch.utils.data.Dataset):
         ids, is_padding = plan.batch(index)
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
 
-    def prefetch_after(self, plan: RankPlan, index: int) -> None:
+    def prefetch_after(self, plan: RankPlan, index: int, readers_here: bool = True) -> None:
         """Ask the cache to fetch in the background the shards batch `index` (just requested)
         reads, then the next `prefetch_shards` shards the plan reads after them, in the order
         it first needs them. The cache's prefetch keeps `prefetch_shards` shards cached beyond
@@ -198,7 +198,12 @@ class Dataset(torch.utils.data.Dataset):
         the first shuffle window, and the prefetch fetches them side by side while the readers
         wait; and the next window's shards come in while this one is read (a list of only the
         next `prefetch_shards` shards would hold no more than the window in use, and the
-        readers would fetch each shard of the next one as they reach it)."""
+        readers would fetch each shard of the next one as they reach it).
+
+        `readers_here=False`: the samples are read in other processes (worker processes), whose
+        reads never move this process's window on; the window then covers the whole list, or
+        the next window's shards would come in only as a batch that reads them is requested
+        (a stall at each window's start, measured on cold epochs)."""
         self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
@@ -209,7 +214,8 @@ class Dataset(torch.utils.data.Dataset):
             if len(upcoming) >= wanted:
                 break
             upcoming.update(dict.fromkeys(plan.batch_shards(j).tolist()))
-        self.cache.prefetch([self.samples.cache_spec(s) for s in list(upcoming)[:wanted]])
+        specs = [self.samples.cache_spec(s) for s in list(upcoming)[:wanted]]
+        self.cache.prefetch(specs, depth=None if readers_here else wanted)
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:
         """Tell the node cache the order this rank needs shards in from batch `index` on: the

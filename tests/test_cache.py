@@ -707,6 +707,25 @@ def test_prefetch_runs_ahead_within_the_limit(tmp_path, remote):
     assert cache.stats.hits >= 5  # the reader found most shards already there
 
 
+def test_a_prefetch_list_with_its_own_depth_is_kept_cached_to_that_depth(tmp_path, remote):
+    """`prefetch(specs, depth=n)`: the first n shards of the list, whatever the config's
+    window; for readers in other processes (worker processes), whose reads never move this
+    process's window on. The same list with another depth takes the new one."""
+    store, specs, _ = remote([6000] * 6)
+    cache = ShardCache(config(tmp_path, 1_000_000, prefetch=2, wait_timeout_s=10), store)
+    try:
+        cache.prefetch(specs)
+        wait_for(lambda: cached_names(tmp_path / "cache") == {specs[0][0], specs[1][0]})
+        time.sleep(0.1)
+        assert len(cached_names(tmp_path / "cache")) == 2  # the config's window: no read, no more
+        cache.prefetch(specs, depth=5)
+        wait_for(lambda: cached_names(tmp_path / "cache") == {name for name, _, _ in specs[:5]})
+        time.sleep(0.1)
+        assert specs[5][0] not in cached_names(tmp_path / "cache")
+    finally:
+        cache.close()
+
+
 def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, remote):
     store, specs, contents = remote([1000])
     cache = ShardCache(config(tmp_path, 100_000, prefetch=2), store)

@@ -364,7 +364,10 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         prefetch_shards=3,
     )
     lists: list[list[str]] = []
-    monkeypatch.setattr(ds.cache, "prefetch", lambda specs: lists.append([spec[0] for spec in specs]))
+    depths: list[int | None] = []
+    monkeypatch.setattr(
+        ds.cache, "prefetch", lambda specs, depth=None: (lists.append([s[0] for s in specs]), depths.append(depth))
+    )
     plan = ds.plan(0)
     names = [s.name for s in ds.manifest.shards]
     for index in (0, 4):
@@ -373,6 +376,11 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         following = [s for s in plan.shards_needed(index).tolist() if s not in reading][:3]
         assert lists[-1] == [names[s] for s in reading + following]
         assert len(following) == 3
+        # Read here, the readers move the window (the cache's, `prefetch_shards`) past the
+        # shards in use; read in worker processes, nothing does: the window is the whole list.
+        assert depths[-1] is None
+        ds.prefetch_after(plan, index, readers_here=False)
+        assert lists[-1] == lists[-2] and depths[-1] == len(lists[-1])
 
 
 def test_the_prefetch_paces_its_shards_in_flight_by_the_rates_measured():

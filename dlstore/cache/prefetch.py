@@ -32,9 +32,10 @@ def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: Pref
     (`caps.shards`; `caps.parts`: the most connections a shard of theirs uses). The same list
     again changes nothing: the readers' place in it stands."""
     with rt.lock:
-        if specs == rt.upcoming and not rt.closing:
+        if specs == rt.upcoming and depth == rt.depth and not rt.closing:
             return
         _count_passed(rt, specs)
+        rt.depth = depth
         rt.upcoming = specs
         rt.position = 0
         rt.done = set()
@@ -43,7 +44,7 @@ def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: Pref
         rt.threads = [thread for thread in rt.threads if thread.is_alive()]
         while len(rt.threads) < min(caps.shards, depth):
             thread = threading.Thread(
-                target=_prefetch_loop, args=(rt, depth, fetch, caps), name="dlstore-cache-prefetch", daemon=True
+                target=_prefetch_loop, args=(rt, fetch, caps), name="dlstore-cache-prefetch", daemon=True
             )
             thread.start()
             rt.threads.append(thread)
@@ -137,11 +138,11 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
     return None
 
 
-def _prefetch_loop(rt: _Runtime, depth: int, fetch: PrefetchFetch, caps: Concurrency) -> None:
+def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> None:
     while True:
         with rt.lock:
             job = None
-            while not rt.closing and (job := _next_prefetch(rt, depth, caps)) is None:
+            while not rt.closing and (job := _next_prefetch(rt, rt.depth, caps)) is None:
                 # The pace changes with the rates, not only when woken: look again now and then.
                 rt.wake.wait(timeout=_PACE_RECHECK_S if rt.active else None)
             if rt.closing or job is None:

@@ -193,11 +193,11 @@ class ShardCache:
         with self.hold(name, size, checksum, samples, recheck=recheck) as path:
             return path
 
-    def prefetch(self, shards: Iterable[ShardSpec | tuple]) -> None:
+    def prefetch(self, shards: Iterable[ShardSpec | tuple], depth: int | None = None) -> None:
         """Set the shards the reader will ask for next, in order; a daemon thread keeps the
-        first `config.prefetch` of them not yet reached cached, within the limit, never
-        evicting a held shard or one sooner in this list. Reaching a shard with `hold` or
-        `fetch` moves the window on. Replaces any earlier list.
+        first `depth` (default `config.prefetch`) of them not yet reached cached, within the
+        limit, never evicting a held shard or one sooner in this list. Reaching a shard with
+        `hold` or `fetch` moves the window on. Replaces any earlier list.
 
         >>> cache.prefetch([(s.name, s.size, s.checksum) for s in my_shards])  # doctest: +SKIP
         """
@@ -209,7 +209,7 @@ class ShardCache:
         start_prefetch(
             rt,
             specs,
-            self.config.prefetch,
+            depth if depth is not None else self.config.prefetch,
             # Sooner shards download first: priority 1 + their place in the window (the reader's own
             # is 0). The threads keep this function: the epoch is read when a shard is fetched.
             lambda spec, sooner: self._acquire(
