@@ -203,7 +203,8 @@ class Dataset(torch.utils.data.Dataset):
         `readers_here=False`: the samples are read in other processes (worker processes), whose
         reads never move this process's window on; the window then covers the whole list, or
         the next window's shards would come in only as a batch that reads them is requested
-        (a stall at each window's start, measured on cold epochs)."""
+        (a stall at each window's start, measured on cold epochs), once the shards in use are
+        in (before them, they would slow the first batch of a cold epoch)."""
         self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
@@ -215,7 +216,10 @@ class Dataset(torch.utils.data.Dataset):
                 break
             upcoming.update(dict.fromkeys(plan.batch_shards(j).tolist()))
         specs = [self.samples.cache_spec(s) for s in list(upcoming)[:wanted]]
-        self.cache.prefetch(specs, depth=None if readers_here else wanted)
+        if readers_here:
+            self.cache.prefetch(specs)
+        else:
+            self.cache.prefetch(specs, depth=wanted, lead=len(reading))
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:
         """Tell the node cache the order this rank needs shards in from batch `index` on: the

@@ -726,6 +726,31 @@ def test_a_prefetch_list_with_its_own_depth_is_kept_cached_to_that_depth(tmp_pat
         cache.close()
 
 
+def test_a_prefetch_lead_is_fetched_before_the_shards_after_it(tmp_path):
+    """`prefetch(specs, depth, lead=2)`: the list's first two shards (in use: readers wait for
+    them) are in before any later one starts, though 4 could download at once."""
+    specs, _ = make_remote(tmp_path / "remote", [6000] * 5)
+    cached_at_start: dict[str, set[str]] = {}
+
+    class Watching(RecordingStore):
+        def _read(self, key, start, end):
+            cached_at_start.setdefault(key, cached_names(tmp_path / "cache"))
+            yield from super()._read(key, start, end)
+
+    store = Watching(str(tmp_path / "remote"), delay_s=0.003)  # ~20 ms per shard
+    settings = dict(prefetch=2, shards_in_flight=4, parts_in_flight=1, wait_timeout_s=10)
+    cache = ShardCache(config(tmp_path, 1_000_000, **settings), store)
+    try:
+        cache.prefetch(specs, depth=5, lead=2)
+        wait_for(lambda: len(cached_names(tmp_path / "cache")) == 5)
+        lead = {specs[0][0], specs[1][0]}
+        for name, _, _ in specs[2:]:
+            assert lead <= cached_at_start[name], name
+        assert not cached_at_start[specs[0][0]] & lead and not cached_at_start[specs[1][0]] & lead
+    finally:
+        cache.close()
+
+
 def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, remote):
     store, specs, contents = remote([1000])
     cache = ShardCache(config(tmp_path, 100_000, prefetch=2), store)

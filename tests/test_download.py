@@ -364,9 +364,11 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         prefetch_shards=3,
     )
     lists: list[list[str]] = []
-    depths: list[int | None] = []
+    depths: list[tuple[int | None, int]] = []  # (depth, lead) of each list
     monkeypatch.setattr(
-        ds.cache, "prefetch", lambda specs, depth=None: (lists.append([s[0] for s in specs]), depths.append(depth))
+        ds.cache,
+        "prefetch",
+        lambda specs, depth=None, lead=0: (lists.append([s[0] for s in specs]), depths.append((depth, lead))),
     )
     plan = ds.plan(0)
     names = [s.name for s in ds.manifest.shards]
@@ -377,10 +379,11 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         assert lists[-1] == [names[s] for s in reading + following]
         assert len(following) == 3
         # Read here, the readers move the window (the cache's, `prefetch_shards`) past the
-        # shards in use; read in worker processes, nothing does: the window is the whole list.
-        assert depths[-1] is None
+        # shards in use; read in worker processes, nothing does: the window is the whole list,
+        # the shards in use first.
+        assert depths[-1] == (None, 0)
         ds.prefetch_after(plan, index, readers_here=False)
-        assert lists[-1] == lists[-2] and depths[-1] == len(lists[-1])
+        assert lists[-1] == lists[-2] and depths[-1] == (len(lists[-1]), len(reading))
 
 
 def test_the_prefetch_paces_its_shards_in_flight_by_the_rates_measured():

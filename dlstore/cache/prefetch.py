@@ -27,15 +27,19 @@ _PACE_RECHECK_S = 0.25
 PrefetchFetch = Callable[[ShardSpec, frozenset[str]], "int | None"]
 
 
-def start_prefetch(rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, caps: Concurrency) -> None:
+def start_prefetch(
+    rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, caps: Concurrency, lead: int = 0
+) -> None:
     """Replace the list of upcoming shards, and start the threads that do not run already
-    (`caps.shards`; `caps.parts`: the most connections a shard of theirs uses). The same list
-    again changes nothing: the readers' place in it stands."""
+    (`caps.shards`; `caps.parts`: the most connections a shard of theirs uses). The threads
+    keep `depth` shards from the readers' place cached; the list's first `lead` ones (shards
+    in use: readers wait for them) before any later one. The same list again changes nothing:
+    the readers' place in it stands."""
     with rt.lock:
-        if specs == rt.upcoming and depth == rt.depth and not rt.closing:
+        if specs == rt.upcoming and (depth, lead) == (rt.depth, rt.lead) and not rt.closing:
             return
         _count_passed(rt, specs)
-        rt.depth = depth
+        rt.depth, rt.lead = depth, lead
         rt.upcoming = specs
         rt.position = 0
         rt.done = set()
@@ -132,6 +136,9 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
         return None
     start = rt.position
     window = rt.upcoming[start : start + depth]
+    lead = window[: rt.lead]
+    if any(spec.name not in rt.done for spec in lead):
+        window = lead  # the shards in use first: the later ones would take their bandwidth and CPU
     for index, spec in enumerate(window):
         if spec.name not in rt.done and spec.name not in rt.active:
             return spec, frozenset(s.name for s in rt.upcoming[max(start - 1, 0) : start + index])

@@ -34,6 +34,7 @@ class _Runtime:
         self.upcoming: list[ShardSpec] = []
         self.position = 0  # index in `upcoming` of the first shard the reader has not reached
         self.depth = 0  # shards from `position` on that the prefetch keeps cached (the last list's)
+        self.lead = 0  # the list's first shards, fetched before any after them (`start_prefetch`)
         self.generation = 0
         self.done: set[str] = set()
         self.errors: dict[str, BaseException] = {}

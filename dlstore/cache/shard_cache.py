@@ -193,11 +193,12 @@ class ShardCache:
         with self.hold(name, size, checksum, samples, recheck=recheck) as path:
             return path
 
-    def prefetch(self, shards: Iterable[ShardSpec | tuple], depth: int | None = None) -> None:
+    def prefetch(self, shards: Iterable[ShardSpec | tuple], depth: int | None = None, lead: int = 0) -> None:
         """Set the shards the reader will ask for next, in order; a daemon thread keeps the
         first `depth` (default `config.prefetch`) of them not yet reached cached, within the
-        limit, never evicting a held shard or one sooner in this list. Reaching a shard with
-        `hold` or `fetch` moves the window on. Replaces any earlier list.
+        limit, never evicting a held shard or one sooner in this list; the first `lead` of the
+        list (shards in use) are fetched before any later one. Reaching a shard with `hold` or
+        `fetch` moves the window on. Replaces any earlier list.
 
         >>> cache.prefetch([(s.name, s.size, s.checksum) for s in my_shards])  # doctest: +SKIP
         """
@@ -216,6 +217,7 @@ class ShardCache:
                 rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner), epoch=rt.prefetch_epoch
             ),
             Concurrency(self.config.shards_in_flight, self.config.parts_in_flight),
+            lead,
         )
 
     def hint(self, names: Iterable[str]) -> None:
