@@ -204,7 +204,10 @@ class Dataset(torch.utils.data.Dataset):
         reads never move this process's window on; the window then covers the whole list, or
         the next window's shards would come in only as a batch that reads them is requested
         (a stall at each window's start, measured on cold epochs), once the shards in use are
-        in (before them, they would slow the first batch of a cold epoch)."""
+        in (before them, they would slow the first batch of a cold epoch). Only in a cache with
+        room for two shuffle windows and the prefetch, as for `hint_cache`: in a smaller one
+        the deeper window evicted shards of the window in use that queued batches still
+        needed, and workers fetched them again (2-3x the downloads, a review's simulation)."""
         self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
@@ -216,7 +219,7 @@ class Dataset(torch.utils.data.Dataset):
                 break
             upcoming.update(dict.fromkeys(plan.batch_shards(j).tolist()))
         specs = [self.samples.cache_spec(s) for s in list(upcoming)[:wanted]]
-        if readers_here:
+        if readers_here or not self._holds_two_windows():
             self.cache.prefetch(specs)
         else:
             self.cache.prefetch(specs, depth=wanted, lead=len(reading))
@@ -242,9 +245,7 @@ class Dataset(torch.utils.data.Dataset):
         """
         if not self._hint_is_stale(plan, max(index - _BATCHES_IN_FLIGHT, 0)):
             return
-        shards = self.manifest.shards
-        working_set = 2 * self.cfg.shuffle_window + self.cfg.prefetch_shards
-        if self.cfg.cache_limit < working_set * max((s.size for s in shards), default=0):
+        if not self._holds_two_windows():
             return
         order = self._order_from(plan, index)
         # The plan's epoch is the key it is cached under; a plan no longer cached gets no look
@@ -258,6 +259,12 @@ class Dataset(torch.utils.data.Dataset):
                 memo = self.__dict__["_following_order"] = ((epoch + 1, self.cfg.batch_size), following)
             order += memo[1]
         self.cache.hint(self.samples.cache_spec(shard).name for shard in dict.fromkeys(order))
+
+    def _holds_two_windows(self) -> bool:
+        """Whether the cache has room for two shuffle windows (the one read, the next coming
+        in) and the prefetch, at the largest shard's size."""
+        working_set = 2 * self.cfg.shuffle_window + self.cfg.prefetch_shards
+        return self.cfg.cache_limit >= working_set * max((s.size for s in self.manifest.shards), default=0)
 
     def _hint_is_stale(self, plan: RankPlan, first_batch: int) -> bool:
         """Whether the order last written is stale once the batches before `first_batch` are

@@ -384,6 +384,16 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         assert depths[-1] == (None, 0)
         ds.prefetch_after(plan, index, readers_here=False)
         assert lists[-1] == lists[-2] and depths[-1] == (len(lists[-1]), len(reading))
+    # A cache without room for two shuffle windows and the prefetch keeps the cache's window:
+    # a deeper one would evict shards of the window in use that queued batches still need.
+    largest = max(s.size for s in ds.manifest.shards)
+    small = dlstore.Dataset(
+        url, cache_dir=str(tmp_path / "small-cache"), cache_limit=(2 * 4 + 3) * largest - 1, world=World(0, 1, 1),
+        transform="eval", image_size=8, batch_size=16, shuffle_window=4, prefetch_shards=3,
+    )  # fmt: skip
+    monkeypatch.setattr(small.cache, "prefetch", ds.cache.prefetch)  # the recording one above
+    small.prefetch_after(small.plan(0), 0, readers_here=False)
+    assert depths[-1] == (None, 0)
 
 
 def test_the_prefetch_paces_its_shards_in_flight_by_the_rates_measured():

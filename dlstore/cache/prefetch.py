@@ -33,18 +33,20 @@ def start_prefetch(
     """Replace the list of upcoming shards, and start the threads that do not run already
     (`caps.shards`; `caps.parts`: the most connections a shard of theirs uses). The threads
     keep `depth` shards from the readers' place cached; the list's first `lead` ones (shards
-    in use: readers wait for them) before any later one. The same list again changes nothing:
-    the readers' place in it stands."""
+    in use: readers wait for them) before any later one. The same list again keeps the
+    readers' place in it (only its depth and lead may change)."""
     with rt.lock:
-        if specs == rt.upcoming and (depth, lead) == (rt.depth, rt.lead) and not rt.closing:
+        same = specs == rt.upcoming and not rt.closing
+        if same and (depth, lead) == (rt.depth, rt.lead):
             return
-        _count_passed(rt, specs)
         rt.depth, rt.lead = depth, lead
-        rt.upcoming = specs
-        rt.position = 0
-        rt.done = set()
-        rt.generation += 1
-        rt.closing = False
+        if not same:
+            _count_passed(rt, specs)
+            rt.upcoming = specs
+            rt.position = 0
+            rt.done = set()
+            rt.generation += 1
+            rt.closing = False
         rt.threads = [thread for thread in rt.threads if thread.is_alive()]
         while len(rt.threads) < min(caps.shards, depth):
             thread = threading.Thread(

@@ -203,6 +203,8 @@ class ShardCache:
         >>> cache.prefetch([(s.name, s.size, s.checksum) for s in my_shards])  # doctest: +SKIP
         """
         specs = [ShardSpec(*s) for s in shards]
+        if (depth is not None and depth < 0) or lead < 0:
+            raise ConfigError(f"prefetch depth {depth} and lead {lead} must not be negative")
         if self.config.prefetch <= 0:
             return
         rt = self._runtime()
