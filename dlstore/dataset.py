@@ -201,13 +201,13 @@ class Dataset(torch.utils.data.Dataset):
         readers would fetch each shard of the next one as they reach it).
 
         `readers_here=False`: the samples are read in other processes (worker processes), whose
-        reads never move this process's window on; the window then covers the whole list, or
-        the next window's shards would come in only as a batch that reads them is requested
-        (a stall at each window's start, measured on cold epochs), once the shards in use are
-        in (before them, they would slow the first batch of a cold epoch). Only in a cache with
-        room for two shuffle windows and the prefetch, as for `hint_cache`: in a smaller one
-        the deeper window evicted shards of the window in use that queued batches still
-        needed, and workers fetched them again (2-3x the downloads, a review's simulation)."""
+        reads never move this process's window on. The window then covers the whole list, the
+        shards in use first (`lead`). Why: with the cache's window the next shuffle window's
+        shards came in only as a batch that reads them was requested, a stall at each window's
+        start on cold epochs; fetched beside the shards in use, they slowed a cold first batch.
+        Only in a cache with room for two shuffle windows and the prefetch (as for
+        `hint_cache`): in a smaller one the deeper window evicted shards that queued batches
+        still needed, and the workers fetched them again (2-3x the downloads, simulated)."""
         self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
