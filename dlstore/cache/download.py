@@ -125,7 +125,7 @@ def fetch_checked(
 
     def look_for_readers() -> None:
         nonlocal hurried
-        if not hurried and reader_waits is not None and reader_waits():
+        if not hurried and reader_waits():  # passed to `wait` only with a `reader_waits`
             engine.hurry(name, object_offset)
             hurried = True
 

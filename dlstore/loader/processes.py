@@ -114,7 +114,7 @@ class _BatchWriter(torch.utils.data.Dataset):
 
     def __getitem__(self, item: _Whole | _Chunk) -> dict:
         chunk = item if isinstance(item, _Chunk) else None
-        request = item.part if isinstance(item, _Chunk) else item.request
+        request = chunk.part if chunk is not None else item.request
         if self.buffers is None or item.slot is None:
             batch = self.dataset.build_batch(request)
         else:
