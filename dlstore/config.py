@@ -359,6 +359,7 @@ class DataConfig:
     drop_last: bool = False
     shuffle: bool = True
     shuffle_window: int = 4
+    window_ramp: bool = True
     workers: int | None = None
     on_corrupt: str = "skip"
     return_keys: bool = False
@@ -498,6 +499,10 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     "decode_on": (str, "where JPEGs are decoded: worker (CPU) or device (nvJPEG on the GPU)"),
     "seed": (int, "seed for data order and augmentation (and the trainer's weights)"),
     "shuffle_window": (int, "shards whose samples are mixed together; more mixes more and caches more"),
+    "window_ramp": (
+        bool,
+        "start each epoch with windows of 1, 2, 4, ... shards, so a cold cache's first batch waits for one shard",
+    ),
     "fetch_parts": (int, "ranged GETs of one shard in flight at once, one connection each (default: the cache's)"),
     "fetch_shards": (int, "shards the cache's prefetch downloads at once (default: the cache's)"),
     "fetch_part_size": (str, "smallest ranged GET of a large shard, e.g. 16MiB (default: the cache's)"),

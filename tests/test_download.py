@@ -379,9 +379,9 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         assert lists[-1] == [names[s] for s in reading + following]
         assert len(following) == 3
         # Read here, the readers move the window (the cache's, `prefetch_shards`) past the
-        # shards in use; read in worker processes, nothing does: the window is the whole list,
-        # the shards in use first.
-        assert depths[-1] == (None, 0)
+        # shards in use, which lead it (fetched before the shards after them); read in worker
+        # processes, nothing moves it: the window is the whole list, the shards in use first.
+        assert depths[-1] == (None, len(reading))
         ds.prefetch_after(plan, index, readers_here=False)
         assert lists[-1] == lists[-2] and depths[-1] == (len(lists[-1]), len(reading))
     # A cache without room for two shuffle windows and the prefetch keeps the cache's window:
@@ -393,7 +393,7 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
     )  # fmt: skip
     monkeypatch.setattr(small.cache, "prefetch", ds.cache.prefetch)  # the recording one above
     small.prefetch_after(small.plan(0), 0, readers_here=False)
-    assert depths[-1] == (None, 0)
+    assert depths[-1] == (None, len(small.plan(0).batch_shards(0)))
 
 
 def test_the_prefetch_paces_its_shards_in_flight_by_the_rates_measured():

@@ -211,6 +211,45 @@ def test_resume_on_other_data_or_plan_settings_is_refused(local_dataset, tmp_pat
     assert again.state_dict()["epoch"] == 1 and again.state_dict()["history"] == state["history"]
 
 
+def test_a_state_saved_before_the_window_ramp_resumes_in_its_order(local_dataset, tmp_path, engine):
+    """A state saved by a dlstore without the window ramp (no `window_ramp` in its data) goes
+    on in the order it was saved in, the ramp's absence, exactly (dlstore promises a resume
+    across upgrades); a state saved with the ramp brings it back to a loader set without it."""
+    url, _ = local_dataset
+    for saved_ramp, loader_ramp in ((False, True), (True, False)):
+        options = dict(window_ramp=saved_ramp, shuffle_window=4)
+        orders = []
+        for ramp in (saved_ramp, loader_ramp):
+            loader = dlstore.Loader(_dataset(url, tmp_path, **{**options, "window_ramp": ramp}), 0, device="cpu")
+            loader.set_epoch(2)
+            orders.append(_epoch(loader))
+        expected = orders[0]
+        assert orders[1] != expected  # the two orders differ on this data
+        first = dlstore.Loader(_dataset(url, tmp_path, **options), num_workers=2, device="cpu", engine=engine)
+        first.set_epoch(2)
+        seen = []
+        for step, (_, _, meta) in enumerate(first):
+            seen += list(zip(meta["keys"], meta["padding"].tolist()))
+            if step == 1:
+                break
+        state = json.loads(json.dumps(first.state_dict()))
+        assert state["data"]["window_ramp"] is saved_ramp
+        if not saved_ramp:
+            del state["data"]["window_ramp"]  # as dlstore saved it before the ramp
+        second = dlstore.Loader(
+            _dataset(url, tmp_path, **{**options, "window_ramp": loader_ramp}),
+            num_workers=2,
+            device="cpu",
+            engine=engine,
+        )
+        second.set_epoch(2)
+        next(iter(second))  # an engine started in the other order must not leak its batches
+        second.load_state_dict(state)
+        second.set_epoch(2)
+        assert seen + _epoch(second) == expected
+        assert second.state_dict()["data"]["window_ramp"] is saved_ramp
+
+
 def _pixels_and_keys(loader, epochs, abandon_after):
     """Every batch's images and keys: first a pass over epoch 7 abandoned after
     `abandon_after` batches (the batches it had requested are drained mid-flight), then

@@ -70,6 +70,7 @@ configs_st = st.builds(
     drop_last=st.booleans(),
     shuffle=st.booleans() | st.just(True),
     shuffle_window=st.integers(1, 6),
+    window_ramp=st.booleans() | st.just(True),
 )
 epochs_st = st.integers(0, 1000)
 
@@ -462,6 +463,24 @@ def test_a_batch_draws_from_several_shards(world, seed):
     cfg = PlanConfig(seed=seed, batch_size=16, shuffle_window=4)
     for p in world_plans([100] * 64, cfg, epoch=2, world_size=world[0], local_world_size=world[1]):
         assert all(len(p.batch_shards(j)) > 1 for j in range(p.num_batches))
+
+
+@pytest.mark.parametrize("seed", [0, 7])
+def test_the_window_ramp_starts_each_epoch_on_two_shards(seed):
+    """With the ramp, an epoch's windows hold 2, then 4 (`shuffle_window`) pieces: its first
+    batches need two shards, not four (a cold cache waits for two downloads); without it,
+    the first window is four pieces, as before the ramp. Either way every window's samples
+    are mixed (a batch draws from both shards of the first window)."""
+    sizes = [64] * 10
+    for ramp, windows in ((True, [2, 4, 4]), (False, [4, 4, 2])):
+        cfg = PlanConfig(seed=seed, batch_size=16, shuffle_window=4, window_ramp=ramp)
+        for epoch in (0, 1):
+            plan = rank_plan(sizes, cfg, epoch, World(0, 1, 1))
+            starts = np.cumsum([0] + windows) * 64
+            groups = [set(plan.shards[a:b].tolist()) for a, b in zip(starts, starts[1:])]
+            assert [len(g) for g in groups] == windows
+            assert set().union(*groups) == set(range(10))
+            assert len(plan.batch_shards(0)) == windows[0]
 
 
 def test_shuffle_window_one_keeps_batches_within_shards():

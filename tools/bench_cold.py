@@ -347,11 +347,13 @@ def cold_epoch(url: str, store_config: StoreConfig, args: argparse.Namespace, fe
 
 
 def parse_fetch(text: str) -> dict:
-    """ "fetch_parts=8,fetch_shards=4" -> {"fetch_parts": 8, "fetch_shards": 4} (sizes stay text)."""
+    """ "fetch_parts=8,window_ramp=false" -> {"fetch_parts": 8, "window_ramp": False} (sizes stay text)."""
     out: dict = {}
     for item in filter(None, text.split(",")):
         name, _, value = item.partition("=")
-        out[name.strip()] = int(value) if value.strip().isdigit() else value.strip()
+        value = value.strip()
+        booleans = {"true": True, "false": False}
+        out[name.strip()] = int(value) if value.isdigit() else booleans.get(value.lower(), value)
     return out
 
 

@@ -30,6 +30,9 @@ __all__ = ["Loader", "choose_engine", "resolve_auto"]
 
 log = logging.getLogger(__name__)
 
+# What a plan setting was before a loader state recorded it (a state of an older dlstore).
+_BEFORE_FINGERPRINTED = {"window_ramp": False}
+
 
 class Loader:
     """Batches of this rank, on the device, normalised, channels_last.
@@ -128,7 +131,11 @@ class Loader:
             raise ConfigError(f"unknown loader state version {state.get('version')!r}")
         if state.get("seed") != self.dataset.cfg.seed:
             raise ConfigError("loader state was saved with another seed; resuming would change the data order")
-        saved, now = state.get("data"), self._fingerprint()
+        saved = state.get("data")
+        if saved is not None:
+            saved = {**_BEFORE_FINGERPRINTED, **saved}
+        self._keep_saved_order(saved)
+        now = self._fingerprint()
         changed = [k for k in now if saved is not None and saved.get(k) != now[k]]
         if changed:
             what = ", ".join(f"{k} (saved {saved.get(k)!r}, now {now[k]!r})" for k in changed)
@@ -145,7 +152,21 @@ class Loader:
             "drop_last": cfg.drop_last,
             "shuffle": cfg.shuffle,
             "shuffle_window": cfg.shuffle_window,
+            "window_ramp": cfg.window_ramp,
         }
+
+    def _keep_saved_order(self, saved: dict | None) -> None:
+        """A run goes on in the order it was saved in: a state saved with the other
+        `window_ramp` (or before dlstore had one: without) switches this loader's dataset to
+        it. Batches built ahead in the other order are dropped (the engine is closed)."""
+        if saved is None:
+            return
+        ramp = bool(saved["window_ramp"])
+        if ramp == self.dataset.cfg.window_ramp:
+            return
+        log.info("the loader state was saved with window_ramp=%s: resuming in that order", ramp)
+        self.engine.close()
+        self.dataset.use_window_ramp(ramp)
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:

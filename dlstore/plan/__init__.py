@@ -16,7 +16,10 @@ How an epoch is planned
 2. Each epoch, each node orders its pieces (a whole shard, or its part of a boundary shard)
    by a permutation drawn from (seed, epoch, node), cuts that order into windows of
    `shuffle_window` pieces and permutes the samples inside each window (invariant 6: orders
-   change every epoch, and a batch mixes several shards).
+   change every epoch, and a batch mixes several shards). With `window_ramp` (the default)
+   the first windows hold 2, 4, 8, ... pieces below `shuffle_window`: an epoch's first
+   batches need two shards, so a cold cache starts after two downloads, not a window's
+   (`convert` shuffles samples across shards, so two shards are as mixed a source as four).
 3. The node's stream is dealt to its local ranks interleaved (position i to local rank
    i % local_world_size), so all ranks of a node work on the same window of shards at the
    same time and the node cache's working set stays at about one window.

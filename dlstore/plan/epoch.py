@@ -89,6 +89,22 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - run_start, counts) + np.arange(total, dtype=np.int64)
 
 
+def _windows(pieces: int, size: int, ramp: bool) -> np.ndarray:
+    """The window of each of `pieces` pieces: windows of `size` pieces, after windows of
+    2, 4, 8, ... pieces (below `size`) with `ramp`. Two, not one: a batch still draws from
+    several shards (DESIGN invariant 6).
+
+    >>> _windows(12, 4, True).tolist(), _windows(6, 2, True).tolist()
+    ([0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3], [0, 0, 1, 1, 2, 2])
+    """
+    piece = np.arange(pieces, dtype=np.int64)
+    ramp_sizes = [1 << j for j in range(1, max(size - 1, 0).bit_length())] if ramp else []
+    ramp_ends = np.cumsum(ramp_sizes, dtype=np.int64)
+    ramped = int(ramp_ends[-1]) if ramp_sizes else 0
+    after = len(ramp_sizes) + (piece - ramped) // size
+    return np.where(piece < ramped, np.searchsorted(ramp_ends, piece, side="right"), after).astype(np.uint64)
+
+
 def _node_stream(ranges: NodeRanges, offsets: np.ndarray, cfg: PlanConfig, epoch: int, node: int) -> np.ndarray:
     """One node's samples for one epoch: its pieces of shards permuted, samples mixed within windows."""
     first, counts = offsets[ranges.shard] + ranges.start, ranges.count
@@ -99,7 +115,7 @@ def _node_stream(ranges: NodeRanges, offsets: np.ndarray, cfg: PlanConfig, epoch
         first, counts = first[by_hash], counts[by_hash]
     ids = _expand(first, counts)
     if cfg.shuffle and ids.size:
-        window = np.repeat(np.arange(counts.size, dtype=np.uint64) // np.uint64(cfg.shuffle_window), counts)
+        window = np.repeat(_windows(counts.size, cfg.shuffle_window, cfg.window_ramp), counts)
         key = stream_key(TAG_SAMPLE_ORDER, cfg.seed, epoch, node)
         # Window in the high bits keeps windows in order; the hash permutes within each.
         sort_key = (window << np.uint64(32)) | (hash64(key, ids) >> np.uint64(32))

@@ -41,9 +41,12 @@ class PlanConfig:
 
     `shuffle_window` is how many shards (in the node's per-epoch shard order) have their
     samples mixed together: larger mixes more, and makes the node cache hold more at once.
+    `window_ramp`: each epoch's first windows hold 2, 4, 8, ... pieces up to `shuffle_window`,
+    so its first batches need two shards, not a whole window (a cold cache starts after two
+    downloads); False is the order of dlstore before it (a state saved then resumes in it).
 
     >>> PlanConfig(seed=0, batch_size=256)
-    PlanConfig(seed=0, batch_size=256, drop_last=False, shuffle=True, shuffle_window=4)
+    PlanConfig(seed=0, batch_size=256, drop_last=False, shuffle=True, shuffle_window=4, window_ramp=True)
     """
 
     seed: int
@@ -51,11 +54,12 @@ class PlanConfig:
     drop_last: bool = False
     shuffle: bool = True
     shuffle_window: int = 4
+    window_ramp: bool = True
 
     def __post_init__(self) -> None:
         set_ints(self, seed=None, batch_size=1, shuffle_window=1)
-        if not isinstance(self.drop_last, bool) or not isinstance(self.shuffle, bool):
-            raise ConfigError("drop_last and shuffle must be bools")
+        if not all(isinstance(v, bool) for v in (self.drop_last, self.shuffle, self.window_ramp)):
+            raise ConfigError("drop_last, shuffle and window_ramp must be bools")
 
 
 @dataclass(frozen=True)
