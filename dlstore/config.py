@@ -501,7 +501,8 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     "shuffle_window": (int, "shards whose samples are mixed together; more mixes more and caches more"),
     "window_ramp": (
         bool,
-        "start each epoch with windows of 1, 2, 4, ... shards, so a cold cache's first batch waits for one shard",
+        "split each epoch's first shuffle window into windows of 2, 4, ... shards: a cold cache's first step waits"
+        " for the fewest shards that hold it, not for a whole window",
     ),
     "fetch_parts": (int, "ranged GETs of one shard in flight at once, one connection each (default: the cache's)"),
     "fetch_shards": (int, "shards the cache's prefetch downloads at once (default: the cache's)"),

@@ -178,11 +178,6 @@ class Dataset(torch.utils.data.Dataset):
                 self._plans.popitem(last=False)
         return self._plans[key]
 
-    def use_window_ramp(self, window_ramp: bool) -> None:
-        """Plan with (or without) the window ramp from now on: a loader resuming a state saved
-        in the other order keeps that order (plans are cached per plan setting)."""
-        self.cfg = self.cfg.replace(window_ramp=window_ramp)
-
     def request(self, plan: RankPlan, epoch: int, index: int) -> BatchRequest:
         # The cache counts fetches and hits per epoch: those of this batch's entries under its
         # epoch. A boundary shard's reads go to the node's run of its samples, or (after a re-deal
@@ -194,7 +189,7 @@ class Dataset(torch.utils.data.Dataset):
         ids, is_padding = plan.batch(index)
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
 
-    def prefetch_after(self, plan: RankPlan, index: int, readers_here: bool = True) -> None:
+    def prefetch_after(self, plan: RankPlan, index: int) -> None:
         """Ask the cache to fetch in the background the shards batch `index` (just requested)
         reads, then the next `prefetch_shards` shards the plan reads after them, in the order
         it first needs them. The cache's prefetch keeps `prefetch_shards` shards cached beyond
@@ -209,10 +204,11 @@ class Dataset(torch.utils.data.Dataset):
         side with the next window's, they came in when those did (a cold first batch, 1 decode
         thread, this box: shards in 0.37-0.53 s, with the lead 0.18-0.21 s).
 
-        `readers_here=False`: the samples are read in other processes (worker processes), whose
-        reads never move this process's window on. The window then covers the whole list. Why:
-        with the cache's window the next shuffle window's shards came in only as a batch that
-        reads them was requested, a stall at each window's start on cold epochs.
+        The window is the whole list (the shards in use and `prefetch_shards` more), not the
+        cache's `prefetch_shards` from the readers' place: with worker processes the reads never
+        move this process's window on, and the next shuffle window's shards came in only as a
+        batch that reads them was requested (a stall at each window's start on cold epochs);
+        with decode threads the window held the shards in use, so only part of the next one.
         Only in a cache with room for two shuffle windows and the prefetch (as for
         `hint_cache`): in a smaller one the deeper window evicted shards that queued batches
         still needed, and the workers fetched them again (2-3x the downloads, simulated)."""
@@ -227,8 +223,7 @@ class Dataset(torch.utils.data.Dataset):
                 break
             upcoming.update(dict.fromkeys(plan.batch_shards(j).tolist()))
         specs = [self.samples.cache_spec(s) for s in list(upcoming)[:wanted]]
-        deeper = not readers_here and self._holds_two_windows()
-        self.cache.prefetch(specs, depth=wanted if deeper else None, lead=len(reading))
+        self.cache.prefetch(specs, depth=wanted if self._holds_two_windows() else None, lead=len(reading))
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:
         """Tell the node cache the order this rank needs shards in from batch `index` on: the
@@ -313,8 +308,13 @@ class Dataset(torch.utils.data.Dataset):
 
     def with_transform(self, transform: TransformConfig) -> Dataset:
         """The same data with another transform (e.g. a progressive-resizing step)."""
+        return self.with_settings(transform=transform)
+
+    def with_settings(self, **changes: Any) -> Dataset:
+        """The same data (store, manifest, cache) under a config with `changes`: a transform,
+        or the plan's `window_ramp` for a loader that resumes a state saved in the other order."""
         other = self.__new__(type(self))
         other.__dict__.update(self.__getstate__())
-        other.cfg = self.cfg.replace(transform=transform)
+        other.cfg = self.cfg.replace(**changes)
         other.samples = self.samples.with_config(other.cfg)
         return other

@@ -35,9 +35,13 @@ from dlstore.cache import (
     CacheFull,
     SampleRange,
     ShardCache,
+    ShardSpec,
     _CacheDir,
     cache_report,
 )
+from dlstore.cache.pace import Concurrency
+from dlstore.cache.prefetch import _next_prefetch
+from dlstore.cache.runtime import _Runtime
 from dlstore.cli import main
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound
@@ -749,6 +753,27 @@ def test_a_prefetch_lead_is_fetched_before_the_shards_after_it(tmp_path):
         assert not cached_at_start[specs[0][0]] & lead and not cached_at_start[specs[1][0]] & lead
     finally:
         cache.close()
+
+
+def test_a_prefetch_lead_is_the_lists_first_shards_not_the_next_after_the_readers():
+    """The lead holds back the shards after it only while the readers have not passed it:
+    once they read the list's second shard (lead 1), the prefetch takes the shards after it
+    side by side, instead of one at a time behind the next shard the readers would reach."""
+    specs = [ShardSpec(f"s{i}.tar", 1000, None) for i in range(5)]
+    rt = _Runtime()
+    rt.upcoming, rt.depth, rt.lead = specs, 5, 1
+    caps = Concurrency(shards=4, parts=1)
+    assert _next_prefetch(rt, rt.depth, caps)[0] is specs[0]  # the lead first,
+    rt.active.add("s0.tar")
+    assert _next_prefetch(rt, rt.depth, caps) is None  # alone
+    rt.active.clear()
+    rt.done.add("s0.tar")
+    rt.position = 1  # a reader reached s1 (`advance_window`)
+    taken = []
+    while (job := _next_prefetch(rt, rt.depth, caps)) is not None:
+        taken.append(job[0].name)
+        rt.active.add(job[0].name)
+    assert taken == ["s1.tar", "s2.tar", "s3.tar", "s4.tar"]
 
 
 def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, remote):

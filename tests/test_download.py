@@ -378,12 +378,9 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         following = [s for s in plan.shards_needed(index).tolist() if s not in reading][:3]
         assert lists[-1] == [names[s] for s in reading + following]
         assert len(following) == 3
-        # Read here, the readers move the window (the cache's, `prefetch_shards`) past the
-        # shards in use, which lead it (fetched before the shards after them); read in worker
-        # processes, nothing moves it: the window is the whole list, the shards in use first.
-        assert depths[-1] == (None, len(reading))
-        ds.prefetch_after(plan, index, readers_here=False)
-        assert lists[-1] == lists[-2] and depths[-1] == (len(lists[-1]), len(reading))
+        # The window is the whole list (not the cache's `prefetch_shards` from the readers'
+        # place), the shards in use first: fetched before the shards after them.
+        assert depths[-1] == (len(lists[-1]), len(reading))
     # A cache without room for two shuffle windows and the prefetch keeps the cache's window:
     # a deeper one would evict shards of the window in use that queued batches still need.
     largest = max(s.size for s in ds.manifest.shards)
@@ -392,7 +389,7 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         transform="eval", image_size=8, batch_size=16, shuffle_window=4, prefetch_shards=3,
     )  # fmt: skip
     monkeypatch.setattr(small.cache, "prefetch", ds.cache.prefetch)  # the recording one above
-    small.prefetch_after(small.plan(0), 0, readers_here=False)
+    small.prefetch_after(small.plan(0), 0)
     assert depths[-1] == (None, len(small.plan(0).batch_shards(0)))
 
 

@@ -466,21 +466,34 @@ def test_a_batch_draws_from_several_shards(world, seed):
 
 
 @pytest.mark.parametrize("seed", [0, 7])
-def test_the_window_ramp_starts_each_epoch_on_two_shards(seed):
-    """With the ramp, an epoch's windows hold 2, then 4 (`shuffle_window`) pieces: its first
-    batches need two shards, not four (a cold cache waits for two downloads); without it,
-    the first window is four pieces, as before the ramp. Either way every window's samples
-    are mixed (a batch draws from both shards of the first window)."""
-    sizes = [64] * 10
-    for ramp, windows in ((True, [2, 4, 4]), (False, [4, 4, 2])):
-        cfg = PlanConfig(seed=seed, batch_size=16, shuffle_window=4, window_ramp=ramp)
+@pytest.mark.parametrize(
+    ("shards", "window", "batch", "local", "ramped", "plain"),
+    [
+        (10, 4, 16, 1, [2, 2, 4, 2], [4, 4, 2]),  # a step in one piece: the ramp starts on two
+        (10, 4, 25, 4, [2, 2, 4, 2], [4, 4, 2]),  # a node's step of 100 samples: two pieces
+        (10, 4, 50, 4, [4, 4, 2], [4, 4, 2]),  # a step of 200 needs four: no ramp
+        (20, 8, 16, 1, [2, 6, 8, 4], [8, 8, 4]),  # the ramp stays inside the first window
+    ],
+)
+def test_the_window_ramp_starts_each_epoch_on_the_fewest_shards_of_a_step(
+    seed, shards, window, batch, local, ramped, plain
+):
+    """With the ramp, the first `shuffle_window` pieces are split into windows that double,
+    from the fewest pieces (two at least) that hold the node's first step: a cold cache waits
+    for those before the first step, not for a whole window; without it, windows of
+    `shuffle_window` as before the ramp. Either way every window's samples are mixed."""
+    sizes = [64] * shards
+    for ramp, windows in ((True, ramped), (False, plain)):
+        cfg = PlanConfig(seed=seed, batch_size=batch, shuffle_window=window, window_ramp=ramp)
         for epoch in (0, 1):
-            plan = rank_plan(sizes, cfg, epoch, World(0, 1, 1))
+            plans = world_plans(sizes, cfg, epoch, local, local)
+            stream = np.stack([p.shards for p in plans], axis=1).reshape(-1)  # the node's stream, dealt back
             starts = np.cumsum([0] + windows) * 64
-            groups = [set(plan.shards[a:b].tolist()) for a, b in zip(starts, starts[1:])]
+            groups = [set(stream[a:b].tolist()) for a, b in zip(starts, starts[1:])]
             assert [len(g) for g in groups] == windows
-            assert set().union(*groups) == set(range(10))
-            assert len(plan.batch_shards(0)) == windows[0]
+            assert set().union(*groups) == set(range(shards))
+            first_step = set(np.concatenate([p.batch_shards(0) for p in plans]).tolist())
+            assert first_step <= groups[0] and len(first_step) > 1
 
 
 def test_shuffle_window_one_keeps_batches_within_shards():

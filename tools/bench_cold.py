@@ -33,7 +33,8 @@ batch. It reports per setting cold/warm img/s (median and range over the rounds:
 round's cold run against the warm run just before it), the same ratio from the first batch
 on (the streaming alone: whether the downloads keep ahead of the readers once the first
 shuffle window is in) and the time to the first batch when cold (from `iter()`). ``--fetch`` passes fetch settings (`DataConfig` fields) to the cold
-loaders, several ``--fetch`` compare variants in the same rounds.
+loaders, several ``--fetch`` compare variants in the same rounds. ``--store-cores`` keeps
+the local Swift and the emulators on cores of their own, as a remote store would be.
 
 Examples (small smoke runs; the defaults are full ones)::
 
@@ -41,6 +42,7 @@ Examples (small smoke runs; the defaults are full ones)::
     python tools/bench_cold.py --size 16MB --rates 10MB --runs 1
     python tools/bench_cold.py loader --rounds 3 --workdir /tmp/cold
     python tools/bench_cold.py loader --rates 40MB --fetch "" --fetch fetch_parts=1,fetch_shards=1
+    python tools/bench_cold.py loader --rates 40MB --workers 1 --store-cores 1   # the store as if remote
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -302,6 +304,35 @@ def store_processes(env: Mapping[str, str], wan_pids: list[int]) -> list[psutil.
     return found
 
 
+def pin(processes: list[psutil.Process], cores: set[int]) -> None:
+    """Every thread of `processes` to `cores` (Linux affinity is per thread)."""
+    for proc in processes:
+        with contextlib.suppress(psutil.Error, OSError):
+            for thread in proc.threads():
+                os.sched_setaffinity(thread.id, cores)
+
+
+@contextlib.contextmanager
+def store_apart(args: argparse.Namespace) -> Iterator[None]:
+    """With `--store-cores`: the store side (the local Swift, the WAN emulators) on those
+    cores, this process and its workers on the others, so the store looks remote (on a real
+    node it takes none of the loader's CPU); all cores again afterwards."""
+    if not args.store_cores:
+        yield
+        return
+    every = set(range(os.cpu_count() or 1))
+    store = {int(c) for c in args.store_cores.split(",")}
+    if not store < every:
+        raise SystemExit(f"--store-cores {args.store_cores}: leaves no core of {sorted(every)} to the loader")
+    pin(store_processes(args.env, args.wan_pids), store)
+    os.sched_setaffinity(0, every - store)  # threads and processes started from here on inherit it
+    try:
+        yield
+    finally:
+        pin(store_processes(args.env, args.wan_pids), every)
+        os.sched_setaffinity(0, every)
+
+
 def cpu_of(processes: list[psutil.Process]) -> float:
     total = 0.0
     for proc in processes:
@@ -373,6 +404,7 @@ def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tm
             stack.enter_context(wan)
             args.wan_pids.append(wan.pid)
             settings[f"{rate_text}/s+{args.delay_ms:g}ms"] = (StoreConfig.from_env(proxied(env, wan)), wan)
+        stack.enter_context(store_apart(args))
         rounds = []
         for number in range(args.rounds):
             runs: dict = {}
@@ -421,7 +453,8 @@ def print_loader_report(report: dict) -> None:
     print(
         f"one epoch of {report['images']} images in {report['shards']} shards (~{report['shard_mb']:.0f} MB), "
         f"batch {report['batch_size']}, {report['workers']} {report['engine']}, {report['rounds']} rounds; "
-        "median [min .. max]"
+        + (f"store on cores {report['store_cores']}, the loader on the rest; " if report["store_cores"] else "")
+        + "median [min .. max]"
     )
     print(
         f"  {'setting | fetch':<46} {'cold/warm':<22} {'after 1st batch':<22} {'cold 1st batch s':<22}"
@@ -458,6 +491,10 @@ def loader_main(argv: list[str]) -> int:
     )
     parser.add_argument("--workdir", help="where the generated data is kept between runs (default: a temp dir)")
     parser.add_argument("--env-file", help="env.sh from tools/swift_server.py (default: the environment)")
+    parser.add_argument(
+        "--store-cores",
+        help='cores for the local Swift and the emulators, e.g. "1", the loader on the rest (default: all share all)',
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     env: Mapping[str, str] = read_env_file(args.env_file) if args.env_file else os.environ
@@ -477,6 +514,7 @@ def loader_main(argv: list[str]) -> int:
         "engine": args.engine,
         "rounds": args.rounds,
         "delay_ms": args.delay_ms,
+        "store_cores": args.store_cores,
         "settings": summarize_loader(rounds),
     }
     print_loader_report(report)

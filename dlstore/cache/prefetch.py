@@ -138,7 +138,7 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
         return None
     start = rt.position
     window = rt.upcoming[start : start + depth]
-    lead = window[: rt.lead]
+    lead = rt.upcoming[start : rt.lead]  # the list's first shards, until the readers pass them
     if any(spec.name not in rt.done for spec in lead):
         window = lead  # the shards in use first: the later ones would take their bandwidth and CPU
     for index, spec in enumerate(window):

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # What a plan setting was before a loader state recorded it (a state of an older dlstore).
 _BEFORE_FINGERPRINTED = {"window_ramp": False}
+# Plan settings a loaded state sets rather than checks (`Loader._follow_saved_order`).
+_FOLLOWS_THE_STATE = ("window_ramp",)
 
 
 class Loader:
@@ -120,30 +122,33 @@ class Loader:
 
     def state_dict(self) -> dict:
         """The exact position: epoch and the steps done in it (per world layout), with the
-        fingerprint of what decides the order (the manifest's shards, the plan settings)."""
-        return {"version": 1, "seed": self.dataset.cfg.seed, **self.state.to_dict(), "data": self._fingerprint()}
+        fingerprint of what decides the order (the manifest's shards, the plan settings).
+        Version 2 with the window ramp: a dlstore before it (which reads version 1 only)
+        refuses such a state rather than resume it in another order."""
+        version = 2 if self.dataset.cfg.window_ramp else 1
+        return {"version": version, "seed": self.dataset.cfg.seed, **self.state.to_dict(), "data": self._fingerprint()}
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
         """Continue from `state`. A state saved on other data (a dataset converted again) or
         other plan settings would replay another order, skipping and repeating samples: that
-        is a `ConfigError` naming what changed, unless `strict=False` (then a warning)."""
-        if state.get("version") != 1:
+        is a `ConfigError` naming what changed, unless `strict=False` (then a warning). The
+        window ramp follows the state (see `_follow_saved_order`)."""
+        if state.get("version") not in (1, 2):
             raise ConfigError(f"unknown loader state version {state.get('version')!r}")
         if state.get("seed") != self.dataset.cfg.seed:
             raise ConfigError("loader state was saved with another seed; resuming would change the data order")
-        saved = state.get("data")
-        if saved is not None:
-            saved = {**_BEFORE_FINGERPRINTED, **saved}
-        self._keep_saved_order(saved)
+        saved = {**_BEFORE_FINGERPRINTED, **(state.get("data") or {})}
         now = self._fingerprint()
-        changed = [k for k in now if saved is not None and saved.get(k) != now[k]]
+        changed = [k for k in now if "data" in state and k not in _FOLLOWS_THE_STATE and saved.get(k) != now[k]]
         if changed:
             what = ", ".join(f"{k} (saved {saved.get(k)!r}, now {now[k]!r})" for k in changed)
             message = f"loader state was saved on other data or plan settings: {what}"
             if strict:
                 raise ConfigError(message + "; pass strict=False (dlstore train --resume-any-data) to resume anyway")
             log.warning("%s; resuming anyway, as asked", message)
-        self.state = EpochState.from_dict(state)
+        position = EpochState.from_dict(state)
+        self._follow_saved_order(bool(saved["window_ramp"]))
+        self.state = position
 
     def _fingerprint(self) -> dict:
         cfg = self.dataset.cfg
@@ -155,18 +160,17 @@ class Loader:
             "window_ramp": cfg.window_ramp,
         }
 
-    def _keep_saved_order(self, saved: dict | None) -> None:
-        """A run goes on in the order it was saved in: a state saved with the other
-        `window_ramp` (or before dlstore had one: without) switches this loader's dataset to
-        it. Batches built ahead in the other order are dropped (the engine is closed)."""
-        if saved is None:
+    def _follow_saved_order(self, window_ramp: bool) -> None:
+        """A run goes on in the order it was saved in: a state saved with the other window
+        ramp (or before dlstore had one: without) gives this loader a copy of its dataset with
+        the state's setting (`loader.dataset`; the caller's dataset is left as it is), and a
+        new engine: one already started may hold batches built in the other order."""
+        if window_ramp == self.dataset.cfg.window_ramp:
             return
-        ramp = bool(saved["window_ramp"])
-        if ramp == self.dataset.cfg.window_ramp:
-            return
-        log.info("the loader state was saved with window_ramp=%s: resuming in that order", ramp)
+        log.warning("the loader state was saved with window_ramp=%s: the run goes on in that order", window_ramp)
         self.engine.close()
-        self.dataset.use_window_ramp(ramp)
+        self.dataset = self.dataset.with_settings(window_ramp=window_ramp)
+        self.engine = type(self.engine)(self.dataset, self.cfg, self.slots)
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:

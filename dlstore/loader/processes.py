@@ -136,7 +136,6 @@ class _PlanSampler(Sampler):
         self.dataset = dataset
         self.slots = slots
         self.chunks = chunks  # of the first batch
-        self.in_process = chunks <= 0  # no workers: the samples are read in this process
         self.epoch = 0
         self.history: tuple = ()
 
@@ -158,7 +157,7 @@ class _PlanSampler(Sampler):
                 request = self.dataset.request(plan, epoch, index)
                 yield from _chunks(request, self.chunks, slot) if sequence == 0 else (_Whole(request, slot),)
                 sequence += 1
-                self.dataset.prefetch_after(plan, index, readers_here=self.in_process)
+                self.dataset.prefetch_after(plan, index)
             if history or plan.num_batches == 0:  # a resumed epoch: the next pass is not known here
                 return
             epoch += 1

@@ -17,9 +17,14 @@ How an epoch is planned
    by a permutation drawn from (seed, epoch, node), cuts that order into windows of
    `shuffle_window` pieces and permutes the samples inside each window (invariant 6: orders
    change every epoch, and a batch mixes several shards). With `window_ramp` (the default)
-   the first windows hold 2, 4, 8, ... pieces below `shuffle_window`: an epoch's first
-   batches need two shards, so a cold cache starts after two downloads, not a window's
-   (`convert` shuffles samples across shards, so two shards are as mixed a source as four).
+   the first `shuffle_window` pieces are split into windows that double, from the fewest
+   pieces (two at least) that hold the node's first step (the first segment's ranks per node
+   x batch size, so a replay plans the same windows): a cold cache starts after those
+   downloads, not a whole window's (ImageNet, 8 ranks x 256: two shards instead of four).
+   What it costs: the first window's samples mix over fewer shards, which `convert`'s global
+   shuffle makes as good a source; shards cut in class order (`convert` without shuffling,
+   some foreign shards) give the epoch's first batches fewer classes. A store as fast as the
+   readers gains nothing (the next, larger window must then arrive during a smaller one).
 3. The node's stream is dealt to its local ranks interleaved (position i to local rank
    i % local_world_size), so all ranks of a node work on the same window of shards at the
    same time and the node cache's working set stays at about one window.

@@ -89,24 +89,41 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts - run_start, counts) + np.arange(total, dtype=np.int64)
 
 
-def _windows(pieces: int, size: int, ramp: bool) -> np.ndarray:
-    """The window of each of `pieces` pieces: windows of `size` pieces, after windows of
-    2, 4, 8, ... pieces (below `size`) with `ramp`. Two, not one: a batch still draws from
-    several shards (DESIGN invariant 6).
+def _windows(counts: np.ndarray, size: int, first_samples: int | None) -> np.ndarray:
+    """The window of each piece (`counts`: their samples, in stream order): windows of `size`
+    pieces. With `first_samples` (the window ramp), the first `size` pieces are split into
+    windows that double, from the fewest pieces (two at least: a batch still draws from
+    several shards, DESIGN invariant 6) that hold `first_samples`, the last one taking the
+    rest; no ramp where those pieces are `size` or more.
 
-    >>> _windows(12, 4, True).tolist(), _windows(6, 2, True).tolist()
-    ([0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3], [0, 0, 1, 1, 2, 2])
+    >>> _windows(np.full(12, 10), 8, 20).tolist()  # windows of 2, 6 (the ramp), then 4
+    [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]
+    >>> _windows(np.full(12, 10), 4, 20).tolist(), _windows(np.full(6, 10), 4, 35).tolist()
+    ([0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3], [0, 0, 0, 0, 1, 1])
     """
-    piece = np.arange(pieces, dtype=np.int64)
-    ramp_sizes = [1 << j for j in range(1, max(size - 1, 0).bit_length())] if ramp else []
-    ramp_ends = np.cumsum(ramp_sizes, dtype=np.int64)
-    ramped = int(ramp_ends[-1]) if ramp_sizes else 0
-    after = len(ramp_sizes) + (piece - ramped) // size
-    return np.where(piece < ramped, np.searchsorted(ramp_ends, piece, side="right"), after).astype(np.uint64)
+    piece = np.arange(counts.size, dtype=np.int64)
+    parts: list[int] = []
+    if first_samples is not None:
+        first = max(2, int(np.searchsorted(np.cumsum(counts), first_samples)) + 1)
+        parts = [first] if first < size else []
+    while parts and sum(parts) < size:
+        more = min(2 * parts[-1], size - sum(parts))
+        if more < parts[-1]:
+            parts[-1] += more  # a last part smaller than the one before it: joined to it
+        else:
+            parts.append(more)
+    ramped = sum(parts)
+    ramp = np.searchsorted(np.cumsum(parts, dtype=np.int64), piece, side="right")
+    after = len(parts) + (piece - ramped) // size
+    return np.where(piece < ramped, ramp, after).astype(np.uint64)
 
 
-def _node_stream(ranges: NodeRanges, offsets: np.ndarray, cfg: PlanConfig, epoch: int, node: int) -> np.ndarray:
-    """One node's samples for one epoch: its pieces of shards permuted, samples mixed within windows."""
+def _node_stream(
+    ranges: NodeRanges, offsets: np.ndarray, cfg: PlanConfig, epoch: int, node: int, step_samples: int
+) -> np.ndarray:
+    """One node's samples for one epoch: its pieces of shards permuted, samples mixed within
+    windows (the first ones, with the ramp, holding at least the node's first step:
+    `step_samples`)."""
     first, counts = offsets[ranges.shard] + ranges.start, ranges.count
     if cfg.shuffle:
         key = stream_key(TAG_SHARD_ORDER, cfg.seed, epoch, node)
@@ -115,7 +132,8 @@ def _node_stream(ranges: NodeRanges, offsets: np.ndarray, cfg: PlanConfig, epoch
         first, counts = first[by_hash], counts[by_hash]
     ids = _expand(first, counts)
     if cfg.shuffle and ids.size:
-        window = np.repeat(_windows(counts.size, cfg.shuffle_window, cfg.window_ramp), counts)
+        first = step_samples if cfg.window_ramp else None
+        window = np.repeat(_windows(counts, cfg.shuffle_window, first), counts)
         key = stream_key(TAG_SAMPLE_ORDER, cfg.seed, epoch, node)
         # Window in the high bits keeps windows in order; the hash permutes within each.
         sort_key = (window << np.uint64(32)) | (hash64(key, ids) >> np.uint64(32))
@@ -182,7 +200,10 @@ def _fresh_plan(
 ) -> _Plan:
     ranges = assign_ranges(sizes, world_size // local_world_size, seed=cfg.seed, shuffle=cfg.shuffle)
     offsets = shard_offsets(sizes)
-    streams = [_node_stream(ranges.of_node(n), offsets, cfg, epoch, n) for n in range(world_size // local_world_size)]
+    step = local_world_size * batch_size  # the node's samples in one step
+    streams = [
+        _node_stream(ranges.of_node(n), offsets, cfg, epoch, n, step) for n in range(world_size // local_world_size)
+    ]
     return _deal(streams, local_world_size, batch_size, cfg.drop_last)
 
 

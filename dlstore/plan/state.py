@@ -41,9 +41,10 @@ class PlanConfig:
 
     `shuffle_window` is how many shards (in the node's per-epoch shard order) have their
     samples mixed together: larger mixes more, and makes the node cache hold more at once.
-    `window_ramp`: each epoch's first windows hold 2, 4, 8, ... pieces up to `shuffle_window`,
-    so its first batches need two shards, not a whole window (a cold cache starts after two
-    downloads); False is the order of dlstore before it (a state saved then resumes in it).
+    `window_ramp`: each epoch's first `shuffle_window` pieces are split into windows that
+    double, from the fewest pieces (two at least) that hold the node's first step, so a cold
+    cache starts after those downloads, not a whole window's; False is the order of dlstore
+    before it (a state saved then resumes in it).
 
     >>> PlanConfig(seed=0, batch_size=256)
     PlanConfig(seed=0, batch_size=256, drop_last=False, shuffle=True, shuffle_window=4, window_ramp=True)
