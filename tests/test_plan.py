@@ -496,6 +496,18 @@ def test_the_window_ramp_starts_each_epoch_on_the_fewest_shards_of_a_step(
             assert first_step <= groups[0] and len(first_step) > 1
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_with_the_ramp_the_last_window_is_never_one_shard(seed):
+    """Five pieces in windows of four left the last piece alone: the epoch's last batches each
+    came from one shard (invariant 6). With the ramp (the order since it came) that piece
+    joins the window before it; without it, the order of dlstore before the ramp, as it was."""
+    for ramp in (True, False):
+        cfg = PlanConfig(seed=seed, batch_size=16, shuffle_window=4, window_ramp=ramp)
+        plan = rank_plan([64] * 5, cfg, 0, World(0, 1, 1))
+        single = [j for j in range(plan.num_batches) if len(plan.batch_shards(j)) == 1]
+        assert (single == []) if ramp else (len(single) == 4)
+
+
 def test_shuffle_window_one_keeps_batches_within_shards():
     # The contrast: without mixing, nearly every batch comes from one shard.
     cfg = PlanConfig(seed=0, batch_size=16, shuffle_window=1)

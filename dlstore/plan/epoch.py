@@ -94,12 +94,17 @@ def _windows(counts: np.ndarray, size: int, first_samples: int | None) -> np.nda
     pieces. With `first_samples` (the window ramp), the first `size` pieces are split into
     windows that double, from the fewest pieces (two at least: a batch still draws from
     several shards, DESIGN invariant 6) that hold `first_samples`, the last one taking the
-    rest; no ramp where those pieces are `size` or more.
+    rest; no ramp where those pieces are `size` or more. With the ramp (the order since it
+    came) and windows of more than one piece, a last window of one piece also joins the one
+    before it: its batches would each come from one shard. Without the ramp, the windows of
+    dlstore before it, exactly.
 
     >>> _windows(np.full(12, 10), 8, 20).tolist()  # windows of 2, 6 (the ramp), then 4
     [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]
-    >>> _windows(np.full(12, 10), 4, 20).tolist(), _windows(np.full(6, 10), 4, 35).tolist()
-    ([0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3], [0, 0, 0, 0, 1, 1])
+    >>> _windows(np.full(12, 10), 4, 20).tolist(), _windows(np.full(5, 10), 4, 35).tolist()
+    ([0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3], [0, 0, 0, 0, 0])
+    >>> _windows(np.full(5, 10), 4, None).tolist()  # without the ramp
+    [0, 0, 0, 0, 1]
     """
     piece = np.arange(counts.size, dtype=np.int64)
     parts: list[int] = []
@@ -115,7 +120,10 @@ def _windows(counts: np.ndarray, size: int, first_samples: int | None) -> np.nda
     ramped = sum(parts)
     ramp = np.searchsorted(np.cumsum(parts, dtype=np.int64), piece, side="right")
     after = len(parts) + (piece - ramped) // size
-    return np.where(piece < ramped, ramp, after).astype(np.uint64)
+    window = np.where(piece < ramped, ramp, after)
+    if first_samples is not None and size > 1 and piece.size > 1 and window[-1] != window[-2]:
+        window[-1] = window[-2]  # a last window of one piece joins the one before it (mixing)
+    return window.astype(np.uint64)
 
 
 def _node_stream(
