@@ -211,14 +211,15 @@ def test_resume_on_other_data_or_plan_settings_is_refused(local_dataset, tmp_pat
     assert again.state_dict()["epoch"] == 1 and again.state_dict()["history"] == state["history"]
 
 
-def test_a_state_saved_before_the_window_ramp_resumes_in_its_order(local_dataset, tmp_path, engine):
+def test_a_state_saved_before_the_window_ramp_resumes_in_its_order(tmp_path, engine):
     """A state saved by a dlstore without the window ramp (no `window_ramp` in its data, or no
     data at all) goes on in the order it was saved in, exactly (dlstore promises a resume
     across upgrades); a state saved with the ramp brings it back to a loader set without it.
     The loader under test has just run epoch 0 in full in its own order, so epoch 1's first
     batches were built ahead and its plan cached: none of them may leak. The caller's
     dataset keeps its own setting."""
-    url, _ = local_dataset
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [5, 9, 4, 7, 6, 8, 4])  # seven shards: the ramp's windows differ
     for saved_ramp, loader_ramp, stop_after in ((False, True, 0), (False, True, 2), (True, False, 2)):
         reference = dlstore.Loader(_dataset(url, tmp_path, window_ramp=saved_ramp), 0, device="cpu")
         reference.set_epoch(1)

@@ -496,6 +496,23 @@ def test_the_window_ramp_starts_each_epoch_on_the_fewest_shards_of_a_step(
             assert first_step <= groups[0] and len(first_step) > 1
 
 
+def test_the_ramps_first_window_holds_two_whole_shards_of_the_node():
+    """A node's sliver of a boundary shard (a third of a shard here) rides with a whole
+    piece: the ramp's first window of two is two whole shards (and maybe the sliver), so the
+    epoch's first batch draws from both, never from one shard and a sliver."""
+    sizes = [100] * 10
+    for seed in range(12):
+        cfg = PlanConfig(seed=seed, batch_size=16, shuffle_window=4)
+        for node in range(3):
+            world = World(node, 3, 1)
+            ranges = node_ranges(sizes, cfg, world)
+            whole = set(ranges.shard[2 * ranges.count >= 100].tolist())
+            assert len(whole) < len(ranges.shard) or node == 1  # nodes 0 and 2 hold a sliver
+            for epoch in (0, 1):
+                first = rank_plan(sizes, cfg, epoch, world).batch_shards(0).tolist()
+                assert len(whole & set(first)) >= 2, (seed, node, epoch, first)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_with_the_ramp_the_last_window_is_never_one_shard(seed):
     """Five pieces in windows of four left the last piece alone: the epoch's last batches each

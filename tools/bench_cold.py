@@ -66,6 +66,7 @@ from urllib.parse import urlsplit
 
 import bench_loader
 import bench_peers
+import cold_peers
 import psutil
 import swiftclient
 from bench_loader import spread
@@ -79,6 +80,7 @@ from dlstore.storage import Store, open_store
 CONTAINER = "dlstore-bench"
 KEY = "cold/shard-000000.tar"
 CACHE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(CacheConfig)}
+PEER = "webdataset"  # the variant name of `--peers`' runs
 
 
 @dataclasses.dataclass
@@ -295,7 +297,10 @@ def store_processes(env: Mapping[str, str], wan_pids: list[int]) -> list[psutil.
     emulators (`wan_pids`): the store side, which on a real node runs elsewhere, but here
     takes its CPU from the same cores as the decode threads."""
     swift_dir = env.get("DLSTORE_SWIFT_DIR") or "/nonexistent"
-    found = [psutil.Process(pid) for pid in wan_pids]
+    found = []
+    for pid in wan_pids:
+        with contextlib.suppress(psutil.Error):  # an emulator that died: no store side of ours
+            found.append(psutil.Process(pid))
     ours = {os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))} - set(wan_pids)
     for proc in psutil.process_iter(["cmdline"]):
         # Not this process nor its workers: their command lines may name the directory too (--env-file).
@@ -304,33 +309,45 @@ def store_processes(env: Mapping[str, str], wan_pids: list[int]) -> list[psutil.
     return found
 
 
-def pin(processes: list[psutil.Process], cores: set[int]) -> None:
-    """Every thread of `processes` to `cores` (Linux affinity is per thread)."""
+def pin(processes: list[psutil.Process], cores: set[int]) -> dict[int, set[int]]:
+    """Every thread of `processes` to `cores` (Linux affinity is per thread); each thread's
+    affinity before, for `unpin`."""
+    before: dict[int, set[int]] = {}
     for proc in processes:
         with contextlib.suppress(psutil.Error, OSError):
             for thread in proc.threads():
+                before[thread.id] = os.sched_getaffinity(thread.id)
                 os.sched_setaffinity(thread.id, cores)
+    return before
+
+
+def unpin(before: dict[int, set[int]]) -> None:
+    for thread, cores in before.items():
+        with contextlib.suppress(OSError):  # the thread may have ended
+            os.sched_setaffinity(thread, cores)
 
 
 @contextlib.contextmanager
 def store_apart(args: argparse.Namespace) -> Iterator[None]:
     """With `--store-cores`: the store side (the local Swift, the WAN emulators) on those
     cores, this process and its workers on the others, so the store looks remote (on a real
-    node it takes none of the loader's CPU); all cores again afterwards."""
+    node it takes none of the loader's CPU); every thread's affinity as it was afterwards,
+    whatever happened."""
     if not args.store_cores:
         yield
         return
-    every = set(range(os.cpu_count() or 1))
+    mine = os.sched_getaffinity(0)
     store = {int(c) for c in args.store_cores.split(",")}
-    if not store < every:
-        raise SystemExit(f"--store-cores {args.store_cores}: leaves no core of {sorted(every)} to the loader")
-    pin(store_processes(args.env, args.wan_pids), store)
-    os.sched_setaffinity(0, every - store)  # threads and processes started from here on inherit it
+    if not store < mine:
+        raise SystemExit(f"--store-cores {args.store_cores}: leaves no core of {sorted(mine)} to the loader")
+    before: dict[int, set[int]] = {}
     try:
+        before = pin(store_processes(args.env, args.wan_pids), store)
+        os.sched_setaffinity(0, mine - store)  # threads and processes started from here on inherit it
         yield
     finally:
-        pin(store_processes(args.env, args.wan_pids), every)
-        os.sched_setaffinity(0, every)
+        unpin(before)
+        os.sched_setaffinity(0, mine)
 
 
 def cpu_of(processes: list[psutil.Process]) -> float:
@@ -397,13 +414,18 @@ def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tm
     rates = [r for r in args.rates.split(",") if r]
     with contextlib.ExitStack() as stack:
         settings: dict[str, tuple[StoreConfig, WanProxyProcess | None]] = {"loopback": (direct, None)}
+        envs: dict[str, Mapping[str, str]] = {"loopback": env}
         for rate_text in rates:
             wan = WanProxyProcess(
                 swift_port_of(env), rate=parse_size(rate_text), delay_s=args.delay_ms / 1000, lifetime_s=3600
             )
             stack.enter_context(wan)
             args.wan_pids.append(wan.pid)
-            settings[f"{rate_text}/s+{args.delay_ms:g}ms"] = (StoreConfig.from_env(proxied(env, wan)), wan)
+            name = f"{rate_text}/s+{args.delay_ms:g}ms"
+            envs[name] = proxied(env, wan)
+            settings[name] = (StoreConfig.from_env(envs[name]), wan)
+        container, prefix = urlsplit(url).netloc, urlsplit(url).path.strip("/") + "/"
+        peer_urls = {name: cold_peers.curl_urls(envs[name], container, prefix, tmp) for name in settings if args.peers}
         stack.enter_context(store_apart(args))
         rounds = []
         for number in range(args.rounds):
@@ -423,6 +445,15 @@ def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tm
                         f"  cold first batch {cold.first_batch_s:.2f}s",
                         file=sys.stderr,
                     )
+                if args.peers:
+                    peer = runs[(setting, PEER)] = cold_peers.webdataset_epoch(
+                        peer_urls[setting], args.wds_decode, args
+                    )
+                    print(
+                        f"round {number + 1} {setting:<18} {PEER:<30} streamed {peer.images_per_s:7.0f} img/s"
+                        f"  first batch {peer.first_batch_s:.2f}s",
+                        file=sys.stderr,
+                    )
             rounds.append(runs)
     return rounds
 
@@ -434,6 +465,8 @@ def swift_port_of(env: Mapping[str, str]) -> int:
 def summarize_loader(rounds: list[dict]) -> dict:
     out: dict = {}
     for key in rounds[0]:
+        if key[1] == PEER:
+            continue
         pairs = [r[key] for r in rounds]
         out[" | ".join(key)] = {
             "cold_over_warm": spread([c.images_per_s / w.images_per_s for w, c in pairs]),
@@ -495,15 +528,20 @@ def loader_main(argv: list[str]) -> int:
         "--store-cores",
         help='cores for the local Swift and the emulators, e.g. "1", the loader on the rest (default: all share all)',
     )
+    parser.add_argument(
+        "--peers", action="store_true", help="also WebDataset streaming the shards from Swift (pipe:curl), each setting"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     env: Mapping[str, str] = read_env_file(args.env_file) if args.env_file else os.environ
-    args.env, args.wan_pids = env, []
+    args.env, args.wan_pids, args.batch_timeout = env, [], 600
     with tempfile.TemporaryDirectory(prefix="dlstore-bench-cold-") as tmp:
         data = bench_peers.prepare_data(Path(args.workdir or tmp), args.images, args.shards)
         root = data.store_dir.parents[1]
         url, _ = bench_loader.upload_to_swift(root, dict(env), -(-args.images // args.shards))
         sizes = [p.stat().st_size for p in data.store_dir.glob("*.tar")]
+        if args.peers:  # webdataset's faster decoder on these images, as bench_peers picks it
+            args.wds_decode, _ = bench_peers.fastest_wds_decode(data, args)
         rounds = loader_rounds(url, env, args, tmp)
     report = {
         "images": args.images,
@@ -516,8 +554,11 @@ def loader_main(argv: list[str]) -> int:
         "delay_ms": args.delay_ms,
         "store_cores": args.store_cores,
         "settings": summarize_loader(rounds),
+        "peers": cold_peers.summarize(rounds, PEER) if args.peers else None,
     }
     print_loader_report(report)
+    if report["peers"]:
+        cold_peers.print_report(report["peers"])
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

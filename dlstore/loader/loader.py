@@ -163,8 +163,9 @@ class Loader:
     def _follow_saved_order(self, window_ramp: bool) -> None:
         """A run goes on in the order it was saved in: a state saved with the other window
         ramp (or before dlstore had one: without) gives this loader a copy of its dataset with
-        the state's setting (`loader.dataset`; the caller's dataset is left as it is), and a
-        new engine: one already started may hold batches built in the other order."""
+        the state's setting (`loader.dataset`, which then counts the corrupt samples; the
+        caller's dataset is left as it is), and a new engine: one already started may hold
+        batches built in the other order. The run keeps the state's order in later epochs."""
         if window_ramp == self.dataset.cfg.window_ramp:
             return
         log.warning("the loader state was saved with window_ramp=%s: the run goes on in that order", window_ramp)

@@ -91,26 +91,38 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def _windows(counts: np.ndarray, size: int, first_samples: int | None) -> np.ndarray:
     """The window of each piece (`counts`: their samples, in stream order): windows of `size`
-    pieces. With `first_samples` (the window ramp), the first `size` pieces are split into
-    windows that double, from the fewest pieces (two at least: a batch still draws from
-    several shards, DESIGN invariant 6) that hold `first_samples`, the last one taking the
-    rest; no ramp where those pieces are `size` or more. With the ramp (the order since it
-    came) and windows of more than one piece, a last window of one piece also joins the one
-    before it: its batches would each come from one shard. Without the ramp, the windows of
-    dlstore before it, exactly.
+    pieces, as dlstore planned them before the window ramp when `first_samples` is None.
+
+    With the ramp (`first_samples`: the node's first step), windows count whole pieces: a
+    node's sliver of a boundary shard (under half the median piece) rides with the piece
+    before it, so a window of two is never one shard and a sliver. The first `size` of them
+    are split into windows that double, from the fewest (two at least: a batch still draws
+    from several shards, DESIGN invariant 6) that hold `first_samples`, the last taking the
+    rest (no ramp where those are `size` or more); a last window of one piece joins the one
+    before it, whose batches would each come from one shard.
 
     >>> _windows(np.full(12, 10), 8, 20).tolist()  # windows of 2, 6 (the ramp), then 4
     [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]
     >>> _windows(np.full(12, 10), 4, 20).tolist(), _windows(np.full(5, 10), 4, 35).tolist()
     ([0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3], [0, 0, 0, 0, 0])
+    >>> _windows(np.array([10, 1, 10, 10, 10, 10, 2]), 4, 5).tolist()  # slivers ride along
+    [0, 0, 0, 1, 1, 1, 1]
     >>> _windows(np.full(5, 10), 4, None).tolist()  # without the ramp
     [0, 0, 0, 0, 1]
     """
+    if first_samples is None or size <= 1 or counts.size == 0:
+        return (np.arange(counts.size, dtype=np.int64) // size).astype(np.uint64)
+    whole = 2 * counts >= np.median(counts)
+    unit = np.maximum(np.cumsum(whole) - 1, 0)  # each piece's whole piece (slivers: the one before)
+    unit_counts = np.bincount(unit, weights=counts)
+    return _ramped_windows(unit_counts, size, first_samples)[unit].astype(np.uint64)
+
+
+def _ramped_windows(counts: np.ndarray, size: int, first_samples: int) -> np.ndarray:
+    """`_windows` with the ramp over whole pieces (`counts`: their samples, slivers added)."""
     piece = np.arange(counts.size, dtype=np.int64)
-    parts: list[int] = []
-    if first_samples is not None:
-        first = max(2, int(np.searchsorted(np.cumsum(counts), first_samples)) + 1)
-        parts = [first] if first < size else []
+    first = max(2, int(np.searchsorted(np.cumsum(counts), first_samples)) + 1)
+    parts = [first] if first < size else []
     while parts and sum(parts) < size:
         more = min(2 * parts[-1], size - sum(parts))
         if more < parts[-1]:
@@ -119,11 +131,10 @@ def _windows(counts: np.ndarray, size: int, first_samples: int | None) -> np.nda
             parts.append(more)
     ramped = sum(parts)
     ramp = np.searchsorted(np.cumsum(parts, dtype=np.int64), piece, side="right")
-    after = len(parts) + (piece - ramped) // size
-    window = np.where(piece < ramped, ramp, after)
-    if first_samples is not None and size > 1 and piece.size > 1 and window[-1] != window[-2]:
+    window = np.where(piece < ramped, ramp, len(parts) + (piece - ramped) // size)
+    if piece.size > 1 and window[-1] != window[-2]:
         window[-1] = window[-2]  # a last window of one piece joins the one before it (mixing)
-    return window.astype(np.uint64)
+    return window
 
 
 def _node_stream(
