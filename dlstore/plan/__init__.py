@@ -25,6 +25,10 @@ How an epoch is planned
    shuffle makes as good a source; shards cut in class order (`convert` without shuffling,
    some foreign shards) give the epoch's first batches fewer classes. A store as fast as the
    readers gains nothing (the next, larger window must then arrive during a smaller one).
+   With the ramp, windows count whole pieces (a node's sliver of a boundary shard rides with
+   the piece before it) and a last window of one piece joins the one before it, so no window
+   is one shard; without it, the windows of dlstore before the ramp, which a state saved by
+   it resumes in.
 3. The node's stream is dealt to its local ranks interleaved (position i to local rank
    i % local_world_size), so all ranks of a node work on the same window of shards at the
    same time and the node cache's working set stays at about one window.
