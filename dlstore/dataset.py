@@ -192,8 +192,7 @@ class Dataset(torch.utils.data.Dataset):
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
         """Ask the cache to fetch in the background the shards batch `index` (just requested)
         reads, then the next `prefetch_shards` shards the plan reads after them, in the order
-        it first needs them. The cache's prefetch keeps `prefetch_shards` shards cached beyond
-        the last one the readers have reached in that list.
+        it first needs them.
 
         Why the shards in use lead the list: from a cold cache, batch 0 needs every shard of
         the first shuffle window (two with the plan's window ramp), and the prefetch fetches
@@ -202,16 +201,17 @@ class Dataset(torch.utils.data.Dataset):
         window in use, and the readers would fetch each shard of the next one as they reach
         it). They are the list's `lead`, fetched before any shard after them: fetched side by
         side with the next window's, they came in when those did (a cold first batch, 1 decode
-        thread, this box: shards in 0.37-0.53 s, with the lead 0.18-0.21 s).
+        thread, this box: batch 0's shards in 0.37-0.53 s; with the lead and the ramp's two
+        shards, 0.18-0.21 s).
 
-        The window is the whole list (the shards in use and `prefetch_shards` more), not the
-        cache's `prefetch_shards` from the readers' place: with worker processes the reads never
-        move this process's window on, and the next shuffle window's shards came in only as a
-        batch that reads them was requested (a stall at each window's start on cold epochs);
-        with decode threads the window held the shards in use, so only part of the next one.
-        Only in a cache with room for two shuffle windows and the prefetch (as for
-        `hint_cache`): in a smaller one the deeper window evicted shards that queued batches
-        still needed, and the workers fetched them again (2-3x the downloads, simulated)."""
+        The cache keeps the whole list cached (`depth`), not its own `prefetch_shards` from
+        the readers' place: with worker processes the reads never move this process's window
+        on, and the next shuffle window's shards came in only as a batch that reads them was
+        requested (a stall at each window's start on cold epochs); with decode threads the
+        window held the shards in use, so only part of the next one. Only in a cache with room
+        for two shuffle windows and the prefetch (as for `hint_cache`): in a smaller one the
+        deeper window evicted shards that queued batches still needed, and the workers fetched
+        them again (2-3x the downloads, simulated)."""
         self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
