@@ -327,6 +327,14 @@ def unpin(before: dict[int, set[int]]) -> None:
             os.sched_setaffinity(thread, cores)
 
 
+def store_cores(text: str) -> set[int]:
+    """`--store-cores`' cores: some of this process's, not all (the loader needs the rest)."""
+    mine, store = os.sched_getaffinity(0), {int(c) for c in text.split(",")}
+    if not store < mine:
+        raise SystemExit(f"--store-cores {text}: leaves no core of {sorted(mine)} to the loader")
+    return store
+
+
 @contextlib.contextmanager
 def store_apart(args: argparse.Namespace) -> Iterator[None]:
     """With `--store-cores`: the store side (the local Swift, the WAN emulators) on those
@@ -336,10 +344,7 @@ def store_apart(args: argparse.Namespace) -> Iterator[None]:
     if not args.store_cores:
         yield
         return
-    mine = os.sched_getaffinity(0)
-    store = {int(c) for c in args.store_cores.split(",")}
-    if not store < mine:
-        raise SystemExit(f"--store-cores {args.store_cores}: leaves no core of {sorted(mine)} to the loader")
+    mine, store = os.sched_getaffinity(0), store_cores(args.store_cores)
     before: dict[int, set[int]] = {}
     try:
         before = pin(store_processes(args.env, args.wan_pids), store)
@@ -533,6 +538,8 @@ def loader_main(argv: list[str]) -> int:
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
+    if args.store_cores:
+        store_cores(args.store_cores)  # before any work
     env: Mapping[str, str] = read_env_file(args.env_file) if args.env_file else os.environ
     args.env, args.wan_pids, args.batch_timeout = env, [], 600
     with tempfile.TemporaryDirectory(prefix="dlstore-bench-cold-") as tmp:
