@@ -73,6 +73,7 @@ fi
 
 if [[ "${1:-}" == "--test" ]]; then
     "$VENV_PYTHON" -m pip install --quiet -e ".[train,fast,test]"
+    apt_install curl  # WebDataset's pipe:curl in tools/bench_cold.py --peers (tests/test_bench_cold.py)
     "$VENV_PYTHON" tools/swift_server.py install
     "$VENV_PYTHON" tools/swift_server.py install --flavor debian
     "$VENV_PYTHON" tools/slurm_server.py install  # Debian's slurmctld, slurmd, slurm-client, munge (tests/test_slurm.py)
