@@ -151,8 +151,8 @@ def _node_stream(
         first, counts = first[by_hash], counts[by_hash]
     ids = _expand(first, counts)
     if cfg.shuffle and ids.size:
-        first = step_samples if cfg.window_ramp else None
-        window = np.repeat(_windows(counts, cfg.shuffle_window, first), counts)
+        ramp_from = step_samples if cfg.window_ramp else None
+        window = np.repeat(_windows(counts, cfg.shuffle_window, ramp_from), counts)
         key = stream_key(TAG_SAMPLE_ORDER, cfg.seed, epoch, node)
         # Window in the high bits keeps windows in order; the hash permutes within each.
         sort_key = (window << np.uint64(32)) | (hash64(key, ids) >> np.uint64(32))
