@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -36,8 +37,7 @@ def curl_urls(env: Mapping[str, str], container: str, prefix: str, header_dir: s
     """`pipe:curl` URLs of the shards under `prefix` in `container`, reached the way `env`'s
     credentials reach Swift (through the emulator, tempauth hands out its URL)."""
     storage_url, token = swiftclient.get_auth(env["ST_AUTH"], env["ST_USER"], env["ST_KEY"])
-    header = os.path.join(header_dir, f"auth-header-{abs(hash(storage_url))}")
-    fd = os.open(header, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, header = tempfile.mkstemp(prefix="auth-header-", dir=header_dir)  # mode 0600
     with os.fdopen(fd, "w") as file:
         file.write(f"X-Auth-Token: {token}\n")
     connection = swiftclient.Connection(preauthurl=storage_url, preauthtoken=token)
