@@ -217,7 +217,7 @@ def test_a_state_saved_before_the_window_ramp_resumes_in_its_order(tmp_path, eng
     across upgrades); a state saved with the ramp brings it back to a loader set without it.
     The loader under test has just run epoch 0 in full in its own order, so epoch 1's first
     batches were built ahead and its plan cached: none of them may leak. The caller's
-    dataset keeps its own setting."""
+    dataset keeps its own setting, and the epochs after the resumed one follow it."""
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [5, 9, 4, 7, 6, 8, 4])  # seven shards: the ramp's windows differ
     for saved_ramp, loader_ramp, stop_after in ((False, True, 0), (False, True, 2), (True, False, 2)):
@@ -242,9 +242,14 @@ def test_a_state_saved_before_the_window_ramp_resumes_in_its_order(tmp_path, eng
         _epoch(loader)  # epoch 1 is built ahead in the loader's own order
         loader.load_state_dict(state)
         loader.set_epoch(1)
-        assert seen + _epoch(loader) == expected
         assert loader.state_dict()["data"]["window_ramp"] is saved_ramp
+        assert seen + _epoch(loader) == expected
         assert dataset.cfg.window_ramp is loader_ramp
+        # The epochs after it are planned as the caller's dataset says, as in a fresh run.
+        assert loader.dataset is dataset and loader.state_dict()["data"]["window_ramp"] is loader_ramp
+        fresh = dlstore.Loader(_dataset(url, tmp_path, window_ramp=loader_ramp), 0, device="cpu")
+        fresh.set_epoch(2)
+        assert _epoch(loader) == _epoch(fresh)
         loader.close()
     # A state saved before states had a fingerprint: without the ramp too.
     state = {**state, "version": 1}
@@ -252,6 +257,8 @@ def test_a_state_saved_before_the_window_ramp_resumes_in_its_order(tmp_path, eng
     loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu", engine=engine)
     loader.load_state_dict(state)
     assert loader.dataset.cfg.window_ramp is False
+    loader.set_epoch(state["epoch"] + 1)  # another epoch: the dataset's own setting again
+    assert loader.dataset.cfg.window_ramp is True
     # A load refused (other plan settings) changes nothing.
     state = dlstore.Loader(_dataset(url, tmp_path, window_ramp=False), 0, device="cpu").state_dict()
     loader = dlstore.Loader(_dataset(url, tmp_path, shuffle_window=2), num_workers=0, device="cpu", engine=engine)

@@ -63,6 +63,9 @@ class Loader:
         kind = "decode threads" if self.cfg.engine == "threads" else "worker processes"
         log.info("engine: %s, %d %s, batches to %s", self.cfg.engine, self.cfg.num_workers, kind, self.device)
         self.state = EpochState(epoch=0, history=())
+        # A state saved in another order is resumed on a copy of the dataset: (the caller's
+        # dataset, the epoch planned on the copy) until that epoch is left (`_follow_saved_order`).
+        self._resumed_in: tuple[Dataset, int] | None = None
         engine = ThreadEngine if self.cfg.engine == "threads" else ProcessEngine
         self.slots = self._slots(engine.slot_count(self.cfg))
         self.engine: ThreadEngine | ProcessEngine = engine(dataset, self.cfg, self.slots)
@@ -82,6 +85,7 @@ class Loader:
         """Start `epoch` from its beginning, unless a loaded state resumes this very epoch."""
         if epoch != self.state.epoch:
             self.state = EpochState(epoch=epoch, history=())
+            self._leave_saved_order()
 
     def __len__(self) -> int:
         """Batches this rank has left in the current epoch (the same on every rank)."""
@@ -108,6 +112,7 @@ class Loader:
                 yield batch["images"], batch["labels"]
         # A finished epoch resumes at the next one.
         self.state = EpochState(epoch=self.state.epoch + 1, history=())
+        self._leave_saved_order()
 
     def close(self) -> None:
         """Stop the decode threads or worker processes now (they also stop when the loader is
@@ -147,7 +152,7 @@ class Loader:
                 raise ConfigError(message + "; pass strict=False (dlstore train --resume-any-data) to resume anyway")
             log.warning("%s; resuming anyway, as asked", message)
         position = EpochState.from_dict(state)
-        self._follow_saved_order(bool(saved["window_ramp"]))
+        self._follow_saved_order(bool(saved["window_ramp"]), position.epoch)
         self.state = position
 
     def _fingerprint(self) -> dict:
@@ -160,18 +165,37 @@ class Loader:
             "window_ramp": cfg.window_ramp,
         }
 
-    def _follow_saved_order(self, window_ramp: bool) -> None:
-        """A run goes on in the order it was saved in: a state saved with the other window
-        ramp (or before dlstore had one: without) gives this loader a copy of its dataset with
-        the state's setting (`loader.dataset`, which then counts the corrupt samples; the
-        caller's dataset is left as it is), and a new engine: one already started may hold
-        batches built in the other order. The run keeps the state's order in later epochs."""
-        if window_ramp == self.dataset.cfg.window_ramp:
+    def _follow_saved_order(self, window_ramp: bool, epoch: int) -> None:
+        """The epoch a state was saved in goes on in its order: a state saved with the other
+        window ramp (or before dlstore had one: without) has this loader plan `epoch` on a copy
+        of its dataset with the state's setting (`loader.dataset` meanwhile), with a new engine
+        (one already started may hold batches built in the other order). The epochs after it
+        are planned as the caller's dataset says, as in a run that started on this dlstore."""
+        configured = self._resumed_in[0] if self._resumed_in is not None else self.dataset
+        if window_ramp == configured.cfg.window_ramp:
+            self._resumed_in = None
+            self._use(configured)
             return
-        log.warning("the loader state was saved with window_ramp=%s: the run goes on in that order", window_ramp)
+        log.warning(
+            "the loader state was saved with window_ramp=%s: epoch %d goes on in that order", window_ramp, epoch
+        )
+        self._resumed_in = (configured, epoch)
+        self._use(configured.with_settings(window_ramp=window_ramp))
+
+    def _leave_saved_order(self) -> None:
+        """Back to the caller's dataset once the epoch resumed on a copy is left."""
+        if self._resumed_in is not None and self.state.epoch != self._resumed_in[1]:
+            configured, self._resumed_in = self._resumed_in[0], None
+            self._use(configured)
+
+    def _use(self, dataset: Dataset) -> None:
+        """Plan and build on `dataset` from now on (a new engine), its corrupt samples counted on."""
+        if dataset is self.dataset:
+            return
+        dataset.corrupt_samples = self.dataset.corrupt_samples
         self.engine.close()
-        self.dataset = self.dataset.with_settings(window_ramp=window_ramp)
-        self.engine = type(self.engine)(self.dataset, self.cfg, self.slots)
+        self.dataset = dataset
+        self.engine = type(self.engine)(dataset, self.cfg, self.slots)
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
