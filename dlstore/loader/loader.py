@@ -64,8 +64,9 @@ class Loader:
         log.info("engine: %s, %d %s, batches to %s", self.cfg.engine, self.cfg.num_workers, kind, self.device)
         self.state = EpochState(epoch=0, history=())
         # A state saved in another order is resumed on a copy of the dataset: (the caller's
-        # dataset, the epoch planned on the copy) until that epoch is left (`_follow_saved_order`).
-        self._resumed_in: tuple[Dataset, int] | None = None
+        # dataset, the epoch planned on the copy, the copy's corrupt count at the start) until
+        # that epoch is left (`_follow_saved_order`).
+        self._resumed_in: tuple[Dataset, int, int] | None = None
         engine = ThreadEngine if self.cfg.engine == "threads" else ProcessEngine
         self.slots = self._slots(engine.slot_count(self.cfg))
         self.engine: ThreadEngine | ProcessEngine = engine(dataset, self.cfg, self.slots)
@@ -171,31 +172,37 @@ class Loader:
         of its dataset with the state's setting (`loader.dataset` meanwhile), with a new engine
         (one already started may hold batches built in the other order). The epochs after it
         are planned as the caller's dataset says, as in a run that started on this dlstore."""
-        configured = self._resumed_in[0] if self._resumed_in is not None else self.dataset
-        if window_ramp == configured.cfg.window_ramp:
-            self._resumed_in = None
-            self._use(configured)
+        self._back_to_configured()  # from the copy of an earlier load
+        if window_ramp == self.dataset.cfg.window_ramp:
             return
         log.warning(
             "the loader state was saved with window_ramp=%s: epoch %d goes on in that order", window_ramp, epoch
         )
-        self._resumed_in = (configured, epoch)
-        self._use(configured.with_settings(window_ramp=window_ramp))
+        configured, copy = self.dataset, self.dataset.with_settings(window_ramp=window_ramp)
+        self._swap(copy)
+        self._resumed_in = (configured, epoch, copy.corrupt_samples)
 
     def _leave_saved_order(self) -> None:
         """Back to the caller's dataset once the epoch resumed on a copy is left."""
         if self._resumed_in is not None and self.state.epoch != self._resumed_in[1]:
-            configured, self._resumed_in = self._resumed_in[0], None
-            self._use(configured)
+            self._back_to_configured()
 
-    def _use(self, dataset: Dataset) -> None:
-        """Plan and build on `dataset` from now on (a new engine), its corrupt samples counted on."""
-        if dataset is self.dataset:
+    def _back_to_configured(self) -> None:
+        """The caller's dataset again, with the corrupt samples the copy counted added to its count."""
+        if self._resumed_in is None:
             return
-        dataset.corrupt_samples = self.dataset.corrupt_samples
+        configured, _, counted_from = self._resumed_in
+        copy = self.dataset
+        self._swap(configured)
+        self._resumed_in = None
+        configured.corrupt_samples += copy.corrupt_samples - counted_from
+
+    def _swap(self, dataset: Dataset) -> None:
+        """Plan and build on `dataset` from now on: a new engine, made before the old one is
+        closed, so that a failure to make it leaves the loader as it was."""
+        engine = type(self.engine)(dataset, self.cfg, self.slots)
         self.engine.close()
-        self.dataset = dataset
-        self.engine = type(self.engine)(dataset, self.cfg, self.slots)
+        self.dataset, self.engine = dataset, engine
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
