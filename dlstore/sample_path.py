@@ -79,10 +79,10 @@ def _timed(clock: StageClock | None, stage: str):
 
 
 class SamplePath:
-    """The stages of one dataset's samples under one `DataConfig`.
+    """The stages of one dataset's samples under one `DataConfig`::
 
-    >>> path = SamplePath(cfg, manifest, cache, "swift://imagenet/train")     # doctest: +SKIP
-    >>> batch = path.build_batch(BatchRequest(0, 0, ids, np.zeros(len(ids), bool)))
+        path = SamplePath(cfg, manifest, cache, "swift://imagenet/train")
+        batch = path.build_batch(BatchRequest(0, 0, ids, np.zeros(len(ids), bool)))
     """
 
     def __init__(self, cfg: DataConfig, manifest: Manifest, cache: ShardCache, store_url: str) -> None:

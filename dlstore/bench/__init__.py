@@ -19,10 +19,10 @@ reads the store's files (often from the page cache) and copies them into the cac
 
 Where each part lives: `config` (what to measure), `measure` (the loader, the stage split,
 the demand), `scaling` (several ranks), `report` (the records, the verdict and the terminal
-tables), `plot` (the PNG) and `run` (`run_bench`, the order of it all).
+tables), `plot` (the PNG) and `run` (`run_bench`, the order of it all)::
 
-    >>> report = run_bench(BenchConfig("swift://imagenet/train", batch_sizes=(128, 256)))  # doctest: +SKIP
-    >>> print(format_report(report))
+    report = run_bench(BenchConfig("swift://imagenet/train", batch_sizes=(128, 256)))
+    print(format_report(report))
 """
 
 from __future__ import annotations

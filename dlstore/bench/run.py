@@ -22,11 +22,10 @@ __all__ = ["run_bench"]
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
-    """Measure the loader and the model's demand as `cfg` says; see `dlstore.bench`.
+    """Measure the loader and the model's demand as `cfg` says; see `dlstore.bench`::
 
-    >>> report = run_bench(BenchConfig.quick("file:///tmp/demo/train"))   # doctest: +SKIP
-    >>> report.verdict.ratio
-    41.7
+        report = run_bench(BenchConfig.quick("file:///tmp/demo/train"))
+        report.verdict.ratio  # loader img/s / the model's demand, e.g. 41.7
     """
     device = resolve_device(cfg.device)
     cache_root = tempfile.mkdtemp(prefix="dlstore-bench-", dir=cfg.cache_dir or None)

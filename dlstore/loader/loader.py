@@ -37,12 +37,12 @@ _FOLLOWS_THE_STATE = ("window_ramp",)
 
 
 class Loader:
-    """Batches of this rank, on the device, normalised, channels_last.
+    """Batches of this rank, on the device, normalised, channels_last::
 
-    >>> ds = dlstore.Dataset("swift://imagenet/train", batch_size=256)     # doctest: +SKIP
-    >>> loader = dlstore.Loader(ds, num_workers=8, device="cuda")      # 8 worker processes
-    >>> loader.set_epoch(0)
-    >>> for images, labels in loader: ...
+        ds = dlstore.Dataset("swift://imagenet/train", batch_size=256)
+        loader = dlstore.Loader(ds, num_workers=8, device="cuda")  # 8 worker processes
+        loader.set_epoch(0)
+        for images, labels in loader: ...
 
     With `Dataset(..., return_keys=True)` each batch comes as `(images, labels, meta)`, where
     `meta["keys"]` are the samples' keys and `meta["padding"]` marks the samples that repeat

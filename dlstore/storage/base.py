@@ -138,11 +138,12 @@ def check_key(key: str) -> str:
 
 
 class Store(ABC):
-    """A bucket/container (or directory) with a key prefix. See the module docstring for the contract.
+    """A bucket/container (or directory) with a key prefix. See the module docstring for the
+    contract::
 
-    >>> store = open_store("file:///tmp/data")          # doctest: +SKIP
-    >>> store.put("a/b.txt", b"hello"); store.get_bytes("a/b.txt")
-    b'hello'
+        store = open_store("file:///tmp/data")
+        store.put("a/b.txt", b"hello")
+        store.get_bytes("a/b.txt")  # b'hello'
     """
 
     scheme: str = ""

@@ -24,10 +24,10 @@ its own, then the manifest. `ensure_container()` makes the container itself, as
 `swift upload` does; a plain put into a missing container is `NotFound`.
 
 Credentials never reach messages or logs: errors are built from the URL and the HTTP
-status, and a filter on the `swiftclient` logger blanks token headers.
+status, and a filter on the `swiftclient` logger blanks token headers::
 
-    >>> store = SwiftStore("swift://datasets/imagenet")   # credentials from ST_* or OS_*
-    >>> store.put("train/shard-000000.tar", "/data/shard-000000.tar")   # doctest: +SKIP
+    store = SwiftStore("swift://datasets/imagenet")  # credentials from ST_* or OS_*
+    store.put("train/shard-000000.tar", "/data/shard-000000.tar")
 """
 
 from __future__ import annotations
@@ -203,8 +203,10 @@ def _keystone_session(cfg: SwiftConfig, timeout: float) -> Any:
 
 class SwiftStore(Store):
     """Objects in one Swift container under a prefix; large puts go as static large objects.
+    Credentials come from the environment, or from `config` (no connection is made yet):
 
-    >>> store = SwiftStore("swift://container/train")
+    >>> config = StoreConfig(swift=SwiftConfig(storage_url="http://127.0.0.1:8080/v1/AUTH_test", auth_token="t"))
+    >>> store = SwiftStore("swift://container/train", config)
     >>> store.url
     'swift://container/train'
     """

@@ -74,13 +74,11 @@ def _load_bytes(data: bytes) -> dict:
 
 
 class CheckpointStore:
-    """Save, publish, find and prune checkpoints under one store URL.
+    """Save, publish, find and prune checkpoints under one store URL::
 
-    >>> ckpts = CheckpointStore("swift://ckpt/run1", keep=3)      # doctest: +SKIP
-    >>> ckpts.save({"model": model.state_dict(), ...}, step=1200)
-    'ckpt-000001200.pt'
-    >>> ckpts.load(ckpts.latest_key())["step"]
-    1200
+        ckpts = CheckpointStore("swift://ckpt/run1", keep=3)
+        ckpts.save({"model": model.state_dict(), ...}, step=1200)  # 'ckpt-000001200.pt'
+        ckpts.load(ckpts.latest_key())["step"]  # 1200
     """
 
     def __init__(self, target: str | Store, keep: int = 3, tmp_dir: str | None = None) -> None:

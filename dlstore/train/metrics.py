@@ -45,11 +45,11 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class MetricsLog:
-    """Append-only metrics with files that can be rebuilt from the records at any step.
+    """Append-only metrics with files that can be rebuilt from the records at any step::
 
-    >>> m = MetricsLog("runs/r1", enabled=True)          # doctest: +SKIP
-    >>> m.start(previous=[])
-    >>> m.write({"split": "train", "step": 10, "loss": 2.3})
+        m = MetricsLog("runs/r1", enabled=True)
+        m.start(previous=[])
+        m.write({"split": "train", "step": 10, "loss": 2.3})
     """
 
     def __init__(self, output_dir: str, *, enabled: bool = True, tensorboard: bool = True) -> None:
