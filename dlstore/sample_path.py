@@ -79,7 +79,9 @@ def _timed(clock: StageClock | None, stage: str):
 
 
 class SamplePath:
-    """The stages of one dataset's samples under one `DataConfig`::
+    """The stages of one dataset's samples under one `DataConfig`.
+
+    For example::
 
         path = SamplePath(cfg, manifest, cache, "swift://imagenet/train")
         batch = path.build_batch(BatchRequest(0, 0, ids, np.zeros(len(ids), bool)))

@@ -22,7 +22,9 @@ __all__ = ["run_bench"]
 
 
 def run_bench(cfg: BenchConfig) -> BenchReport:
-    """Measure the loader and the model's demand as `cfg` says; see `dlstore.bench`::
+    """Measure the loader and the model's demand as `cfg` says; see `dlstore.bench`.
+
+    For example::
 
         report = run_bench(BenchConfig.quick("file:///tmp/demo/train"))
         report.verdict.ratio  # loader img/s / the model's demand, e.g. 41.7

@@ -74,7 +74,9 @@ def _load_bytes(data: bytes) -> dict:
 
 
 class CheckpointStore:
-    """Save, publish, find and prune checkpoints under one store URL::
+    """Save, publish, find and prune checkpoints under one store URL.
+
+    For example::
 
         ckpts = CheckpointStore("swift://ckpt/run1", keep=3)
         ckpts.save({"model": model.state_dict(), ...}, step=1200)  # 'ckpt-000001200.pt'

@@ -45,7 +45,9 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class MetricsLog:
-    """Append-only metrics with files that can be rebuilt from the records at any step::
+    """Append-only metrics with files that can be rebuilt from the records at any step.
+
+    For example::
 
         m = MetricsLog("runs/r1", enabled=True)
         m.start(previous=[])
