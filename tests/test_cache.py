@@ -40,7 +40,7 @@ from dlstore.cache import (
     cache_report,
 )
 from dlstore.cache.pace import Concurrency
-from dlstore.cache.prefetch import _next_prefetch
+from dlstore.cache.prefetch import _next_prefetch, advance_window
 from dlstore.cache.runtime import _Runtime
 from dlstore.cli import main
 from dlstore.config import StoreConfig
@@ -774,6 +774,34 @@ def test_a_prefetch_lead_is_the_lists_first_shards_not_the_next_after_the_reader
         taken.append(job[0].name)
         rt.active.add(job[0].name)
     assert taken == ["s1.tar", "s2.tar", "s3.tar", "s4.tar"]
+
+
+def test_a_reader_reaching_one_shard_in_use_passes_none_of_the_others():
+    """A batch reads the shards in use (the lead) all at once and in any order (a reader takes
+    its shards by index, the list is by first need): a reader that reaches the lead's second
+    shard first leaves the first to the prefetch, before any shard after the lead. (Moving on
+    past it gave its bandwidth to later shards: a cold first batch waited for its second shard
+    until its first had come in: 0.81 s instead of 0.45 s at 40 MB/s, 24 shards, 1 thread.)"""
+    specs = [ShardSpec(f"s{i}.tar", 1000, None) for i in range(5)]
+    rt = _Runtime()
+    rt.upcoming, rt.depth, rt.lead = specs, 5, 2
+    caps = Concurrency(shards=4, parts=1)
+
+    def taken() -> list[str]:
+        names = []
+        while (job := _next_prefetch(rt, rt.depth, caps)) is not None:
+            names.append(job[0].name)
+            rt.active.add(job[0].name)
+        rt.active.clear()
+        return names
+
+    window = advance_window(rt, "s1.tar", 5)  # the reader fetches s1 itself
+    assert {"s0.tar", "s1.tar"} <= window  # both spared by the reader's evictions
+    assert taken() == ["s0.tar"]  # the lead's other shard, alone
+    rt.done.add("s0.tar")
+    assert taken() == ["s2.tar", "s3.tar", "s4.tar"]  # the lead is in: the rest side by side
+    advance_window(rt, "s3.tar", 5)  # past the lead, a reader moves the window on as before
+    assert rt.position == 4
 
 
 def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, remote):

@@ -94,7 +94,8 @@ def raise_prefetch_error(rt: _Runtime, name: str) -> None:
 
 
 def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
-    """The reader reached `name`: move the prefetch window past it, and hurry its download if
+    """The reader reached `name`: move the prefetch window past it (past a shard of the list's
+    lead, none: the lead's others are still needed), and hurry its download if
     the prefetch is still fetching it (the reader waits for it now; the pace may have made it
     narrow). Returns the window, which the reader's own evictions spare when they can."""
     in_flight = None
@@ -102,9 +103,18 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
         for index in range(rt.position, len(rt.upcoming)):
             if rt.upcoming[index].name == name:
                 now = time.monotonic()
-                for spec in rt.upcoming[rt.position : index + 1]:
-                    rt.pace.reached(spec.name, spec.size, now)
-                rt.position = index + 1
+                if index < rt.lead:
+                    # A shard in use: a batch reads all of them at once, in any order (a reader
+                    # takes its shards by index, the list by first need), so reaching one passes
+                    # no other. The reader fetches this one itself; the threads fetch the rest.
+                    # (Moving on past the others gave their bandwidth to later shards: a cold
+                    # first batch waited for its second shard until its first had come in.)
+                    rt.pace.reached(name, rt.upcoming[index].size, now)
+                    rt.done.add(name)
+                else:
+                    for spec in rt.upcoming[rt.position : index + 1]:
+                        rt.pace.reached(spec.name, spec.size, now)
+                    rt.position = index + 1
                 rt.wake.notify_all()
                 if name in rt.active:
                     in_flight = rt.upcoming[index]
