@@ -776,6 +776,16 @@ def test_a_prefetch_lead_is_the_lists_first_shards_not_the_next_after_the_reader
     assert taken == ["s1.tar", "s2.tar", "s3.tar", "s4.tar"]
 
 
+def _prefetch_takes(rt: _Runtime, caps: Concurrency) -> list[str]:
+    """The shards the prefetch threads would start now, in order (none of them finishes)."""
+    names = []
+    while (job := _next_prefetch(rt, rt.depth, caps)) is not None:
+        names.append(job[0].name)
+        rt.active.add(job[0].name)
+    rt.active.clear()
+    return names
+
+
 def test_a_reader_reaching_one_shard_in_use_passes_none_of_the_others():
     """A batch reads the shards in use (the lead) all at once and in any order (a reader takes
     its shards by index, the list is by first need): a reader that reaches the lead's second
@@ -786,22 +796,32 @@ def test_a_reader_reaching_one_shard_in_use_passes_none_of_the_others():
     rt = _Runtime()
     rt.upcoming, rt.depth, rt.lead = specs, 5, 2
     caps = Concurrency(shards=4, parts=1)
-
-    def taken() -> list[str]:
-        names = []
-        while (job := _next_prefetch(rt, rt.depth, caps)) is not None:
-            names.append(job[0].name)
-            rt.active.add(job[0].name)
-        rt.active.clear()
-        return names
-
     window = advance_window(rt, "s1.tar", 5)  # the reader fetches s1 itself
     assert {"s0.tar", "s1.tar"} <= window  # both spared by the reader's evictions
-    assert taken() == ["s0.tar"]  # the lead's other shard, alone
+    assert _prefetch_takes(rt, caps) == ["s0.tar"]  # the lead's other shard, alone
     rt.done.add("s0.tar")
-    assert taken() == ["s2.tar", "s3.tar", "s4.tar"]  # the lead is in: the rest side by side
+    assert _prefetch_takes(rt, caps) == ["s2.tar", "s3.tar", "s4.tar"]  # the lead is in: the rest
     advance_window(rt, "s3.tar", 5)  # past the lead, a reader moves the window on as before
     assert rt.position == 4
+
+
+def test_the_window_counts_from_the_leads_end_once_the_readers_are_in_it():
+    """A window no deeper than the lead (a cache without room for two shuffle windows: depth =
+    `prefetch_shards`, lead = the batch's shards) still prefetches `depth` shards after the
+    lead while the readers are in it; and a reader of a later batch that reaches a shard after
+    the lead before the lead is in passes none of the lead's shards either."""
+    specs = [ShardSpec(f"s{i}.tar", 1000, None) for i in range(7)]
+    rt = _Runtime()
+    rt.upcoming, rt.depth, rt.lead = specs, 2, 2
+    caps = Concurrency(shards=4, parts=1)
+    assert _prefetch_takes(rt, caps) == ["s0.tar", "s1.tar"]
+    advance_window(rt, "s3.tar", 2)  # a reader of a batch queued behind, before the lead is in
+    assert rt.position == 0 and _prefetch_takes(rt, caps) == ["s0.tar", "s1.tar"]
+    for name in ("s0.tar", "s1.tar"):  # the readers reach the lead
+        advance_window(rt, name, 2)
+    assert _prefetch_takes(rt, caps) == ["s2.tar"]  # s3 is its reader's: then 2 past the lead
+    advance_window(rt, "s4.tar", 2)  # the lead is in: the window moves on past s4
+    assert rt.position == 5 and _prefetch_takes(rt, caps) == ["s5.tar", "s6.tar"]
 
 
 def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, remote):

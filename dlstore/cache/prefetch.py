@@ -44,6 +44,7 @@ def start_prefetch(
             _count_passed(rt, specs)
             rt.upcoming = specs
             rt.position = 0
+            rt.in_lead = False
             rt.done = set()
             rt.generation += 1
             rt.closing = False
@@ -94,23 +95,25 @@ def raise_prefetch_error(rt: _Runtime, name: str) -> None:
 
 
 def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
-    """The reader reached `name`: move the prefetch window past it (past a shard of the list's
-    lead, none: the lead's others are still needed), and hurry its download if
+    """The reader reached `name`: move the prefetch window past it, and hurry its download if
     the prefetch is still fetching it (the reader waits for it now; the pace may have made it
-    narrow). Returns the window, which the reader's own evictions spare when they can."""
+    narrow). Returns the window, which the reader's own evictions spare when they can.
+
+    The window never moves past a shard of the list's lead (the shards in use) that is not in
+    yet: a batch reads them all at once and in any order (a reader takes its shards by index,
+    the list is by first need; readers of the batches queued behind run at the same time), so
+    reaching one, or a shard after them, passes none of the others; the reached shard is
+    marked done instead (its reader fetches it). Moving on gave the lead's other shards' place
+    to later ones: a cold first batch waited for its second shard until its first had come in."""
     in_flight = None
     with rt.lock:
         for index in range(rt.position, len(rt.upcoming)):
             if rt.upcoming[index].name == name:
                 now = time.monotonic()
-                if index < rt.lead:
-                    # A shard in use: a batch reads all of them at once, in any order (a reader
-                    # takes its shards by index, the list by first need), so reaching one passes
-                    # no other. The reader fetches this one itself; the threads fetch the rest.
-                    # (Moving on past the others gave their bandwidth to later shards: a cold
-                    # first batch waited for its second shard until its first had come in.)
+                if index < rt.lead or _lead_pending(rt, index):
                     rt.pace.reached(name, rt.upcoming[index].size, now)
                     rt.done.add(name)
+                    rt.in_lead = True
                 else:
                     for spec in rt.upcoming[rt.position : index + 1]:
                         rt.pace.reached(spec.name, spec.size, now)
@@ -119,10 +122,23 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
                 if name in rt.active:
                     in_flight = rt.upcoming[index]
                 break
-        window = rt.upcoming[rt.position : rt.position + depth]
+        window = rt.upcoming[rt.position : _window_end(rt, depth)]
     if in_flight is not None and rt.engine is not None:
         rt.engine.hurry(*_object_of(in_flight))
     return frozenset(spec.name for spec in window)
+
+
+def _lead_pending(rt: _Runtime, before: int) -> bool:
+    """Whether a shard of the lead before list index `before` is not in yet."""
+    return any(spec.name not in rt.done for spec in rt.upcoming[rt.position : min(rt.lead, before)])
+
+
+def _window_end(rt: _Runtime, depth: int) -> int:
+    """Where the window ends: `depth` shards past the readers' place, which is the lead's end
+    once they have reached it (the lead's shards do not take the window's places: they held
+    back every shard after them in a window no deeper than the lead). Until then, the list
+    itself starts ahead of the readers (at the batch just requested)."""
+    return (max(rt.position, rt.lead) if rt.in_lead else rt.position) + depth
 
 
 def _object_of(spec: ShardSpec) -> tuple[str, int | None]:
@@ -147,7 +163,7 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
     if len(rt.active) >= pace.shards:
         return None
     start = rt.position
-    window = rt.upcoming[start : start + depth]
+    window = rt.upcoming[start : _window_end(rt, depth)]
     lead = rt.upcoming[start : rt.lead]  # the list's first shards, until the readers pass them
     if any(spec.name not in rt.done for spec in lead):
         window = lead  # the shards in use first: the later ones would take their bandwidth and CPU

@@ -35,6 +35,7 @@ class _Runtime:
         self.position = 0  # index in `upcoming` of the first shard the reader has not reached
         self.depth = 0  # shards from `position` on that the prefetch keeps cached (the last list's)
         self.lead = 0  # the list's first shards, fetched before any after them (`start_prefetch`)
+        self.in_lead = False  # a reader has reached the lead: the window counts from its end
         self.generation = 0
         self.done: set[str] = set()
         self.errors: dict[str, BaseException] = {}
