@@ -32,7 +32,7 @@ class _Runtime:
         self.pending_epochs: dict[int, EpochStats] = {}
         # prefetch
         self.upcoming: list[ShardSpec] = []
-        self.position = 0  # index in `upcoming` of the first shard the reader has not reached
+        self.position = 0  # index in `upcoming` the readers have passed (not past the lead until it is in)
         self.depth = 0  # shards from `position` on that the prefetch keeps cached (the last list's)
         self.lead = 0  # the list's first shards, fetched before any after them (`start_prefetch`)
         self.in_lead = False  # a reader has reached the lead: the window counts from its end
