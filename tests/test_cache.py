@@ -430,6 +430,67 @@ def test_a_download_published_during_a_scan_is_counted_once(tmp_path, monkeypatc
     cache.close()
 
 
+def _sleeps_noted(monkeypatch) -> threading.Event:
+    """An event set when a thread of the cache starts a poll's sleep (`sleep_unless_released`)."""
+    sleeping = threading.Event()
+    original = _Runtime.sleep_unless_released
+
+    def noted(self, seen, seconds):
+        sleeping.set()
+        return original(self, seen, seconds)
+
+    monkeypatch.setattr(_Runtime, "sleep_unless_released", noted)
+    return sleeping
+
+
+def test_a_reader_waiting_for_another_threads_download_wakes_when_it_is_in(tmp_path, monkeypatch):
+    """A reader whose shard another thread of its process downloads polls the shard's lock;
+    the download's end wakes it at once, not at the end of its poll's sleep (here an hour:
+    without the wake-up it sleeps through the test)."""
+    monkeypatch.setattr("dlstore.cache.shard_cache._LOCK_POLL_S", (3600.0, 3600.0))
+    sleeping = _sleeps_noted(monkeypatch)
+    specs, contents = make_remote(tmp_path / "remote", [8000])
+    store = GatedStore(str(tmp_path / "remote"))
+    cache = ShardCache(config(tmp_path, 10**6), store)
+    cache.usage()  # create the directory
+    downloader = threading.Thread(target=cache.fetch, args=specs[0])
+    downloader.start()
+    wait_for(lambda: os.listdir(tmp_path / "cache" / "tmp"))  # it holds the lock, at the gate
+    got = {}
+
+    def read_it():
+        with cache.hold(*specs[0]) as path:
+            got["bytes"] = read(path)
+
+    reader = threading.Thread(target=read_it)
+    reader.start()
+    assert sleeping.wait(10)
+    store.gate.set()
+    downloader.join(30)
+    reader.join(30)
+    assert not reader.is_alive(), "the reader slept on after the download was in"
+    assert got["bytes"] == contents[specs[0][0]]
+    cache.close()
+
+
+def test_a_download_waiting_for_room_wakes_when_a_reader_lets_go(tmp_path, monkeypatch):
+    """A download that waits for room (the only shard that could go is held) starts as soon as
+    a reader of its process lets go, not at the end of its poll's sleep (here an hour)."""
+    monkeypatch.setattr("dlstore.cache.shard_cache._ROOM_POLL_S", (3600.0, 3600.0))
+    sleeping = _sleeps_noted(monkeypatch)
+    specs, contents = make_remote(tmp_path / "remote", [8000, 8000])
+    cache = ShardCache(config(tmp_path, STATS_FILE_BYTES + 12_000), LocalStore(str(tmp_path / "remote")))
+    fetched = {}
+    with cache.hold(*specs[0]):
+        second = threading.Thread(target=lambda: fetched.setdefault("path", cache.fetch(*specs[1])))
+        second.start()
+        assert sleeping.wait(10)  # no room while the first is held
+    second.join(30)
+    assert not second.is_alive(), "the download slept on after the reader let go"
+    assert read(fetched["path"]) == contents[specs[1][0]]
+    cache.close()
+
+
 def _read_with_prefetch(cache, specs, seed, rounds):
     rng = random.Random(seed)
     order = [rng.choice(specs) for _ in range(rounds)]

@@ -193,6 +193,7 @@ def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> Non
             fd, error = None, exc
         if fd is not None:
             _release(fd)
+            rt.announce_release()
         if rt.engine is not None:  # a hurry of it held for this fetch only (its retries too)
             rt.engine.forget_hurry(*_object_of(spec))
         with rt.lock:

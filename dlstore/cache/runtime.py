@@ -20,6 +20,10 @@ class _Runtime:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
+        # Shard locks this process released (`ShardCache._announce`): its threads that wait for
+        # one (a reader polling another thread's download, a reservation waiting for room) wake
+        # on `wake` when this moves, not at the end of their poll interval.
+        self.releases = 0
         self.started = False
         self.stats = CacheStats()
         self.pending = CacheStats()  # not yet added to stats.json
@@ -45,3 +49,18 @@ class _Runtime:
         self.closing = False
         # downloads: made when the cache is first used in this process
         self.engine: DownloadEngine | None = None
+
+    def announce_release(self) -> None:
+        """A shard lock of this process was released: wake its threads waiting for one."""
+        with self.lock:
+            self.releases += 1
+            self.wake.notify_all()
+
+    def sleep_unless_released(self, seen: int, seconds: float) -> float:
+        """Sleep up to `seconds`, less if a lock is released (or was since `releases` was
+        `seen`); the seconds slept. Locks of other processes still take the whole poll."""
+        started = time.monotonic()
+        with self.lock:
+            if self.releases == seen:
+                self.wake.wait(seconds)
+        return time.monotonic() - started

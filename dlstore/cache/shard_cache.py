@@ -34,7 +34,10 @@ from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)
 
-_MAX_POLL_S = 0.05
+# Sleeps (first, longest) while another process holds a shard's lock, and while the cache has
+# no room: a release in this process ends them early (`_Runtime.sleep_unless_released`).
+_LOCK_POLL_S = (0.001, 0.05)
+_ROOM_POLL_S = (0.005, 0.1)
 
 
 class CacheFull(NoSpace):
@@ -166,6 +169,7 @@ class ShardCache:
             # No touch here: LRU goes by when a read started, so a shard just read is evicted
             # before the prefetched ones the reader has not reached yet.
             _release(fd)
+            rt.announce_release()  # room for a reservation waiting in this process, maybe
 
     def forget_sample_index(self, name: str) -> None:
         """Drop the kept sample index of shard `name` (a read through it failed: walked again)."""
@@ -389,12 +393,13 @@ class ShardCache:
         path = self._dir.shard_path(stem)
         fd = self._dir.open_lock(stem)
         deadline = time.monotonic() + self.config.wait_timeout_s
-        delay, waited, downloaded = 0.001, 0.0, False
+        delay, waited, downloaded = _LOCK_POLL_S[0], 0.0, False
         wanted: int | None = None  # held while a reader waits for another process's download
         if epoch is None:
             epoch = self._epoch_of(rt, spec.name)
         try:
             while True:
+                seen = rt.releases
                 if _try_flock(fd, fcntl.LOCK_SH):
                     if self._cached_state(path, spec, recheck and not downloaded) == "ok":
                         self._touch(path)
@@ -411,10 +416,12 @@ class ShardCache:
                         )
                         if fetched is None:
                             _release(fd)
+                            rt.announce_release()
                             return None
                         downloaded = downloaded or fetched
                         # EX -> SH is not atomic: an evictor may slip in, so loop and check.
                         fcntl.flock(fd, fcntl.LOCK_UN)
+                        rt.announce_release()
                         continue
                 # Another process holds it exclusively: downloading it, or evicting it. A reader
                 # says it waits, so that a prefetch of it there is widened (`reader_waits`).
@@ -425,12 +432,12 @@ class ShardCache:
                         f"waited {self.config.wait_timeout_s:.0f}s for shard {spec.name!r} in cache "
                         f"{self.config.cache_dir}: another process is still downloading or evicting it"
                     )
-                time.sleep(delay)
-                waited += delay
-                delay = min(delay * 2, _MAX_POLL_S)
+                waited += rt.sleep_unless_released(seen, delay)
+                delay = min(delay * 2, _LOCK_POLL_S[1])
         except BaseException:
             with contextlib.suppress(OSError):
                 _release(fd)
+            rt.announce_release()  # a failed download's lock: its waiters look again (and fetch it) now
             raise
         finally:
             if wanted is not None:
@@ -553,9 +560,10 @@ class ShardCache:
         the new temp file (descriptor, path). Waits for room up to `wait_timeout_s`, or
         returns None at once when not `wait`."""
         deadline = time.monotonic() + self.config.wait_timeout_s
-        delay, waited, evicted = 0.005, 0.0, 0
+        delay, waited, evicted = _ROOM_POLL_S[0], 0.0, 0
         try:
             while True:
+                seen = rt.releases
                 with self._dir.locked():
                     usage = self._dir.scan()
                     excess = usage.total + size - self.config.limit_bytes
@@ -575,9 +583,8 @@ class ShardCache:
                         f"are shards held by readers or downloads in flight, and shard {name!r} needs {size}; "
                         f"waited {waited:.1f}s. Raise the limit, or hold fewer shards at once."
                     )
-                time.sleep(delay)
-                waited += delay
-                delay = min(delay * 2, 0.1)
+                waited += rt.sleep_unless_released(seen, delay)
+                delay = min(delay * 2, _ROOM_POLL_S[1])
         finally:
             if evicted or waited:
                 self._count(rt, evictions=evicted, wait_time_s=waited)
