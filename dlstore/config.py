@@ -504,7 +504,11 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
         "split each epoch's first shuffle window into windows of 2, 4, ... shards: a cold cache's first step waits"
         " for the fewest shards that hold it, not for a whole window",
     ),
-    "fetch_parts": (int, "ranged GETs of one shard in flight at once, one connection each (default: the cache's)"),
+    "fetch_parts": (
+        int,
+        "ranged GETs of one shard in flight at once, one connection each; twice that for a shard"
+        " the readers wait for (default: the cache's)",
+    ),
     "fetch_shards": (int, "shards the cache's prefetch downloads at once (default: the cache's)"),
     "fetch_part_size": (str, "smallest ranged GET of a large shard, e.g. 16MiB (default: the cache's)"),
     "fetch_node_connections": (

@@ -92,12 +92,14 @@ def test_lists_that_move_on_tell_the_pace_how_far_the_readers_are():
     specs = [ShardSpec(f"shard-{i:02d}.tar", 10_000_000) for i in range(16)]
     caps = Concurrency(shards=1, parts=1)
     try:
-        start_prefetch(rt, specs[:6], depth=4, fetch=lambda spec, sooner: None, caps=caps)
-        start_prefetch(rt, specs[:6], depth=4, fetch=lambda spec, sooner: None, caps=caps)  # the same list
+        start_prefetch(rt, specs[:6], depth=4, fetch=lambda spec, sooner, priority: None, caps=caps)
+        start_prefetch(rt, specs[:6], depth=4, fetch=lambda spec, sooner, priority: None, caps=caps)  # the same list
         assert rt.pace.consumed_rate() is None
         for step in range(1, 5):
             time.sleep(0.05)
-            start_prefetch(rt, specs[2 * step : 2 * step + 6], depth=4, fetch=lambda spec, sooner: None, caps=caps)
+            start_prefetch(
+                rt, specs[2 * step : 2 * step + 6], depth=4, fetch=lambda spec, sooner, priority: None, caps=caps
+            )
         rate = rt.pace.consumed_rate()
         # 2 shards of 10 MB every 50+ ms: ~400 MB/s (the estimate counts the first step's shards too)
         assert rate is not None and 20e6 / 0.2 < rate < 2 * 20e6 / 0.05
@@ -107,23 +109,23 @@ def test_lists_that_move_on_tell_the_pace_how_far_the_readers_are():
 
 # -- the engine ------------------------------------------------------------------------------------
 def test_a_prefetch_runs_at_most_background_parts_until_a_reader_hurries_it(tmp_path):
-    """A prefetch (priority above 0) runs `background_parts` parts at once; a reader's shard
-    all of its own `parts_in_flight`; `hurry` makes the prefetch a reader's, at full width."""
+    """A prefetch (priority above 0) runs `background_parts` parts at once; a shard a reader
+    waits for twice its `parts_in_flight`; `hurry` makes the prefetch a reader's, as wide."""
     specs, contents = make_remote(tmp_path / "remote", [40_000, 40_000])
     store = PartStore(str(tmp_path / "remote"))
     store.gate.clear()  # every read started stays running: reads started = reads running
-    engine = DownloadEngine(connections=8)
+    engine = DownloadEngine(connections=16)
     engine.background_parts = 1
     files = [os.open(tmp_path / f"out-{i}", os.O_RDWR | os.O_CREAT) for i in range(2)]
     (prefetched, _, _), (wanted, _, _) = specs
     try:
         background = engine.start(store, prefetched, files[0], 40_000, priority=1, parts_in_flight=4, part_size=4096)
         urgent = engine.start(store, wanted, files[1], 40_000, priority=0, parts_in_flight=4, part_size=4096)
-        _wait_for(lambda: store.running >= 5)
-        assert (len(store.reads_of(prefetched)), len(store.reads_of(wanted))) == (1, 4)
+        _wait_for(lambda: store.running >= 9)
+        assert (len(store.reads_of(prefetched)), len(store.reads_of(wanted))) == (1, 8)
         engine.hurry(prefetched)
-        _wait_for(lambda: len(store.reads_of(prefetched)) >= 4)
-        assert (len(store.reads_of(prefetched)), len(store.reads_of(wanted))) == (4, 4)
+        _wait_for(lambda: len(store.reads_of(prefetched)) >= 8)
+        assert (len(store.reads_of(prefetched)), len(store.reads_of(wanted))) == (8, 8)
         store.gate.set()
         urgent.wait()
         background.wait()
@@ -169,12 +171,14 @@ def _gated_prefetch(tmp_path, background_parts: int):
 
 def test_a_prefetch_hurried_before_its_download_begins_begins_at_full_width(tmp_path):
     """A reader can reach a prefetched shard while its prefetch still reserves room, before
-    the download exists: the download then begins as a reader's (first, full width)."""
+    the download exists: the download then begins as a reader's (first, twice as wide as
+    its `parts_in_flight`)."""
     with _gated_prefetch(tmp_path, background_parts=1) as (engine, name, reads, start):
         engine.hurry(name)  # nothing to hurry yet
         start()
-        _wait_for(lambda: reads() >= 4)
-        assert reads() == 4
+        _wait_for(lambda: reads() >= 8)
+        time.sleep(0.1)
+        assert reads() == 8
 
 
 def test_a_hurry_holds_for_one_prefetch_of_the_object_only(tmp_path):

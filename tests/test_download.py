@@ -143,15 +143,16 @@ def test_a_shard_is_fetched_as_parallel_ranged_parts(tmp_path, parts_remote):
     thread = threading.Thread(target=lambda: fetched.setdefault("path", cache.fetch(*specs[0])))
     thread.start()
     deadline = time.monotonic() + 10
-    while store.running < 4 and time.monotonic() < deadline:
+    while store.running < 8 and time.monotonic() < deadline:
         time.sleep(0.01)
+    time.sleep(0.1)  # no more start
     store.gate.set()
     thread.join(10)
     name = specs[0][0]
     assert read(fetched["path"]) == contents[name]
     reads = store.reads_of(name)
     assert len(reads) == 13  # ceil(50,000 / 4096) parts, each read once
-    assert store.most_running == 4  # parts_in_flight
+    assert store.most_running == 8  # twice parts_in_flight: a reader waits for this shard
     starts = sorted(s for s, _ in reads)
     assert starts == list(range(0, 50_000, 4096))
     assert sorted(e for _, e in reads)[-1] == 50_001  # the last part asks one byte more
@@ -280,6 +281,28 @@ def test_processes_fetch_each_part_once_per_node(tmp_path):
     assert [c.exitcode for c in children] == [0] * 4
     reads = collections.Counter((tmp_path / "reads.log").read_text().split("\n")[:-1])
     assert set(reads.values()) == {1} and len(reads) == 4 * 8  # 8 parts a shard, each once on the node
+
+
+def test_the_shards_in_use_at_a_cold_start_download_as_a_readers(tmp_path, parts_remote):
+    """The prefetch list's lead (the shards the first batches read) is what the readers wait
+    for at a cold start: each runs twice `parts_in_flight` parts at once, as a reader's own
+    shard does, and the later shards wait for them."""
+    store, specs, contents = parts_remote([20_000] * 4)
+    store.gate.clear()
+    # 8 connections: room for both, 4 parts each, with the later shards held back
+    cache = ShardCache(parts_config(tmp_path, prefetch=3, shards_in_flight=3, parts_in_flight=2), store)
+    cache.prefetch(specs, lead=2)
+    deadline = time.monotonic() + 10
+    while store.running < 8 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # no more start
+    in_flight = collections.Counter(k for k, _, _ in store.reads)
+    store.gate.set()
+    assert in_flight == {specs[0][0]: 4, specs[1][0]: 4}
+    for spec in specs:
+        with cache.hold(*spec) as path:
+            assert read(path) == contents[spec[0]]
+    cache.close()
 
 
 def test_prefetch_keeps_several_shards_in_flight(tmp_path, parts_remote):

@@ -28,8 +28,11 @@ How it works, and why:
   `parts_in_flight`, or for a prefetch (priority above 0) at most `background_parts`, which
   the prefetch sets from its pace (`pace.PrefetchPace.concurrency`: a fast link and slow
   readers need few connections). The reader's shard (priority 0) goes before the
-  prefetch's, at full width; `hurry` makes a prefetch that a reader now waits for one.
-  Parts are cut for the full width either way, so a narrowed download can widen again.
+  prefetch's, on up to twice its `parts_in_flight` connections: at a cold start (the
+  prefetch gives the shards in use priority 0 too) a large shard's parts all run at once,
+  on connections the prefetch does not use before those shards are in. `hurry` makes a
+  prefetch that a reader now waits for one. Parts are cut for `parts_in_flight` either
+  way, so a narrowed download can widen again.
 * **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes
   from the next byte after a cut, and whose retry budget starts again after any attempt
   that moved bytes (`storage.retry.ProgressRetry`).
@@ -97,6 +100,8 @@ _SLOT_RECHECK_S = 1.0
 #: How often a download's waiting thread looks whether a reader of another process waits for it.
 _POLL_S = 0.1
 
+#: A download that readers wait for runs this many times its `parts_in_flight` parts at once.
+_URGENT_WIDTH = 2
 #: Objects `hurry` remembers, for downloads of them that begin after it was called.
 _HURRIED_KEPT = 64
 
@@ -341,7 +346,7 @@ class DownloadEngine:
             download.order = (priority, next(self._arrivals))
             self._downloads.append(download)
             self._downloads.sort(key=lambda d: d.order)
-            self._spawn(min(parts_in_flight, self.connections))
+            self._spawn(self._width(download))
             self._work.notify_all()
         return download
 
@@ -379,7 +384,7 @@ class DownloadEngine:
                 download.order = (0, download.order[1])
             if hurried:
                 self._downloads.sort(key=lambda d: d.order)
-                self._spawn(max(d.parts_in_flight for d in hurried))
+                self._spawn(max(self._width(d) for d in hurried))
                 self._work.notify_all()
 
     def close(self) -> None:
@@ -432,8 +437,13 @@ class DownloadEngine:
         return download, part
 
     def _width(self, download: Download) -> int:
-        """Parts of `download` that may run at once: a prefetch's as its pace allows."""
-        if download.order[0] == 0 or self.background_parts is None:
+        """Parts of `download` that may run at once: a prefetch's as its pace allows; one that
+        readers wait for (priority 0) twice its `parts_in_flight`: at a cold start the shards
+        in use have all their parts in flight (a default 256 MB shard is 16 parts of 16 MB),
+        beside the prefetch's, which waits for them (`_URGENT_WIDTH`)."""
+        if download.order[0] == 0:
+            return _URGENT_WIDTH * download.parts_in_flight
+        if self.background_parts is None:
             return download.parts_in_flight
         return max(1, min(download.parts_in_flight, self.background_parts))
 

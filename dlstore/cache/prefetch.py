@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 _PACE_RECHECK_S = 0.25
 
-#: Fetch a shard for the prefetch: (shard, the shards its eviction must spare) -> the shard's
-#: lock descriptor held shared, or None when there is no room for it now.
-PrefetchFetch = Callable[[ShardSpec, frozenset[str]], "int | None"]
+#: Fetch a shard for the prefetch: (shard, the shards its eviction must spare, its download's
+#: priority) -> the shard's lock descriptor held shared, or None when there is no room for it now.
+PrefetchFetch = Callable[[ShardSpec, frozenset[str], int], "int | None"]
 
 
 def start_prefetch(
@@ -173,6 +173,15 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
     return None
 
 
+def _priority(rt: _Runtime, spec: ShardSpec, sooner: frozenset[str]) -> int:
+    """A lead shard's download is a reader's (0: readers wait for the shards in use now, as at a
+    cold start: it goes first, on twice a prefetch's connections); a later one's is 1 + the
+    shards before it in the window, so sooner ones go first."""
+    if any(s.name == spec.name for s in rt.upcoming[rt.position : rt.lead]):
+        return 0
+    return 1 + len(sooner)
+
+
 def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> None:
     while True:
         with rt.lock:
@@ -185,9 +194,10 @@ def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> Non
             generation = rt.generation
             spec, sooner = job
             rt.active.add(spec.name)
+            priority = _priority(rt, spec, sooner)
         error: Exception | None = None
         try:
-            fd = fetch(spec, sooner)
+            fd = fetch(spec, sooner, priority)
         except Exception as exc:  # kept for the reader: raised when it reaches this shard
             log.warning("prefetch of shard %r failed: %s: %s", spec.name, type(exc).__name__, exc)
             fd, error = None, exc

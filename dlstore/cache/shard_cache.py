@@ -217,10 +217,9 @@ class ShardCache:
             rt,
             specs,
             depth if depth is not None else self.config.prefetch,
-            # Sooner shards download first: priority 1 + their place in the window (the reader's own
-            # is 0). The threads keep this function: the epoch is read when a shard is fetched.
-            lambda spec, sooner: self._acquire(
-                rt, spec, protect=sooner, prefetching=True, priority=1 + len(sooner), epoch=rt.prefetch_epoch
+            # The threads keep this function: the epoch is read when a shard is fetched.
+            lambda spec, sooner, priority: self._acquire(
+                rt, spec, protect=sooner, prefetching=True, priority=priority, epoch=rt.prefetch_epoch
             ),
             Concurrency(self.config.shards_in_flight, self.config.parts_in_flight),
             lead,
