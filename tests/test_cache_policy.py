@@ -179,6 +179,21 @@ def test_a_hint_file_goes_with_its_cache(tmp_path):
     assert os.listdir(os.path.join(directory, HINTS_DIR)) == []
 
 
+def test_a_closed_cache_withdraws_its_hints_and_a_new_hint_writes_them_again(tmp_path):
+    """`close()` removes the hint file and its descriptor (other processes would evict by the
+    order of a reader that has stopped); hinting again afterwards writes a new one."""
+    cache, specs = open_cache(tmp_path, shards_held=3)
+    cache.hint(names(specs, 0, 1))
+    (path,) = hint_files(cache)
+    descriptors = len(os.listdir("/proc/self/fd"))
+    cache.close()
+    assert hint_files(cache) == []
+    assert len(os.listdir("/proc/self/fd")) == descriptors - 1
+    cache.hint(names(specs, 1, 2))
+    assert len(hint_files(cache)) == 1
+    cache.close()
+
+
 # -- end to end: Dataset + Loader, the dataset twice the cache ---------------------------------------
 def test_a_cache_holding_half_the_data_fetches_half_of_it_per_epoch(tmp_path):
     """One rank, 48 shards, the cache limit at half the dataset, three epochs through the real

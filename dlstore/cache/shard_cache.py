@@ -257,7 +257,8 @@ class ShardCache:
 
     def close(self) -> None:
         """Stop the prefetch threads (after their current downloads), let the download
-        workers end, and record the counters."""
+        workers end, record the counters, and withdraw this process's hints (their file and
+        descriptor: other processes would evict by a closed reader's order)."""
         rt = self._rt
         if rt is None or rt.pid != os.getpid():
             return
@@ -265,6 +266,9 @@ class ShardCache:
         if rt.engine is not None:
             rt.engine.close()
         self._flush(rt, force=True)
+        if self._hints is not None and self._hints.pid == os.getpid():
+            self._hints.close()
+            self._hints = None
 
     # -- per-process state -------------------------------------------------------------------------
     def _runtime(self) -> _Runtime:
