@@ -506,8 +506,8 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     ),
     "fetch_parts": (
         int,
-        "ranged GETs of one shard in flight at once, one connection each; twice that for a shard"
-        " the readers wait for (default: the cache's)",
+        "ranged GETs of one shard in flight at once, one connection each; twice that for the shards"
+        " a cold start waits for (default: the cache's)",
     ),
     "fetch_shards": (int, "shards the cache's prefetch downloads at once (default: the cache's)"),
     "fetch_part_size": (str, "smallest ranged GET of a large shard, e.g. 16MiB (default: the cache's)"),

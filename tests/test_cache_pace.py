@@ -138,6 +138,31 @@ def test_a_prefetch_runs_at_most_background_parts_until_a_reader_hurries_it(tmp_
         engine.close()
 
 
+def test_a_readers_shard_is_twice_as_wide_only_until_the_link_is_measured(tmp_path):
+    """The doubled width of a shard readers wait for is a cold start's: once a part has
+    measured the link, such a shard runs its `parts_in_flight`."""
+    specs, contents = make_remote(tmp_path / "remote", [1_000_000])
+    ((name, size, _),) = specs
+    store = PartStore(str(tmp_path / "remote"))
+    store.gate.clear()
+    engine = DownloadEngine(connections=16)
+    # As a finished part would: a round trip so short that the parts stay small (64 KiB: 16 of them)
+    engine.link.add(first_byte_s=1e-5, nbytes=4 * 2**20, transfer_s=0.1)
+    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
+    try:
+        download = engine.start(store, name, fd, size, priority=0, parts_in_flight=4, part_size=4096)
+        _wait_for(lambda: store.running >= 4)
+        time.sleep(0.1)
+        assert len(store.reads_of(name)) == 4
+        store.gate.set()
+        download.wait()
+        assert os.pread(fd, size, 0) == contents[name]
+    finally:
+        store.gate.set()
+        os.close(fd)
+        engine.close()
+
+
 @contextlib.contextmanager
 def _gated_prefetch(tmp_path, background_parts: int):
     """An engine narrowed to `background_parts` and a one-object store whose reads stay

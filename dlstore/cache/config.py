@@ -44,10 +44,10 @@ class CacheConfig:
     bring the window in at twice the rate the readers reach it, given the rate one
     connection gets, on as few shards as hold them (`dlstore.cache.pace`): a fast link and
     slow readers need a connection or two, not 32 sockets on the store. Both are caps, never
-    exceeded. A shard the readers wait for (their own, the shards in use at a cold start, a
-    prefetched one a reader reaches while it is in flight) may use twice `parts_in_flight`: a
-    256 MB shard's 16 parts at once, so that a cold start's first batch waits for fewer
-    round trips of part size over a connection's share of the link. A process opens at most
+    exceeded. A shard the readers wait for (their own, the shards in use, a prefetched one a
+    reader reaches while it is in flight) gets `parts_in_flight`, twice that at a cold start
+    (before the process has measured its link): a 256 MB shard's 16 parts at once, so that
+    the first batch waits for fewer round trips of a part over a connection's share. A process opens at most
     `parts_in_flight * (shards_in_flight + 1)` connections (room for the reader's own download
     beside the prefetch's); the reader's shard goes first.
 

@@ -28,11 +28,11 @@ How it works, and why:
   `parts_in_flight`, or for a prefetch (priority above 0) at most `background_parts`, which
   the prefetch sets from its pace (`pace.PrefetchPace.concurrency`: a fast link and slow
   readers need few connections). The reader's shard (priority 0) goes before the
-  prefetch's, on up to twice its `parts_in_flight` connections: at a cold start (the
-  prefetch gives the shards in use priority 0 too) a large shard's parts all run at once,
-  on connections the prefetch does not use before those shards are in. `hurry` makes a
-  prefetch that a reader now waits for one. Parts are cut for `parts_in_flight` either
-  way, so a narrowed download can widen again.
+  prefetch's, on its `parts_in_flight` connections, twice that at a cold start (before a
+  rate is measured; the prefetch gives the shards in use priority 0 too): a large shard's
+  parts then all run at once, on connections the prefetch does not use before those
+  shards are in. `hurry` makes a prefetch that a reader now waits for one. Parts are cut
+  for `parts_in_flight` either way, so a narrowed download can widen again.
 * **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes
   from the next byte after a cut, and whose retry budget starts again after any attempt
   that moved bytes (`storage.retry.ProgressRetry`).
@@ -100,8 +100,8 @@ _SLOT_RECHECK_S = 1.0
 #: How often a download's waiting thread looks whether a reader of another process waits for it.
 _POLL_S = 0.1
 
-#: A download that readers wait for runs this many times its `parts_in_flight` parts at once.
-_URGENT_WIDTH = 2
+#: At a cold start, a download that readers wait for runs this many times its `parts_in_flight`.
+_COLD_START_WIDTH = 2
 #: Objects `hurry` remembers, for downloads of them that begin after it was called.
 _HURRIED_KEPT = 64
 
@@ -438,11 +438,14 @@ class DownloadEngine:
 
     def _width(self, download: Download) -> int:
         """Parts of `download` that may run at once: a prefetch's as its pace allows; one that
-        readers wait for (priority 0) twice its `parts_in_flight`: at a cold start the shards
-        in use have all their parts in flight (a default 256 MB shard is 16 parts of 16 MB),
-        beside the prefetch's, which waits for them (`_URGENT_WIDTH`)."""
+        readers wait for (priority 0) its `parts_in_flight`, twice that at a cold start (no
+        rate measured yet): the shards in use then have all their parts in flight (a default
+        256 MB shard is 16 parts of 16 MB) while the prefetch waits for them. Later, the
+        connections' CPU (threads taking the GIL for every receive) costs the readers more
+        than the width gains them."""
         if download.order[0] == 0:
-            return _URGENT_WIDTH * download.parts_in_flight
+            cold = self.link.rate is None
+            return download.parts_in_flight * (_COLD_START_WIDTH if cold else 1)
         if self.background_parts is None:
             return download.parts_in_flight
         return max(1, min(download.parts_in_flight, self.background_parts))

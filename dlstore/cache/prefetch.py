@@ -175,7 +175,7 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
 
 def _priority(rt: _Runtime, spec: ShardSpec, sooner: frozenset[str]) -> int:
     """A lead shard's download is a reader's (0: readers wait for the shards in use now, as at a
-    cold start: it goes first, on twice a prefetch's connections); a later one's is 1 + the
+    cold start: it goes first, at full width); a later one's is 1 + the
     shards before it in the window, so sooner ones go first."""
     if any(s.name == spec.name for s in rt.upcoming[rt.position : rt.lead]):
         return 0
