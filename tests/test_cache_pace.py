@@ -138,39 +138,14 @@ def test_a_prefetch_runs_at_most_background_parts_until_a_reader_hurries_it(tmp_
         engine.close()
 
 
-def test_a_readers_shard_is_twice_as_wide_only_until_the_link_is_measured(tmp_path):
-    """The doubled width of a shard readers wait for is a cold start's: once a part has
-    measured the link, such a shard runs its `parts_in_flight`."""
-    specs, contents = make_remote(tmp_path / "remote", [1_000_000])
-    ((name, size, _),) = specs
-    store = PartStore(str(tmp_path / "remote"))
-    store.gate.clear()
-    engine = DownloadEngine(connections=16)
-    # As a finished part would: a round trip so short that the parts stay small (64 KiB: 16 of them)
-    engine.link.add(first_byte_s=1e-5, nbytes=4 * 2**20, transfer_s=0.1)
-    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT)
-    try:
-        download = engine.start(store, name, fd, size, priority=0, parts_in_flight=4, part_size=4096)
-        _wait_for(lambda: store.running >= 4)
-        time.sleep(0.1)
-        assert len(store.reads_of(name)) == 4
-        store.gate.set()
-        download.wait()
-        assert os.pread(fd, size, 0) == contents[name]
-    finally:
-        store.gate.set()
-        os.close(fd)
-        engine.close()
-
-
 @contextlib.contextmanager
-def _gated_prefetch(tmp_path, background_parts: int):
+def _gated_prefetch(tmp_path, background_parts: int, size: int = 40_000, priority: int = 1):
     """An engine narrowed to `background_parts` and a one-object store whose reads stay
     running until its gate opens (reads started = reads running); yields (engine, the object's
-    name, its reads so far, start), `start()` beginning its download as a prefetch 4 parts
-    wide. On leaving,
+    name, its reads so far, start), `start()` beginning its download at `priority` (a
+    prefetch by default), 4 parts wide. On leaving,
     the gate opens and the download must bring the object whole."""
-    specs, contents = make_remote(tmp_path / "remote", [40_000])
+    specs, contents = make_remote(tmp_path / "remote", [size])
     ((name, size, _),) = specs
     store = PartStore(str(tmp_path / "remote"))
     store.gate.clear()
@@ -180,7 +155,7 @@ def _gated_prefetch(tmp_path, background_parts: int):
     downloads = []
 
     def start():
-        downloads.append(engine.start(store, name, fd, size, priority=1, parts_in_flight=4, part_size=4096))
+        downloads.append(engine.start(store, name, fd, size, priority=priority, parts_in_flight=4, part_size=4096))
 
     try:
         yield engine, name, lambda: len(store.reads_of(name)), start
@@ -204,6 +179,18 @@ def test_a_prefetch_hurried_before_its_download_begins_begins_at_full_width(tmp_
         _wait_for(lambda: reads() >= 8)
         time.sleep(0.1)
         assert reads() == 8
+
+
+def test_a_readers_shard_is_twice_as_wide_only_until_the_link_is_measured(tmp_path):
+    """The doubled width of a shard readers wait for is a cold start's: once a part has
+    measured the link, such a shard runs its `parts_in_flight`."""
+    with _gated_prefetch(tmp_path, background_parts=1, size=1_000_000, priority=0) as (engine, _, reads, start):
+        # As a finished part would: a round trip so short that the parts stay small (64 KiB: 16 of them)
+        engine.link.add(first_byte_s=1e-5, nbytes=4 * 2**20, transfer_s=0.1)
+        start()
+        _wait_for(lambda: reads() >= 4)
+        time.sleep(0.1)
+        assert reads() == 4
 
 
 def test_a_hurry_holds_for_one_prefetch_of_the_object_only(tmp_path):
