@@ -491,6 +491,31 @@ def test_a_download_waiting_for_room_wakes_when_a_reader_lets_go(tmp_path, monke
     cache.close()
 
 
+def test_prefetch_threads_without_room_do_not_wake_each_other(tmp_path, monkeypatch):
+    """Two prefetch threads with no room (the reader holds the one shard that fits) try again
+    when a reader lets go or their wait ends, not each time the other gives up: a refusal
+    announced as a release would have them wake each other in a busy loop."""
+    specs, _ = make_remote(tmp_path / "remote", [8000] * 4)
+    cache = ShardCache(
+        config(tmp_path, STATS_FILE_BYTES + 12_000, prefetch=3, shards_in_flight=2),
+        LocalStore(str(tmp_path / "remote")),
+    )
+    tries = collections.Counter()
+    original = ShardCache._reserve
+
+    def counted(self, rt, name, *args, **kwargs):
+        tries[name] += 1
+        return original(self, rt, name, *args, **kwargs)
+
+    monkeypatch.setattr(ShardCache, "_reserve", counted)
+    with cache.hold(*specs[0]):
+        cache.prefetch(specs[1:])
+        time.sleep(1.0)
+    cache.close()
+    # Each thread tries again every 0.2 s at most: some ten tries in the second, not thousands.
+    assert 2 <= sum(tries.values()) <= 40, tries
+
+
 def _read_with_prefetch(cache, specs, seed, rounds):
     rng = random.Random(seed)
     order = [rng.choice(specs) for _ in range(rounds)]

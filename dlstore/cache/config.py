@@ -47,9 +47,9 @@ class CacheConfig:
     exceeded. A shard the readers wait for (their own, the shards in use, a prefetched one a
     reader reaches while it is in flight) gets `parts_in_flight`, twice that at a cold start
     (before the process has measured its link): a 256 MB shard's 16 parts at once, so that
-    the first batch waits for fewer round trips of a part over a connection's share. A process opens at most
-    `parts_in_flight * (shards_in_flight + 1)` connections (room for the reader's own download
-    beside the prefetch's); the reader's shard goes first.
+    the first batch waits for fewer round trips of a part over a connection's share. A
+    process opens at most `parts_in_flight * (shards_in_flight + 1)` connections (room for
+    the reader's own download beside the prefetch's); the reader's shard goes first.
 
     `node_connections` caps the connections of all the processes sharing the directory
     together (`dlstore.cache.slots`: each GET holds one of that many slot files; 0: no cap).

@@ -20,7 +20,7 @@ class _Runtime:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        # Shard locks this process released (`ShardCache._announce`): its threads that wait for
+        # Shard locks this process released (`announce_release`): its threads that wait for
         # one (a reader polling another thread's download, a reservation waiting for room) wake
         # on `wake` when this moves, not at the end of their poll interval.
         self.releases = 0

@@ -418,8 +418,9 @@ class ShardCache:
                             rt, spec, stem, path, recheck and not downloaded, protect, prefetching, priority, epoch
                         )
                         if fetched is None:
+                            # No announcement: it would wake the other prefetch threads without
+                            # room, which would wake this one, and so on (a reader polls this lock).
                             _release(fd)
-                            rt.announce_release()
                             return None
                         downloaded = downloaded or fetched
                         # EX -> SH is not atomic: an evictor may slip in, so loop and check.
