@@ -175,8 +175,9 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
 
 def _priority(rt: _Runtime, spec: ShardSpec, sooner: frozenset[str]) -> int:
     """A lead shard's download is a reader's (0: readers wait for the shards in use now, as at a
-    cold start: it goes first, at full width); a later one's is 1 + the
-    shards before it in the window, so sooner ones go first."""
+    cold start: it goes first, as wide as a reader's, `DownloadEngine._width`); a later one's
+    is 1 + the shards before it in the window, so sooner ones go first. The prefetch threads
+    share `rt.wake` with the readers' waits: a shard let go wakes them too, to look for room."""
     if any(s.name == spec.name for s in rt.upcoming[rt.position : rt.lead]):
         return 0
     return 1 + len(sooner)
