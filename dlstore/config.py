@@ -329,6 +329,7 @@ def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
 
 
 _DECODE_ON = ("worker", "device")
+DEVICE_DECODERS = ("torchvision", "nvimgcodec")  # `dlstore.transforms.device_jpeg_decoder`
 _ON_CORRUPT = ("skip", "raise")
 
 
@@ -354,6 +355,7 @@ class DataConfig:
     transform: str | TransformConfig = "train"
     image_size: int | None = None
     decode_on: str = "worker"
+    device_decoder: str = "torchvision"
     batch_size: int = 256
     seed: int = 0
     drop_last: bool = False
@@ -387,6 +389,8 @@ class DataConfig:
         object.__setattr__(self, "cache_limit", parse_size(self.cache_limit))
         if self.decode_on not in _DECODE_ON:
             raise ConfigError(f"decode_on must be one of {_DECODE_ON}, not {self.decode_on!r}")
+        if self.device_decoder not in DEVICE_DECODERS:
+            raise ConfigError(f"device_decoder must be one of {DEVICE_DECODERS}, not {self.device_decoder!r}")
         if self.on_corrupt not in _ON_CORRUPT:
             raise ConfigError("on_corrupt must be 'skip' or 'raise'")
         for name in ("batch_size", "shuffle_window"):
@@ -497,6 +501,11 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     "transform": (str, "augmentation preset: train (random resized crop + flip), eval (centre crop) or none"),
     "image_size": (int, "image resolution (the final one under progressive resizing)"),
     "decode_on": (str, "where JPEGs are decoded: worker (CPU) or device (nvJPEG on the GPU)"),
+    "device_decoder": (
+        str,
+        "with --decode-on device: torchvision (nvJPEG) or nvimgcodec (nvImageCodec, the GPU's hardware JPEG"
+        " engines where it has them; pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg)",
+    ),
     "seed": (int, "seed for data order and augmentation (and the trainer's weights)"),
     "shuffle_window": (int, "shards whose samples are mixed together; more mixes more and caches more"),
     "window_ramp": (

@@ -12,6 +12,7 @@ uninterrupted one would have, whatever the worker count.
 
 from __future__ import annotations
 
+import importlib
 import io
 import math
 import threading
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from dlstore.config import TransformConfig
+from dlstore.config import DEVICE_DECODERS, TransformConfig
 from dlstore.errors import CorruptSample
 
 try:  # libjpeg-turbo through simplejpeg: ~1.2x Pillow's JPEG decode here
@@ -38,6 +39,10 @@ __all__ = [
     "jpeg_frame",
     "decode_on_device",
     "device_jpeg",
+    "device_jpeg_decoder",
+    "DEVICE_DECODERS",
+    "NvImageCodecJpegDecoder",
+    "TorchvisionJpegDecoder",
     "TransformConfig",
     "augment_image",
     "CropSource",
@@ -190,23 +195,156 @@ def _device_decodes(marker: int, precision: int, width: int, height: int, sampli
     return len(chroma) == 2 and luma in _DEVICE_LUMA_SAMPLING and chroma == [(1, 1), (1, 1)]
 
 
-def decode_on_device(encoded, boxes, image_size: int, device):
-    """Decode JPEGs on `device` (nvJPEG on CUDA, batched) and crop, resize and flip them by
-    `boxes` rows `(left, top, right, bottom, flip)`; uint8 NHWC out, as the CPU path gives,
-    and the positions of the JPEGs that did not decode (left out of the output).
+def decode_on_device(encoded, boxes, image_size: int, device, decoder: DeviceJpegDecoder | None = None):
+    """Decode JPEGs on `device` (batched, by `decoder`: torchvision's nvJPEG unless given) and
+    crop, resize and flip them by `boxes` rows `(left, top, right, bottom, flip)`; uint8 NHWC
+    out, as the CPU path gives, and the positions of the JPEGs that did not decode (left out of
+    the output).
 
     Decode is most of a sample's CPU cost; on a GPU node with few cores per GPU moving it to
     the device is what lets the loader keep up."""
     import torch  # loaded on first use, as torchvision below: not needed to decode on the CPU
 
     device = torch.device(device)
-    images, bad = _decode_all(list(encoded), device)
+    decoder = decoder if decoder is not None else TorchvisionJpegDecoder(device)
+    images, bad = decoder.decode(list(encoded))
     if bad:
         boxes = boxes[[i for i in range(len(encoded)) if i not in bad]]
     out = torch.empty((len(images), image_size, image_size, 3), dtype=torch.uint8, device=device)
-    for start, end in _resample_chunks([image.shape[1:] for image in images], image_size):
-        _resample_chunk(images[start:end], boxes[start:end], out[start:end])
+    shapes = [tuple(image.shape[1:]) for image in images]
+    chunks = list(_resample_chunks(shapes, image_size))
+    groups = [_shape_groups(shapes[start:end]) for start, end in chunks]
+    # All that the weights are made of, in one copy to the device: a copy from pageable memory
+    # waits for the work queued on the stream, and one per chunk made this thread wait for the
+    # GPU (under a training load, behind the model's kernels) several times a batch.
+    order = [start + i for (start, _), chunk in zip(chunks, groups) for members in chunk.values() for i in members]
+    table = torch.cat(
+        [boxes.to(torch.float64).reshape(-1, 5), torch.tensor(shapes, dtype=torch.float64).reshape(-1, 2),
+         torch.tensor(order, dtype=torch.float64)[:, None]],
+        dim=1,
+    )  # fmt: skip
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    for (start, end), chunk in zip(chunks, groups):
+        _resample_chunk(images[start:end], table[start:end], chunk, out[start:end])
+    decoder.done_with(images)
     return out, bad
+
+
+class TorchvisionJpegDecoder:
+    """nvJPEG through torchvision, batched (on a CPU device torchvision's CPU decoder, which
+    the tests use as a stand-in).
+
+    torchvision's CUDA decoder allocates its outputs on the current stream but writes them
+    from a stream of its own, without waiting: memory freed on the current stream while
+    queued kernels still read it (the last batch's images, the resize's temporaries) could be
+    overwritten. So it decodes with a stream of this decoder's own current, whose memory
+    nothing else frees, and the images are marked as used by the caller's stream
+    (`record_stream`): no wait for the GPU before each decode (under a training load, that
+    wait was behind the model's kernels)."""
+
+    name = "torchvision"
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        self.stream = None  # made at the first decode, on the device then current
+
+    def decode(self, encoded: list) -> tuple[list, list[int]]:
+        """(3, h, w) uint8 images of the JPEGs (uint8 tensors) that decode, and the positions of
+        those that do not."""
+        import torch
+
+        if self.device.type != "cuda":
+            return _decode_all(encoded, self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        caller = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            images, bad = _decode_all(encoded, self.device)  # ready when it returns
+        for image in images:
+            image.record_stream(caller)
+        return images, bad
+
+    def done_with(self, images: list) -> None:
+        """Nothing to keep: torch's allocator holds the images until the caller's stream is done."""
+
+
+class NvImageCodecJpegDecoder:
+    """nvImageCodec (`pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg`), batched. On GPUs
+    with JPEG engines (A100, H100, H200) it decodes there rather than on the SMs the model
+    trains on, and it releases the GIL while it decodes; JPEGs the engines do not take go to
+    its hybrid decoder (Huffman on the CPU, the rest on the GPU). Made once per loader:
+    making one starts its threads and streams."""
+
+    name = "nvimgcodec"
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"nvImageCodec decodes on a CUDA device, not {self.device}")
+        nvimgcodec = importlib.import_module("nvidia.nvimgcodec")  # ImportError where it is not installed
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)  # the decoding thread may have another current device
+        kinds = (nvimgcodec.BackendKind.HW_GPU_ONLY, nvimgcodec.BackendKind.HYBRID_CPU_GPU)
+        self.codec = nvimgcodec
+        self.decoder = nvimgcodec.Decoder(device_id=index, backends=[nvimgcodec.Backend(kind) for kind in kinds])
+        # As torchvision and the CPU path: RGB, EXIF orientation not applied.
+        self.params = nvimgcodec.DecodeParams(
+            apply_exif_orientation=False,
+            color_spec=nvimgcodec.ColorSpec.SRGB,
+            sample_format=nvimgcodec.SampleFormat.I_RGB,
+        )
+        # Decoded batches whose memory queued kernels may still read: (event, images).
+        self._in_use: list[tuple] = []
+
+    def decode(self, encoded: list) -> tuple[list, list[int]]:
+        import torch
+
+        stream = torch.cuda.current_stream(self.device)
+        sources = [self.codec.CodeStream(part.numpy()) for part in encoded]
+        decoded = self.decoder.decode(sources, params=self.params, cuda_stream=stream.cuda_stream)
+        bad = [i for i, image in enumerate(decoded) if image is None]
+        images = [image for image in decoded if image is not None]
+        # The images are ready on the stream they name; ours waits for it (no host wait).
+        for other in {image.cuda_stream for image in images} - {0, stream.cuda_stream}:
+            stream.wait_stream(torch.cuda.ExternalStream(other, device=self.device))
+        self._in_use = [(event, kept) for event, kept in self._in_use if not event.query()]
+        return [torch.as_tensor(image, device=self.device).permute(2, 0, 1) for image in images], bad
+
+    def done_with(self, images: list) -> None:
+        """Keep `images` until the kernels queued on this stream that read them have run: their
+        memory is nvImageCodec's, which torch's allocator does not track (`record_stream`)."""
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._in_use.append((event, images))
+
+
+DeviceJpegDecoder = TorchvisionJpegDecoder | NvImageCodecJpegDecoder
+
+
+def device_jpeg_decoder(name: str, device) -> DeviceJpegDecoder:
+    """The JPEG decoder of `decode_on="device"` (`DataConfig.device_decoder`): "torchvision"
+    (nvJPEG on the SMs) or "nvimgcodec" (the GPU's JPEG engines where it has them).
+
+    Why torchvision by default: on an H200, nvImageCodec's engines decoded 256 JPEGs of 500x375
+    as fast as nvJPEG on the SMs (16,600 and 17,100 img/s alone) and released the GIL, yet
+    ResNet-50 fed by it (tools/bench_gpu.py) trained no faster, and slower with images stored at
+    341 px (0.82 of synthetic against 0.89-0.90)."""
+    if name not in DEVICE_DECODERS:
+        raise ValueError(f"device_decoder must be one of {DEVICE_DECODERS}, not {name!r}")
+    if name == "torchvision":
+        return TorchvisionJpegDecoder(device)
+    try:
+        return NvImageCodecJpegDecoder(device)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"device_decoder='nvimgcodec' cannot decode on {device}: {exc}") from exc
 
 
 def _decode_all(encoded: list, device, first: int = 0) -> tuple[list, list[int]]:
@@ -244,64 +382,72 @@ def _resample_chunks(shapes: list, size: int, budget: int = _RESAMPLE_FLOATS):
         yield start, len(shapes)
 
 
-def _resample_chunk(images: list, boxes, out) -> None:
-    """Crop, resize and flip `images` ((3, h, w) uint8) by `boxes` rows into `out` (uint8 NHWC).
+def _shape_groups(shapes: list) -> dict[tuple, list[int]]:
+    """Positions of `shapes` by shape, in first-seen order: the images of one decoded size go
+    through one batched product."""
+    groups: dict[tuple, list[int]] = {}
+    for i, shape in enumerate(shapes):
+        groups.setdefault(shape, []).append(i)
+    return groups
+
+
+def _resample_chunk(images: list, table, groups: dict[tuple, list[int]], out) -> None:
+    """Crop, resize and flip `images` ((3, h, w) uint8) into `out` (uint8 NHWC) by the rows of
+    `table` on the device: `(left, top, right, bottom, flip, height, width, order)`, where
+    `order` lists the chunk's positions (from the batch's first) group by group of `groups`.
 
     Each output is `rows @ image @ columns.T`: `_triangle_weights` matrices that use the box
     exactly (fractional, as Pillow's `resize(box=...)` does) and put a flip in the columns'
     order. Images of one decoded size go through as one batched product; the weights of the
-    whole chunk are made in a few operations: a handful of kernels per batch and per size,
-    not a chain per image, and no crop or flip rounded to whole pixels."""
+    whole chunk are made on the device in a few operations: a handful of kernels per chunk
+    and per size, not a chain per image, no crop or flip rounded to whole pixels, and
+    nothing that makes the host wait for the GPU."""
     import torch
 
     size = out.shape[1]
-    shapes = [tuple(image.shape[1:]) for image in images]
-    boxes = boxes.to(torch.float64)
-    rows = _triangle_weights(boxes[:, 1], boxes[:, 3], [h for h, _ in shapes], size, None, out.device)
-    columns = _triangle_weights(boxes[:, 0], boxes[:, 2], [w for _, w in shapes], size, boxes[:, 4] > 0, out.device)
+    tallest, widest = max(shape[0] for shape in groups), max(shape[1] for shape in groups)
+    rows = _triangle_weights(table[:, 1], table[:, 3], table[:, 5], tallest, size, None)
+    columns = _triangle_weights(table[:, 0], table[:, 2], table[:, 6], widest, size, table[:, 4] > 0)
     resampled = torch.empty((len(images), 3, size, size), dtype=torch.float32, device=out.device)
-    by_shape: dict[tuple, list[int]] = {}
-    for i, shape in enumerate(shapes):
-        by_shape.setdefault(shape, []).append(i)
-    # Every group's positions in one upload (a copy from pageable memory waits for the stream).
-    order = torch.tensor([i for members in by_shape.values() for i in members], device=out.device)
+    # The chunk's own positions, group after group.
+    order = table[:, 7].long() - table[0, 7].long() if len(groups) > 1 else None
     start = 0
-    for (height, width), members in by_shape.items():
-        index, start = order[start : start + len(members)], start + len(members)
+    for (height, width), members in groups.items():
         if len(members) == 1:
             i = members[0]
             torch.matmul(rows[i, :, :height] @ images[i].float(), columns[i, :, :width].T, out=resampled[i])
-            continue
-        stack = torch.stack([images[i] for i in members]).float()
-        product = rows[index, None, :, :height] @ stack @ columns[index, None, :, :width].transpose(-1, -2)
-        resampled.index_copy_(0, index, product)
+        else:
+            index = order[start : start + len(members)] if order is not None else slice(None)
+            stack = torch.stack([images[i] for i in members]).float()
+            product = rows[index, None, :, :height] @ stack @ columns[index, None, :, :width].transpose(-1, -2)
+            if order is None:
+                resampled.copy_(product)
+            else:
+                resampled.index_copy_(0, index, product)
+        start += len(members)
     # Under TF32 matmuls (the trainer allows them) a pixel may round one level off.
     out.copy_(resampled.round_().clamp_(0, 255).permute(0, 2, 3, 1))
 
 
-def _triangle_weights(starts, ends, lengths: list[int], size: int, flips, device):
-    """Resampling weights (n, size, max(lengths)) along one axis: output pixel i of a box from
+def _triangle_weights(starts, ends, lengths, longest: int, size: int, flips):
+    """Resampling weights (n, size, `longest`) along one axis: output pixel i of a box from
     `start` to `end` takes source point `start + (i + 0.5) * scale` (pixel edges at integers;
     `scale` = source pixels per output pixel), through Pillow's bilinear filter, a triangle of
     half-width max(scale, 1): interpolation when enlarging, antialiasing when shrinking. Rows
-    are normalised over the image's own pixels (as Pillow does at edges); `flips` reverses the
-    rows of flipped boxes. Made on the host per output pixel, on the device per weight."""
+    are normalised over the image's own `lengths` of pixels (as Pillow does at edges); `flips`
+    reverses the rows of flipped boxes. Made where the boxes are, positions in float64."""
     import torch
 
+    device = starts.device
     scale = (ends - starts) / size
-    centres = starts[:, None] + (torch.arange(size, dtype=torch.float64) + 0.5) * scale[:, None]
+    centres = starts[:, None] + (torch.arange(size, dtype=torch.float64, device=device) + 0.5) * scale[:, None]
     if flips is not None:
         centres = torch.where(flips[:, None], centres.flip(1), centres)
-    lengths = torch.tensor(lengths, dtype=torch.float64)
     # Pixel centres; past an image's own length, infinitely far: a weight of 0.
-    pixels = torch.arange(int(lengths.max()), dtype=torch.float64) + 0.5
-    pixels = torch.where(pixels[None, :] < lengths[:, None], pixels[None, :], math.inf)
-    # One upload (a copy from pageable memory waits for the stream), then views of it.
-    packed = torch.cat([centres.flatten(), pixels.flatten(), scale.clamp(min=1)]).to(device, torch.float32)
-    centres, pixels, reach = packed.split([centres.numel(), pixels.numel(), len(scale)])
-    centres, pixels = centres.view(len(scale), size), pixels.view(len(scale), -1)
-    weights = (pixels[:, None, :] - centres[:, :, None]).abs_()
-    weights = (reach[:, None, None] - weights).clamp_(min=0)
+    pixels = torch.arange(longest, dtype=torch.float64, device=device) + 0.5
+    pixels = torch.where(pixels[None, :] < lengths[:, None], pixels[None, :], math.inf).float()
+    weights = (pixels[:, None, :] - centres.float()[:, :, None]).abs_()
+    weights = (scale.clamp(min=1).float()[:, None, None] - weights).clamp_(min=0)
     return weights.div_(weights.sum(-1, keepdim=True))
 
 
@@ -312,12 +458,9 @@ def _decode_jpegs(encoded: list, device) -> list:
 
     if device.type != "cuda":
         return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
-    # torchvision's CUDA decoder allocates its outputs on the current stream but writes them
-    # from its own, without waiting: memory this stream freed (the last batch's decoded
-    # images, still read by queued resize kernels) could be overwritten. Wait here first. In
-    # deterministic mode `torch.empty` also queues a fill of new tensors on the current
-    # stream, which could land on top of the decoded pixels: off for this call.
-    torch.cuda.current_stream(device).synchronize()
+    # (On the decoder's own stream: `TorchvisionJpegDecoder`.) In deterministic mode
+    # `torch.empty` also queues a fill of new tensors on the current stream, which could land
+    # on top of the decoded pixels: off for this call.
     if not torch.are_deterministic_algorithms_enabled():
         return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
     with _FILL_FLAG:  # a process-wide flag: one decode at a time changes it

@@ -6,6 +6,7 @@ Each compares the GPU path with the CPU path that the rest of the suite tests.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import loader_support
@@ -22,6 +23,12 @@ from dlstore.storage import open_store
 from dlstore.world import World
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# The device decoders: torchvision's nvJPEG, and nvImageCodec where it is installed.
+_HAS_NVIMGCODEC = (
+    importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.nvimgcodec") is not None
+)
+_NEEDS_NVIMGCODEC = pytest.mark.skipif(not _HAS_NVIMGCODEC, reason="needs nvImageCodec (nvidia-nvimgcodec-cu13)")
+DECODERS = ["torchvision", pytest.param("nvimgcodec", marks=_NEEDS_NVIMGCODEC)]
 
 
 def _dataset(url, tmp_path, **kw):
@@ -131,17 +138,20 @@ def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_ur
         assert ka == kb and torch.equal(la, lb) and torch.equal(a, b)
 
 
-def test_nvjpeg_decode_matches_decoding_in_workers(gradient_url, tmp_path):
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_nvjpeg_decode_matches_decoding_in_workers(gradient_url, tmp_path, decoder):
     """On gradients a crop box off by a pixel or a missed flip is off by 4 levels or more a
     pixel; tests/test_transforms.py checks the positions themselves, on CUDA too."""
     runs = {}
     for mode in ("worker", "device"):
         loader = dlstore.Loader(
-            _dataset(gradient_url, tmp_path, decode_on=mode, image_size=24),
+            _dataset(gradient_url, tmp_path, decode_on=mode, image_size=24, device_decoder=decoder),
             num_workers=1,
             device="cuda",
             normalize=False,
         )
+        if mode == "device":
+            assert loader.jpeg_decoder.name == decoder
         runs[mode] = _passes(loader)
         loader.close()
     assert len(runs["worker"]) == len(runs["device"]) == 3 + 2 * 8
@@ -155,8 +165,8 @@ def test_nvjpeg_waits_for_work_queued_on_the_callers_stream():
     from its own stream, without waiting for the current one (torchcodec synchronises first;
     torchvision's fix was not merged). A block freed on the current stream while a kernel
     queued there is still to write it goes to the next allocation on that stream: the
-    decode's output. `_decode_jpegs` waits for the current stream before decoding; without
-    that wait, the zero fill queued behind a slow kernel lands on the decoded pixels."""
+    decode's output. `TorchvisionJpegDecoder` decodes with a stream of its own current;
+    without that, the zero fill queued behind a slow kernel lands on the decoded pixels."""
     from dlstore.transforms import decode_on_device
 
     ramp = np.arange(256) // 2 + 40
@@ -180,17 +190,46 @@ def test_nvjpeg_waits_for_work_queued_on_the_callers_stream():
         assert (images.float().cpu() - expected).abs().mean() < 3  # zeros would be ~120 off
 
 
-def test_a_jpeg_nvjpeg_cannot_decode_is_skipped(tmp_path):
-    from dlstore.transforms import decode_on_device
+@_NEEDS_NVIMGCODEC
+def test_nvimgcodec_images_outlive_the_kernels_that_read_them():
+    """nvImageCodec's decoded images are its memory, which torch's allocator does not track
+    (`record_stream` cannot hold them): a batch dropped while the resize queued on the stream
+    has still to read it could be overwritten by the next batch's decode. `done_with` keeps
+    each batch until the stream has passed it. The resize here waits behind tens of ms of GPU
+    cycles while the next, all-black, image is decoded."""
+    from dlstore.transforms import NvImageCodecJpegDecoder, decode_on_device
+
+    def jpeg(pixels) -> torch.Tensor:
+        out = io.BytesIO()
+        Image.fromarray(pixels.astype(np.uint8)).save(out, "JPEG", quality=95, subsampling=0)
+        return torch.frombuffer(bytearray(out.getvalue()), dtype=torch.uint8)
+
+    ramp = np.arange(256) // 2 + 40
+    first = jpeg(np.stack(np.broadcast_arrays(ramp[None, :], ramp[:, None], np.full((256, 256), 200)), axis=-1))
+    black = jpeg(np.zeros((256, 256, 3)))
+    box = torch.tensor([[0, 0, 256, 256, 0]], dtype=torch.float64)  # 256 px out: the decoded pixels
+    expected = decode_on_device([first], box, 256, "cpu")[0].float()
+    decoder = NvImageCodecJpegDecoder("cuda")
+    for _ in range(3):
+        torch.cuda._sleep(100_000_000)  # tens of ms of GPU cycles ahead of the resize
+        images, bad = decode_on_device([first], box, 256, "cuda", decoder)
+        decoder.decode([black])  # the next batch, decoded while the resize still waits
+        assert bad == [] and images.shape == (1, 256, 256, 3)
+        assert (images.float().cpu() - expected).abs().mean() < 3  # black would be ~120 off
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_jpeg_nvjpeg_cannot_decode_is_skipped(tmp_path, decoder):
+    from dlstore.transforms import decode_on_device, device_jpeg_decoder
 
     url = f"file://{tmp_path}/data"
     keys = write_dataset(open_store(url), [6, 6], truncated_keys=frozenset({"s000004"}))
     jpeg = tiny_jpeg(4, 4)  # s000004, cut as write_dataset cuts it
     cut = torch.frombuffer(bytearray(jpeg[: jpeg.index(b"\xff\xda") + 20]), dtype=torch.uint8)
     box = torch.tensor([[0, 0, 16, 16, 0]], dtype=torch.float64)
-    if decode_on_device([cut], box, 16, "cuda")[1] != [0]:
-        pytest.skip("this nvJPEG decodes a truncated JPEG without an error")
-    ds = _dataset(url, tmp_path, decode_on="device")
+    if decode_on_device([cut], box, 16, "cuda", device_jpeg_decoder(decoder, "cuda"))[1] != [0]:
+        pytest.skip(f"{decoder} decodes a truncated JPEG without an error")
+    ds = _dataset(url, tmp_path, decode_on="device", device_decoder=decoder)
     loader = dlstore.Loader(ds, num_workers=1, device="cuda")
     delivered = [k for _, _, meta in loader for k in meta["keys"]]
     assert sorted(delivered) == sorted(set(keys) - {"s000004"}) and ds.corrupt_samples == 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dlstore.config import DataConfig
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.transforms import (
     TransformConfig,
@@ -19,16 +22,24 @@ from dlstore.transforms import (
     decode_image,
     decode_on_device,
     device_jpeg,
+    device_jpeg_decoder,
     resize_crop,
     sample_rng,
     transform_image,
 )
 
 # The on-device decode runs on the CPU everywhere (torchvision's CPU decoder stands in for
-# nvJPEG) and on CUDA where there is one (tools/gpu_check.sh runs this file on a GPU node).
+# nvJPEG) and on CUDA where there is one (tools/gpu_check.sh runs this file on a GPU node), by
+# torchvision's nvJPEG and by nvImageCodec ("cuda/nvimgcodec") where that is installed.
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+_NO_NVIMGCODEC = pytest.mark.skipif(
+    importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.nvimgcodec") is None,
+    reason="needs nvImageCodec (nvidia-nvimgcodec-cu13)",
+)
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    pytest.param("cuda", marks=_NO_CUDA),
+    pytest.param("cuda/nvimgcodec", marks=[_NO_CUDA, _NO_NVIMGCODEC]),
 ]
 # Quadrant colours: top-left, top-right, bottom-left, bottom-right.
 QUADRANTS = np.array([[[220, 30, 30], [30, 220, 30]], [[30, 30, 220], [220, 220, 220]]], dtype=np.uint8)
@@ -37,9 +48,15 @@ QUADRANTS = np.array([[[220, 30, 30], [30, 220, 30]], [[30, 30, 220], [220, 220,
 @pytest.fixture(params=DEVICES)
 def device(request, monkeypatch):
     """Each of `DEVICES`; on CUDA with TF32 matrix products, as the trainer runs them."""
-    if request.param == "cuda":
+    if request.param.startswith("cuda"):
         monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
     return request.param
+
+
+def _decode_on(device: str, encoded, rows, size: int):
+    """`decode_on_device` on `device` ("cuda/nvimgcodec": CUDA, decoded by nvImageCodec)."""
+    name, _, decoder = device.partition("/")
+    return decode_on_device(encoded, rows, size, name, device_jpeg_decoder(decoder, name) if decoder else None)
 
 
 def _jpeg(width: int = 120, height: int = 90, fmt: str = "JPEG") -> bytes:
@@ -131,6 +148,22 @@ def test_decode_on_device_leaves_out_jpegs_that_do_not_decode():
     assert empty.shape == (0, 16, 16, 3) and no_bad == []
 
 
+def test_device_jpeg_decoder_names_its_choices_and_says_why_nvimgcodec_cannot_decode(monkeypatch):
+    """nvImageCodec decodes on CUDA only, and only where it is installed: asked for where it
+    cannot decode, or a decoder there is none of, is an error that says so."""
+    assert device_jpeg_decoder("torchvision", "cpu").name == "torchvision"
+    assert DataConfig("file:///data/train").device_decoder == "torchvision"
+    with pytest.raises(ValueError, match="'nvimgcodec' cannot decode on cpu: .*CUDA device"):
+        device_jpeg_decoder("nvimgcodec", "cpu")
+    with pytest.raises(ValueError, match="one of"):
+        device_jpeg_decoder("dali", "cpu")
+    with pytest.raises(ConfigError, match="device_decoder must be one of"):
+        DataConfig("file:///data/train", device_decoder="dali")
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # its import fails
+    with pytest.raises(ValueError, match="'nvimgcodec' cannot decode on cuda: .*nvidia.nvimgcodec"):
+        device_jpeg_decoder("nvimgcodec", "cuda")
+
+
 def _quadrant_jpeg(width: int = 96, height: int = 64) -> bytes:
     """A JPEG whose four quadrants have the `QUADRANTS` colours (4:4:4, so edges stay sharp)."""
     pixels = np.zeros((height, width, 3), dtype=np.uint8)
@@ -178,8 +211,8 @@ def test_device_decode_crops_and_flips_where_the_boxes_say(device):
     data = _quadrant_jpeg()
     rows = [(*box, flip) for box in QUADRANT_BOXES for flip in (0, 1)]
     encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _ in rows]
-    images, bad = decode_on_device(encoded, torch.tensor(rows, dtype=torch.float64), 32, device)
-    assert bad == [] and images.shape == (len(rows), 32, 32, 3) and images.device.type == device
+    images, bad = _decode_on(device, encoded, torch.tensor(rows, dtype=torch.float64), 32)
+    assert bad == [] and images.shape == (len(rows), 32, 32, 3) and images.device.type == device.partition("/")[0]
     for image, row in zip(images.cpu().numpy(), rows, strict=True):
         _assert_quadrants(image, row[:4], bool(row[4]), 96, 64)
 
@@ -201,7 +234,7 @@ def test_device_decode_of_random_crops_matches_the_cpu_path(device):
     assert {flip for _, flip in plans} == {False, True}
     encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _ in plans]
     rows = torch.tensor([(*box, flip) for box, flip in plans], dtype=torch.float64)
-    images, bad = decode_on_device(encoded, rows, 24, device)
+    images, bad = _decode_on(device, encoded, rows, 24)
     cpu = [augment_image(decode_image(data), cfg, sample_rng(5, 0, sample_id)) for sample_id in range(16)]
     assert bad == [] and len(images) == len(cpu) == len(plans)
     for image, expected, (box, flip) in zip(images.cpu().numpy(), cpu, plans, strict=True):
@@ -257,7 +290,7 @@ def test_device_decode_samples_the_source_points_the_box_defines(device):
     data = _gradient_jpeg()
     rows = [(*box, flip) for box in GRADIENT_BOXES for flip in (0, 1)]
     encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for _ in rows]
-    images, bad = decode_on_device(encoded, torch.tensor(rows, dtype=torch.float64), 24, device)
+    images, bad = _decode_on(device, encoded, torch.tensor(rows, dtype=torch.float64), 24)
     assert bad == [] and len(images) == len(rows)
     for image, row in zip(images.cpu().numpy(), rows, strict=True):
         _assert_gradient(image, row[:4], bool(row[4]), 64)
@@ -269,8 +302,8 @@ def test_device_decode_uses_the_eval_box_exactly(device):
     data = _gradient_jpeg(56)
     box, flip = crop_plan(56, 56, TransformConfig("eval", image_size=24))
     assert box != tuple(round(v) for v in box) and not flip
-    images, bad = decode_on_device(
-        [torch.frombuffer(bytearray(data), dtype=torch.uint8)], torch.tensor([(*box, 0)]), 24, device
+    images, bad = _decode_on(
+        device, [torch.frombuffer(bytearray(data), dtype=torch.uint8)], torch.tensor([(*box, 0)]), 24
     )
     assert bad == [] and len(images) == 1
     _assert_gradient(images[0].cpu().numpy(), box, False, 56)

@@ -68,15 +68,23 @@ def convert_dataset(train: Path, workdir: Path, stored: str, procs: int) -> str:
     return url
 
 
-def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict:
-    """`dlstore train` from the shards; img/s and data wait over the records after warm-up."""
+def fed_rate(url: str, workdir: Path, args, mode: str, engine: str) -> dict:
+    """`dlstore train` from the shards; img/s and data wait over the records after warm-up.
+    `mode` is where JPEGs are decoded: worker, or device with its decoder (device:torchvision,
+    device:nvimgcodec; device alone: auto)."""
     from dlstore.config import DataConfig
     from dlstore.train import TrainConfig, main, read_metrics
 
-    out = workdir / f"run-{url.rsplit('/', 1)[-1]}-{decode_on}-{engine}"
+    decode_on, _, decoder = mode.partition(":")
+    out = workdir / f"run-{url.rsplit('/', 1)[-1]}-{decode_on}-{decoder or 'torchvision'}-{engine}"
     shutil.rmtree(out, ignore_errors=True)  # a run of this script before: not resumed
     data = DataConfig.from_env(
-        url, batch_size=args.batch_size, workers=args.workers, cache_dir=str(workdir / "cache"), decode_on=decode_on
+        url,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        cache_dir=str(workdir / "cache"),
+        decode_on=decode_on,
+        device_decoder=decoder or "torchvision",
     )
     cfg = TrainConfig(
         data,
@@ -96,7 +104,7 @@ def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict
     with _EngineLog(url) as used:
         code = main(cfg)
     if code != 0:
-        raise SystemExit(f"training with decode_on={decode_on}, engine={engine} exited {code}")
+        raise SystemExit(f"training with decode on {mode}, engine={engine} exited {code}")
     records = [r for r in read_metrics(str(out / "metrics.jsonl")) if r["split"] == "train"]
     timed = [r for r in records if r["step"] > args.skip_steps and r.get("img_per_s")]
     # Within epochs: each epoch's first window holds the restart of the DataLoader workers
@@ -106,7 +114,7 @@ def fed_rate(url: str, workdir: Path, args, decode_on: str, engine: str) -> dict
     if not within:
         raise SystemExit(f"no metrics record after step {args.skip_steps} within an epoch: more --steps")
     return {
-        "decode_on": decode_on,
+        "decode_on": mode,
         "engine": engine,
         "engine_used": used.engine,  # what "auto" chose (threads where /dev/shm is too small)
         **_rate(within, args.batch_size),
@@ -168,7 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--demand-steps", type=int, default=30)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (both sides)")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu for a dry run of this script")
-    parser.add_argument("--decode", default="worker,device", help="decode modes to run, comma-separated")
+    parser.add_argument(
+        "--decode",
+        default="worker,device",
+        help="decode modes to run, comma-separated: worker, device (its decoder: torchvision), device:torchvision,"
+        " device:nvimgcodec",
+    )
     parser.add_argument(
         "--engines", default="auto", help="loader engines to run (auto, threads, processes), comma-separated"
     )

@@ -44,6 +44,10 @@ if [[ ${1:-} == "--wheels" ]]; then
         "webdataset==$(version webdataset)" "braceexpand==$(version braceexpand)"  # for tools/bench_peers.py
     "$PYTHON" -m pip download -q "${target[@]}" -d .whl \
         "pytest==$(version pytest)" "pytest-timeout==$(version pytest-timeout)"
+    # nvImageCodec for the CUDA tests of device_decoder="nvimgcodec" (~29 MB), with the nvJPEG it
+    # loads; for CUDA 13 images, as the torch pair's.
+    "$PYTHON" -m pip download -q --no-deps "${target[@]}" -d .whl \
+        "nvidia-nvimgcodec-cu13==${DLSTORE_NVIMGCODEC_VERSION:-0.9.0.20}" "nvidia-nvjpeg==${DLSTORE_NVJPEG_VERSION:-13.3.2.43}"
     if [[ ${2:-} == "--with-torch" ]]; then
         # shellcheck disable=SC2086
         "$PYTHON" -m pip download -q "${target[@]}" -d .whl/torch $TORCH_SPEC

@@ -17,13 +17,14 @@ import torch
 from dlstore.bench.config import BenchConfig
 from dlstore.bench.report import BenchReport, LoaderResult, LoaderRun, StageSplit
 from dlstore.cache import CacheStats, cache_report, clear_cache
+from dlstore.config import DataConfig
 from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError, CorruptSample, DlstoreError
 from dlstore.loader import GpuPrefetcher, Loader, LoaderConfig
 from dlstore.sample_path import StageClock
 from dlstore.train.demand import measure_training_rate
 from dlstore.train.step import amp_dtype_for, image_dtype_for
-from dlstore.transforms import device_jpeg
+from dlstore.transforms import device_jpeg, device_jpeg_decoder
 from dlstore.world import World
 
 __all__ = ["image_dtype", "open_dataset", "measure_demand", "measure_loader", "measure_stages", "time_loader"]
@@ -160,7 +161,7 @@ def measure_stages(report: BenchReport, ds, cfg: BenchConfig, device: torch.devi
     if pixels:
         report.dataset["mean_source_pixels"] = float(np.mean(pixels))
     if device.type == "cuda" and encoded:
-        report.gpu_decode_images_per_s = _gpu_decode_rate(encoded, device)
+        report.gpu_decoder, report.gpu_decode_images_per_s = _gpu_decode_rate(encoded, device, ds.cfg.device_decoder)
 
 
 def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded: list, pixels: list) -> StageSplit:
@@ -179,7 +180,7 @@ def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded:
             _collect_jpegs(ds, request.ids, encoded, pixels)
         if len(batch["labels"]):
             batches.append(batch)
-    host_to_device = _time_prefetcher(batches, cfg, device, ds.cfg.decode_on)
+    host_to_device = _time_prefetcher(batches, cfg, device, ds.cfg)
     images = sum(len(batch["labels"]) for batch in batches)
     return StageSplit(
         cache=cache,
@@ -190,7 +191,7 @@ def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded:
     )
 
 
-def _time_prefetcher(batches: list[dict], cfg: BenchConfig, device: torch.device, decode_on: str) -> float:
+def _time_prefetcher(batches: list[dict], cfg: BenchConfig, device: torch.device, data: DataConfig) -> float:
     """Seconds of the loader's device side for `batches`: one `GpuPrefetcher` over them all,
     with its lookahead, from page-locked memory on a GPU (as the loader's batch slots are),
     after one untimed batch for the one-off set-up (kernels, streams)."""
@@ -199,11 +200,12 @@ def _time_prefetcher(batches: list[dict], cfg: BenchConfig, device: torch.device
     loader_cfg = LoaderConfig(device=str(device), dtype=image_dtype(cfg, device), channels_last=cfg.channels_last)
     if device.type == "cuda":
         batches = [{k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in batches]
-    background = decode_on == "device"
-    for _ in GpuPrefetcher(iter(batches[:1]), loader_cfg, device, background=background):
+    background = data.decode_on == "device"
+    decoder = device_jpeg_decoder(data.device_decoder, device) if background else None
+    for _ in GpuPrefetcher(iter(batches[:1]), loader_cfg, device, background=background, decoder=decoder):
         _sync(device)
     started = time.perf_counter()
-    for _ in GpuPrefetcher(iter(batches), loader_cfg, device, background=background):
+    for _ in GpuPrefetcher(iter(batches), loader_cfg, device, background=background, decoder=decoder):
         pass
     _sync(device)
     return time.perf_counter() - started
@@ -231,23 +233,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _gpu_decode_rate(encoded: list[bytes], device: torch.device) -> float | None:
-    """nvJPEG through torchvision, batched: img/s for these images (decode only)."""
+def _gpu_decode_rate(encoded: list[bytes], device: torch.device, name: str) -> tuple[str | None, float | None]:
+    """The device decoder the loader would use (`DataConfig.device_decoder`), and its img/s
+    for these images, batched (decode only)."""
     try:
         # torchvision is optional (the "train" extra); this measurement is skipped without it.
-        from torchvision.io import ImageReadMode, decode_jpeg
-
+        decoder = device_jpeg_decoder(name, device)
         tensors = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in encoded]
-        decode_jpeg(tensors[:8], mode=ImageReadMode.RGB, device=device)  # initialise nvJPEG
+        decoder.decode(tensors[:8])  # initialise it
         torch.cuda.synchronize(device)
         started = time.perf_counter()
         for _ in range(3):
-            decode_jpeg(tensors, mode=ImageReadMode.RGB, device=device)
+            decoder.decode(tensors)
         torch.cuda.synchronize(device)
-        return 3 * len(tensors) / (time.perf_counter() - started)
+        return decoder.name, 3 * len(tensors) / (time.perf_counter() - started)
     except Exception as exc:  # an optional measurement: any failure only leaves it out
         log.warning("GPU decode not measured: %s", exc)
-        return None
+        return None, None
 
 
 # -- demand side ----------------------------------------------------------------------------------

@@ -143,6 +143,7 @@ class BenchReport:
     demand: list[dict] = field(default_factory=list)
     scaling: list[ScalingRow] = field(default_factory=list)
     gpu_decode_images_per_s: float | None = None
+    gpu_decoder: str | None = None  # which decoded (`dlstore.transforms.device_jpeg_decoder`)
     verdicts: list[Verdict] = field(default_factory=list)
     verdict: Verdict | None = None
 
@@ -156,6 +157,7 @@ class BenchReport:
             "demand": self.demand,
             "scaling": [dataclasses.asdict(r) for r in self.scaling],
             "gpu_decode_images_per_s": self.gpu_decode_images_per_s,
+            "gpu_decoder": self.gpu_decoder,
             "verdicts": [dataclasses.asdict(v) for v in self.verdicts],
             "verdict": dataclasses.asdict(self.verdict) if self.verdict else None,
         }
@@ -297,7 +299,7 @@ def _decode_tip(warm: StageSplit, cuda: bool, gpu_decode_images_per_s: float | N
     if not cuda:
         return f"JPEG decoding is {decode_share:.0%} of a worker's time; on a GPU machine, GPU decode helps."
     gain = worker_ms / max(worker_ms - ms["decode"], 1e-9)
-    where = f" (nvJPEG decodes {gpu_decode_images_per_s:.0f} img/s here)" if gpu_decode_images_per_s else ""
+    where = f" (it decodes {gpu_decode_images_per_s:.0f} img/s here)" if gpu_decode_images_per_s else ""
     return (
         f"GPU decode: JPEG decoding is {decode_share:.0%} of a worker's time; moving it to the GPU"
         f"{where} would raise the CPU side up to {gain:.1f}x."
@@ -449,7 +451,8 @@ def _stage_lines(report: BenchReport) -> list[str]:
     if fetch:
         lines.append(f"  cold fetch: {fetch:.0f} MB/s from the store (one shard at a time)")
     if report.gpu_decode_images_per_s:
-        lines.append(f"  GPU decode (nvJPEG, batched): {report.gpu_decode_images_per_s:,.0f} img/s")
+        decoder = report.gpu_decoder or "nvJPEG"
+        lines.append(f"  GPU decode ({decoder}, batched): {report.gpu_decode_images_per_s:,.0f} img/s")
     return lines
 
 

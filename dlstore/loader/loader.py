@@ -25,6 +25,7 @@ from dlstore.loader.processes import ProcessEngine
 from dlstore.loader.slots import BatchSlots
 from dlstore.loader.threads import ThreadEngine
 from dlstore.plan import EpochState
+from dlstore.transforms import device_jpeg_decoder
 
 __all__ = ["Loader", "choose_engine", "resolve_auto"]
 
@@ -67,6 +68,11 @@ class Loader:
         # dataset, the epoch planned on the copy, the copy's corrupt count at the start) until
         # that epoch is left (`_follow_saved_order`).
         self._resumed_in: tuple[Dataset, int, int] | None = None
+        # Made once: an nvImageCodec decoder starts threads and streams.
+        self.jpeg_decoder = None
+        if dataset.cfg.decode_on == "device":
+            self.jpeg_decoder = device_jpeg_decoder(dataset.cfg.device_decoder, self.device)
+            log.info("JPEGs decoded on %s by %s", self.device, self.jpeg_decoder.name)
         engine = ThreadEngine if self.cfg.engine == "threads" else ProcessEngine
         self.slots = self._slots(engine.slot_count(self.cfg))
         self.engine: ThreadEngine | ProcessEngine = engine(dataset, self.cfg, self.slots)
@@ -100,6 +106,7 @@ class Loader:
             self.slots,
             on_corrupt=self.dataset.cfg.on_corrupt,
             background=self.dataset.cfg.decode_on == "device",
+            decoder=self.jpeg_decoder,
         )
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)

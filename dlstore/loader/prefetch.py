@@ -15,7 +15,7 @@ import torch
 from dlstore.errors import CorruptSample
 from dlstore.loader.config import LoaderConfig
 from dlstore.loader.slots import BatchSlots
-from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD, decode_on_device
+from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceJpegDecoder, decode_on_device
 
 __all__ = ["GpuPrefetcher"]
 
@@ -40,8 +40,10 @@ class GpuPrefetcher:
         slots: BatchSlots | None = None,
         on_corrupt: str = "skip",
         background: bool = False,
+        decoder: DeviceJpegDecoder | None = None,
     ) -> None:
         self.batches = batches
+        self.decoder = decoder  # of batches of JPEGs (`decode_on="device"`); torchvision's if None
         self.slots = slots
         self.on_corrupt = on_corrupt
         self.background = background
@@ -70,7 +72,7 @@ class GpuPrefetcher:
             # nvJPEG reads the encoded bytes from (pinned) host memory itself.
             data, lengths = batch["encoded"]
             parts = data.split(lengths) if lengths else []
-            images, bad = decode_on_device(parts, batch["boxes"], size, self.device)
+            images, bad = decode_on_device(parts, batch["boxes"], size, self.device, self.decoder)
             if bad:
                 batch = self._drop_undecodable(batch, bad)
         elif batch["images"] is None:
