@@ -516,6 +516,73 @@ def test_prefetch_threads_without_room_do_not_wake_each_other(tmp_path, monkeypa
     assert 2 <= sum(tries.values()) <= 40, tries
 
 
+def test_a_prefetch_leaves_room_for_a_shard_sooner_in_its_list_that_no_one_fetches_yet(tmp_path, remote):
+    """Room for two shards; the reader holds shard 0, and shard 1's download cannot start yet
+    (its lock is held, as by another process). Shard 2 would fit, but its prefetch waits: had
+    it taken the room, shard 1 would have evicted it (a later shard) and it would be fetched
+    twice. Each shard is downloaded once."""
+    store, specs, contents = remote([6000] * 4)
+    cfg = config(tmp_path, STATS_FILE_BYTES + 12_000, prefetch=2, shards_in_flight=2, wait_timeout_s=10)
+    cache = ShardCache(cfg, store)
+    cache.prefetch(specs)
+    with cache.hold(*specs[0]):
+        blocker = cache._dir.open_lock(cache._stem(specs[1][0]))
+        fcntl.flock(blocker, fcntl.LOCK_EX)  # no one fetches shard 1 while this is held
+        time.sleep(0.6)  # the prefetch tries shard 2 every 0.2 s
+        assert specs[2][0] not in cached_names(tmp_path / "cache")
+        os.close(blocker)
+        wait_for(lambda: specs[1][0] in cached_names(tmp_path / "cache"))
+    for spec in specs[1:]:
+        with cache.hold(*spec) as path:
+            assert read(path) == contents[spec[0]]
+    cache.close()
+    assert store.downloads() == {name: 1 for name, _, _ in specs}
+
+
+def test_a_prefetched_shard_evicted_before_its_shared_lock_is_not_fetched_again(tmp_path, remote, monkeypatch):
+    """Between a download and the shared lock that follows it an evictor may slip in (a reader
+    that has passed the shard, or one making room for a sooner shard). The prefetch then lets
+    it be: fetching it again is for a reader that still wants it."""
+    store, specs, _ = remote([6000] * 3)
+    cache = ShardCache(config(tmp_path, 10**6, prefetch=3), store)
+    original = ShardCache._fetch_exclusively
+    evicted = []
+
+    def evicted_at_once(self, rt, spec, stem, path, *args):
+        fetched = original(self, rt, spec, stem, path, *args)
+        if fetched and spec.name == specs[1][0] and not evicted:
+            os.unlink(path)  # as an evictor would, once the exclusive lock is let go
+            evicted.append(spec.name)
+        return fetched
+
+    monkeypatch.setattr(ShardCache, "_fetch_exclusively", evicted_at_once)
+    cache.prefetch(specs)
+    wait_for(lambda: {specs[0][0], specs[2][0]} <= cached_names(tmp_path / "cache"))
+    time.sleep(0.5)  # a prefetch without room tries again every 0.2 s: this one is done
+    cache.close()
+    assert evicted and store.downloads()[specs[1][0]] == 1 and specs[1][0] not in cached_names(tmp_path / "cache")
+
+
+def test_a_prefetch_lets_go_a_shard_the_readers_passed_while_it_waited_for_its_lock(tmp_path, remote):
+    """Shard 1's lock is held (as by another process's download) while the reader reads shard 0
+    and then shard 2: it has passed shard 1, so the prefetch waiting for that lock does not
+    download it once the lock is free."""
+    store, specs, _ = remote([6000] * 4)
+    cache = ShardCache(config(tmp_path, 10**6, prefetch=2, wait_timeout_s=10), store)
+    cache._dir.create()
+    blocker = cache._dir.open_lock(cache._stem(specs[1][0]))
+    fcntl.flock(blocker, fcntl.LOCK_EX)
+    cache.prefetch(specs)
+    for spec in (specs[0], specs[2]):
+        with cache.hold(*spec):
+            pass
+    os.close(blocker)
+    wait_for(lambda: specs[3][0] in cached_names(tmp_path / "cache"))
+    time.sleep(0.3)
+    cache.close()
+    assert specs[1][0] not in store.downloads() and specs[1][0] not in cached_names(tmp_path / "cache")
+
+
 def _read_with_prefetch(cache, specs, seed, rounds):
     rng = random.Random(seed)
     order = [rng.choice(specs) for _ in range(rounds)]

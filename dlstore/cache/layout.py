@@ -127,10 +127,17 @@ class _Usage:
     in_flight: int
     in_flight_bytes: int
     stale_removed: int
+    in_flight_stems: frozenset[str] = frozenset()  # of the downloads in tmp/
 
     @property
     def total(self) -> int:
         return sum(size for _, _, size in self.shards) + self.in_flight_bytes + STATS_FILE_BYTES
+
+    def unreserved(self, wanted: list[tuple[str, int]]) -> int:
+        """Bytes of the `wanted` (stem, size) shards that are neither cached nor downloading:
+        what they will still take from the limit."""
+        there = self.in_flight_stems | {stem for _, stem, _ in self.shards}
+        return sum(size for stem, size in wanted if stem not in there)
 
 
 class _CacheDir:
@@ -217,6 +224,7 @@ class _CacheDir:
         publish (move from `tmp/` to `shards/`) only under the cache-wide lock, which the
         caller holds: a scan never sees a download in both places, nor in neither."""
         in_flight = in_flight_bytes = stale = 0
+        stems = set()
         for entry in os.scandir(self.tmp):
             if self._temp_owner_dead(entry.path):
                 _unlink_quietly(entry.path)
@@ -230,6 +238,7 @@ class _CacheDir:
                 actual = 0
             in_flight += 1
             in_flight_bytes += max(reserved, actual)
+            stems.add(entry.name.removesuffix(".part").rsplit(".", 3)[0])  # create_temp's name
         shards = []
         for entry in os.scandir(self.shards):
             try:
@@ -237,7 +246,7 @@ class _CacheDir:
             except FileNotFoundError:
                 continue
             shards.append((stat.st_mtime_ns, entry.name, stat.st_size))
-        return _Usage(shards, in_flight, in_flight_bytes, stale)
+        return _Usage(shards, in_flight, in_flight_bytes, stale, frozenset(stems))
 
     def remove_stale_index_temps(self, max_age_s: float = 600.0) -> int:
         """Remove the temp files of kept sample indexes (`indexes.py`) whose writer died before

@@ -25,6 +25,10 @@ _PACE_RECHECK_S = 0.25
 #: Fetch a shard for the prefetch: (shard, the shards its eviction must spare, its download's
 #: priority) -> the shard's lock descriptor held shared, or None when there is no room for it now.
 PrefetchFetch = Callable[[ShardSpec, frozenset[str], int], "int | None"]
+# What a `PrefetchFetch` returns when it let the shard go (`ShardCache._acquire`): the readers
+# had passed it before its download began, or an evictor took it once fetched (a reader that
+# passed it, or room for a sooner one). Done, not tried again: fetching it is a reader's call.
+PREFETCH_DROPPED = -1
 
 
 def start_prefetch(
@@ -128,6 +132,14 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
     return frozenset(spec.name for spec in window)
 
 
+def still_ahead(rt: _Runtime, name: str) -> bool:
+    """Whether shard `name` is in the prefetch window, or is the one the reader has just reached
+    (it may not hold its lock yet): a prefetch of a shard the readers have passed (it waited for
+    its lock meanwhile, say) lets it go."""
+    with rt.lock:
+        return any(spec.name == name for spec in rt.upcoming[max(rt.position - 1, 0) : _window_end(rt, rt.depth)])
+
+
 def _lead_pending(rt: _Runtime, before: int) -> bool:
     """Whether a shard of the lead before list index `before` is not in yet."""
     return any(spec.name not in rt.done for spec in rt.upcoming[rt.position : min(rt.lead, before)])
@@ -202,7 +214,7 @@ def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> Non
         except Exception as exc:  # kept for the reader: raised when it reaches this shard
             log.warning("prefetch of shard %r failed: %s: %s", spec.name, type(exc).__name__, exc)
             fd, error = None, exc
-        if fd is not None:
+        if fd is not None and fd != PREFETCH_DROPPED:
             _release(fd)
             rt.announce_release()
         if rt.engine is not None:  # a hurry of it held for this fetch only (its retries too)

@@ -25,7 +25,14 @@ from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, _release, _t
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.partial import SampleRange, write_verified_range
 from dlstore.cache.policy import HintWriter, read_next_use, victim_order
-from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
+from dlstore.cache.prefetch import (
+    PREFETCH_DROPPED,
+    advance_window,
+    raise_prefetch_error,
+    start_prefetch,
+    still_ahead,
+    stop_prefetch,
+)
 from dlstore.cache.runtime import _Runtime
 from dlstore.cache.slots import node_slots
 from dlstore.errors import ConfigError, NoSpace, TransientError
@@ -385,7 +392,8 @@ class ShardCache:
         epoch: int | None = None,
     ) -> int | None:
         """Return the shard's lock file descriptor holding LOCK_SH, with the shard published
-        and valid; None only when `prefetching` and there is no room for it now. A download
+        and valid; None only when `prefetching` and there is no room for it now, and
+        `PREFETCH_DROPPED` when `prefetching` and the readers no longer need it from it. A download
         goes by `priority` in the engine (lower first); it and a hit count under `epoch`
         (default: `_epoch_of` the shard)."""
         if spec.checksum is not None:
@@ -404,7 +412,8 @@ class ShardCache:
             while True:
                 seen = rt.releases
                 if _try_flock(fd, fcntl.LOCK_SH):
-                    if self._cached_state(path, spec, recheck and not downloaded) == "ok":
+                    state = self._cached_state(path, spec, recheck and not downloaded)
+                    if state == "ok":
                         self._touch(path)
                         if not downloaded and not prefetching:
                             self._count(rt, epoch, hits=1)
@@ -413,6 +422,13 @@ class ShardCache:
                         self._flush(rt, force=downloaded)
                         return fd
                     fcntl.flock(fd, fcntl.LOCK_UN)
+                    if prefetching and state == "missing" and (downloaded or not still_ahead(rt, spec.name)):
+                        # Evicted between this download and its shared lock (by a reader that has
+                        # passed it, or for a sooner shard), or passed while this waited for its
+                        # lock: fetching it is the readers' call now.
+                        _release(fd)
+                        rt.announce_release()
+                        return PREFETCH_DROPPED
                     if _try_flock(fd, fcntl.LOCK_EX):
                         fetched = self._fetch_exclusively(
                             rt, spec, stem, path, recheck and not downloaded, protect, prefetching, priority, epoch
@@ -511,7 +527,10 @@ class ShardCache:
         `prefetching` and there is no room now."""
         size = spec.size if spec.size is not None else self.store.stat(spec.name).size
         self._check_size(ShardSpec(spec.name, size))
-        reserved = self._reserve(rt, spec.name, stem, size, protect, wait=not prefetching)
+        # A prefetch leaves room for the shards sooner in the list that no one fetches yet: it
+        # took room a sooner one then needed, whose reader evicted it: downloaded twice.
+        ahead = self._sooner_unfetched(rt, protect) if prefetching else []
+        reserved = self._reserve(rt, spec.name, stem, size, protect, wait=not prefetching, ahead=ahead)
         if reserved is None:
             return False
         fd, temp = reserved
@@ -557,12 +576,32 @@ class ShardCache:
         self._count(rt, epoch, misses=1, bytes_fetched=size, max_connections=rt.engine.most_running)
         return True
 
+    def _sooner_unfetched(self, rt: _Runtime, sooner: frozenset[str]) -> list[tuple[str, int]]:
+        """(stem, size) of the prefetch list's shards named in `sooner` (those before a prefetch's
+        own), for `_reserve` to count the ones not in the cache yet."""
+        found: list[tuple[str, int]] = []
+        with rt.lock:
+            for spec in rt.upcoming[max(rt.position - 1, 0) :]:
+                if len(found) == len(sooner):
+                    break
+                if spec.name in sooner and spec.size is not None:
+                    found.append((self._stem(spec.name), spec.size))
+        return found
+
     def _reserve(
-        self, rt: _Runtime, name: str, stem: str, size: int, protect: frozenset[str], wait: bool
+        self,
+        rt: _Runtime,
+        name: str,
+        stem: str,
+        size: int,
+        protect: frozenset[str],
+        wait: bool,
+        ahead: list[tuple[str, int]] | None = None,
     ) -> tuple[int, str] | None:
         """Reserve `size` bytes under the limit, evicting LRU shards no reader holds; returns
         the new temp file (descriptor, path). Waits for room up to `wait_timeout_s`, or
-        returns None at once when not `wait`."""
+        returns None at once when not `wait`. Room is also kept for the `ahead` (stem, size)
+        shards that are neither cached nor downloading."""
         deadline = time.monotonic() + self.config.wait_timeout_s
         delay, waited, evicted = _ROOM_POLL_S[0], 0.0, 0
         try:
@@ -570,7 +609,7 @@ class ShardCache:
                 seen = rt.releases
                 with self._dir.locked():
                     usage = self._dir.scan()
-                    excess = usage.total + size - self.config.limit_bytes
+                    excess = usage.total + size + usage.unreserved(ahead or []) - self.config.limit_bytes
                     if excess > 0:
                         freed, count = self._evict(
                             usage, excess, protect, strict=not wait, incoming=None if wait else stem
