@@ -233,15 +233,8 @@ def decode_on_device(encoded, boxes, image_size: int, device, decoder: DeviceJpe
 
 class TorchvisionJpegDecoder:
     """nvJPEG through torchvision, batched (on a CPU device torchvision's CPU decoder, which
-    the tests use as a stand-in).
-
-    torchvision's CUDA decoder allocates its outputs on the current stream but writes them
-    from a stream of its own, without waiting: memory freed on the current stream while
-    queued kernels still read it (the last batch's images, the resize's temporaries) could be
-    overwritten. So it decodes with a stream of this decoder's own current, whose memory
-    nothing else frees, and the images are marked as used by the caller's stream
-    (`record_stream`): no wait for the GPU before each decode (under a training load, that
-    wait was behind the model's kernels)."""
+    the tests use as a stand-in). Each decode waits for the work queued on the caller's stream
+    first (`_decode_jpegs` says why)."""
 
     name = "torchvision"
 
@@ -249,26 +242,14 @@ class TorchvisionJpegDecoder:
         import torch
 
         self.device = torch.device(device)
-        self.stream = None  # made at the first decode, on the device then current
 
     def decode(self, encoded: list) -> tuple[list, list[int]]:
         """(3, h, w) uint8 images of the JPEGs (uint8 tensors) that decode, and the positions of
         those that do not."""
-        import torch
-
-        if self.device.type != "cuda":
-            return _decode_all(encoded, self.device)
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
-        caller = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.stream):
-            images, bad = _decode_all(encoded, self.device)  # ready when it returns
-        for image in images:
-            image.record_stream(caller)
-        return images, bad
+        return _decode_all(encoded, self.device)
 
     def done_with(self, images: list) -> None:
-        """Nothing to keep: torch's allocator holds the images until the caller's stream is done."""
+        """Nothing to keep: the next decode waits for the stream that reads them."""
 
 
 class NvImageCodecJpegDecoder:
@@ -458,9 +439,14 @@ def _decode_jpegs(encoded: list, device) -> list:
 
     if device.type != "cuda":
         return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
-    # (On the decoder's own stream: `TorchvisionJpegDecoder`.) In deterministic mode
-    # `torch.empty` also queues a fill of new tensors on the current stream, which could land
-    # on top of the decoded pixels: off for this call.
+    # torchvision's CUDA decoder allocates its outputs on the current stream but writes them
+    # from its own, without waiting: memory this stream freed (the last batch's decoded
+    # images, still read by queued resize kernels) could be overwritten. Wait here first. (A
+    # stream of the decoder's own would not do: `torch.cuda.Stream` hands out one of a pool of
+    # 32 that other users share.) In deterministic mode `torch.empty` also queues a fill of new
+    # tensors on the current stream, which could land on top of the decoded pixels: off for
+    # this call.
+    torch.cuda.current_stream(device).synchronize()
     if not torch.are_deterministic_algorithms_enabled():
         return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
     with _FILL_FLAG:  # a process-wide flag: one decode at a time changes it

@@ -524,10 +524,11 @@ def test_a_prefetch_leaves_room_for_a_shard_sooner_in_its_list_that_no_one_fetch
     store, specs, contents = remote([6000] * 4)
     cfg = config(tmp_path, STATS_FILE_BYTES + 12_000, prefetch=2, shards_in_flight=2, wait_timeout_s=10)
     cache = ShardCache(cfg, store)
+    cache._dir.create()
+    blocker = cache._dir.open_lock(cache._stem(specs[1][0]))
+    fcntl.flock(blocker, fcntl.LOCK_EX)  # no one fetches shard 1 while this is held
     cache.prefetch(specs)
     with cache.hold(*specs[0]):
-        blocker = cache._dir.open_lock(cache._stem(specs[1][0]))
-        fcntl.flock(blocker, fcntl.LOCK_EX)  # no one fetches shard 1 while this is held
         time.sleep(0.6)  # the prefetch tries shard 2 every 0.2 s
         assert specs[2][0] not in cached_names(tmp_path / "cache")
         os.close(blocker)
@@ -581,6 +582,17 @@ def test_a_prefetch_lets_go_a_shard_the_readers_passed_while_it_waited_for_its_l
     time.sleep(0.3)
     cache.close()
     assert specs[1][0] not in store.downloads() and specs[1][0] not in cached_names(tmp_path / "cache")
+
+
+def test_a_prefetch_fetches_a_lead_deeper_than_its_window(tmp_path, remote):
+    """The lead (the shards in use) is fetched whole, however deep the window: a lead shard
+    past the window is still one the readers wait for, not one they have passed."""
+    store, specs, _ = remote([6000] * 5)
+    cache = ShardCache(config(tmp_path, 10**6, prefetch=1, shards_in_flight=2), store)
+    cache.prefetch(specs, lead=3)
+    wait_for(lambda: {name for name, _, _ in specs[:3]} <= cached_names(tmp_path / "cache"))
+    cache.close()
+    assert all(store.downloads()[name] == 1 for name, _, _ in specs[:3])
 
 
 def _read_with_prefetch(cache, specs, seed, rounds):

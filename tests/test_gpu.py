@@ -165,8 +165,8 @@ def test_nvjpeg_waits_for_work_queued_on_the_callers_stream():
     from its own stream, without waiting for the current one (torchcodec synchronises first;
     torchvision's fix was not merged). A block freed on the current stream while a kernel
     queued there is still to write it goes to the next allocation on that stream: the
-    decode's output. `TorchvisionJpegDecoder` decodes with a stream of its own current;
-    without that, the zero fill queued behind a slow kernel lands on the decoded pixels."""
+    decode's output. `_decode_jpegs` waits for the current stream before decoding; without
+    that wait, the zero fill queued behind a slow kernel lands on the decoded pixels."""
     from dlstore.transforms import decode_on_device
 
     ramp = np.arange(256) // 2 + 40

@@ -71,7 +71,7 @@ def convert_dataset(train: Path, workdir: Path, stored: str, procs: int) -> str:
 def fed_rate(url: str, workdir: Path, args, mode: str, engine: str) -> dict:
     """`dlstore train` from the shards; img/s and data wait over the records after warm-up.
     `mode` is where JPEGs are decoded: worker, or device with its decoder (device:torchvision,
-    device:nvimgcodec; device alone: auto)."""
+    device:nvimgcodec; device alone: torchvision)."""
     from dlstore.config import DataConfig
     from dlstore.train import TrainConfig, main, read_metrics
 

@@ -14,7 +14,10 @@
 # skipped for want of a device, or when a step fails.
 # The interpreter is setup.sh's: .venv/bin/python when there is one, else python3 (or $PYTHON).
 # Budget: about 7 minutes on an H100 node with 16 cores (it took 8.5 with 16,000 images for the peers,
-# now 8,000); the steps' timeouts add up to 10 minutes, a lent machine's limit for one command.
+# now 8,000); on an H200 node the steps before the peers took 3.5 minutes. The steps' timeouts add
+# up to 10 minutes, a lent machine's limit for one command. Without webdataset in .whl/ the peers
+# round is skipped. The CUDA tests run each device-decode case through nvImageCodec too when its
+# wheels are there (--wheels fetches them).
 # On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git);
 # it writes ~10 files, more than such a machine sends back: OUT=/tmp/gc, then tar /tmp/gc into $OUT;
 # the torch wheels (GBs) do not travel there: its image's torch must be the pair, or say which is.

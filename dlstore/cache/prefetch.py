@@ -137,7 +137,9 @@ def still_ahead(rt: _Runtime, name: str) -> bool:
     (it may not hold its lock yet): a prefetch of a shard the readers have passed (it waited for
     its lock meanwhile, say) lets it go."""
     with rt.lock:
-        return any(spec.name == name for spec in rt.upcoming[max(rt.position - 1, 0) : _window_end(rt, rt.depth)])
+        # The lead may reach past the window: it is fetched whole (`_next_prefetch`).
+        end = max(_window_end(rt, rt.depth), rt.lead)
+        return any(spec.name == name for spec in rt.upcoming[max(rt.position - 1, 0) : end])
 
 
 def _lead_pending(rt: _Runtime, before: int) -> bool:
