@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 _PACE_RECHECK_S = 0.25
 
 #: Fetch a shard for the prefetch: (shard, the shards its eviction must spare, its download's
-#: priority) -> the shard's lock descriptor held shared, or None when there is no room for it now.
+#: priority) -> the shard's lock descriptor held shared, None when there is no room for it now,
+#: or `PREFETCH_DROPPED`.
 PrefetchFetch = Callable[[ShardSpec, frozenset[str], int], "int | None"]
 # What a `PrefetchFetch` returns when it let the shard go (`ShardCache._acquire`): the readers
 # had passed it before its download began, or an evictor took it once fetched (a reader that
