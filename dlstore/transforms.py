@@ -22,7 +22,7 @@ import numpy as np
 from PIL import Image
 
 from dlstore.config import DEVICE_DECODERS, TransformConfig
-from dlstore.errors import CorruptSample
+from dlstore.errors import ConfigError, CorruptSample
 
 try:  # libjpeg-turbo through simplejpeg: ~1.2x Pillow's JPEG decode here
     import simplejpeg
@@ -319,13 +319,13 @@ def device_jpeg_decoder(name: str, device) -> DeviceJpegDecoder:
     ResNet-50 fed by it (tools/bench_gpu.py) trained no faster, and slower with images stored at
     341 px (0.82 of synthetic against 0.89-0.90)."""
     if name not in DEVICE_DECODERS:
-        raise ValueError(f"device_decoder must be one of {DEVICE_DECODERS}, not {name!r}")
+        raise ConfigError(f"device_decoder must be one of {DEVICE_DECODERS}, not {name!r}")
     if name == "torchvision":
         return TorchvisionJpegDecoder(device)
     try:
         return NvImageCodecJpegDecoder(device)
     except (ImportError, RuntimeError, ValueError) as exc:
-        raise ValueError(f"device_decoder='nvimgcodec' cannot decode on {device}: {exc}") from exc
+        raise ConfigError(f"device_decoder='nvimgcodec' cannot decode on {device}: {exc}") from exc
 
 
 def _decode_all(encoded: list, device, first: int = 0) -> tuple[list, list[int]]:

@@ -153,14 +153,14 @@ def test_device_jpeg_decoder_names_its_choices_and_says_why_nvimgcodec_cannot_de
     cannot decode, or a decoder there is none of, is an error that says so."""
     assert device_jpeg_decoder("torchvision", "cpu").name == "torchvision"
     assert DataConfig("file:///data/train").device_decoder == "torchvision"
-    with pytest.raises(ValueError, match="'nvimgcodec' cannot decode on cpu: .*CUDA device"):
+    with pytest.raises(ConfigError, match="'nvimgcodec' cannot decode on cpu: .*CUDA device"):
         device_jpeg_decoder("nvimgcodec", "cpu")
-    with pytest.raises(ValueError, match="one of"):
+    with pytest.raises(ConfigError, match="one of"):
         device_jpeg_decoder("dali", "cpu")
     with pytest.raises(ConfigError, match="device_decoder must be one of"):
         DataConfig("file:///data/train", device_decoder="dali")
     monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # its import fails
-    with pytest.raises(ValueError, match="'nvimgcodec' cannot decode on cuda: .*nvidia.nvimgcodec"):
+    with pytest.raises(ConfigError, match="'nvimgcodec' cannot decode on cuda: .*nvidia.nvimgcodec"):
         device_jpeg_decoder("nvimgcodec", "cuda")
 
 
