@@ -310,30 +310,31 @@ def test_device_decode_uses_the_eval_box_exactly(device):
     assert np.abs(images[0].cpu().numpy().astype(int) - _pillow_crop(data, box, False, 24).astype(int)).mean() < 1
 
 
-def test_decode_on_device_batches_images_of_one_size_as_it_does_each_alone():
-    """Same-sized images go through one batched product; the result is each image's alone."""
+def test_decode_on_device_batches_images_of_one_size_as_it_does_each_alone(device):
+    """Same-sized images go through one batched product (several sizes: several groups of a
+    chunk, by their positions); the result is each image's alone."""
     jpegs = [_quadrant_jpeg(), _gradient_jpeg(), _quadrant_jpeg(), _jpeg(), _gradient_jpeg(), _quadrant_jpeg()]
     rows = [(0, 0, 96, 64, 0), (8.5, 4.5, 40.5, 60.5, 1), (30, 10, 90, 60, 1), (3, 2, 100, 80, 0), (0, 0, 64, 64, 0)]
     rows.append((40.25, 20.5, 56, 36.75, 0))
     encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in jpegs]
     boxes = torch.tensor(rows, dtype=torch.float64)
-    together, bad = decode_on_device(encoded, boxes, 20, "cpu")
-    alone = [decode_on_device([data], boxes[i : i + 1], 20, "cpu")[0][0] for i, data in enumerate(encoded)]
+    together, bad = _decode_on(device, encoded, boxes, 20)
+    alone = [_decode_on(device, [data], boxes[i : i + 1], 20)[0][0] for i, data in enumerate(encoded)]
     assert bad == [] and len(together) == len(alone) == len(jpegs)
     for batched, single in zip(together, alone, strict=True):
         assert (batched.int() - single.int()).abs().max() <= 1  # float sums in another order
 
 
-def test_decode_on_device_resamples_a_batch_of_large_images_in_parts():
+def test_decode_on_device_resamples_a_batch_of_large_images_in_parts(device):
     """Twelve 1024x768 images take more than the resampler's memory budget at once: done in
     parts, with each image as it comes alone."""
     large = _quadrant_jpeg(1024, 768)
     encoded = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in [large] * 12 + [_jpeg()]]
     boxes = torch.tensor([(i * 10, i * 5, 1024 - i * 20, 768, i % 2) for i in range(12)] + [(0, 0, 120, 90, 1)])
-    together, bad = decode_on_device(encoded, boxes, 16, "cpu")
+    together, bad = _decode_on(device, encoded, boxes, 16)
     assert bad == [] and together.shape == (13, 16, 16, 3)
-    for i, image in enumerate(together.numpy()):
-        single = decode_on_device([encoded[i]], boxes[i : i + 1], 16, "cpu")[0][0]
+    for i, image in enumerate(together.cpu().numpy()):
+        single = _decode_on(device, [encoded[i]], boxes[i : i + 1], 16)[0][0].cpu()
         assert np.abs(image.astype(int) - single.numpy().astype(int)).max() <= 1
         if i < 12:
             _assert_quadrants(image, tuple(boxes[i, :4].tolist()), bool(i % 2), 1024, 768)
