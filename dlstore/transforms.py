@@ -390,21 +390,17 @@ def _resample_chunk(images: list, table, groups: dict[tuple, list[int]], out) ->
     rows = _triangle_weights(table[:, 1], table[:, 3], table[:, 5], tallest, size, None)
     columns = _triangle_weights(table[:, 0], table[:, 2], table[:, 6], widest, size, table[:, 4] > 0)
     resampled = torch.empty((len(images), 3, size, size), dtype=torch.float32, device=out.device)
-    # The chunk's own positions, group after group.
-    order = table[:, 7].long() - table[0, 7].long() if len(groups) > 1 else None
+    order = table[:, 7].long() - table[0, 7].long()  # the chunk's own positions, group after group
     start = 0
     for (height, width), members in groups.items():
         if len(members) == 1:
             i = members[0]
             torch.matmul(rows[i, :, :height] @ images[i].float(), columns[i, :, :width].T, out=resampled[i])
         else:
-            index = order[start : start + len(members)] if order is not None else slice(None)
+            index = order[start : start + len(members)]
             stack = torch.stack([images[i] for i in members]).float()
             product = rows[index, None, :, :height] @ stack @ columns[index, None, :, :width].transpose(-1, -2)
-            if order is None:
-                resampled.copy_(product)
-            else:
-                resampled.index_copy_(0, index, product)
+            resampled.index_copy_(0, index, product)
         start += len(members)
     # Under TF32 matmuls (the trainer allows them) a pixel may round one level off.
     out.copy_(resampled.round_().clamp_(0, 255).permute(0, 2, 3, 1))
