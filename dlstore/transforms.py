@@ -299,7 +299,9 @@ class NvImageCodecJpegDecoder:
 
     def done_with(self, images: list) -> None:
         """Keep `images` until the kernels queued on this stream that read them have run: their
-        memory is nvImageCodec's, which torch's allocator does not track (`record_stream`)."""
+        memory is nvImageCodec's, which torch's allocator does not track (`record_stream`).
+        nvImageCodec frees an image in order on the stream it names (ours, as `decode` asks);
+        this also holds images that name another stream."""
         import torch
 
         event = torch.cuda.Event()

@@ -194,9 +194,13 @@ def test_nvjpeg_waits_for_work_queued_on_the_callers_stream():
 def test_nvimgcodec_images_outlive_the_kernels_that_read_them():
     """nvImageCodec's decoded images are its memory, which torch's allocator does not track
     (`record_stream` cannot hold them): a batch dropped while the resize queued on the stream
-    has still to read it could be overwritten by the next batch's decode. `done_with` keeps
-    each batch until the stream has passed it. The resize here waits behind tens of ms of GPU
-    cycles while the next, all-black, image is decoded."""
+    has still to read it must not be overwritten by the next batch's decode. The resize here
+    waits behind tens of ms of GPU cycles while the next, all-black, image is decoded.
+
+    What keeps them: nvImageCodec 0.9 allocates and frees an image in order on the stream the
+    decode was given (ours), and `done_with` keeps each batch until an event besides. With
+    `done_with` made a no-op this test still passed (5 of 5 runs on an H200): it checks the
+    two together, not `done_with` alone."""
     from dlstore.transforms import NvImageCodecJpegDecoder, decode_on_device
 
     def jpeg(pixels) -> torch.Tensor:
