@@ -60,3 +60,22 @@ def test_bench_cold_refuses_store_cores_that_leave_the_loader_none(swift_server,
     every = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
     run = _bench(swift_server, tmp_path, "--rates", "", "--store-cores", every)
     assert run.returncode != 0 and "leaves no core" in run.stderr
+
+
+def test_bench_fetch_cpu_reports_every_stage_and_leaks_no_secret(swift_server, tmp_path):
+    """`tools/bench_fetch_cpu.py` at toy size: each stage's CPU, the streamed stages' bytes
+    checked against the manifest's SHA-256 (it exits otherwise), no credential printed."""
+    env_file = tmp_path / "env.sh"
+    env_file.write_text("".join(f"export {name}={value}\n" for name, value in swift_server.env().items()))
+    report = tmp_path / "report.json"
+    args = [sys.executable, str(TOOLS / "bench_fetch_cpu.py"), "--images", "48", "--shards", "3", "--rounds", "1"]
+    args += ["--batch-size", "8", "--workdir", str(tmp_path / "work"), "--env-file", str(env_file)]
+    run = subprocess.run([*args, "--json", str(report)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    result = json.loads(report.read_text())
+    stages = ["warm epoch", "GET", "GET + write", "GET + write + SHA-256", "cache, 1 part", "cache, 8 parts"]
+    assert list(result["cpu_s"])[: len(stages)] == stages
+    assert all(len(runs) == 1 and runs[0] >= 0 for runs in result["cpu_s"].values())
+    assert result["cpu_s"]["warm epoch"][0] > 0 and result["bytes"] > 0
+    printed = run.stdout + run.stderr + report.read_text()
+    assert swift_server.key not in printed and "AUTH_tk" not in printed
