@@ -93,6 +93,7 @@ def _cmd_cache_stats(args: argparse.Namespace) -> int:
         ("hits", f"{totals.hits}" + (f" ({totals.hits / lookups:.1%})" if lookups else "")),
         ("misses", f"{totals.misses}"),
         ("fetched", format_size(totals.bytes_fetched)),
+        ("read directly", f"{format_size(totals.bytes_direct)} (cold first batches' samples, not cached)"),
         ("evictions", f"{totals.evictions}"),
         ("corrupt replaced", f"{totals.corrupt_replaced}"),
         ("wait", f"{totals.wait_time_s:.1f} s"),

@@ -187,7 +187,10 @@ class Dataset(torch.utils.data.Dataset):
         names += [self.samples.partial[s].key for s in shards if s in self.samples.partial]
         self.cache.set_epoch(epoch, names)
         ids, is_padding = plan.batch(index)
-        return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding)
+        # A pass's first batch may read the samples of shards not cached yet straight from the
+        # store: from a cold cache it would wait for whole shards (`dlstore.cache.direct`).
+        direct = index == 0 and self.cfg.first_batch_direct
+        return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding, direct=direct)
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
         """Ask the cache to fetch in the background the shards batch `index` (just requested)

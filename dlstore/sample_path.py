@@ -5,7 +5,8 @@ the plan; `dlstore bench` times these very stages by passing a `StageClock`; too
 instead of copying it. Each stage is a method with one job:
 
 * `read`     the samples' bytes: the shard from the node cache (`fetch`), then one `pread`
-             per sample through the shard's sample index (`read`);
+             per sample through the shard's sample index (`read`); a cold pass's first
+             batch reads its samples straight from the store instead (`dlstore.cache.direct`);
 * `decode`   the image member and the label (`shards.image_field`, `shards.parse_label`), the
              crop drawn with the sample's own random generator, and the pixels (decoded at
              the smallest scale the crop allows);
@@ -31,10 +32,11 @@ import torch
 
 from dlstore.cache import SampleRange, ShardCache, ShardSpec
 from dlstore.config import DataConfig
-from dlstore.errors import CorruptSample, CorruptShard
+from dlstore.errors import CorruptSample, CorruptShard, DlstoreError
 from dlstore.manifest import Manifest
 from dlstore.plan import locate
-from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample_from_file
+from dlstore.sample_index import SampleIndex, load_sample_index
+from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
 from dlstore.transforms import CropSource, crop_plan, decode_for_crop, device_jpeg, resize_crop, sample_rng
 
 __all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "join_encoded"]
@@ -43,17 +45,22 @@ log = logging.getLogger(__name__)
 
 # The stages a batch goes through on the host, in order (`StageClock` keys).
 STAGES = ("fetch", "read", "decode", "augment", "collate")
+# The most of a shard's bytes a first batch reads straight from the store rather than wait
+# for the shard: past that, the extra bytes cost more than the wait.
+DIRECT_SHARE = 0.25
 
 
 @dataclass(frozen=True)
 class BatchRequest:
     """What a worker needs to build one batch: the sample ids, the epoch (for augmentation
-    randomness) and the batch's position (for ordering and errors)."""
+    randomness) and the batch's position (for ordering and errors). `direct`: samples of
+    shards not cached yet may be read straight from the store (a pass's first batch)."""
 
     epoch: int
     index: int
     ids: np.ndarray
     is_padding: np.ndarray
+    direct: bool = False
 
 
 @dataclass
@@ -105,6 +112,9 @@ class SamplePath:
         # Shards whose cached copy this process has checked against the manifest's checksum
         # after a read failed (see `_recheck`): a second failure is the shard's own.
         self._rechecked: set[str] = set()
+        # The store's sample indexes of shards read directly (`_read_direct`), None where a
+        # shard has none with digests: {shard: SampleIndex | None}.
+        self._store_indexes: dict[int, SampleIndex | None] = {}
         # The stages run in several threads at once (the loader's decode threads): the two
         # caches above are shared between them.
         self._lock = threading.Lock()
@@ -112,6 +122,7 @@ class SamplePath:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_indexes"], state["_rechecked"], state["_building"] = OrderedDict(), set(), {}
+        state["_store_indexes"] = {}
         del state["_lock"]
         return state
 
@@ -140,11 +151,19 @@ class SamplePath:
         return ShardSpec(*self.shard_ref(shard))
 
     # -- read ------------------------------------------------------------------------------
-    def read(self, ids: np.ndarray, clock: StageClock | None = None) -> list[dict]:
-        """The raw samples of `ids`, in order; each shard is held once for all its samples."""
+    def read(self, ids: np.ndarray, clock: StageClock | None = None, direct: bool = False) -> list[dict]:
+        """The raw samples of `ids`, in order; each shard is held once for all its samples.
+        With `direct` (a pass's first batch), those of a shard not cached yet are read
+        straight from the store when that is a small part of it (`_read_direct`)."""
         shards, offsets = locate(ids, self.shard_sizes)
         samples: list[dict | None] = [None] * len(ids)
+        read_already = set()
+        if direct:
+            with _timed(clock, "fetch"):
+                read_already = self._read_direct(shards, offsets, samples)
         for shard in np.unique(shards).tolist():
+            if shard in read_already:
+                continue
             positions = np.flatnonzero(shards == shard).tolist()
             spec = self.cache_spec(shard, offsets[positions])
             error = self._read_from_shard(shard, positions, offsets, samples, clock, spec)
@@ -214,6 +233,57 @@ class SamplePath:
             except CorruptShard as exc:
                 return exc
         return None
+
+    def _read_direct(self, shards: np.ndarray, offsets: np.ndarray, samples: list) -> set[int]:
+        """Read the samples of `shards` (each sample's shard; `offsets`: its index in it) that
+        are not cached yet straight from the store into `samples` (`ShardCache.read_direct`:
+        each checked against its digest, all shards' at once), rather than wait for the whole
+        shards, where they are at most `DIRECT_SHARE` of a shard's bytes; the shards so read.
+        Not a shard that is cached, a boundary shard, one whose index has no digests, or one
+        with a sample that does not match: those are read from the cache as usual."""
+        wanted, where = [], {}
+        for shard in np.unique(shards).tolist():
+            name = self.manifest.shards[shard].name
+            if shard in self.partial or self.cache.cached(name):  # no store request for a warm pass
+                continue
+            positions = np.flatnonzero(shards == shard).tolist()
+            index = self._store_index(shard)
+            numbers = [int(offsets[position]) for position in positions]
+            if index is None or sum(index[n].size for n in numbers) > DIRECT_SHARE * index.shard_size:
+                continue
+            wanted.append((name, index, numbers))
+            where[name] = (shard, positions, numbers)
+        if not wanted:
+            return set()
+        try:
+            got = self.cache.read_direct(wanted)
+            read = {name: [read_sample(got[name][n]) for n in where[name][2]] for name in got}
+        except DlstoreError as exc:  # the shards' own reads report it, if it is theirs
+            log.info("reading samples straight from the store failed (%s): read from the cache", exc)
+            return set()
+        for name, parsed in read.items():
+            for position, sample in zip(where[name][1], parsed):
+                samples[position] = sample
+        return {where[name][0] for name in read}
+
+    def _store_index(self, shard: int) -> SampleIndex | None:
+        """The store's sample index of `shard` with sample digests (one small GET, once per
+        process), or None where it has none or it cannot be had."""
+        with self._lock:
+            if shard in self._store_indexes:
+                return self._store_indexes[shard]
+        info = self.manifest.shards[shard]
+        index = None
+        if info.index is not None:
+            try:
+                index = load_sample_index(self.cache.store, info)
+            except DlstoreError as exc:
+                log.info("shard %r is read from the cache only: %s", info.name, exc)
+            if index is not None and index.version < 2:
+                index = None
+        with self._lock:
+            self._store_indexes[shard] = index
+        return index
 
     def _recheck(self, shard: int, spec: ShardSpec | None = None) -> bool:
         """After a read of `shard` failed: check its cached copy (`spec`, the whole shard by
@@ -294,7 +364,7 @@ class SamplePath:
         `out`, a uint8 tensor of shape (batch_size, size, size, 3), receives the images, and
         the batch's "images" is a view of its first rows: the loader passes a slot of a
         shared-memory buffer, so a worker's batch reaches the training process uncopied."""
-        samples = self.read(request.ids, clock)
+        samples = self.read(request.ids, clock, direct=request.direct)
         images, labels, keys, padding = [], [], [], []
         for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), samples):
             try:

@@ -254,6 +254,31 @@ def test_get_range(backend):
     assert b"".join(backend.store.get("r", 10, 20)) == data[10:20]
 
 
+def test_get_ranges(backend):
+    """Several spans in one call (one GET for up to `ranges_per_get` of them, multipart/byteranges
+    on Swift): each span's bytes exactly as `get_range` gives them, in a plain object and in a
+    segmented one (a span across a segment boundary included)."""
+    data = payload(10_000)
+    backend.store.put("r", data)
+    spans = [(0, 10), (100, 1), (4321, 1234), (5555, 5), (9_990, 100), (20_000, 10)]
+    assert backend.store.get_ranges("r", spans) == [
+        data[0:10],
+        data[100:101],
+        data[4321:5555],
+        data[5555:5560],
+        data[9_990:],
+        b"",
+    ]
+    assert backend.store.get_ranges("r", [(7, 3)]) == [data[7:10]]
+    most = [(i * 150, 100) for i in range(max(2, backend.store.ranges_per_get))]
+    assert backend.store.get_ranges("r", most) == [data[start : start + n] for start, n in most]
+    big = payload(2 * backend.segment_size + 17, seed=3)
+    backend.store.put("big", big)
+    edge = backend.segment_size
+    spans = [(0, 5), (edge - 2, 4), (2 * edge - 1, 2), (len(big) - 3, 10)]
+    assert backend.store.get_ranges("big", spans) == [big[start : start + n] for start, n in spans]
+
+
 def test_invalid_ranges_and_keys_are_config_errors(backend):
     backend.store.put("x", b"x")
     with pytest.raises(ConfigError):

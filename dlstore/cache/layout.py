@@ -36,6 +36,8 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     bytes_fetched: int = 0
+    # Samples read straight from the store, not into the cache (a cold pass's first batch).
+    bytes_direct: int = 0
     evictions: int = 0
     wait_time_s: float = 0.0
     corrupt_replaced: int = 0

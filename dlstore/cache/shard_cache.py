@@ -14,10 +14,11 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from urllib.parse import quote
 
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
+from dlstore.cache.direct import read_samples
 from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, write_verified
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.indexes import cached_sample_index
@@ -186,6 +187,24 @@ class ShardCache:
         """The sample index of the shard held at `path` (a `hold`'s), kept in the cache
         (`indexes.cached_sample_index`); `checksum` is the manifest's."""
         return cached_sample_index(self._dir.index_path(os.path.basename(path)), path, checksum)
+
+    def cached(self, name: str) -> bool:
+        """Whether shard `name` is in the cache now: a hint (another process may evict it the
+        next moment); reads go through `hold`."""
+        self._runtime()
+        return os.path.exists(self._dir.shard_path(self._stem(name)))
+
+    def read_direct(self, wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]]) -> dict[str, dict[int, bytes]]:
+        """For each `(name, index, samples)` of `wanted` whose shard is not cached, the bytes of
+        those samples straight from the store, each checked against its digest in `index`
+        (`dlstore.cache.direct`), counted in `CacheStats.bytes_direct`. A shard that is cached
+        (read it there) or has a sample that fails its digest is left out."""
+        rt = self._runtime()
+        wanted = [w for w in wanted if not self.cached(w[0])]
+        got = read_samples(self.store, wanted, self.config.parts_in_flight * 2) if wanted else {}
+        if got:
+            self._count(rt, bytes_direct=sum(len(data) for samples in got.values() for data in samples.values()))
+        return got
 
     def fetch(
         self,

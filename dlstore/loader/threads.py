@@ -234,7 +234,7 @@ class ThreadEngine:
         ids = request.ids[lo:hi]
         rows: list[_Row | None] = []
         out = images.numpy() if images is not None else None
-        samples = self.path.read(ids)
+        samples = self.path.read(ids, direct=request.direct)
         for k, (sample_id, sample) in enumerate(zip(ids.tolist(), samples)):
             try:
                 # The image is resized straight into its row of the batch (no copy after).

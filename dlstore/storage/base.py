@@ -212,6 +212,15 @@ class Store(ABC):
     def get_bytes(self, key: str) -> bytes:
         return b"".join(self.get(key))
 
+    #: Byte ranges one GET of `get_ranges` may ask for (1: a GET per range).
+    ranges_per_get: int = 1
+
+    def get_ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes of each `(start, length)` of `spans` (ascending, apart) of `key`: one GET
+        per span here; a store whose GETs take several ranges (`ranges_per_get`) asks for up
+        to that many at once, which saves the store a request per span."""
+        return [self.get_range(key, start, length) for start, length in spans]
+
     def put(self, key: str, data: PutSource) -> None:
         """Write `data` to `key`, streaming; large sources go in segments."""
         key = check_key(key)

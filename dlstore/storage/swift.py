@@ -54,7 +54,7 @@ from swiftclient.exceptions import ClientException
 from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
 from dlstore.logs import redact_storage_secrets
-from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size, split_bucket_url
+from dlstore.storage.base import ObjectInfo, Store, check_key, read_block, remaining_size, split_bucket_url
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["SwiftStore"]
@@ -95,6 +95,30 @@ class _Forbidden(AuthError):
 
 
 # -- errors ---------------------------------------------------------------------------------
+def parse_byteranges(body: bytes, boundary: bytes) -> dict[int, bytes]:
+    """{first byte: bytes} of each part of a multipart/byteranges `body` (RFC 9110 14.6).
+
+    >>> parse_byteranges(b"--b\\r\\nContent-Range: bytes 2-4/9\\r\\n\\r\\nabc\\r\\n--b--", b"b")
+    {2: b'abc'}
+    """
+    parts: dict[int, bytes] = {}
+    delimiter = b"--" + boundary
+    position = body.find(delimiter)
+    while position >= 0 and not body.startswith(b"--", position + len(delimiter)):
+        head_end = body.find(b"\r\n\r\n", position)
+        found = _CONTENT_RANGE.search(body, position, head_end) if head_end >= 0 else None
+        if found is None:
+            raise TransientError("a multipart/byteranges answer has a part without its Content-Range")
+        start, end = int(found[1]), int(found[2])
+        data = head_end + 4
+        parts[start] = body[data : data + end - start + 1]
+        position = body.find(delimiter, data + end - start + 1)
+    return parts
+
+
+_CONTENT_RANGE = re.compile(rb"content-range:\s*bytes\s+(\d+)-(\d+)/", re.IGNORECASE)
+
+
 def _map_error(exc: BaseException, what: str) -> DlstoreError:
     """Our error for a swiftclient/requests/keystoneauth exception, built from the status and
     reason only: `str(ClientException)` would do, but a message is no place to gamble on."""
@@ -418,6 +442,43 @@ class SwiftStore(Store):
             body.close()  # also drops a connection left half-read by an abandoned generator
         if expected is not None and received != expected:
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
+
+    #: Swift serves up to 50 ascending byte ranges in one GET (`swift.common.swob.MAX_RANGES`).
+    ranges_per_get = 50
+
+    def get_ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
+        """One GET for all `spans` (at most `ranges_per_get`, ascending, apart), answered as
+        multipart/byteranges; a span past the end of the object comes back short, as
+        `get_range` gives it. Retried whole on a transient failure."""
+        if len(spans) <= 1 or len(spans) > self.ranges_per_get:
+            return super().get_ranges(key, spans)
+        key = check_key(key)
+        what = self.join(key)
+        header = "bytes=" + ",".join(f"{start}-{start + length - 1}" for start, length in spans)
+
+        def attempt() -> list[bytes]:
+            response_headers, body = self._call(
+                what, "get_object", self.container, self._name(key), headers={"Range": header}
+            )
+            kind, _, parameters = response_headers.get("content-type", "").partition(";")
+            boundary = dict(p.strip().split("=", 1) for p in parameters.split(";") if "=" in p).get("boundary")
+            if kind.strip() != "multipart/byteranges" or not boundary:
+                raise TransientError(f"{what}: a GET of {len(spans)} ranges was not answered by byte ranges ({kind})")
+            parts = parse_byteranges(body, boundary.strip('"').encode()).items()
+            # A server may join neighbouring ranges into one part: each span from the part holding it.
+            return [
+                next(
+                    (
+                        data[start - first : start - first + length]
+                        for first, data in parts
+                        if first <= start < first + len(data)
+                    ),
+                    b"",
+                )
+                for start, length in spans
+            ]
+
+        return call_with_retry(self.config.retry, attempt)
 
     # -- writing ---------------------------------------------------------------------------
     def _write(self, key: str, stream: BinaryIO) -> None:

@@ -1,0 +1,133 @@
+"""A pass's first batch from a cold cache, read straight from the store (`dlstore.cache.direct`),
+over the local Swift: it comes while its shards cannot be downloaded yet, it is the batch
+the cached shards give, its bytes are counted (apart from the cache's fetches), and bytes that fail their digests
+are never used (the shard's own checksum then fails as without direct reads)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+import dlstore
+from dlstore.cache import cache_report
+from dlstore.config import StoreConfig
+from dlstore.convert import ConvertOptions, convert
+from dlstore.demo.datagen import make_imagefolder
+from dlstore.errors import CorruptShard
+from dlstore.plan import locate
+from dlstore.sample_index import load_sample_index
+from dlstore.shards import read_sample
+from dlstore.storage import open_store
+from dlstore.world import World
+
+BATCH = 4
+
+
+@pytest.fixture
+def converted(swift_server, swift_container, tmp_path):
+    """3 shards of 20 JPEGs (version 2 sample indexes) in the local Swift: (url, store config)."""
+    config = StoreConfig.from_env(swift_server.swift_env())
+    url = f"swift://{swift_container}/data"
+    made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=20, image_size=(24, 20), formats=("jpg",))
+    convert("imagefolder", made.root, url, ConvertOptions(samples_per_shard=20, workers=1), config=config)
+    return url, config
+
+
+def _loader(url: str, config: StoreConfig, cache_dir, **options) -> dlstore.Loader:
+    ds = dlstore.Dataset(
+        url, cache_dir=str(cache_dir), batch_size=BATCH, image_size=16, seed=0, world=World(), store_config=config,
+        return_keys=True, **options,
+    )  # fmt: skip
+    return dlstore.Loader(ds, num_workers=1, device="cpu", dtype="uint8")
+
+
+def _first_shards(loader: dlstore.Loader) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The shards batch 0 reads, and each of its samples' shard and index within it."""
+    ds = loader.dataset
+    ids, _ = ds.plan(0).batch(0)
+    shards, offsets = locate(ids, ds.shard_sizes)
+    return sorted(set(shards.tolist())), shards, offsets
+
+
+def _batches_in_thread(loader: dlstore.Loader) -> queue.Queue:
+    """The loader's batches (or the error that ended them) as they come, from a thread."""
+    out: queue.Queue = queue.Queue()
+
+    def run() -> None:
+        try:
+            for batch in loader:
+                out.put(batch)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.put(exc)
+        out.put(None)
+
+    threading.Thread(target=run, daemon=True).start()
+    return out
+
+
+def test_a_cold_first_batch_comes_while_its_shards_cannot_be_downloaded(converted, tmp_path):
+    url, config = converted
+    loader = _loader(url, config, tmp_path / "cold")
+    cache = loader.dataset.cache
+    first, shards, offsets = _first_shards(loader)
+    names = [loader.dataset.manifest.shards[s].name for s in first]
+    cache._dir.create()
+    blockers = [cache._dir.open_lock(cache._stem(name)) for name in names]
+    for fd in blockers:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # as another process's downloads: no one fetches them now
+    batches = _batches_in_thread(loader)
+    try:
+        batch = batches.get(timeout=60)  # without direct reads: no batch until the locks go
+    finally:
+        for fd in blockers:
+            os.close(fd)
+    assert not isinstance(batch, BaseException), batch
+    rest = []
+    while (item := batches.get(timeout=60)) is not None:
+        assert not isinstance(item, BaseException), item
+        rest.append(item)
+    loader.close()
+    loader.dataset.cache.close()
+
+    warm = _loader(url, config, tmp_path / "cold", first_batch_direct=False)  # the cache is full now
+    expected = next(iter(warm))
+    warm.close()
+    warm.dataset.cache.close()
+    images, labels, meta = batch
+    assert meta["keys"] == expected[2]["keys"] and labels.tolist() == expected[1].tolist()
+    assert np.array_equal(images.numpy(), expected[0].numpy())
+    # Counted apart from the cache's fetches: every shard once, and the first batch's samples.
+    store = open_store(url, config)
+    spans = sum(load_sample_index(store, warm.dataset.manifest.shards[s])[int(o)].size for s, o in zip(shards, offsets))
+    report = cache_report(str(tmp_path / "cold"))
+    assert report.epochs[0].bytes_fetched == sum(info.size for info in warm.dataset.manifest.shards)
+    assert report.totals.bytes_direct == spans
+
+
+def test_bytes_that_fail_their_digest_are_never_used(converted, tmp_path):
+    """A sample of batch 0 is damaged in the store (after its index was made): the direct read
+    finds it does not match its digest and leaves the shard to the cache, whose checksum then
+    fails twice: `CorruptShard`, and no batch before it."""
+    url, config = converted
+    loader = _loader(url, config, tmp_path / "cold")
+    _, shards, offsets = _first_shards(loader)
+    info = loader.dataset.manifest.shards[int(shards[0])]
+    store = open_store(url, config)
+    span = load_sample_index(store, info)[int(offsets[0])]
+    data = bytearray(store.get_bytes(info.name))
+    raw = bytes(data[span.offset : span.offset + span.size])
+    jpeg = read_sample(raw)["jpg"]
+    # One byte in the middle of the JPEG's entropy-coded data: the image still decodes (only
+    # the digest can tell), so a batch built from these bytes would come before any error.
+    data[span.offset + raw.index(jpeg) + len(jpeg) // 2] ^= 0x10
+    store.put(info.name, bytes(data))
+    batches = _batches_in_thread(loader)
+    first = batches.get(timeout=120)
+    loader.close()
+    assert isinstance(first, CorruptShard), first
+    assert info.name in str(first)
