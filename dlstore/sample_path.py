@@ -46,8 +46,11 @@ log = logging.getLogger(__name__)
 # The stages a batch goes through on the host, in order (`StageClock` keys).
 STAGES = ("fetch", "read", "decode", "augment", "collate")
 # The most of a shard's bytes a first batch reads straight from the store rather than wait
-# for the shard: past that, the extra bytes cost more than the wait.
-DIRECT_SHARE = 0.25
+# for the shard. Waiting costs the time to fetch the whole shard, reading directly the time
+# to fetch the batch's part of it, plus GETs, digests and parsing: a quarter of a 33 MB shard
+# (in 16 parts at 40 MB/s each) came 0.06-0.08 s later than the shard itself, 2.5% of a
+# 256 MB shard 0.3-1.2 s sooner (`tools/bench_cold.py loader`).
+DIRECT_SHARE = 0.125
 
 
 @dataclass(frozen=True)

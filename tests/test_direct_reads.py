@@ -30,11 +30,12 @@ BATCH = 4
 
 @pytest.fixture
 def converted(swift_server, swift_container, tmp_path):
-    """3 shards of 20 JPEGs (version 2 sample indexes) in the local Swift: (url, store config)."""
+    """3 shards of 40 JPEGs (version 2 sample indexes) in the local Swift: (url, store config).
+    A first batch of 4 reads at most a tenth of a shard: little enough to be read directly."""
     config = StoreConfig.from_env(swift_server.swift_env())
     url = f"swift://{swift_container}/data"
-    made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=20, image_size=(24, 20), formats=("jpg",))
-    convert("imagefolder", made.root, url, ConvertOptions(samples_per_shard=20, workers=1), config=config)
+    made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=40, image_size=(24, 20), formats=("jpg",))
+    convert("imagefolder", made.root, url, ConvertOptions(samples_per_shard=40, workers=1), config=config)
     return url, config
 
 

@@ -16,6 +16,7 @@ a small GET of each such shard's sample index.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from concurrent import futures
 
@@ -53,13 +54,18 @@ def read_samples(
 ) -> dict[str, dict[int, bytes]]:
     """For each `(name, index, samples)` of `wanted`, the bytes of those samples of shard
     `name` in `store`, each checked against its digest in `index` (version 2); all shards' runs
-    by up to `connections` ranged GETs at once. A shard with a sample that fails its digest
+    in about `connections` GETs, all at once. A shard with a sample that fails its digest
     is left out. Errors of the store propagate."""
-    per_get = max(1, store.ranges_per_get)
-    jobs = []
-    for name, index, samples in wanted:
-        runs = sample_runs(index, samples)
-        jobs += [(name, index, runs[i : i + per_get]) for i in range(0, len(runs), per_get)]
+    runs = [(name, index, sample_runs(index, samples)) for name, index, samples in wanted]
+    # As many GETs as connections, each of as many ranges as that takes (the store allowing):
+    # fewer requests for the store to serve, and no link slower than its share of them.
+    total = sum(len(shard_runs) for _, _, shard_runs in runs)
+    per_get = max(1, min(store.ranges_per_get, math.ceil(total / max(1, connections))))
+    jobs = [
+        (name, index, shard_runs[i : i + per_get])
+        for name, index, shard_runs in runs
+        for i in range(0, len(shard_runs), per_get)
+    ]
 
     def fetch(job: tuple[str, SampleIndex, list[list[int]]]) -> dict[int, bytes] | None:
         name, index, runs = job
