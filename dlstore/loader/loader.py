@@ -223,7 +223,8 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     threads are as fast or faster up to ~8 (2 cores: 1.14x the processes; 16 cores, 4 and 8
     workers: 1.2x) and spare what processes cost (/dev/shm, a fork, 8x the resident memory,
     1.6x counting shared pages once, and the `__main__` guard a fork server needs). Past ~8
-    the GIL holds threads back (14 on 16 cores: 0.85x the processes), yet they stay the CPU
+    the GIL holds threads back (14 on 16 cores: 0.37-0.88x the processes over four runs on
+    H100 and H200 nodes, `tools/bench_workers.py` and `tools/bench_peers.py`), yet they stay the CPU
     default: a script that ran on threads must not fail for want of that guard because its
     machine has more cores (`num_workers` defaults to the cores); ask for processes there. Processes need room in
     `/dev/shm` for the batches in flight (the ranks of a node together): without it, threads,
