@@ -23,7 +23,7 @@ from dlstore.errors import ConfigError, DlstoreError
 from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
 from dlstore.sample_index import checksum_of, load_sample_index
-from dlstore.sample_path import BatchRequest, SamplePath, StageClock
+from dlstore.sample_path import BatchRequest, SamplePath, StageClock, direct_shards
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -189,7 +189,7 @@ class Dataset(torch.utils.data.Dataset):
         ids, is_padding = plan.batch(index)
         # A pass's first batch may read the samples of shards not cached yet straight from the
         # store: from a cold cache it would wait for whole shards (`dlstore.cache.direct`).
-        direct = index == 0 and self.cfg.first_batch_direct
+        direct = direct_shards(ids, self.shard_sizes) if index == 0 and self.cfg.first_batch_direct else ()
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding, direct=direct)
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:

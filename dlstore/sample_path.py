@@ -39,13 +39,13 @@ from dlstore.sample_index import SampleIndex, load_sample_index
 from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
 from dlstore.transforms import CropSource, crop_plan, decode_for_crop, device_jpeg, resize_crop, sample_rng
 
-__all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "join_encoded"]
+__all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "direct_shards", "join_encoded"]
 
 log = logging.getLogger(__name__)
 
 # The stages a batch goes through on the host, in order (`StageClock` keys).
 STAGES = ("fetch", "read", "decode", "augment", "collate")
-# The most of a shard's bytes a first batch reads straight from the store rather than wait
+# The most of a shard's samples a first batch reads straight from the store rather than wait
 # for the shard. Waiting costs the time to fetch the whole shard, reading directly the time
 # to fetch the batch's part of it, plus GETs, digests and parsing: a quarter of a 33 MB shard
 # (in 16 parts at 40 MB/s each) came 0.06-0.08 s later than the shard itself, 2.5% of a
@@ -56,14 +56,26 @@ DIRECT_SHARE = 0.125
 @dataclass(frozen=True)
 class BatchRequest:
     """What a worker needs to build one batch: the sample ids, the epoch (for augmentation
-    randomness) and the batch's position (for ordering and errors). `direct`: samples of
-    shards not cached yet may be read straight from the store (a pass's first batch)."""
+    randomness) and the batch's position (for ordering and errors). `direct`: the shards
+    whose samples, when not cached yet, may be read straight from the store (those a pass's
+    first batch reads little of: `direct_shards`)."""
 
     epoch: int
     index: int
     ids: np.ndarray
     is_padding: np.ndarray
-    direct: bool = False
+    direct: tuple[int, ...] = ()
+
+
+def direct_shards(ids: np.ndarray, shard_sizes: np.ndarray) -> tuple[int, ...]:
+    """The shards of which the batch of `ids` reads at most `DIRECT_SHARE` of the samples:
+    decided for the whole batch, before it is split among workers.
+
+    >>> direct_shards(np.array([0, 1, 2, 3, 4, 5, 40, 41]), np.array([40, 40]))  # 6 and 2 of 40
+    (1,)
+    """
+    shards, counts = np.unique(locate(ids, shard_sizes)[0], return_counts=True)
+    return tuple(int(s) for s, n in zip(shards, counts) if n <= DIRECT_SHARE * shard_sizes[s])
 
 
 @dataclass
@@ -154,16 +166,16 @@ class SamplePath:
         return ShardSpec(*self.shard_ref(shard))
 
     # -- read ------------------------------------------------------------------------------
-    def read(self, ids: np.ndarray, clock: StageClock | None = None, direct: bool = False) -> list[dict]:
+    def read(self, ids: np.ndarray, clock: StageClock | None = None, direct: tuple[int, ...] = ()) -> list[dict]:
         """The raw samples of `ids`, in order; each shard is held once for all its samples.
-        With `direct` (a pass's first batch), those of a shard not cached yet are read
-        straight from the store when that is a small part of it (`_read_direct`)."""
+        Those of the shards in `direct` (a pass's first batch) that are not cached yet are
+        read straight from the store (`_read_direct`)."""
         shards, offsets = locate(ids, self.shard_sizes)
         samples: list[dict | None] = [None] * len(ids)
         read_already = set()
         if direct:
             with _timed(clock, "fetch"):
-                read_already = self._read_direct(shards, offsets, samples)
+                read_already = self._read_direct(shards, offsets, samples, direct)
         for shard in np.unique(shards).tolist():
             if shard in read_already:
                 continue
@@ -237,22 +249,22 @@ class SamplePath:
                 return exc
         return None
 
-    def _read_direct(self, shards: np.ndarray, offsets: np.ndarray, samples: list) -> set[int]:
-        """Read the samples of `shards` (each sample's shard; `offsets`: its index in it) that
-        are not cached yet straight from the store into `samples` (`ShardCache.read_direct`:
-        each checked against its digest, all shards' at once), rather than wait for the whole
-        shards, where they are at most `DIRECT_SHARE` of a shard's bytes; the shards so read.
-        Not a shard that is cached, a boundary shard, one whose index has no digests, or one
-        with a sample that does not match: those are read from the cache as usual."""
+    def _read_direct(self, shards: np.ndarray, offsets: np.ndarray, samples: list, allowed: tuple) -> set[int]:
+        """Read the samples of `shards` (each sample's shard; `offsets`: its index in it) in
+        `allowed` that are not cached yet straight from the store into `samples`
+        (`ShardCache.read_direct`: each checked against its digest, all shards' at once),
+        rather than wait for the whole shards; the shards so read. Not a shard that is cached,
+        a boundary shard, one whose index has no digests or no checksum in the manifest, or
+        one with a sample that does not match: those are read from the cache as usual."""
         wanted, where = [], {}
         for shard in np.unique(shards).tolist():
             name = self.manifest.shards[shard].name
-            if shard in self.partial or self.cache.cached(name):  # no store request for a warm pass
+            if shard not in allowed or shard in self.partial or self.cache.cached(name):  # a warm pass: no request
                 continue
             positions = np.flatnonzero(shards == shard).tolist()
             index = self._store_index(shard)
             numbers = [int(offsets[position]) for position in positions]
-            if index is None or sum(index[n].size for n in numbers) > DIRECT_SHARE * index.shard_size:
+            if index is None:
                 continue
             wanted.append((name, index, numbers))
             where[name] = (shard, positions, numbers)
@@ -277,7 +289,7 @@ class SamplePath:
                 return self._store_indexes[shard]
         info = self.manifest.shards[shard]
         index = None
-        if info.index is not None:
+        if info.index is not None and info.index_checksum is not None:  # digests as sure as the manifest
             try:
                 index = load_sample_index(self.cache.store, info)
             except DlstoreError as exc:

@@ -270,6 +270,7 @@ def test_get_ranges(backend):
         b"",
     ]
     assert backend.store.get_ranges("r", [(7, 3)]) == [data[7:10]]
+    assert backend.store.get_ranges("r", [(0, 10), (20_000, 10)]) == [data[:10], b""]  # one inside: a plain 206
     most = [(i * 150, 100) for i in range(max(2, backend.store.ranges_per_get))]
     assert backend.store.get_ranges("r", most) == [data[start : start + n] for start, n in most]
     big = payload(2 * backend.segment_size + 17, seed=3)

@@ -16,17 +16,22 @@ a small GET of each such shard's sample index.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from collections.abc import Sequence
 from concurrent import futures
 
 from dlstore.sample_index import SampleIndex, sample_digest
 from dlstore.storage.base import Store
 
-__all__ = ["read_samples", "sample_runs"]
+__all__ = ["DIRECT_RETRY", "read_samples", "sample_runs"]
 
 #: The most bytes one ranged GET reads: neighbouring samples are read together up to this.
 RUN_BYTES = 4 * 2**20
+#: The retry policy of direct reads (`RetryConfig` fields): short, since a failure only sends
+#: the batch to the cache, which must not wait out the default deadline first.
+DIRECT_RETRY = {"max_attempts": 3, "max_backoff_s": 1.0, "deadline_s": 10.0, "read_timeout_s": 10.0}
 
 
 def sample_runs(index: SampleIndex, samples: Sequence[int], most: int = RUN_BYTES) -> list[list[int]]:
@@ -50,12 +55,16 @@ def sample_runs(index: SampleIndex, samples: Sequence[int], most: int = RUN_BYTE
 
 
 def read_samples(
-    store: Store, wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]], connections: int
+    store: Store,
+    wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]],
+    connections: int,
+    gate: threading.Semaphore | None = None,
 ) -> dict[str, dict[int, bytes]]:
     """For each `(name, index, samples)` of `wanted`, the bytes of those samples of shard
     `name` in `store`, each checked against its digest in `index` (version 2); all shards' runs
     in about `connections` GETs, all at once. A shard with a sample that fails its digest
-    is left out. Errors of the store propagate."""
+    is left out. Errors of the store propagate. `gate`: held around each GET (a bound on
+    GETs at once shared by the calls of several threads)."""
     runs = [(name, index, sample_runs(index, samples)) for name, index, samples in wanted]
     # As many GETs as connections, each of as many ranges as that takes (the store allowing):
     # fewer requests for the store to serve, and no link slower than its share of them.
@@ -72,8 +81,12 @@ def read_samples(
         spans = [
             (index[run[0]].offset, index[run[-1]].offset + index[run[-1]].size - index[run[0]].offset) for run in runs
         ]
+        with gate if gate is not None else contextlib.nullcontext():
+            got = store.get_ranges(name, spans)
+        if len(got) != len(spans):
+            return None
         out = {}
-        for run, (first, _), data in zip(runs, spans, store.get_ranges(name, spans)):
+        for run, (first, _), data in zip(runs, spans, got):
             for sample in run:
                 span = index[sample]
                 raw = data[span.offset - first : span.offset - first + span.size]

@@ -45,6 +45,7 @@ class _Runtime:
         self.errors: dict[str, BaseException] = {}
         self.active: set[str] = set()  # shards a prefetch thread is fetching now
         self.pace = PrefetchPace()  # how many of them at once
+        self.direct_gets: threading.Semaphore | None = None  # `ShardCache.read_direct`'s GETs at once
         self.threads: list[threading.Thread] = []
         self.closing = False
         # downloads: made when the cache is first used in this process

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from urllib.parse import quote
 
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
-from dlstore.cache.direct import read_samples
+from dlstore.cache.direct import DIRECT_RETRY, read_samples
 from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checksum, write_verified
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.indexes import cached_sample_index
@@ -201,7 +201,15 @@ class ShardCache:
         (read it there) or has a sample that fails its digest is left out."""
         rt = self._runtime()
         wanted = [w for w in wanted if not self.cached(w[0])]
-        got = read_samples(self.store, wanted, self.config.parts_in_flight * 2) if wanted else {}
+        if not wanted:
+            return {}
+        connections = self.config.parts_in_flight * 2
+        with rt.lock:
+            if rt.direct_gets is None:  # one bound for all the process's decode threads
+                rt.direct_gets = threading.BoundedSemaphore(connections)
+        # A short retry: the caller falls back to the cache, which must not wait out the default.
+        store = self.store.with_retry(dataclasses.replace(self.store.config.retry, **DIRECT_RETRY))
+        got = read_samples(store, wanted, connections, rt.direct_gets)
         if got:
             self._count(rt, bytes_direct=sum(len(data) for samples in got.values() for data in samples.values()))
         return got

@@ -28,6 +28,8 @@ and resumption once, here.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import io
 import os
 from abc import ABC, abstractmethod
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, Union
 from urllib.parse import urlsplit
 
-from dlstore.config import StoreConfig
+from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, NotFound, TransientError
 from dlstore.storage.retry import ProgressRetry, call_with_retry
 
@@ -211,6 +213,13 @@ class Store(ABC):
 
     def get_bytes(self, key: str) -> bytes:
         return b"".join(self.get(key))
+
+    def with_retry(self, retry: RetryConfig) -> Store:
+        """This store under another retry policy, sharing its clients: e.g. a short deadline
+        for reads that have a fallback, which must not wait out the default one."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, retry=retry)
+        return other
 
     #: Byte ranges one GET of `get_ranges` may ask for (1: a GET per range).
     ranges_per_get: int = 1

@@ -112,11 +112,24 @@ def parse_byteranges(body: bytes, boundary: bytes) -> dict[int, bytes]:
         start, end = int(found[1]), int(found[2])
         data = head_end + 4
         parts[start] = body[data : data + end - start + 1]
+        if len(parts[start]) != end - start + 1:
+            raise TransientError(f"a multipart/byteranges answer ends inside its part of bytes {start}-{end}")
         position = body.find(delimiter, data + end - start + 1)
     return parts
 
 
 _CONTENT_RANGE = re.compile(rb"content-range:\s*bytes\s+(\d+)-(\d+)/", re.IGNORECASE)
+_SINGLE_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/")
+
+
+def _read_all(body: Iterator[bytes], what: str) -> bytes:
+    """A streamed body whole; a failure mid-body as our error."""
+    try:
+        return b"".join(body)
+    except Exception as exc:
+        raise _map_error(exc, what) from None
+    finally:
+        body.close()
 
 
 def _map_error(exc: BaseException, what: str) -> DlstoreError:
@@ -448,37 +461,41 @@ class SwiftStore(Store):
 
     def get_ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
         """One GET for all `spans` (at most `ranges_per_get`, ascending, apart), answered as
-        multipart/byteranges; a span past the end of the object comes back short, as
-        `get_range` gives it. Retried whole on a transient failure."""
+        multipart/byteranges (or as one plain 206 when only one span lies inside the object);
+        a span past the end comes back short, as `get_range` gives it. A server that answers
+        with the whole object instead is asked one span per GET from then on (its body is not
+        read). Retried whole on a transient failure."""
         if len(spans) <= 1 or len(spans) > self.ranges_per_get:
             return super().get_ranges(key, spans)
         key = check_key(key)
         what = self.join(key)
         header = "bytes=" + ",".join(f"{start}-{start + length - 1}" for start, length in spans)
 
-        def attempt() -> list[bytes]:
+        def attempt() -> list[bytes] | None:
             response_headers, body = self._call(
-                what, "get_object", self.container, self._name(key), headers={"Range": header}
+                what, "get_object", self.container, self._name(key), headers={"Range": header}, resp_chunk_size=2**20
             )
             kind, _, parameters = response_headers.get("content-type", "").partition(";")
             boundary = dict(p.strip().split("=", 1) for p in parameters.split(";") if "=" in p).get("boundary")
-            if kind.strip() != "multipart/byteranges" or not boundary:
-                raise TransientError(f"{what}: a GET of {len(spans)} ranges was not answered by byte ranges ({kind})")
-            parts = parse_byteranges(body, boundary.strip('"').encode()).items()
+            single = _SINGLE_RANGE.match(response_headers.get("content-range", ""))
+            if kind.strip() == "multipart/byteranges" and boundary:
+                parts = parse_byteranges(_read_all(body, what), boundary.strip('"').encode()).items()
+            elif single:  # one span lay inside the object: a plain 206 of it
+                parts = {int(single[1]): _read_all(body, what)}.items()
+            else:  # the whole object: not read
+                body.close()
+                return None
             # A server may join neighbouring ranges into one part: each span from the part holding it.
             return [
-                next(
-                    (
-                        data[start - first : start - first + length]
-                        for first, data in parts
-                        if first <= start < first + len(data)
-                    ),
-                    b"",
-                )
-                for start, length in spans
+                next((data[s - first : s - first + n] for first, data in parts if first <= s < first + len(data)), b"")
+                for s, n in spans
             ]
 
-        return call_with_retry(self.config.retry, attempt)
+        got = call_with_retry(self.config.retry, attempt)
+        if got is None:
+            self.ranges_per_get = 1  # this server's GETs take one range: ask so from now on
+            return super().get_ranges(key, spans)
+        return got
 
     # -- writing ---------------------------------------------------------------------------
     def _write(self, key: str, stream: BinaryIO) -> None:
