@@ -94,7 +94,7 @@ class _Forbidden(AuthError):
     """HTTP 403: the credentials work, but not for this container or operation."""
 
 
-# -- errors ---------------------------------------------------------------------------------
+# -- answers of several byte ranges ---------------------------------------------------------
 def parse_byteranges(body: bytes, boundary: bytes) -> dict[int, bytes]:
     """{first byte: bytes} of each part of a multipart/byteranges `body` (RFC 9110 14.6).
 
@@ -132,6 +132,7 @@ def _read_all(body: Iterator[bytes], what: str) -> bytes:
         body.close()
 
 
+# -- errors ---------------------------------------------------------------------------------
 def _map_error(exc: BaseException, what: str) -> DlstoreError:
     """Our error for a swiftclient/requests/keystoneauth exception, built from the status and
     reason only: `str(ClientException)` would do, but a message is no place to gamble on."""
