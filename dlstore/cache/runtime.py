@@ -11,6 +11,7 @@ from dlstore.cache.config import ShardSpec
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.layout import CacheStats, EpochStats
 from dlstore.cache.pace import PrefetchPace
+from dlstore.storage.base import Store
 
 
 class _Runtime:
@@ -45,7 +46,9 @@ class _Runtime:
         self.errors: dict[str, BaseException] = {}
         self.active: set[str] = set()  # shards a prefetch thread is fetching now
         self.pace = PrefetchPace()  # how many of them at once
-        self.direct_gets: threading.Semaphore | None = None  # `ShardCache.read_direct`'s GETs at once
+        # `ShardCache.read_direct`'s: its GETs at once, and its store (a short retry), made once
+        self.direct_gets: threading.Semaphore | None = None
+        self.direct_store: Store | None = None
         self.threads: list[threading.Thread] = []
         self.closing = False
         # downloads: made when the cache is first used in this process

@@ -205,11 +205,12 @@ class ShardCache:
             return {}
         connections = self.config.parts_in_flight * 2
         with rt.lock:
-            if rt.direct_gets is None:  # one bound for all the process's decode threads
+            if rt.direct_gets is None:  # one bound and one store for all the process's decode threads
                 rt.direct_gets = threading.BoundedSemaphore(connections)
-        # A short retry: the caller falls back to the cache, which must not wait out the default.
-        store = self.store.with_retry(dataclasses.replace(self.store.config.retry, **DIRECT_RETRY))
-        got = read_samples(store, wanted, connections, rt.direct_gets)
+                # A short retry: the caller falls back to the cache, which must not wait out the
+                # default. Kept, so what the store learns (`ranges_per_get`) holds for later reads.
+                rt.direct_store = self.store.with_retry(dataclasses.replace(self.store.config.retry, **DIRECT_RETRY))
+        got = read_samples(rt.direct_store, wanted, connections, rt.direct_gets)
         if got:
             self._count(rt, bytes_direct=sum(len(data) for samples in got.values() for data in samples.values()))
         return got
