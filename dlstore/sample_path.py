@@ -32,7 +32,7 @@ import torch
 
 from dlstore.cache import SampleRange, ShardCache, ShardSpec
 from dlstore.config import DataConfig
-from dlstore.errors import CorruptSample, CorruptShard, DlstoreError
+from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, TransientError
 from dlstore.manifest import Manifest
 from dlstore.plan import locate
 from dlstore.sample_index import SampleIndex, load_sample_index
@@ -283,7 +283,9 @@ class SamplePath:
 
     def _store_index(self, shard: int) -> SampleIndex | None:
         """The store's sample index of `shard` with sample digests (one small GET, once per
-        process), or None where it has none or it cannot be had."""
+        process, with direct reads' short retry), or None where it has none or it cannot be
+        had. A failure that may pass (the store unreachable or busy) is not remembered: the
+        next pass's first batch asks again."""
         with self._lock:
             if shard in self._store_indexes:
                 return self._store_indexes[shard]
@@ -291,7 +293,10 @@ class SamplePath:
         index = None
         if info.index is not None and info.index_checksum is not None:  # digests as sure as the manifest
             try:
-                index = load_sample_index(self.cache.store, info)
+                index = load_sample_index(self.cache.direct_store, info)
+            except TransientError as exc:
+                log.info("shard %r is read from the cache this time: %s", info.name, exc)
+                return None
             except DlstoreError as exc:
                 log.info("shard %r is read from the cache only: %s", info.name, exc)
             if index is not None and index.version < 2:

@@ -8,10 +8,13 @@ from __future__ import annotations
 import fcntl
 import os
 import queue
+import re
 import threading
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
+from fault_proxy import FaultProxy
 
 import dlstore
 from dlstore.cache import cache_report
@@ -134,3 +137,77 @@ def test_bytes_that_fail_their_digest_are_never_used(converted, tmp_path):
     loader.close()
     assert isinstance(first, CorruptShard), first
     assert info.name in str(first)
+
+
+def test_direct_gets_hold_the_nodes_connection_slots(converted, tmp_path):
+    """With one connection slot on the node, held by another process, and the first batch's
+    shards locked as if another process downloaded them: no direct GET goes out until the
+    slot frees; then the batch comes, its shards still locked."""
+    url, config = converted
+    loader = _loader(url, config, tmp_path / "cold", fetch_node_connections=1)
+    cache = loader.dataset.cache
+    first, _, _ = _first_shards(loader)
+    names = [loader.dataset.manifest.shards[s].name for s in first]
+    cache._dir.create()
+    blockers = [cache._dir.open_lock(cache._stem(name)) for name in names]
+    os.makedirs(tmp_path / "cold" / "slots", exist_ok=True)
+    slot = os.open(tmp_path / "cold" / "slots" / "slot-0000.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    for fd in (*blockers, slot):
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        batches = _batches_in_thread(loader)
+        with pytest.raises(queue.Empty):
+            batches.get(timeout=3)  # no slot: no direct GET, and no download of the locked shards
+        assert cache_report(str(tmp_path / "cold")).totals.bytes_direct == 0
+        os.close(slot)  # the slot frees; the shards stay locked
+        batch = batches.get(timeout=60)
+    finally:
+        for fd in blockers:
+            os.close(fd)
+    assert not isinstance(batch, BaseException), batch
+    while (item := batches.get(timeout=60)) is not None:
+        assert not isinstance(item, BaseException), item
+    loader.close()
+    cache.close()
+    assert cache_report(str(tmp_path / "cold")).totals.bytes_direct > 0
+
+
+def _proxied(swift_server, proxy: FaultProxy) -> StoreConfig:
+    """A store config that reaches the local Swift only through `proxy`."""
+    env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
+    return StoreConfig.from_env(env)
+
+
+def test_a_warm_pass_asks_the_store_for_nothing(converted, swift_server, tmp_path):
+    """Direct reads are for shards not cached yet: a pass over a full cache sends no request
+    (no sample index, no ranged GET), while the cold pass before it read its first batch directly."""
+    url, _ = converted
+    with FaultProxy(urlsplit(swift_server.storage_url).port) as proxy:
+        config = _proxied(swift_server, proxy)
+        cold = _loader(url, config, tmp_path / "cache")
+        list(cold)
+        cold.close()
+        cold.dataset.cache.close()
+        assert cache_report(str(tmp_path / "cache")).totals.bytes_direct > 0
+        warm = _loader(url, config, tmp_path / "cache")  # the manifest is read here
+        proxy.reset_counts()
+        list(warm)
+        warm.close()
+        warm.dataset.cache.close()
+        assert proxy.log == []
+
+
+def test_a_sample_index_that_could_not_be_had_is_asked_for_again(converted, swift_server, tmp_path):
+    """The store's sample index of a shard fails for a while (503s past direct reads' short
+    retry): that pass reads the shard from the cache; a later pass asks for the index again."""
+    url, _ = converted
+    with FaultProxy(urlsplit(swift_server.storage_url).port) as proxy:
+        loader = _loader(url, _proxied(swift_server, proxy), tmp_path / "cache")
+        path = loader.dataset.samples
+        info = loader.dataset.manifest.shards[0]
+        proxy.add_rule("503", method="GET", path=re.escape(info.index) + "$", times=None)
+        assert path._store_index(0) is None
+        proxy.clear()
+        index = path._store_index(0)
+        loader.dataset.cache.close()
+    assert index is not None and len(index) == info.samples

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
+from contextlib import AbstractContextManager
 
 from dlstore.sample_index import SampleIndex, sample_digest
 from dlstore.storage.base import Store
@@ -58,13 +58,13 @@ def read_samples(
     store: Store,
     wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]],
     connections: int,
-    gate: threading.Semaphore | None = None,
+    gate: Callable[[], AbstractContextManager] | None = None,
 ) -> dict[str, dict[int, bytes]]:
     """For each `(name, index, samples)` of `wanted`, the bytes of those samples of shard
     `name` in `store`, each checked against its digest in `index` (version 2); all shards' runs
     in about `connections` GETs, all at once. A shard with a sample that fails its digest
-    is left out. Errors of the store propagate. `gate`: held around each GET (a bound on
-    GETs at once shared by the calls of several threads)."""
+    is left out. Errors of the store propagate. `gate()`: entered around each GET (bounds on
+    GETs at once shared by the calls of several threads, and by the node's processes)."""
     runs = [(name, index, sample_runs(index, samples)) for name, index, samples in wanted]
     # As many GETs as connections, each of as many ranges as that takes (the store allowing):
     # fewer requests for the store to serve, and no link slower than its share of them.
@@ -81,7 +81,7 @@ def read_samples(
         spans = [
             (index[run[0]].offset, index[run[-1]].offset + index[run[-1]].size - index[run[0]].offset) for run in runs
         ]
-        with gate if gate is not None else contextlib.nullcontext():
+        with gate() if gate is not None else contextlib.nullcontext():
             got = store.get_ranges(name, spans)
         if len(got) != len(spans):
             return None

@@ -78,7 +78,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dlstore.cache.slots import NodeSlots
-from dlstore.errors import CorruptShard, DlstoreError
+from dlstore.errors import CorruptShard, DlstoreError, TransientError
 from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)
@@ -306,6 +306,7 @@ class DownloadEngine:
         #: Set by the prefetch's pace; a reader's download (priority 0) is never narrowed.
         self.background_parts: int | None = None
         self._hurried: OrderedDict[tuple[str, int | None], None] = OrderedDict()  # (name, offset), `hurry`
+        self._outside_slots = 0  # node slots held by GETs outside the engine (`node_slot`)
 
     @property
     def connection_rate(self) -> float | None:
@@ -387,11 +388,44 @@ class DownloadEngine:
                 self._spawn(max(self._width(d) for d in hurried))
                 self._work.notify_all()
 
+    @contextlib.contextmanager
+    def node_slot(self, timeout_s: float) -> Iterator[None]:
+        """Hold one of the node's connection slots around a GET made outside the engine (a
+        reader's direct read of samples, `dlstore.cache.direct`), as a reader's part would:
+        such GETs count against `CacheConfig.node_connections` too. Waits for a free slot
+        (polling every `_SLOT_POLL_S`, sooner when a part of this process ends) at most
+        `timeout_s`, then raises `TransientError`; no wait without a node cap."""
+        if self.slots is None:
+            yield
+            return
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while (slot := self._try_slot()) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransientError(f"no free connection slot on this node within {timeout_s:g} s")
+                self._work.wait(timeout=min(_SLOT_POLL_S, left))
+                self.slots.look_again()
+            self._outside_slots += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.slots.give_back(slot)
+                self._outside_slots -= 1
+                self._work.notify_all()  # a part waiting for a slot may take this one
+
+    def _try_slot(self) -> int | None:
+        try:
+            return self.slots.try_take(urgent=True)
+        except OSError as exc:  # the slot files cannot be opened: the caller falls back, saying why
+            raise TransientError(f"cannot take a node connection slot: {exc}") from exc
+
     def close(self) -> None:
         """Let idle workers end now (running parts finish; a later `start` makes new workers)."""
         with self._lock:
             self._closing = True
-            if self.slots is not None and not any(d.running for d in self._downloads):
+            if self.slots is not None and not self._outside_slots and not any(d.running for d in self._downloads):
                 self.slots.close()  # its files (reopened if the engine starts again)
             self._work.notify_all()
 

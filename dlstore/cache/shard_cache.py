@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from urllib.parse import quote
 
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
@@ -194,23 +194,44 @@ class ShardCache:
         self._runtime()
         return os.path.exists(self._dir.shard_path(self._stem(name)))
 
+    @property
+    def direct_store(self) -> Store:
+        """The store as direct reads use it (theirs and their sample indexes' GETs): with a
+        short retry (`DIRECT_RETRY`), since a failure only sends the reader to the cache, which
+        must not wait out the default deadline first. One per process, so that what it learns
+        (`Store.ranges_per_get`) holds for later reads."""
+        rt = self._runtime()
+        with rt.lock:
+            if rt.direct_store is None:
+                rt.direct_store = self.store.with_retry(dataclasses.replace(self.store.config.retry, **DIRECT_RETRY))
+            return rt.direct_store
+
     def read_direct(self, wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]]) -> dict[str, dict[int, bytes]]:
         """For each `(name, index, samples)` of `wanted` whose shard is not cached, the bytes of
         those samples straight from the store, each checked against its digest in `index`
         (`dlstore.cache.direct`), counted in `CacheStats.bytes_direct`. A shard that is cached
-        (read it there) or has a sample that fails its digest is left out."""
+        (read it there) or has a sample that fails its digest is left out. The GETs, at most
+        `2 * parts_in_flight` at once in this process, each hold a node connection slot as a
+        download's part does (`CacheConfig.node_connections`); a slot not had within the short
+        deadline of `DIRECT_RETRY` raises `TransientError`, which sends the caller to the cache."""
         rt = self._runtime()
         wanted = [w for w in wanted if not self.cached(w[0])]
         if not wanted:
             return {}
         connections = self.config.parts_in_flight * 2
+        store = self.direct_store
         with rt.lock:
-            if rt.direct_gets is None:  # one bound and one store for all the process's decode threads
+            if rt.direct_gets is None:  # one bound for all the process's decode threads
                 rt.direct_gets = threading.BoundedSemaphore(connections)
-                # A short retry: the caller falls back to the cache, which must not wait out the
-                # default. Kept, so what the store learns (`ranges_per_get`) holds for later reads.
-                rt.direct_store = self.store.with_retry(dataclasses.replace(self.store.config.retry, **DIRECT_RETRY))
-        got = read_samples(rt.direct_store, wanted, connections, rt.direct_gets)
+        gets, engine = rt.direct_gets, rt.engine
+
+        @contextlib.contextmanager
+        def gate() -> Iterator[None]:
+            # The process's bound first: a node slot is never held while waiting for it.
+            with gets, engine.node_slot(DIRECT_RETRY["deadline_s"]):
+                yield
+
+        got = read_samples(store, wanted, connections, gate)
         if got:
             self._count(rt, bytes_direct=sum(len(data) for samples in got.values() for data in samples.values()))
         return got
