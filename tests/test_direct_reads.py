@@ -5,11 +5,15 @@ are never used (the shard's own checksum then fails as without direct reads)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import queue
 import re
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -42,12 +46,32 @@ def converted(swift_server, swift_container, tmp_path):
     return url, config
 
 
-def _loader(url: str, config: StoreConfig, cache_dir, **options) -> dlstore.Loader:
+def _loader(url: str, config: StoreConfig, cache_dir, engine="threads", workers=1, **options) -> dlstore.Loader:
     ds = dlstore.Dataset(
         url, cache_dir=str(cache_dir), batch_size=BATCH, image_size=16, seed=0, world=World(), store_config=config,
         return_keys=True, **options,
     )  # fmt: skip
-    return dlstore.Loader(ds, num_workers=1, device="cpu", dtype="uint8")
+    return dlstore.Loader(ds, num_workers=workers, device="cpu", dtype="uint8", engine=engine)
+
+
+@contextlib.contextmanager
+def _locked_elsewhere(paths: list[str]) -> Iterator[None]:
+    """Exclusive `flock`s on `paths`, held by another process until the block ends (it is
+    killed then): a lock of this process would be inherited by forked worker processes."""
+    code = (
+        "import fcntl, os, sys, time\n"
+        "fds = [os.open(p, os.O_RDWR | os.O_CREAT, 0o666) for p in sys.argv[1:]]\n"
+        "[fcntl.flock(fd, fcntl.LOCK_EX) for fd in fds]\n"
+        "print('locked', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code, *paths], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        yield
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
 
 
 def _first_shards(loader: dlstore.Loader) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -74,25 +98,25 @@ def _batches_in_thread(loader: dlstore.Loader) -> queue.Queue:
     return out
 
 
-def test_a_cold_first_batch_comes_while_its_shards_cannot_be_downloaded(converted, tmp_path):
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_a_cold_first_batch_comes_while_its_shards_cannot_be_downloaded(converted, tmp_path, engine):
     url, config = converted
     # One part per shard: two connections for the direct reads, so one Swift GET carries
     # several byte ranges (multipart/byteranges) and that path is what this test runs.
-    loader = _loader(url, config, tmp_path / "cold", fetch_parts=1)
+    # Two worker processes: each reads its half of the first batch directly.
+    workers = 2 if engine == "processes" else 1
+    loader = _loader(url, config, tmp_path / "cold", engine=engine, workers=workers, fetch_parts=1)
     cache = loader.dataset.cache
     first, shards, offsets = _first_shards(loader)
-    names = [loader.dataset.manifest.shards[s].name for s in first]
     cache._dir.create()
-    blockers = [cache._dir.open_lock(cache._stem(name)) for name in names]
-    for fd in blockers:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # as another process's downloads: no one fetches them now
-    batches = _batches_in_thread(loader)
-    try:
+    locks = [
+        os.path.join(cache._dir.locks, cache._stem(loader.dataset.manifest.shards[s].name) + ".lock") for s in first
+    ]
+    with _locked_elsewhere(locks):  # as another process's downloads: no one fetches them now
+        batches = _batches_in_thread(loader)
         batch = batches.get(timeout=60)  # without direct reads: no batch until the locks go
-    finally:
-        for fd in blockers:
-            os.close(fd)
-    assert not isinstance(batch, BaseException), batch
+        assert not isinstance(batch, BaseException), batch
+        batch = (batch[0].clone(), batch[1].clone(), batch[2])  # its buffer may be reused later
     rest = []
     while (item := batches.get(timeout=60)) is not None:
         assert not isinstance(item, BaseException), item
