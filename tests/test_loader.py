@@ -546,6 +546,21 @@ def test_a_worker_error_is_raised_in_the_training_loop_without_hanging(tmp_path,
     assert isinstance(result.get("error"), CorruptSample) or "CorruptSample" in repr(result.get("error"))
 
 
+def test_the_cache_counts_the_reads_of_every_worker(local_dataset, tmp_path, engine):
+    """`dlstore cache stats` counts each batch's reads, those of worker processes too (they
+    end without running `atexit` hooks, and count hits unrecorded for up to a second)."""
+    url, _ = local_dataset
+    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", engine=engine)
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        batches = len(list(loader))
+    loader.close()
+    loader.dataset.cache.close()
+    counted = cache_report(str(tmp_path / "cache")).epochs
+    assert counted[0].misses == 4  # each shard downloaded once
+    assert counted[1].hits >= batches and counted[1].misses == 0  # every batch holds a shard at least once
+
+
 def test_a_cache_smaller_than_a_shard_is_a_clear_error(local_dataset, tmp_path):
     url, _ = local_dataset
     with pytest.raises(dlstore.ConfigError):

@@ -10,6 +10,8 @@ import dataclasses
 import fcntl
 import hashlib
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
 import threading
 import time
@@ -70,6 +72,20 @@ def _flush_live_caches() -> None:
     for cache in list(_live_caches):
         with contextlib.suppress(Exception):
             cache.flush_stats()
+
+
+_finalizer_pid: int | None = None
+
+
+def _flush_at_worker_exit() -> None:
+    """In a `multiprocessing` child (a DataLoader worker), flush the counters as it exits:
+    such a process ends with `os._exit`, which runs no `atexit` hook, only multiprocessing's
+    finalizers. Registered once per process, at its first use of a cache (the registry a
+    child starts with is cleared by multiprocessing after the fork)."""
+    global _finalizer_pid
+    if _finalizer_pid != os.getpid() and multiprocessing.parent_process() is not None:
+        _finalizer_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _flush_live_caches, exitpriority=10)
 
 
 class ShardCache:
@@ -232,8 +248,9 @@ class ShardCache:
                 yield
 
         got = read_samples(store, wanted, connections, gate)
-        if got:
+        if got:  # recorded at once, as a download is: once per pass
             self._count(rt, bytes_direct=sum(len(data) for samples in got.values() for data in samples.values()))
+            self._flush(rt, force=True)
         return got
 
     def fetch(
@@ -342,6 +359,7 @@ class ShardCache:
                 rt.engine = DownloadEngine(self.config.connections, slots=node_slots(self.config))
                 rt.started = True
                 _live_caches.add(self)
+                _flush_at_worker_exit()
         return rt
 
     def _start(self) -> None:
