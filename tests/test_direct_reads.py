@@ -235,3 +235,26 @@ def test_a_sample_index_that_could_not_be_had_is_asked_for_again(converted, swif
         index = path._store_index(0)
         loader.dataset.cache.close()
     assert index is not None and len(index) == info.samples
+
+
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_the_shards_downloads_wait_for_the_first_batch_read_directly(converted, swift_server, tmp_path, engine):
+    """A cold pass's prefetch starts once its first batch, read directly, is handed on: every
+    direct GET of the pass is sent before the first download of a whole shard, which then
+    did not compete with it for the link, the store and the loader's CPU."""
+    url, _ = converted
+    with FaultProxy(urlsplit(swift_server.storage_url).port) as proxy:
+        workers = 2 if engine == "processes" else 1
+        loader = _loader(url, _proxied(swift_server, proxy), tmp_path / "cache", engine, workers, fetch_parts=1)
+        sizes = {info.name: info.size for info in loader.dataset.manifest.shards}
+        proxy.reset_counts()
+        list(loader)
+        loader.close()
+        loader.dataset.cache.close()
+        log = list(proxy.log)
+    gets = [(path.rsplit("/", 1)[-1], byte_range) for method, path, byte_range in log if method == "GET"]
+    shard_gets = [(name, byte_range) for name, byte_range in gets if name in sizes]
+    whole = [i for i, (name, byte_range) in enumerate(shard_gets) if byte_range == f"bytes=0-{sizes[name]}"]
+    direct = [i for i in range(len(shard_gets)) if i not in whole]
+    assert direct and len(whole) == len(sizes), shard_gets  # batch 0 read directly; each shard downloaded once
+    assert max(direct) < min(whole), shard_gets

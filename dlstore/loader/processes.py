@@ -227,6 +227,8 @@ class ProcessEngine:
                 raise RuntimeError(
                     f"epoch {epoch} ended after {index} batches, short of its plan (a loader bug)"
                 ) from None
+            if index == 0:
+                self.dataset.first_batch_delivered()
             yield batch
         if not history and count and self._dataloader.num_workers > 0 and closes == self._closes:
             self._follow_on = ((epoch + 1, ()), items)

@@ -160,6 +160,8 @@ class ThreadEngine:
                     if isinstance(exc, futures.CancelledError):
                         self._check_open(closes)  # cancelled by close(): say so
                     raise
+                if job.request.index == 0:
+                    self.dataset.first_batch_delivered()
                 yield batch
         finally:
             self._abandon(pending)
