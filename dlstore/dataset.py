@@ -204,11 +204,12 @@ class Dataset(torch.utils.data.Dataset):
         Why held back: a cold pass's first batch reads its samples straight from the store
         (`dlstore.cache.direct`), a few MB, then decodes them. The prefetch's downloads of its
         shards (a cold start's 32 connections, hundreds of MB) took the link, the store and the
-        loader's CPU from it: measured through the WAN emulator at 40 MB/s per connection with
-        the default shard size and one decode core, the first batch came in 1.9 s beside them,
-        0.4 s with them held back, and the 60th batch 0.4 s later. The shards' downloads
-        start once the batch is out; a read that needs the cache (a shard not read directly)
-        fetches its shard at once as a reader, never held back."""
+        loader's CPU from it: with the default shard size, one decode core and the store on
+        another (`tools/bench_cold.py loader`), its first batch came in 1.9-2.1 s through the
+        WAN emulator at 40 MB/s per connection beside them, 0.38-0.44 s with them held back.
+        The cost: the shards start ~0.4 s later, once per cold pass (a cold epoch of 16,000
+        images ran 1-2% longer). A read that needs the cache (a shard not read directly)
+        fetches its shard at once as a reader's download, never held back."""
         held, specs = self._prefetch_held
         self._prefetch_held = (False, None)
         if held and specs is not None:

@@ -3,15 +3,16 @@
 Why: from a cold cache the first batch of a pass waits for every shard it draws from (two
 with the plan's window ramp, 512 MB at the default shard size: ~2 s at 40 MB/s per
 connection), although it needs a few MB of them. Its samples are fetched by themselves
-(ranged GETs, several at once) while the shards download as usual, and training starts.
+(ranged GETs, several at once), and training starts; the shards' downloads begin once that
+batch is handed on (`Dataset.first_batch_delivered`).
 
 Trust: a sample is used only if its bytes match its digest in the shard's version 2 sample
 index, which itself matched the manifest's checksum of it (`load_sample_index`). Bytes that do
 not match are not used: the caller reads the samples from the shard once it is cached, where
 the shard's checksum decides (a damaged shard raises `CorruptShard` there, as without this).
 
-Cost: the batch's bytes twice (here and in its shards), once per pass that starts cold; and
-a small GET of each such shard's sample index.
+Cost: the batch's bytes twice (here and in its shards), once per pass that starts cold; a
+small GET of each such shard's sample index; and the shards start that much later.
 """
 
 from __future__ import annotations
