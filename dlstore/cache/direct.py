@@ -60,15 +60,12 @@ def read_samples(
     wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]],
     connections: int,
     gate: Callable[[], AbstractContextManager] | None = None,
-    pool: futures.Executor | None = None,
 ) -> dict[str, dict[int, bytes]]:
     """For each `(name, index, samples)` of `wanted`, the bytes of those samples of shard
     `name` in `store`, each checked against its digest in `index` (version 2); all shards' runs
     in about `connections` GETs, all at once. A shard with a sample that fails its digest
     is left out. Errors of the store propagate. `gate()`: entered around each GET (bounds on
-    GETs at once shared by the calls of several threads, and by the node's processes).
-    `pool`: the threads that run the GETs (kept by the caller, so that their connections to
-    the store are reused by later reads); by default, threads made for this call."""
+    GETs at once shared by the calls of several threads, and by the node's processes)."""
     runs = [(name, index, sample_runs(index, samples)) for name, index, samples in wanted]
     # As many GETs as connections, each of as many ranges as that takes (the store allowing):
     # fewer requests for the store to serve, and no link slower than its share of them.
@@ -101,11 +98,9 @@ def read_samples(
 
     if len(jobs) <= 1:
         got = [fetch(job) for job in jobs]
-    elif pool is not None:
-        got = list(pool.map(fetch, jobs))
     else:
-        with futures.ThreadPoolExecutor(min(len(jobs), max(1, connections)), "dlstore-direct-read") as own:
-            got = list(own.map(fetch, jobs))
+        with futures.ThreadPoolExecutor(min(len(jobs), max(1, connections)), "dlstore-direct-read") as pool:
+            got = list(pool.map(fetch, jobs))
     shards: dict[str, dict[int, bytes]] = {}
     failed = set()
     for (name, _, _), part in zip(jobs, got):

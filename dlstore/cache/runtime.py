@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from concurrent import futures
 
 from dlstore.cache.config import ShardSpec
 from dlstore.cache.engine import DownloadEngine
@@ -47,10 +46,8 @@ class _Runtime:
         self.errors: dict[str, BaseException] = {}
         self.active: set[str] = set()  # shards a prefetch thread is fetching now
         self.pace = PrefetchPace()  # how many of them at once
-        # `ShardCache.read_direct`'s: its GETs at once, the threads that run them, and its store
-        # (a short retry), made once
+        # `ShardCache.read_direct`'s: its GETs at once, and its store (a short retry), made once
         self.direct_gets: threading.Semaphore | None = None
-        self.direct_pool: futures.ThreadPoolExecutor | None = None
         self.direct_store: Store | None = None
         self.threads: list[threading.Thread] = []
         self.closing = False

@@ -17,7 +17,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent import futures
 from urllib.parse import quote
 
 from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
@@ -238,11 +237,9 @@ class ShardCache:
         connections = self.config.parts_in_flight * 2
         store = self.direct_store
         with rt.lock:
-            if rt.direct_gets is None:  # one bound and one pool for all the process's decode threads
+            if rt.direct_gets is None:  # one bound for all the process's decode threads
                 rt.direct_gets = threading.BoundedSemaphore(connections)
-                # Kept: its threads' connections to the store serve later passes' reads too.
-                rt.direct_pool = futures.ThreadPoolExecutor(connections, "dlstore-direct-read")
-        gets, engine, pool = rt.direct_gets, rt.engine, rt.direct_pool
+        gets, engine = rt.direct_gets, rt.engine
 
         @contextlib.contextmanager
         def gate() -> Iterator[None]:
@@ -250,7 +247,7 @@ class ShardCache:
             with gets, engine.node_slot(DIRECT_RETRY["deadline_s"]):
                 yield
 
-        got = read_samples(store, wanted, connections, gate, pool)
+        got = read_samples(store, wanted, connections, gate)
         if got:  # recorded at once, as a download is: once per pass
             self._count(rt, bytes_direct=sum(len(data) for samples in got.values() for data in samples.values()))
             self._flush(rt, force=True)
@@ -341,10 +338,6 @@ class ShardCache:
         stop_prefetch(rt, self.config.wait_timeout_s)
         if rt.engine is not None:
             rt.engine.close()
-        with rt.lock:
-            pool, rt.direct_pool, rt.direct_gets = rt.direct_pool, None, None
-        if pool is not None:
-            pool.shutdown(wait=False)  # its threads end (and drop their connections) once idle
         self._flush(rt, force=True)
         if self._hints is not None and self._hints.pid == os.getpid():
             self._hints.close()
