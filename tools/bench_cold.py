@@ -34,7 +34,9 @@ round's cold run against the warm run just before it), the same ratio from the f
 on (the streaming alone: whether the downloads keep ahead of the readers once the first
 shuffle window is in) and the time to the first batch when cold (from `iter()`). ``--fetch`` passes fetch settings (`DataConfig` fields) to the cold
 loaders, several ``--fetch`` compare variants in the same rounds. ``--store-cores`` keeps
-the local Swift and the emulators on cores of their own, as a remote store would be.
+the local Swift and the emulators on cores of their own, as a remote store would be. With
+the thread engine it also says where the cold epoch's extra CPU goes, per MB of shards and
+by thread kind (`THREAD_KINDS`: decode, the downloads' receive and write, their checksum).
 
 Examples (small smoke runs; the defaults are full ones)::
 
@@ -59,6 +61,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -290,6 +293,33 @@ class Epoch:
     store_cpu_s: float  # the local Swift's and the WAN emulators' (not on a real node)
     connections: int | None = None  # the most open at once through the WAN emulator
     after_first_img_s: float = 0.0  # from the first batch on: the streaming, without the start
+    threads_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # this process's, by `thread_kind`
+
+
+#: The loader's threads by what they do (their name's prefix): the decode (thread engine), the
+#: download engine's GETs (receive, write), and the prefetch's (each download's checksum).
+THREAD_KINDS = {"dlstore-decode": "decode", "dlstore-cache-download": "download", "dlstore-cache-prefetch": "checksum"}
+
+
+def threads_cpu() -> dict[int, tuple[str, float]]:
+    """{thread id: (its kind, CPU seconds)} of this process's live threads (`THREAD_KINDS`,
+    else "other"): where a cold epoch's extra CPU goes, kind by kind."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    out = {}
+    for thread in psutil.Process().threads():
+        name = names.get(thread.id, "")
+        kind = next((k for prefix, k in THREAD_KINDS.items() if name.startswith(prefix)), "other")
+        out[thread.id] = (kind, thread.user_time + thread.system_time)
+    return out
+
+
+def cpu_by_kind(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds per thread kind between two `threads_cpu` (threads that ended between them
+    are not counted: the download workers end only after 30 s idle)."""
+    out: dict[str, float] = {}
+    for tid, (kind, cpu) in after.items():
+        out[kind] = out.get(kind, 0.0) + cpu - before.get(tid, (kind, 0.0))[1]
+    return out
 
 
 def store_processes(env: Mapping[str, str], wan_pids: list[int]) -> list[psutil.Process]:
@@ -373,13 +403,14 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
         images, first, first_images = 0, None, 0
         store_side = store_processes(args.env, args.wan_pids)
         wan = set(args.wan_pids)
+        threads_before = threads_cpu()
         store_cpu, before, started = cpu_of(store_side), bench_loader.tree_usage(), time.perf_counter()
         for batch, _ in loader:
             if first is None:
                 first, first_images = time.perf_counter() - started, batch.shape[0]
             images += batch.shape[0]
         seconds = time.perf_counter() - started
-        now = bench_loader.tree_usage()  # this process and its workers (before close() ends them)
+        now, threads_after = bench_loader.tree_usage(), threads_cpu()  # before close() ends them
         cpu = sum(c - before.get(pid, (0.0, 0))[0] for pid, (c, _) in now.items() if pid not in wan)
         store_cpu = cpu_of(store_side) - store_cpu
     finally:
@@ -388,7 +419,15 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
         del loader
         gc.collect()  # the download workers' connections (in reference cycles) close now, not in a later run
     after = (images - first_images) / max(seconds - (first or 0.0), 1e-9)
-    return Epoch(images / seconds, first or 0.0, seconds, cpu, store_cpu, after_first_img_s=after)
+    return Epoch(
+        images / seconds,
+        first or 0.0,
+        seconds,
+        cpu,
+        store_cpu,
+        after_first_img_s=after,
+        threads_cpu_s=cpu_by_kind(threads_before, threads_after),
+    )
 
 
 def cold_epoch(url: str, store_config: StoreConfig, args: argparse.Namespace, fetch: dict, tmp: str) -> Epoch:
@@ -467,7 +506,7 @@ def swift_port_of(env: Mapping[str, str]) -> int:
     return urlsplit(env["ST_AUTH"]).port or 80
 
 
-def summarize_loader(rounds: list[dict]) -> dict:
+def summarize_loader(rounds: list[dict], megabytes: float) -> dict:
     out: dict = {}
     for key in rounds[0]:
         if key[1] == PEER:
@@ -483,6 +522,16 @@ def summarize_loader(rounds: list[dict]) -> dict:
             "cold_over_warm_cpu_s": spread([c.cpu_s / w.cpu_s for w, c in pairs]),
             "cold_store_cpu_over_warm_cpu": spread([c.store_cpu_s / w.cpu_s for w, c in pairs]),
             "cold_most_connections": max((c.connections or 0 for _, c in pairs), default=0) or None,
+            # The cold epoch's extra CPU by thread kind, per MB of shards fetched (every shard once).
+            "cold_ms_per_mb": {
+                kind: spread(
+                    [
+                        1e3 * (c.threads_cpu_s.get(kind, 0.0) - w.threads_cpu_s.get(kind, 0.0)) / megabytes
+                        for w, c in pairs
+                    ]
+                )
+                for kind in ("decode", "download", "checksum", "other")
+            },
         }
     return out
 
@@ -511,6 +560,12 @@ def print_loader_report(report: dict) -> None:
             f"  {res['cold_store_cpu_over_warm_cpu']['median']:>26.2f}"
             f"   {res['cold_most_connections'] or '-':>11}"
         )
+        extra = res.get("cold_ms_per_mb")
+        if extra:
+            print(
+                "      cold - warm CPU per MB of shards (this process's threads; medians): "
+                + ", ".join(f"{kind} {value['median']:.2f} ms" for kind, value in extra.items())
+            )
 
 
 def loader_main(argv: list[str]) -> int:
@@ -560,7 +615,7 @@ def loader_main(argv: list[str]) -> int:
         "rounds": args.rounds,
         "delay_ms": args.delay_ms,
         "store_cores": args.store_cores,
-        "settings": summarize_loader(rounds),
+        "settings": summarize_loader(rounds, sum(sizes) / 1e6),
         "peers": cold_peers.summarize(rounds, PEER) if args.peers else None,
     }
     print_loader_report(report)
