@@ -106,8 +106,9 @@ class Dataset(torch.utils.data.Dataset):
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self.corrupt_samples = 0
         # The prefetch held back while a pass's first batch is read straight from the store
-        # (`request`, `prefetch_after`, `first_batch_delivered`): (held, the list to start).
-        self._prefetch_held: tuple[bool, tuple | None] = (False, None)
+        # (`request`, `prefetch_after`, `first_batch_delivered`), and the list to start after it.
+        self._prefetch_on_hold = False
+        self._held_prefetch: tuple | None = None
 
     @property
     def shard_sizes(self) -> np.ndarray:
@@ -181,7 +182,11 @@ class Dataset(torch.utils.data.Dataset):
                 self._plans.popitem(last=False)
         return self._plans[key]
 
-    def request(self, plan: RankPlan, epoch: int, index: int) -> BatchRequest:
+    def request(self, plan: RankPlan, epoch: int, index: int, fresh_pass: bool = False) -> BatchRequest:
+        """What batch `index` of `plan` reads, for a loader to build. `fresh_pass`: the loader
+        starts a pass here (its first request, not one made ahead for the pass after), whose
+        prefetch waits for its first batch when that batch reads shards not cached yet
+        straight from the store (`first_batch_delivered`)."""
         # The cache counts fetches and hits per epoch: those of this batch's entries under its
         # epoch. A boundary shard's reads go to the node's run of its samples, or (after a re-deal
         # to another node count) to the whole shard: both are named.
@@ -193,9 +198,11 @@ class Dataset(torch.utils.data.Dataset):
         # A pass's first batch may read the samples of shards not cached yet straight from the
         # store: from a cold cache it would wait for whole shards (`dlstore.cache.direct`).
         direct = direct_shards(ids, self.shard_sizes) if index == 0 and self.cfg.first_batch_direct else ()
-        if index == 0:
-            cold = any(not self.cache.cached(self.manifest.shards[shard].name) for shard in direct)
-            self._prefetch_held = (cold, None)
+        if index == 0 and fresh_pass:
+            self._prefetch_on_hold = any(self.samples.may_read_directly(shard) for shard in direct)
+            self._held_prefetch = None
+            if self._prefetch_on_hold:
+                self.cache.prefetch([])  # a list left by an earlier pass does not go on beside it
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding, direct=direct)
 
     def first_batch_delivered(self) -> None:
@@ -206,14 +213,15 @@ class Dataset(torch.utils.data.Dataset):
         shards (a cold start's 32 connections, hundreds of MB) took the link, the store and the
         loader's CPU from it: with the default shard size, one decode core and the store on
         another (`tools/bench_cold.py loader`), its first batch came in 1.9-2.1 s through the
-        WAN emulator at 40 MB/s per connection beside them, 0.38-0.44 s with them held back.
-        The cost: the shards start ~0.4 s later, once per cold pass (a cold epoch of 16,000
-        images ran 1-2% longer). A read that needs the cache (a shard not read directly)
+        WAN emulator at 40 MB/s per connection beside them (2.0-2.1 s), 0.38-0.44 s with them held back.
+        The cost: the shards start ~0.3-0.4 s later, once per cold pass (a cold epoch of
+        16,000 images ran 1-2% longer). Only a fresh pass holds its prefetch back: passes
+        requested ahead (the next epoch's first batches) do not wait for a hand-on. A read that needs the cache (a shard not read directly)
         fetches its shard at once as a reader's download, never held back."""
-        held, specs = self._prefetch_held
-        self._prefetch_held = (False, None)
-        if held and specs is not None:
-            self.cache.prefetch(*specs)
+        held, self._held_prefetch = self._held_prefetch, None
+        self._prefetch_on_hold = False
+        if held is not None:
+            self.cache.prefetch(*held)
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
         """Ask the cache to fetch in the background the shards batch `index` (just requested)
@@ -250,8 +258,8 @@ class Dataset(torch.utils.data.Dataset):
             upcoming.update(dict.fromkeys(plan.batch_shards(j).tolist()))
         specs = [self.samples.cache_spec(s) for s in list(upcoming)[:wanted]]
         depth = wanted if self._holds_two_windows() else None
-        if self._prefetch_held[0]:  # a cold first batch is being read directly: after it
-            self._prefetch_held = (True, (specs, depth, len(reading)))
+        if self._prefetch_on_hold:  # a cold first batch is being read directly: after it
+            self._held_prefetch = (specs, depth, len(reading))
             return
         self.cache.prefetch(specs, depth=depth, lead=len(reading))
 

@@ -259,7 +259,7 @@ class SamplePath:
         wanted, where = [], {}
         for shard in np.unique(shards).tolist():
             name = self.manifest.shards[shard].name
-            if shard not in allowed or shard in self.partial or self.cache.cached(name):  # a warm pass: no request
+            if shard not in allowed or not self.may_read_directly(shard):  # a warm pass: no request
                 continue
             positions = np.flatnonzero(shards == shard).tolist()
             index = self._store_index(shard)
@@ -281,11 +281,19 @@ class SamplePath:
                 samples[position] = sample
         return {where[name][0] for name in read}
 
+    def may_read_directly(self, shard: int) -> bool:
+        """Whether `_read_direct` may read samples of `shard` now: not cached yet, a whole
+        shard of this node (not a boundary run), with a sample index the manifest checks."""
+        info = self.manifest.shards[shard]
+        if shard in self.partial or info.index is None or info.index_checksum is None:
+            return False
+        return not self.cache.cached(info.name)
+
     def _store_index(self, shard: int) -> SampleIndex | None:
         """The store's sample index of `shard` with sample digests (one small GET, once per
         process, with direct reads' short retry), or None where it has none or it cannot be
         had. A failure that may pass (the store unreachable or busy) is not remembered: the
-        next pass's first batch asks again."""
+        next read asks again."""
         with self._lock:
             if shard in self._store_indexes:
                 return self._store_indexes[shard]

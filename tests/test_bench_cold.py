@@ -48,7 +48,7 @@ def test_bench_cold_loader_runs_with_its_peers_and_leaks_no_secret(swift_server,
     for figures in result["settings"].values():
         assert figures["cold_img_s"]["median"] > 0 and figures["warm_img_s"]["median"] > 0
         # The cold epoch's extra CPU by thread kind (too little to time at this size: only reported).
-        assert set(figures["cold_ms_per_mb"]) == {"decode", "download", "checksum", "other"}
+        assert set(figures["cold_ms_per_mb"]) == {"decode", "download", "prefetch", "other"}
     assert list(result["peers"]) == settings
     assert all(p["webdataset_img_s"]["median"] > 0 for p in result["peers"].values())
     printed = run.stdout + run.stderr + report.read_text()

@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -244,8 +245,9 @@ def test_the_shards_downloads_wait_for_the_first_batch_read_directly(converted, 
     did not compete with it for the link, the store and the loader's CPU."""
     url, _ = converted
     with FaultProxy(urlsplit(swift_server.storage_url).port) as proxy:
-        workers = 2 if engine == "processes" else 1
-        loader = _loader(url, _proxied(swift_server, proxy), tmp_path / "cache", engine, workers, fetch_parts=1)
+        # One worker process: with two, one of them may start batch 1's download (a reader's,
+        # never held back) while the other still reads its half of batch 0.
+        loader = _loader(url, _proxied(swift_server, proxy), tmp_path / "cache", engine, 1, fetch_parts=1)
         sizes = {info.name: info.size for info in loader.dataset.manifest.shards}
         proxy.reset_counts()
         list(loader)
@@ -258,3 +260,29 @@ def test_the_shards_downloads_wait_for_the_first_batch_read_directly(converted, 
     direct = [i for i in range(len(shard_gets)) if i not in whole]
     assert direct and len(whole) == len(sizes), shard_gets  # batch 0 read directly; each shard downloaded once
     assert max(direct) < min(whole), shard_gets
+
+
+def test_a_pass_requested_ahead_leaves_the_held_prefetch_alone(converted, tmp_path):
+    """The engines request the next epoch's first batches before this one's is handed on
+    (near an epoch's end, or in a short epoch). Only the fresh pass holds its prefetch back,
+    and handing on its first batch starts that pass's list, whatever was requested since."""
+    url, config = converted
+    ds = _loader(url, config, tmp_path / "cache").dataset
+    plan = ds.plan(0)
+    ds.request(plan, 0, 0, fresh_pass=True)
+    ds.prefetch_after(plan, 0)  # held: nothing is fetched yet
+    ds.request(ds.plan(1), 1, 0)  # the next epoch's first batch, requested ahead
+    names = [info.name for info in ds.manifest.shards]
+    time.sleep(1)
+    assert not any(ds.cache.cached(name) for name in names)
+    ds.first_batch_delivered()
+    deadline = time.monotonic() + 60
+    while not all(ds.cache.cached(name) for name in plan_names(ds, plan)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ds.cache.close()
+    assert all(ds.cache.cached(name) for name in plan_names(ds, plan))
+
+
+def plan_names(ds, plan) -> list[str]:
+    """The shards batch 0 of `plan` reads: the lead of the prefetch list it asks for."""
+    return [ds.manifest.shards[s].name for s in sorted(set(plan.batch_shards(0).tolist()))]

@@ -36,7 +36,7 @@ shuffle window is in) and the time to the first batch when cold (from `iter()`).
 loaders, several ``--fetch`` compare variants in the same rounds. ``--store-cores`` keeps
 the local Swift and the emulators on cores of their own, as a remote store would be. With
 the thread engine it also says where the cold epoch's extra CPU goes, per MB of shards and
-by thread kind (`THREAD_KINDS`: decode, the downloads' receive and write, their checksum).
+by thread kind (`THREAD_KINDS`: decode, the downloads' receive and write, the prefetch's checksums).
 
 Examples (small smoke runs; the defaults are full ones)::
 
@@ -296,9 +296,11 @@ class Epoch:
     threads_cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)  # this process's, by `thread_kind`
 
 
-#: The loader's threads by what they do (their name's prefix): the decode (thread engine), the
-#: download engine's GETs (receive, write), and the prefetch's (each download's checksum).
-THREAD_KINDS = {"dlstore-decode": "decode", "dlstore-cache-download": "download", "dlstore-cache-prefetch": "checksum"}
+#: The loader's threads by what they do (their name's prefix): the decode (thread engine; a
+#: reader's own download is hashed there), the download engine's GETs (receive, write), and
+#: the prefetch (mostly its downloads' checksums). The direct reads' short-lived threads have
+#: ended by the second look, and are counted nowhere.
+THREAD_KINDS = {"dlstore-decode": "decode", "dlstore-cache-download": "download", "dlstore-cache-prefetch": "prefetch"}
 
 
 def threads_cpu() -> dict[int, tuple[str, float]]:
@@ -530,7 +532,7 @@ def summarize_loader(rounds: list[dict], megabytes: float) -> dict:
                         for w, c in pairs
                     ]
                 )
-                for kind in ("decode", "download", "checksum", "other")
+                for kind in ("decode", "download", "prefetch", "other")
             },
         }
     return out

@@ -59,7 +59,8 @@ How it works, and why:
   first download with work waits for a slot, one worker polls the node's slots every
   `_SLOT_POLL_S` (a slot freed in this process wakes the workers at once); the others wait.
   A reader's download waiting for a slot (priority 0) makes every prefetch on the node
-  yield the slots that free to it.
+  yield the slots that free to it. GETs made outside the engine (direct reads of samples)
+  hold a slot the same way (`node_slot`); `close` keeps the slot files open while they do.
 
 No state survives a fork: the engine lives in the cache's per-process runtime.
 """
@@ -307,6 +308,8 @@ class DownloadEngine:
         self.background_parts: int | None = None
         self._hurried: OrderedDict[tuple[str, int | None], None] = OrderedDict()  # (name, offset), `hurry`
         self._outside_slots = 0  # node slots held by GETs outside the engine (`node_slot`)
+        self._slot_freed = threading.Condition(self._lock)  # for `node_slot`'s waiters only
+        self._slots_looked = 0.0  # when `node_slot`'s waiters last had the node's slots scanned
 
     @property
     def connection_rate(self) -> float | None:
@@ -394,7 +397,9 @@ class DownloadEngine:
         reader's direct read of samples, `dlstore.cache.direct`), as a reader's part would:
         such GETs count against `CacheConfig.node_connections` too. Waits for a free slot
         (polling every `_SLOT_POLL_S`, sooner when a part of this process ends) at most
-        `timeout_s`, then raises `TransientError`; no wait without a node cap."""
+        `timeout_s`, then raises `TransientError`; no wait without a node cap. Its waiters
+        have the node's slots scanned at most every `_SLOT_POLL_S` between them (a scan that
+        finds none free leaves them all waiting: `NodeSlots.try_take`)."""
         if self.slots is None:
             yield
             return
@@ -404,8 +409,10 @@ class DownloadEngine:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransientError(f"no free connection slot on this node within {timeout_s:g} s")
-                self._work.wait(timeout=min(_SLOT_POLL_S, left))
-                self.slots.look_again()
+                self._slot_freed.wait(timeout=min(_SLOT_POLL_S, left))
+                if time.monotonic() - self._slots_looked >= _SLOT_POLL_S:
+                    self._slots_looked = time.monotonic()
+                    self.slots.look_again()  # slots other processes freed
             self._outside_slots += 1
         try:
             yield
@@ -413,6 +420,7 @@ class DownloadEngine:
             with self._lock:
                 self.slots.give_back(slot)
                 self._outside_slots -= 1
+                self._slot_freed.notify()
                 self._work.notify_all()  # a part waiting for a slot may take this one
 
     def _try_slot(self) -> int | None:
@@ -528,6 +536,7 @@ class DownloadEngine:
                 with self._lock:
                     if part.slot is not None and self.slots is not None:
                         self.slots.give_back(part.slot)
+                        self._slot_freed.notify()  # a direct read waiting for one (`node_slot`)
                     download.running -= 1
                     download._progress.notify_all()
                     self._work.notify_all()

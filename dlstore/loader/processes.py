@@ -154,7 +154,7 @@ class _PlanSampler(Sampler):
                 if self.slots is not None:
                     self.slots.claim(sequence)  # once per batch: its chunks share its slot
                     slot = self.slots.slot_of(sequence)
-                request = self.dataset.request(plan, epoch, index)
+                request = self.dataset.request(plan, epoch, index, fresh_pass=sequence == 0)
                 yield from _chunks(request, self.chunks, slot) if sequence == 0 else (_Whole(request, slot),)
                 sequence += 1
                 self.dataset.prefetch_after(plan, index)

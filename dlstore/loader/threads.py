@@ -147,7 +147,8 @@ class ThreadEngine:
             while pending or submitted < plan.num_batches:
                 self._check_open(closes)
                 while submitted < plan.num_batches and len(pending) <= self.lookahead:
-                    pending.append(self._submit(self.dataset.request(plan, epoch, submitted), closes))
+                    request = self.dataset.request(plan, epoch, submitted, fresh_pass=submitted == 0)
+                    pending.append(self._submit(request, closes))
                     self.dataset.prefetch_after(plan, submitted)
                     submitted += 1
                 if submitted == plan.num_batches and not history:
