@@ -212,12 +212,14 @@ class Dataset(torch.utils.data.Dataset):
         (`dlstore.cache.direct`), a few MB, then decodes them. The prefetch's downloads of its
         shards (a cold start's 32 connections, hundreds of MB) took the link, the store and the
         loader's CPU from it: with the default shard size, one decode core and the store on
-        another (`tools/bench_cold.py loader`), its first batch came in 1.9-2.1 s through the
-        WAN emulator at 40 MB/s per connection beside them (2.0-2.1 s), 0.38-0.44 s with them held back.
-        The cost: the shards start ~0.3-0.4 s later, once per cold pass (a cold epoch of
-        16,000 images ran 1-2% longer). Only a fresh pass holds its prefetch back: passes
-        requested ahead (the next epoch's first batches) do not wait for a hand-on. A read that needs the cache (a shard not read directly)
-        fetches its shard at once as a reader's download, never held back."""
+        another (`tools/bench_cold.py loader`), that batch came in 2.0-2.1 s through the WAN
+        emulator at 40 MB/s per connection beside them, 0.38-0.44 s with them held back. The
+        cost: the shards start ~0.3-0.4 s later, once per cold pass (a cold epoch of 16,000
+        images ran 1-2% longer).
+
+        Only a fresh pass holds its prefetch back: passes requested ahead (the next epoch's
+        first batches) do not wait for a hand-on. A read that needs the cache (a shard not
+        read directly) fetches its shard at once as a reader's download, never held back."""
         held, self._held_prefetch = self._held_prefetch, None
         self._prefetch_on_hold = False
         if held is not None:

@@ -80,8 +80,9 @@ _finalizer_pid: int | None = None
 def _flush_at_worker_exit() -> None:
     """In a `multiprocessing` child (a DataLoader worker), flush the counters as it exits:
     a forked one ends with `os._exit`, which runs no `atexit` hook, only multiprocessing's
-    finalizers (a spawned one runs both: the second flush finds nothing left to add). Registered once per process, at its first use of a cache (the registry a
-    child starts with is cleared by multiprocessing after the fork)."""
+    finalizers (a spawned one runs both: the second flush finds nothing left to add).
+    Registered once per process, at its first use of a cache (multiprocessing clears the
+    registry a child starts with after the fork)."""
     global _finalizer_pid
     if _finalizer_pid != os.getpid() and multiprocessing.parent_process() is not None:
         _finalizer_pid = os.getpid()
