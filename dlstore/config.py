@@ -292,6 +292,9 @@ class StoreConfig:
     s3: S3Config = field(default_factory=S3Config)
     swift: SwiftConfig = field(default_factory=SwiftConfig)
     chunk_size: int = 1 * 2**20
+    # Bulk reads take the body straight from the socket (`dlstore.storage.lean_get`); False:
+    # through the store's client library, as every other request (`DLSTORE_LEAN_READS=0`).
+    lean_reads: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StoreConfig:
@@ -300,6 +303,7 @@ class StoreConfig:
             retry=RetryConfig.from_env(env),
             s3=S3Config.from_env(env),
             swift=SwiftConfig.from_env(env),
+            lean_reads=env.get("DLSTORE_LEAN_READS", "1").lower() not in ("0", "false", "no"),
         )
 
 

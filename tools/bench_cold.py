@@ -433,6 +433,10 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
 
 
 def cold_epoch(url: str, store_config: StoreConfig, args: argparse.Namespace, fetch: dict, tmp: str) -> Epoch:
+    """A cold epoch with `fetch`'s settings: the dataset's, and `StoreConfig` fields (`lean_reads`)."""
+    store_fields = {f.name for f in dataclasses.fields(StoreConfig)}
+    store_config = dataclasses.replace(store_config, **{k: v for k, v in fetch.items() if k in store_fields})
+    fetch = {k: v for k, v in fetch.items() if k not in store_fields}
     cache_dir = tempfile.mkdtemp(prefix="cold-cache-", dir=tmp)
     try:
         return loader_epoch(url, store_config, cache_dir, args, fetch)
@@ -582,7 +586,9 @@ def loader_main(argv: list[str]) -> int:
     parser.add_argument("--rates", default="10MB,40MB,200MB", help="per-connection rates of the emulator")
     parser.add_argument("--delay-ms", type=float, default=5.0, help="emulator delay per request (default 5)")
     parser.add_argument(
-        "--fetch", action="append", help='fetch settings of the cold loaders, e.g. "fetch_parts=4"; repeat to compare'
+        "--fetch",
+        action="append",
+        help='fetch settings of the cold loaders, e.g. "fetch_parts=4" or a StoreConfig field ("lean_reads=false"); repeat to compare',
     )
     parser.add_argument("--workdir", help="where the generated data is kept between runs (default: a temp dir)")
     parser.add_argument("--env-file", help="env.sh from tools/swift_server.py (default: the environment)")

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, BinaryIO
+from urllib.parse import quote
 
 import requests.exceptions
 import swiftclient
@@ -55,6 +56,7 @@ from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
 from dlstore.logs import redact_storage_secrets
 from dlstore.storage.base import ObjectInfo, Store, check_key, read_block, remaining_size, split_bucket_url
+from dlstore.storage.lean_get import LeanSession, proxied
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["SwiftStore"]
@@ -139,23 +141,9 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if isinstance(exc, DlstoreError):
         return exc
     if isinstance(exc, ClientException):
-        status = exc.http_status
-        if status is None:
+        if exc.http_status is None:
             return DlstoreError(f"{what}: {exc.msg}")
-        text = f"{what}: HTTP {status} {exc.http_reason or ''}".rstrip()
-        if exc.transaction_id:
-            text += f" (transaction {exc.transaction_id})"
-        if status == 404:
-            return NotFound(text)
-        if status == 416:
-            return _RangeNotSatisfiable(text)
-        if status == 403:
-            return _Forbidden(text)
-        if status == 401:
-            return AuthError(text)
-        if status in _TRANSIENT_STATUS or status >= 500:
-            return TransientError(text)
-        return DlstoreError(text)
+        return _status_error(what, exc.http_status, exc.http_reason, exc.transaction_id)
     if isinstance(exc, requests.exceptions.SSLError):
         return DlstoreError(f"{what}: TLS failure (check OS_CACERT / SWIFTCLIENT_INSECURE)")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
@@ -164,6 +152,24 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if keystone is not None:
         return keystone
     return DlstoreError(f"{what}: {type(exc).__name__}")
+
+
+def _status_error(what: str, status: int, reason: str | None, transaction_id: str | None) -> DlstoreError:
+    """Our error for an HTTP error status of the Swift API."""
+    text = f"{what}: HTTP {status} {reason or ''}".rstrip()
+    if transaction_id:
+        text += f" (transaction {transaction_id})"
+    if status == 404:
+        return NotFound(text)
+    if status == 416:
+        return _RangeNotSatisfiable(text)
+    if status == 403:
+        return _Forbidden(text)
+    if status == 401:
+        return AuthError(text)
+    if status in _TRANSIENT_STATUS or status >= 500:
+        return TransientError(text)
+    return DlstoreError(text)
 
 
 def _map_keystone_error(exc: BaseException, what: str) -> DlstoreError | None:
@@ -280,6 +286,11 @@ class SwiftStore(Store):
             self._client_preauth_unused = True
             # A fresh token was refused: the next one is the last try (see `_on_unauthorized`).
             self._client_fresh_refused = False
+            cfg, retry = self.config.swift, self.config.retry
+            self._client_lean = LeanSession(
+                (retry.connect_timeout_s, retry.read_timeout_s), self.config.chunk_size, cfg.cacert, cfg.insecure
+            )
+            self._client_proxied: dict[str, bool] = {}  # storage URL: reached through a proxy
             self._client_pid = os.getpid()
         redact_storage_secrets()
 
@@ -432,6 +443,11 @@ class SwiftStore(Store):
         headers = None
         if start or end is not None:
             headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+        if self.config.lean_reads:
+            token = self._token()
+            if not self._client_proxied.setdefault(token.storage_url, proxied(token.storage_url)):
+                yield from self._read_lean(what, key, token, headers)
+                return
         try:
             response_headers, body = self._call(
                 what,
@@ -454,6 +470,34 @@ class SwiftStore(Store):
             raise _map_error(exc, what) from None
         finally:
             body.close()  # also drops a connection left half-read by an abandoned generator
+        if expected is not None and received != expected:
+            raise TransientError(f"short read of {what}: {received} of {expected} bytes")
+
+    def _read_lean(self, what: str, key: str, token: _Token, headers: dict[str, str] | None) -> Iterator[bytes]:
+        """`_read` through `LeanSession`: the body from the socket straight into its chunks."""
+        url = f"{token.storage_url}/{quote(self.container)}/{quote(self._name(key))}"
+        try:
+            response = self._client_lean.get(url, {"X-Auth-Token": token.token, **(headers or {})})
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+        status = response.status
+        if status == 401:
+            self._on_unauthorized(token, what)
+        if status == 416:
+            return
+        if status >= 300:
+            raise _status_error(what, status, response.reason, response.headers.get("x-trans-id"))
+        token.proven = True
+        expected = int(response.headers["content-length"]) if "content-length" in response.headers else None
+        received = 0
+        try:
+            for chunk in response.body:
+                received += len(chunk)
+                yield chunk
+        except Exception as exc:
+            raise _map_error(exc, what) from None
+        finally:
+            response.body.close()
         if expected is not None and received != expected:
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
 
