@@ -157,16 +157,17 @@ def test_read_cut_off_midway_is_resumed(swift_server, swift_container, scheme, r
     assert "transient storage error" in caplog.text
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "swiftclient"])
-def test_swift_reads_answer_alike_through_either_client(swift_server, swift_container, lean, monkeypatch):
-    """Bulk reads go through `LeanSession` by default and through swiftclient with
-    `lean_reads=False`; both give the same bytes, the same empty read past the end and the
-    same `NotFound`, and only the first uses `LeanSession`."""
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "client"])
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
+def test_reads_answer_alike_through_either_client(swift_server, swift_container, scheme, lean, monkeypatch):
+    """Bulk reads go through `LeanSession` by default and through the store's client library
+    (swiftclient, boto3) with `lean_reads=False`; both give the same bytes, the same empty read
+    past the end and the same `NotFound`, and only the first uses `LeanSession`."""
     lean_gets = []
     real_get = LeanSession.get
     monkeypatch.setattr(LeanSession, "get", lambda self, *a: lean_gets.append(a[0]) or real_get(self, *a))
     config = dataclasses.replace(swift_store_config(swift_server), lean_reads=lean)
-    store = open_store(f"swift://{swift_container}/lean", config)
+    store = open_store(f"{scheme}://{swift_container}/lean", config)
     data = payload(2_500_000, seed=3)
     store.put("obj", data)
     store.put("empty", b"")

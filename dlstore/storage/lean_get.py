@@ -29,6 +29,7 @@ __all__ = ["LeanResponse", "LeanSession", "proxied"]
 
 #: What a connection kept by a thread may have been closed by the server with, noticed only
 #: when a request is sent on it: that request goes once more on a new connection.
+_ERROR_BODY = 64 * 1024
 _STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
@@ -45,12 +46,14 @@ def proxied(url: str) -> bool:
 @dataclass
 class LeanResponse:
     """One GET's answer: `status`, `headers` (lower-case names) and, for a status under 300,
-    `body`: the body in chunks of up to the session's `chunk_size` (bytearrays, each new)."""
+    `body`: the body in chunks of up to the session's `chunk_size` (bytearrays, each new); for
+    any other, `error_body`: its first `_ERROR_BODY` bytes (an S3 error's XML names its code)."""
 
     status: int
     reason: str
     headers: dict[str, str]
     body: Iterator[bytearray]
+    error_body: bytes = b""
 
 
 class LeanSession:
@@ -93,12 +96,16 @@ class LeanSession:
         if response.status < 300:
             return LeanResponse(response.status, response.reason, names, self._body(key, conn, response, sock))
         try:
-            response.read()  # an error's body is small: read, so that the connection can be kept
+            error_body = response.read(_ERROR_BODY)
+            if not response.isclosed():  # longer than an error's: not worth reading to keep the connection
+                conn.close()
+                response.close()
+                return LeanResponse(response.status, response.reason, names, iter(()), error_body)
         except BaseException:
             conn.close()
             raise
         self._keep(key, conn, response)
-        return LeanResponse(response.status, response.reason, names, iter(()))
+        return LeanResponse(response.status, response.reason, names, iter(()), error_body)
 
     def close(self) -> None:
         """Close the calling thread's idle connections."""

@@ -443,26 +443,14 @@ class SwiftStore(Store):
         headers = None
         if start or end is not None:
             headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
-        if self.config.lean_reads:
-            token = self._token()
-            if not self._client_proxied.setdefault(token.storage_url, proxied(token.storage_url)):
-                yield from self._read_lean(what, key, token, headers)
-                return
         try:
-            response_headers, body = self._call(
-                what,
-                "get_object",
-                self.container,
-                self._name(key),
-                resp_chunk_size=self.config.chunk_size,
-                headers=headers,
-            )
+            response_headers, body = self._get_object(what, key, headers)
         except _RangeNotSatisfiable:  # the range starts at or past the end: no bytes
             return
         expected = int(response_headers["content-length"]) if "content-length" in response_headers else None
         received = 0
         try:
-            # The body hands back urllib3's bytes as they come: no copies, no hashing here.
+            # The chunks come as they are read from the connection: no copies, no hashing here.
             for chunk in body:
                 received += len(chunk)
                 yield chunk
@@ -473,33 +461,31 @@ class SwiftStore(Store):
         if expected is not None and received != expected:
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
 
-    def _read_lean(self, what: str, key: str, token: _Token, headers: dict[str, str] | None) -> Iterator[bytes]:
-        """`_read` through `LeanSession`: the body from the socket straight into its chunks."""
+    def _get_object(self, what: str, key: str, headers: dict[str, str] | None) -> tuple[dict[str, str], Iterator]:
+        """A GET of object `key`: its headers (lower-case names) and its body in chunks, through
+        `LeanSession` (the body from the socket straight into its chunks) or, with `lean_reads`
+        off or a proxy in the way, through swiftclient. Errors as `_call` raises them."""
+        token = self._token()
+        if not self.config.lean_reads or self._client_proxied.setdefault(token.storage_url, proxied(token.storage_url)):
+            return self._call(
+                what,
+                "get_object",
+                self.container,
+                self._name(key),
+                resp_chunk_size=self.config.chunk_size,
+                headers=headers,
+            )
         url = f"{token.storage_url}/{quote(self.container)}/{quote(self._name(key))}"
         try:
             response = self._client_lean.get(url, {"X-Auth-Token": token.token, **(headers or {})})
         except Exception as exc:
             raise _map_error(exc, what) from None
-        status = response.status
-        if status == 401:
+        if response.status == 401:
             self._on_unauthorized(token, what)
-        if status == 416:
-            return
-        if status >= 300:
-            raise _status_error(what, status, response.reason, response.headers.get("x-trans-id"))
+        if response.status >= 300:
+            raise _status_error(what, response.status, response.reason, response.headers.get("x-trans-id"))
         token.proven = True
-        expected = int(response.headers["content-length"]) if "content-length" in response.headers else None
-        received = 0
-        try:
-            for chunk in response.body:
-                received += len(chunk)
-                yield chunk
-        except Exception as exc:
-            raise _map_error(exc, what) from None
-        finally:
-            response.body.close()
-        if expected is not None and received != expected:
-            raise TransientError(f"short read of {what}: {received} of {expected} bytes")
+        return response.headers, response.body
 
     #: Swift serves up to 50 ascending byte ranges in one GET (`swift.common.swob.MAX_RANGES`).
     ranges_per_get = 50
@@ -517,9 +503,7 @@ class SwiftStore(Store):
         header = "bytes=" + ",".join(f"{start}-{start + length - 1}" for start, length in spans)
 
         def attempt() -> list[bytes] | None:
-            response_headers, body = self._call(
-                what, "get_object", self.container, self._name(key), headers={"Range": header}, resp_chunk_size=2**20
-            )
+            response_headers, body = self._get_object(what, key, {"Range": header})
             kind, _, parameters = response_headers.get("content-type", "").partition(";")
             boundary = dict(p.strip().split("=", 1) for p in parameters.split(";") if "=" in p).get("boundary")
             single = _SINGLE_RANGE.match(response_headers.get("content-range", ""))
