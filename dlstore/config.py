@@ -251,7 +251,8 @@ class SwiftConfig:
         """`ST_*` (v1) win when `ST_AUTH` is set; otherwise an openrc's `OS_*` (v3)."""
         env = os.environ if env is None else env
         common = dict(
-            cacert=_first(env, "OS_CACERT", "SWIFTCLIENT_CACERT"),
+            # requests (swiftclient's HTTP) reads the last two itself; named here for the lean reads
+            cacert=_first(env, "OS_CACERT", "SWIFTCLIENT_CACERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"),
             insecure=env.get("SWIFTCLIENT_INSECURE", "").lower() in ("1", "true", "yes"),
             segment_size=parse_size(env.get("DLSTORE_SEGMENT_SIZE", 64 * 2**20)),
             storage_url=_first(env, "OS_STORAGE_URL"),

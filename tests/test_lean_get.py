@@ -3,15 +3,19 @@ and badly: kept-alive and closed connections, chunked bodies, bodies cut short, 
 
 from __future__ import annotations
 
+import errno
+import http.client
 import http.server
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
-from dlstore.storage.lean_get import LeanSession, proxied
+from dlstore.storage.lean_get import LeanSession, failure_kind, proxied
 
 BODY = bytes((i * 7) % 251 for i in range(3 * 2**20 + 12345))  # differs at every offset
 
@@ -30,6 +34,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             first, last = self.headers["Range"].removeprefix("bytes=").split("-")
             start, end = int(first), int(last) + 1
         data = BODY[start:end]
+        if self.path == "/hangup":  # no answer at all: the connection just ends
+            self.close_connection = True
+            return
         if self.path == "/missing":
             self.send_response(404)
             self.send_header("Content-Length", "9")
@@ -177,12 +184,58 @@ def test_a_stalled_body_times_out_instead_of_hanging(server):
     assert time.monotonic() - started < 1.9  # the server would answer at 2 s
 
 
+def test_a_failing_kept_connection_is_tried_once_more_and_no_more(server):
+    session = _session()
+    assert b"".join(session.get(_url(server, "/obj"), {"Range": "bytes=0-9"}).body) == BODY[:10]
+    with pytest.raises(http.client.RemoteDisconnected):
+        session.get(_url(server, "/hangup"), {})
+    assert [path for _, path in server.requests].count("/hangup") == 2  # the kept connection, then one new
+
+
+def test_a_body_closed_unread_closes_its_connection(server):
+    session = _session()
+    port = server.server_address[1]
+
+    def open_to_server() -> int:
+        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
+
+    response = session.get(_url(server, "/obj"), {})
+    assert open_to_server() == 1
+    response.body.close()  # never started
+    assert open_to_server() == 0
+
+
+@pytest.mark.parametrize(
+    ("exc", "kind"),
+    [
+        (http.client.IncompleteRead(b"", 10), "transient"),  # a chunked body cut short
+        (http.client.BadStatusLine("x"), "transient"),
+        (socket.gaierror(socket.EAI_NONAME, "no such host"), "transient"),
+        (OSError(errno.ENETUNREACH, "unreachable"), "transient"),
+        (TimeoutError(), "transient"),
+        (ConnectionResetError(), "transient"),
+        (ssl.SSLEOFError(), "transient"),
+        (ssl.SSLCertVerificationError(), "tls"),
+        (ssl.SSLError(), "tls"),
+        (FileNotFoundError(), "other"),
+        (ValueError(), "other"),
+    ],
+)
+def test_failure_kinds(exc, kind):
+    assert failure_kind(exc) == kind
+
+
 def test_proxied_follows_the_environment(monkeypatch):
-    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy"):
-        monkeypatch.delenv(name, raising=False)
+    for name in ("http", "https", "no", "all"):
+        monkeypatch.delenv(f"{name}_proxy", raising=False)
+        monkeypatch.delenv(f"{name.upper()}_PROXY", raising=False)
     assert not proxied("http://swift.example:8080/v1/AUTH_x")
     monkeypatch.setenv("http_proxy", "http://proxy.example:3128")
     assert proxied("http://swift.example:8080/v1/AUTH_x")
     assert not proxied("https://swift.example/v1/AUTH_x")  # no proxy for https
     monkeypatch.setenv("no_proxy", "swift.example")
     assert not proxied("http://swift.example:8080/v1/AUTH_x")
+    monkeypatch.delenv("no_proxy")
+    monkeypatch.delenv("http_proxy")
+    monkeypatch.setenv("ALL_PROXY", "socks5://proxy.example:1080")
+    assert proxied("https://swift.example/v1/AUTH_x")

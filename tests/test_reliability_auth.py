@@ -340,6 +340,8 @@ def _tls_env(server, proxy: FaultProxy, api: str, auth: str, ca: str | None) -> 
     env = {"OS_STORAGE_URL": f"{proxy.url}{urlsplit(server.storage_url).path}"}
     if auth == "tempauth":
         env.update(ST_AUTH=f"{proxy.url}/auth/v1.0", ST_USER=server.user, ST_KEY=server.key)
+    if auth == "token":  # pre-authenticated: the first contact is a read (`LeanSession`), not a login
+        env["OS_AUTH_TOKEN"] = "never-sent"
     if ca:
         env["OS_CACERT"] = ca
     return env
@@ -368,7 +370,7 @@ def test_tls_with_a_custom_ca_bundle(swift_server, swift_container, tls_files, a
 
 
 @pytest.mark.parametrize("trust", ["another CA", "no CA bundle", "wrong host name"])
-@pytest.mark.parametrize(("api", "auth"), TLS_CASES, ids=["swift", "keystone", "s3"])
+@pytest.mark.parametrize(("api", "auth"), [*TLS_CASES, ("swift", "token")], ids=["swift", "keystone", "s3", "token"])
 def test_tls_verification_is_never_silently_off(swift_server, swift_container, tls_files, api, auth, trust):
     server_pem = tls_files["wrong_host" if trust == "wrong host name" else "server"]
     ca = {"another CA": tls_files["other_ca"], "no CA bundle": None, "wrong host name": tls_files["ca"]}[trust]

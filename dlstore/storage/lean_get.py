@@ -10,37 +10,57 @@ one Python frame per receive.
 
 Only what a store's bulk read needs: GET, a `Content-Length` body (anything else is read
 through `http.client`), TLS with the store's CA bundle or none, no proxy (a store reached
-through a proxy keeps its client library: `proxied`). Statuses and failures are the caller's
-to map; a connection is kept only after a body read to its end.
+through a proxy keeps its client library: `proxied`). Statuses are the caller's to map, and
+failures too, with `failure_kind`; a connection is kept only after a body read to its end.
 """
 
 from __future__ import annotations
 
+import errno
 import http.client
+import inspect
+import os
 import socket
 import ssl
 import threading
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-__all__ = ["LeanResponse", "LeanSession", "proxied"]
+import requests.utils
 
+__all__ = ["LeanResponse", "LeanSession", "failure_kind", "proxied"]
+
+_ERROR_BODY = 64 * 1024
+_NETWORK_ERRNOS = {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.ETIMEDOUT}
 #: What a connection kept by a thread may have been closed by the server with, noticed only
 #: when a request is sent on it: that request goes once more on a new connection.
-_ERROR_BODY = 64 * 1024
-_STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+_STALE = (
+    http.client.RemoteDisconnected,
+    ConnectionResetError,
+    BrokenPipeError,
+    ConnectionAbortedError,
+    ssl.SSLEOFError,
+)
 
 
 def proxied(url: str) -> bool:
     """Whether the environment sends requests for `url` through a proxy (`https_proxy`,
-    `no_proxy`, ...), as requests would."""
-    parts = urllib.parse.urlsplit(url)
-    proxies = urllib.request.getproxies()
-    if parts.scheme not in proxies:
-        return False
-    return not urllib.request.proxy_bypass(parts.hostname or "")
+    `all_proxy`, `no_proxy`, ...), as requests decides it."""
+    return bool(requests.utils.select_proxy(url, requests.utils.get_environ_proxies(url)))
+
+
+def failure_kind(exc: BaseException) -> str:
+    """What a `LeanSession` failure is, for the store to map: "tls" (a certificate or a
+    handshake refused: retrying will not help), "transient" (the connection: a name that did
+    not resolve, refused, reset, timed out, cut, a malformed answer) or "other"."""
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        return "tls"
+    if isinstance(exc, (ConnectionError, TimeoutError, socket.gaierror, http.client.HTTPException, ssl.SSLError)):
+        return "transient"
+    if isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS:
+        return "transient"
+    return "other"
 
 
 @dataclass
@@ -52,8 +72,31 @@ class LeanResponse:
     status: int
     reason: str
     headers: dict[str, str]
-    body: Iterator[bytearray]
+    body: LeanBody = field(default_factory=lambda: LeanBody(iter(())))
     error_body: bytes = b""
+
+
+class LeanBody:
+    """A body's chunks. `close()` ends it, and closes its connection unless it was read to its
+    end (kept for the thread's next GET), started or not."""
+
+    def __init__(self, chunks: Iterator[bytearray], close_unstarted: tuple = ()) -> None:
+        self._chunks = chunks
+        self._close_unstarted = close_unstarted  # what a started body's own end would close
+
+    def __iter__(self) -> Iterator[bytearray]:
+        return self._chunks
+
+    def __next__(self) -> bytearray:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        if inspect.isgenerator(self._chunks) and inspect.getgeneratorstate(self._chunks) == inspect.GEN_CREATED:
+            for closable in self._close_unstarted:
+                closable.close()
+        close = getattr(self._chunks, "close", None)
+        if close is not None:
+            close()
 
 
 class LeanSession:
@@ -73,10 +116,11 @@ class LeanSession:
         self._local = threading.local()
 
     def get(self, url: str, headers: dict[str, str]) -> LeanResponse:
-        """GET `url`. Raises what `http.client` and the socket raise (`OSError`, `HTTPException`)."""
+        """GET `url`. Raises what `http.client` and the socket raise (`failure_kind` tells).
+        A body to read comes back open: read it to its end, or `close()` it."""
         parts = urllib.parse.urlsplit(url)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
-        key = (parts.scheme, parts.hostname, parts.port)
+        key = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
         for attempt in (1, 2):
             conn, reused = self._connection(key)
             try:
@@ -94,18 +138,19 @@ class LeanSession:
             break
         names = {name.lower(): value for name, value in response.getheaders()}
         if response.status < 300:
-            return LeanResponse(response.status, response.reason, names, self._body(key, conn, response, sock))
+            body = LeanBody(self._body(key, conn, response, sock), (response, conn))
+            return LeanResponse(response.status, response.reason, names, body)
         try:
             error_body = response.read(_ERROR_BODY)
             if not response.isclosed():  # longer than an error's: not worth reading to keep the connection
                 conn.close()
                 response.close()
-                return LeanResponse(response.status, response.reason, names, iter(()), error_body)
+                return LeanResponse(response.status, response.reason, names, error_body=error_body)
         except BaseException:
             conn.close()
             raise
         self._keep(key, conn, response)
-        return LeanResponse(response.status, response.reason, names, iter(()), error_body)
+        return LeanResponse(response.status, response.reason, names, error_body=error_body)
 
     def close(self) -> None:
         """Close the calling thread's idle connections."""
@@ -130,14 +175,24 @@ class LeanSession:
             conn = http.client.HTTPConnection(host, port, timeout=self.connect_timeout_s)
         else:
             raise ValueError(f"not an HTTP URL scheme: {scheme!r}")
-        conn.connect()
+        try:
+            conn.connect()
+        except BaseException:
+            conn.close()  # a refused handshake leaves the TCP socket open otherwise
+            raise
         conn.sock.settimeout(self.read_timeout_s)
         conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn, False
 
     def _tls_context(self) -> ssl.SSLContext:
+        """Trust as the client libraries do: the store's CA bundle (a file or a directory),
+        else requests' (certifi's)."""
         if self._tls is None:
-            context = ssl.create_default_context(cafile=self._cafile)
+            trust = self._cafile or requests.utils.DEFAULT_CA_BUNDLE_PATH
+            if os.path.isdir(trust):
+                context = ssl.create_default_context(capath=trust)
+            else:
+                context = ssl.create_default_context(cafile=trust)
             if self._insecure:
                 context.check_hostname = False
                 context.verify_mode = ssl.CERT_NONE
@@ -161,7 +216,7 @@ class LeanSession:
         """The body in new chunks, read from the socket after what `http.client` buffered with
         the headers. The connection is kept for the thread's next GET only when the body was
         read to its end and the server did not ask to close it; any other end closes it (one
-        never started is closed when collected)."""
+        never started: `LeanBody.close`)."""
         complete = False
         try:
             if response.length is None or response.chunked or "content-encoding" in response.headers:

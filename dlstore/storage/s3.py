@@ -30,7 +30,7 @@ import urllib3.exceptions
 from dlstore.config import S3Config, StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
 from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size, split_bucket_url
-from dlstore.storage.lean_get import LeanSession, proxied
+from dlstore.storage.lean_get import LeanSession, failure_kind, proxied
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["S3Store", "make_s3_client"]
@@ -169,9 +169,9 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
         return DlstoreError(text)
     if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
         return AuthError(f"{what}: no usable S3 credentials ({type(exc).__name__})")
-    if isinstance(exc, botocore.exceptions.SSLError):
+    if isinstance(exc, botocore.exceptions.SSLError) or failure_kind(exc) == "tls":
         return DlstoreError(f"{what}: TLS failure (check AWS_CA_BUNDLE): {type(exc).__name__}")
-    if isinstance(exc, _TRANSIENT_EXCEPTIONS):
+    if isinstance(exc, _TRANSIENT_EXCEPTIONS) or failure_kind(exc) == "transient":
         return TransientError(f"{what}: {type(exc).__name__}")
     if isinstance(exc, botocore.exceptions.BotoCoreError):
         return DlstoreError(f"{what}: {type(exc).__name__}: {exc}")

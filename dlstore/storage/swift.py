@@ -56,7 +56,7 @@ from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
 from dlstore.logs import redact_storage_secrets
 from dlstore.storage.base import ObjectInfo, Store, check_key, read_block, remaining_size, split_bucket_url
-from dlstore.storage.lean_get import LeanSession, proxied
+from dlstore.storage.lean_get import LeanSession, failure_kind, proxied
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["SwiftStore"]
@@ -144,13 +144,15 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
         if exc.http_status is None:
             return DlstoreError(f"{what}: {exc.msg}")
         return _status_error(what, exc.http_status, exc.http_reason, exc.transaction_id)
-    if isinstance(exc, requests.exceptions.SSLError):
+    if isinstance(exc, requests.exceptions.SSLError) or failure_kind(exc) == "tls":
         return DlstoreError(f"{what}: TLS failure (check OS_CACERT / SWIFTCLIENT_INSECURE)")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
         return TransientError(f"{what}: {type(exc).__name__}")
     keystone = _map_keystone_error(exc, what)
     if keystone is not None:
         return keystone
+    if failure_kind(exc) == "transient":  # `LeanSession`'s: http.client and the socket
+        return TransientError(f"{what}: {type(exc).__name__}")
     return DlstoreError(f"{what}: {type(exc).__name__}")
 
 
