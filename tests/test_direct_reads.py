@@ -238,19 +238,36 @@ def test_a_sample_index_that_could_not_be_had_is_asked_for_again(converted, swif
     assert index is not None and len(index) == info.samples
 
 
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
 @pytest.mark.parametrize("engine", ["threads", "processes"])
-def test_the_shards_downloads_wait_for_the_first_batch_read_directly(converted, swift_server, tmp_path, engine):
+def test_the_shards_downloads_wait_for_the_first_batch_read_directly(
+    converted, swift_server, tmp_path, engine, resumed
+):
     """A cold pass's prefetch starts once its first batch, read directly, is handed on: every
     direct GET of the pass is sent before the first download of a whole shard, which then
-    did not compete with it for the link, the store and the loader's CPU."""
-    url, _ = converted
+    did not compete with it for the link, the store and the loader's CPU. A pass resumed
+    mid-epoch into a cold cache (a new lease) is such a pass too: its first batch is the
+    first of what its epoch has left."""
+    url, config = converted
+    state = None
+    if resumed:
+        before = _loader(url, config, tmp_path / "old-cache", engine, 1)
+        batches = iter(before)
+        next(batches), next(batches)
+        state = before.state_dict()
+        del batches
+        before.close()
+        before.dataset.cache.close()
     with FaultProxy(urlsplit(swift_server.storage_url).port) as proxy:
         # One worker process: with two, one of them may start batch 1's download (a reader's,
         # never held back) while the other still reads its half of batch 0.
         loader = _loader(url, _proxied(swift_server, proxy), tmp_path / "cache", engine, 1, fetch_parts=1)
+        if state is not None:
+            loader.load_state_dict(state)
         sizes = {info.name: info.size for info in loader.dataset.manifest.shards}
         proxy.reset_counts()
-        list(loader)
+        got = list(loader)
+        assert len(got) == loader.dataset.plan(0).num_batches - (2 if resumed else 0)
         loader.close()
         loader.dataset.cache.close()
         log = list(proxy.log)
