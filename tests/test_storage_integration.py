@@ -182,6 +182,28 @@ def test_reads_answer_alike_through_either_client(swift_server, swift_container,
     assert all("lean/" in url and swift_container in url for url in lean_gets)
 
 
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
+def test_reads_through_a_proxy_stay_on_the_client_library(swift_server, swift_container, scheme, monkeypatch):
+    """A store that the environment reaches through a proxy (`http_proxy`) is read through
+    swiftclient or boto3, which go through it; `LeanSession` connects directly, so it is not
+    used. (A TCP relay to the Swift stands in for the proxy: Swift takes the absolute-form
+    request lines a client sends to a proxy.)"""
+    lean_gets = []
+    real_get = LeanSession.get
+    monkeypatch.setattr(LeanSession, "get", lambda self, *a: lean_gets.append(a[0]) or real_get(self, *a))
+    config = swift_store_config(swift_server)
+    data = payload(300_000, seed=9)
+    open_store(f"{scheme}://{swift_container}/proxy", config).put("obj", data)
+    with TcpProxy(_server_port(swift_server)) as proxy:
+        for name in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.port}")
+        store = open_store(f"{scheme}://{swift_container}/proxy", config)
+        assert store.get_range("obj", 1000, 5000) == data[1000:6000]
+        assert proxy.requests >= 1
+    assert lean_gets == []
+
+
 # -- wrong credentials ------------------------------------------------------------------------------
 def _assert_secret_hidden(secret: str, exc: BaseException, *objects: object, log_text: str) -> None:
     texts = {

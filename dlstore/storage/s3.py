@@ -21,6 +21,7 @@ import re
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.config
@@ -269,7 +270,7 @@ class S3Store(Store):
         if start or end is not None:
             headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         url = self._presigned_get(key) if self.config.lean_reads else None
-        if url is None or proxied(url):
+        if url is None or self._proxied(url):
             yield from self._read_boto(what, key, headers)
             return
         try:
@@ -341,6 +342,14 @@ class S3Store(Store):
             )
         except botocore.exceptions.NoCredentialsError:
             return None  # boto3's own call gives the error its usual words
+
+    def _proxied(self, url: str) -> bool:
+        """Whether the environment puts a proxy between us and `url`'s host (asked once per host)."""
+        host = urlsplit(url)[:2]
+        known = self.__dict__.setdefault("_client_proxied", {})
+        if host not in known:
+            known[host] = proxied(url)
+        return known[host]
 
     def _lean(self) -> LeanSession:
         """This process's `LeanSession` (the boto3 client's is per process as well)."""

@@ -468,7 +468,8 @@ class SwiftStore(Store):
         `LeanSession` (the body from the socket straight into its chunks) or, with `lean_reads`
         off or a proxy in the way, through swiftclient. Errors as `_call` raises them."""
         token = self._token()
-        if not self.config.lean_reads or self._client_proxied.setdefault(token.storage_url, proxied(token.storage_url)):
+        lean = self.config.lean_reads and not self._proxied(token.storage_url)
+        if not lean:
             return self._call(
                 what,
                 "get_object",
@@ -488,6 +489,12 @@ class SwiftStore(Store):
             raise _status_error(what, response.status, response.reason, response.headers.get("x-trans-id"))
         token.proven = True
         return response.headers, response.body
+
+    def _proxied(self, storage_url: str) -> bool:
+        """Whether the environment puts a proxy between us and `storage_url` (asked once)."""
+        if storage_url not in self._client_proxied:
+            self._client_proxied[storage_url] = proxied(storage_url)
+        return self._client_proxied[storage_url]
 
     #: Swift serves up to 50 ascending byte ranges in one GET (`swift.common.swob.MAX_RANGES`).
     ranges_per_get = 50
