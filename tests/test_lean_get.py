@@ -165,6 +165,7 @@ def test_an_abandoned_body_is_not_read_by_the_next_get(server):
     assert never_read.status == 200
     assert b"".join(session.get(_url(server, "/obj"), {"Range": "bytes=7-70"}).body) == BODY[7:71]
     assert _connections(server) == 3
+    never_read.body.close()
 
 
 def test_an_error_status_keeps_the_connection(server):
@@ -195,14 +196,28 @@ def test_a_failing_kept_connection_is_tried_once_more_and_no_more(server):
 def test_a_body_closed_unread_closes_its_connection(server):
     session = _session()
     port = server.server_address[1]
-
-    def open_to_server() -> int:
-        return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
-
     response = session.get(_url(server, "/obj"), {})
-    assert open_to_server() == 1
+    assert _open_to(port) == 1
     response.body.close()  # never started
-    assert open_to_server() == 0
+    assert _open_to(port) == 0
+
+
+def test_a_threads_connections_close_when_it_ends(server):
+    session = _session()
+    port = server.server_address[1]
+
+    def read() -> None:
+        assert b"".join(session.get(_url(server, "/obj"), {"Range": "bytes=0-99"}).body) == BODY[:100]
+        assert _open_to(port) == 1  # kept for this thread's next GET
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join()
+    assert _open_to(port) == 0
+
+
+def _open_to(port: int) -> int:
+    return sum(1 for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == port)
 
 
 @pytest.mark.parametrize(

@@ -1,17 +1,18 @@
 """Bulk GETs that read the body straight from the socket into the chunks handed on.
 
 A cold epoch receives every byte of its shards through 16-32 download threads beside the
-decode. Through swiftclient, requests and urllib3, every MiB passes four layers of Python
-and is copied twice with the GIL held; on a loader whose decode keeps its core busy that
-cost comes straight out of decoding (`tools/bench_fetch_cpu.py`, `tools/bench_cold.py
-loader`). Here a ranged GET is one `http.client` request on a kept-alive connection of the
-calling thread, and its body goes from the socket into the chunk with `recv_into`: no copy,
-one Python frame per receive.
+decode. Through swiftclient (or botocore), requests and urllib3, each chunk passes several
+layers of Python, with the GIL held, on its way to the cache file. Here a ranged GET is one
+`http.client` request on a kept-alive connection of the calling thread, and its body goes from
+the socket into a new chunk with `recv_into`: one Python frame per receive. Since a thread's
+connections are its own, they close when a short-lived thread (a direct read's) ends, rather
+than when the garbage collector gets to them.
 
 Only what a store's bulk read needs: GET, a `Content-Length` body (anything else is read
-through `http.client`), TLS with the store's CA bundle or none, no proxy (a store reached
-through a proxy keeps its client library: `proxied`). Statuses are the caller's to map, and
-failures too, with `failure_kind`; a connection is kept only after a body read to its end.
+through `http.client`), TLS trusting what the client libraries trust (the store's CA bundle,
+else certifi's), no proxy (a store reached through a proxy keeps its client library:
+`proxied`). Statuses are the caller's to map, and failures too, with `failure_kind`; a
+connection is kept only after a body read to its end.
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ class LeanBody:
             close()
 
 
+class _IdleConnections(dict):
+    """A thread's idle connections, by host: closed when the thread ends (its thread-local
+    data goes then), not left for the garbage collector."""
+
+    def __del__(self) -> None:
+        for conn in self.values():
+            conn.close()
+
+
 class LeanSession:
     """Keep-alive HTTP(S) connections, one per thread and host, for GETs whose bodies go
     straight from the socket into new chunks. `timeout`: (connect, read) seconds.
@@ -160,7 +170,7 @@ class LeanSession:
 
     # -- connections -----------------------------------------------------------------------
     def _idle(self) -> dict[tuple, http.client.HTTPConnection]:
-        return self._local.__dict__.setdefault("idle", {})
+        return self._local.__dict__.setdefault("idle", _IdleConnections())
 
     def _connection(self, key: tuple) -> tuple[http.client.HTTPConnection, bool]:
         """The thread's idle connection to `key`'s host (taken: a connection is idle only
