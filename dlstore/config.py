@@ -251,8 +251,7 @@ class SwiftConfig:
         """`ST_*` (v1) win when `ST_AUTH` is set; otherwise an openrc's `OS_*` (v3)."""
         env = os.environ if env is None else env
         common = dict(
-            # requests (swiftclient's HTTP) reads the last two itself; named here for the lean reads
-            cacert=_first(env, "OS_CACERT", "SWIFTCLIENT_CACERT", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"),
+            cacert=_first(env, "OS_CACERT", "SWIFTCLIENT_CACERT"),
             insecure=env.get("SWIFTCLIENT_INSECURE", "").lower() in ("1", "true", "yes"),
             segment_size=parse_size(env.get("DLSTORE_SEGMENT_SIZE", 64 * 2**20)),
             storage_url=_first(env, "OS_STORAGE_URL"),
@@ -293,9 +292,6 @@ class StoreConfig:
     s3: S3Config = field(default_factory=S3Config)
     swift: SwiftConfig = field(default_factory=SwiftConfig)
     chunk_size: int = 1 * 2**20
-    # Bulk reads take the body straight from the socket (`dlstore.storage.lean_get`); False:
-    # through the store's client library, as every other request (`DLSTORE_LEAN_READS=0`).
-    lean_reads: bool = True
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> StoreConfig:
@@ -304,7 +300,6 @@ class StoreConfig:
             retry=RetryConfig.from_env(env),
             s3=S3Config.from_env(env),
             swift=SwiftConfig.from_env(env),
-            lean_reads=env.get("DLSTORE_LEAN_READS", "1").lower() not in ("0", "false", "no"),
         )
 
 

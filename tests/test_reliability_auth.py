@@ -340,7 +340,7 @@ def _tls_env(server, proxy: FaultProxy, api: str, auth: str, ca: str | None) -> 
     env = {"OS_STORAGE_URL": f"{proxy.url}{urlsplit(server.storage_url).path}"}
     if auth == "tempauth":
         env.update(ST_AUTH=f"{proxy.url}/auth/v1.0", ST_USER=server.user, ST_KEY=server.key)
-    if auth == "token":  # pre-authenticated: the first contact is a read (`LeanSession`), not a login
+    if auth == "token":  # pre-authenticated: the first contact is a read, not a login
         env["OS_AUTH_TOKEN"] = "never-sent"
     if ca:
         env["OS_CACERT"] = ca

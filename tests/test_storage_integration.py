@@ -30,7 +30,6 @@ from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import AuthError, ConfigError, NotFound
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
-from dlstore.storage.lean_get import LeanSession
 from dlstore.train.checkpoint import CheckpointStore
 
 try:  # tests/ as a package
@@ -139,11 +138,9 @@ def _server_port(server) -> int:
 
 
 @pytest.mark.parametrize("reset", [False, True], ids=["fin", "rst"])
-@pytest.mark.parametrize("scheme", ["swift", "swift-client-reads", "s3"])
+@pytest.mark.parametrize("scheme", ["swift", "s3"])
 def test_read_cut_off_midway_is_resumed(swift_server, swift_container, scheme, reset, caplog):
     config = swift_store_config(swift_server)
-    if scheme == "swift-client-reads":  # swiftclient's own GETs (`lean_reads=False`)
-        scheme, config = "swift", dataclasses.replace(config, lean_reads=False)
     data = payload(3_000_000, seed=5)
     open_store(f"{scheme}://{swift_container}/cut", config).put("obj", data)
     with TcpProxy(_server_port(swift_server)) as proxy:
@@ -155,53 +152,6 @@ def test_read_cut_off_midway_is_resumed(swift_server, swift_container, scheme, r
         assert store.get_range("obj", 1_500_000, 1_000_000) == data[1_500_000:2_500_000]
         assert proxy.requests == 4
     assert "transient storage error" in caplog.text
-
-
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "client"])
-@pytest.mark.parametrize("scheme", ["swift", "s3"])
-def test_reads_answer_alike_through_either_client(swift_server, swift_container, scheme, lean, monkeypatch):
-    """Bulk reads go through `LeanSession` by default and through the store's client library
-    (swiftclient, boto3) with `lean_reads=False`; both give the same bytes, the same empty read
-    past the end and the same `NotFound`, and only the first uses `LeanSession`."""
-    lean_gets = []
-    real_get = LeanSession.get
-    monkeypatch.setattr(LeanSession, "get", lambda self, *a: lean_gets.append(a[0]) or real_get(self, *a))
-    config = dataclasses.replace(swift_store_config(swift_server), lean_reads=lean)
-    store = open_store(f"{scheme}://{swift_container}/lean", config)
-    data = payload(2_500_000, seed=3)
-    store.put("obj", data)
-    store.put("empty", b"")
-    assert store.get_bytes("obj") == data
-    assert store.get_range("obj", 999_999, 1_000_003) == data[999_999:2_000_002]
-    assert store.get_range("obj", 2_499_990, 100) == data[2_499_990:]
-    assert store.get_range("obj", 2_500_000, 10) == b""  # 416: nothing
-    assert store.get_bytes("empty") == b""
-    with pytest.raises(NotFound, match="lean/missing"):
-        store.get_bytes("missing")
-    assert len(lean_gets) == (6 if lean else 0)
-    assert all("lean/" in url and swift_container in url for url in lean_gets)
-
-
-@pytest.mark.parametrize("scheme", ["swift", "s3"])
-def test_reads_through_a_proxy_stay_on_the_client_library(swift_server, swift_container, scheme, monkeypatch):
-    """A store that the environment reaches through a proxy (`http_proxy`) is read through
-    swiftclient or boto3, which go through it; `LeanSession` connects directly, so it is not
-    used. (A TCP relay to the Swift stands in for the proxy: Swift takes the absolute-form
-    request lines a client sends to a proxy.)"""
-    lean_gets = []
-    real_get = LeanSession.get
-    monkeypatch.setattr(LeanSession, "get", lambda self, *a: lean_gets.append(a[0]) or real_get(self, *a))
-    config = swift_store_config(swift_server)
-    data = payload(300_000, seed=9)
-    open_store(f"{scheme}://{swift_container}/proxy", config).put("obj", data)
-    with TcpProxy(_server_port(swift_server)) as proxy:
-        for name in ("no_proxy", "NO_PROXY", "all_proxy", "ALL_PROXY"):
-            monkeypatch.delenv(name, raising=False)
-        monkeypatch.setenv("http_proxy", f"http://127.0.0.1:{proxy.port}")
-        store = open_store(f"{scheme}://{swift_container}/proxy", config)
-        assert store.get_range("obj", 1000, 5000) == data[1000:6000]
-        assert proxy.requests >= 1
-    assert lean_gets == []
 
 
 # -- wrong credentials ------------------------------------------------------------------------------

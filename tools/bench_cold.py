@@ -433,7 +433,7 @@ def loader_epoch(url: str, store_config: StoreConfig, cache_dir: str, args: argp
 
 
 def cold_epoch(url: str, store_config: StoreConfig, args: argparse.Namespace, fetch: dict, tmp: str) -> Epoch:
-    """A cold epoch with `fetch`'s settings: the dataset's, and `StoreConfig` fields (`lean_reads`)."""
+    """A cold epoch with `fetch`'s settings: the dataset's, and `StoreConfig` fields (`chunk_size`)."""
     store_fields = {f.name for f in dataclasses.fields(StoreConfig)}
     store_config = dataclasses.replace(store_config, **{k: v for k, v in fetch.items() if k in store_fields})
     fetch = {k: v for k, v in fetch.items() if k not in store_fields}
@@ -588,7 +588,7 @@ def loader_main(argv: list[str]) -> int:
     parser.add_argument(
         "--fetch",
         action="append",
-        help='fetch settings of the cold loaders, e.g. "fetch_parts=4" or a StoreConfig field ("lean_reads=false"); repeat to compare',
+        help='fetch settings of the cold loaders, e.g. "fetch_parts=4" or a StoreConfig field ("chunk_size=4194304"); repeat to compare',
     )
     parser.add_argument("--workdir", help="where the generated data is kept between runs (default: a temp dir)")
     parser.add_argument("--env-file", help="env.sh from tools/swift_server.py (default: the environment)")

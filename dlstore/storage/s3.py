@@ -17,11 +17,9 @@ import base64
 import hashlib
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterator
 from typing import Any, BinaryIO
-from urllib.parse import urlsplit
 
 import boto3
 import botocore.config
@@ -31,7 +29,6 @@ import urllib3.exceptions
 from dlstore.config import S3Config, StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
 from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size, split_bucket_url
-from dlstore.storage.lean_get import LeanSession, failure_kind, proxied
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["S3Store", "make_s3_client"]
@@ -76,8 +73,6 @@ _TRANSIENT_EXCEPTIONS = (
     TimeoutError,
 )
 _MIN_PART = 5 * 2**20
-_PRESIGNED_S = 900  # a presigned GET's life: one part's request, sent at once
-_S3_ERROR_CODE = re.compile(rb"<Code>([^<]{1,100})</Code>")
 _MAX_PARTS = 10_000
 # boto3 sessions are not thread-safe to create clients from; one lock for all stores.
 _client_creation_lock = threading.Lock()
@@ -170,9 +165,9 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
         return DlstoreError(text)
     if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
         return AuthError(f"{what}: no usable S3 credentials ({type(exc).__name__})")
-    if isinstance(exc, botocore.exceptions.SSLError) or failure_kind(exc) == "tls":
+    if isinstance(exc, botocore.exceptions.SSLError):
         return DlstoreError(f"{what}: TLS failure (check AWS_CA_BUNDLE): {type(exc).__name__}")
-    if isinstance(exc, _TRANSIENT_EXCEPTIONS) or failure_kind(exc) == "transient":
+    if isinstance(exc, _TRANSIENT_EXCEPTIONS):
         return TransientError(f"{what}: {type(exc).__name__}")
     if isinstance(exc, botocore.exceptions.BotoCoreError):
         return DlstoreError(f"{what}: {type(exc).__name__}: {exc}")
@@ -266,38 +261,9 @@ class S3Store(Store):
     # -- reading ----------------------------------------------------------------------
     def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
         what = self.join(key)
-        headers: dict[str, str] = {}
-        if start or end is not None:
-            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
-        url = self._presigned_get(key) if self.config.lean_reads else None
-        if url is None or self._proxied(url):
-            yield from self._read_boto(what, key, headers)
-            return
-        try:
-            response = self._lean().get(url, headers)
-        except Exception as exc:
-            raise _map_error(exc, what) from None
-        if response.status >= 300:
-            code = _S3_ERROR_CODE.search(response.error_body)
-            if response.status == 416:  # the range starts at or past the end (or the object is empty)
-                return
-            raise _map_error(
-                botocore.exceptions.ClientError(
-                    {
-                        "Error": {"Code": code[1].decode() if code else str(response.status)},
-                        "ResponseMetadata": {"HTTPStatusCode": response.status},
-                    },
-                    "GetObject",
-                ),
-                what,
-            )
-        yield from self._checked_body(what, response.body, int(response.headers.get("content-length", -1)))
-
-    def _read_boto(self, what: str, key: str, headers: dict[str, str]) -> Iterator[bytes]:
-        """`_read` through boto3's `get_object` (`lean_reads` off, or a proxy in the way)."""
         kwargs: dict[str, Any] = {"Key": self._name(key)}
-        if headers:
-            kwargs["Range"] = headers["Range"]
+        if start or end is not None:
+            kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
         try:
             response = self.client.get_object(Bucket=self.bucket, **kwargs)
         except botocore.exceptions.ClientError as exc:
@@ -308,59 +274,23 @@ class S3Store(Store):
         except Exception as exc:
             raise _map_error(exc, what) from None
         body = response["Body"]
-        chunk_size = self.config.chunk_size
-        # Body.read(n) hands back urllib3's own bytes object: no copy here, no hashing.
-        chunks = iter(lambda: body.read(chunk_size), b"")
-        try:
-            yield from self._checked_body(what, chunks, response.get("ContentLength", -1))
-        finally:
-            body.close()
-
-    def _checked_body(self, what: str, chunks: Iterator, expected: int) -> Iterator[bytes]:
-        """`chunks` handed on, then a short read (fewer than `expected` bytes; -1: not
-        announced) raised as transient; a failure mid-body as our error."""
+        expected = response.get("ContentLength")
         received = 0
+        chunk_size = self.config.chunk_size
         try:
-            for chunk in chunks:
+            # Body.read(n) hands back urllib3's own bytes object: no copy here, no hashing.
+            while True:
+                chunk = body.read(chunk_size)
+                if not chunk:
+                    break
                 received += len(chunk)
                 yield chunk
         except Exception as exc:
             raise _map_error(exc, what) from None
         finally:
-            close = getattr(chunks, "close", None)
-            if close is not None:
-                close()
-        if expected >= 0 and received != expected:
+            body.close()
+        if expected is not None and received != expected:
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
-
-    def _presigned_get(self, key: str) -> str | None:
-        """A presigned URL for a GET of `key` (valid `_PRESIGNED_S`), for `LeanSession`: the
-        request is signed by boto3, the body read by us. None without credentials to sign with."""
-        try:
-            return self.client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": self._name(key)}, ExpiresIn=_PRESIGNED_S
-            )
-        except botocore.exceptions.NoCredentialsError:
-            return None  # boto3's own call gives the error its usual words
-
-    def _proxied(self, url: str) -> bool:
-        """Whether the environment puts a proxy between us and `url`'s host (asked once per host)."""
-        host = urlsplit(url)[:2]
-        known = self.__dict__.setdefault("_client_proxied", {})
-        if host not in known:
-            known[host] = proxied(url)
-        return known[host]
-
-    def _lean(self) -> LeanSession:
-        """This process's `LeanSession` (the boto3 client's is per process as well)."""
-        lean = getattr(self, "_client_lean", None)
-        if lean is None or getattr(self, "_client_lean_pid", 0) != os.getpid():
-            retry = self.config.retry
-            lean = LeanSession(
-                (retry.connect_timeout_s, retry.read_timeout_s), self.config.chunk_size, self.config.s3.ca_bundle
-            )
-            self._client_lean, self._client_lean_pid = lean, os.getpid()
-        return lean
 
     # -- buckets ----------------------------------------------------------------------
     def _make_bucket_command(self) -> str:

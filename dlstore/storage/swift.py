@@ -45,7 +45,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, BinaryIO
-from urllib.parse import quote
 
 import requests.exceptions
 import swiftclient
@@ -56,7 +55,6 @@ from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
 from dlstore.logs import redact_storage_secrets
 from dlstore.storage.base import ObjectInfo, Store, check_key, read_block, remaining_size, split_bucket_url
-from dlstore.storage.lean_get import LeanSession, failure_kind, proxied
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["SwiftStore"]
@@ -141,37 +139,31 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if isinstance(exc, DlstoreError):
         return exc
     if isinstance(exc, ClientException):
-        if exc.http_status is None:
+        status = exc.http_status
+        if status is None:
             return DlstoreError(f"{what}: {exc.msg}")
-        return _status_error(what, exc.http_status, exc.http_reason, exc.transaction_id)
-    if isinstance(exc, requests.exceptions.SSLError) or failure_kind(exc) == "tls":
+        text = f"{what}: HTTP {status} {exc.http_reason or ''}".rstrip()
+        if exc.transaction_id:
+            text += f" (transaction {exc.transaction_id})"
+        if status == 404:
+            return NotFound(text)
+        if status == 416:
+            return _RangeNotSatisfiable(text)
+        if status == 403:
+            return _Forbidden(text)
+        if status == 401:
+            return AuthError(text)
+        if status in _TRANSIENT_STATUS or status >= 500:
+            return TransientError(text)
+        return DlstoreError(text)
+    if isinstance(exc, requests.exceptions.SSLError):
         return DlstoreError(f"{what}: TLS failure (check OS_CACERT / SWIFTCLIENT_INSECURE)")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
         return TransientError(f"{what}: {type(exc).__name__}")
     keystone = _map_keystone_error(exc, what)
     if keystone is not None:
         return keystone
-    if failure_kind(exc) == "transient":  # `LeanSession`'s: http.client and the socket
-        return TransientError(f"{what}: {type(exc).__name__}")
     return DlstoreError(f"{what}: {type(exc).__name__}")
-
-
-def _status_error(what: str, status: int, reason: str | None, transaction_id: str | None) -> DlstoreError:
-    """Our error for an HTTP error status of the Swift API."""
-    text = f"{what}: HTTP {status} {reason or ''}".rstrip()
-    if transaction_id:
-        text += f" (transaction {transaction_id})"
-    if status == 404:
-        return NotFound(text)
-    if status == 416:
-        return _RangeNotSatisfiable(text)
-    if status == 403:
-        return _Forbidden(text)
-    if status == 401:
-        return AuthError(text)
-    if status in _TRANSIENT_STATUS or status >= 500:
-        return TransientError(text)
-    return DlstoreError(text)
 
 
 def _map_keystone_error(exc: BaseException, what: str) -> DlstoreError | None:
@@ -288,11 +280,6 @@ class SwiftStore(Store):
             self._client_preauth_unused = True
             # A fresh token was refused: the next one is the last try (see `_on_unauthorized`).
             self._client_fresh_refused = False
-            cfg, retry = self.config.swift, self.config.retry
-            self._client_lean = LeanSession(
-                (retry.connect_timeout_s, retry.read_timeout_s), self.config.chunk_size, cfg.cacert, cfg.insecure
-            )
-            self._client_proxied: dict[str, bool] = {}  # storage URL: reached through a proxy
             self._client_pid = os.getpid()
         redact_storage_secrets()
 
@@ -446,13 +433,20 @@ class SwiftStore(Store):
         if start or end is not None:
             headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
         try:
-            response_headers, body = self._get_object(what, key, headers)
+            response_headers, body = self._call(
+                what,
+                "get_object",
+                self.container,
+                self._name(key),
+                resp_chunk_size=self.config.chunk_size,
+                headers=headers,
+            )
         except _RangeNotSatisfiable:  # the range starts at or past the end: no bytes
             return
         expected = int(response_headers["content-length"]) if "content-length" in response_headers else None
         received = 0
         try:
-            # The chunks come as they are read from the connection: no copies, no hashing here.
+            # The body hands back urllib3's bytes as they come: no copies, no hashing here.
             for chunk in body:
                 received += len(chunk)
                 yield chunk
@@ -462,39 +456,6 @@ class SwiftStore(Store):
             body.close()  # also drops a connection left half-read by an abandoned generator
         if expected is not None and received != expected:
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
-
-    def _get_object(self, what: str, key: str, headers: dict[str, str] | None) -> tuple[dict[str, str], Iterator]:
-        """A GET of object `key`: its headers (lower-case names) and its body in chunks, through
-        `LeanSession` (the body from the socket straight into its chunks) or, with `lean_reads`
-        off or a proxy in the way, through swiftclient. Errors as `_call` raises them."""
-        token = self._token()
-        lean = self.config.lean_reads and not self._proxied(token.storage_url)
-        if not lean:
-            return self._call(
-                what,
-                "get_object",
-                self.container,
-                self._name(key),
-                resp_chunk_size=self.config.chunk_size,
-                headers=headers,
-            )
-        url = f"{token.storage_url}/{quote(self.container)}/{quote(self._name(key))}"
-        try:
-            response = self._client_lean.get(url, {"X-Auth-Token": token.token, **(headers or {})})
-        except Exception as exc:
-            raise _map_error(exc, what) from None
-        if response.status == 401:
-            self._on_unauthorized(token, what)
-        if response.status >= 300:
-            raise _status_error(what, response.status, response.reason, response.headers.get("x-trans-id"))
-        token.proven = True
-        return response.headers, response.body
-
-    def _proxied(self, storage_url: str) -> bool:
-        """Whether the environment puts a proxy between us and `storage_url` (asked once)."""
-        if storage_url not in self._client_proxied:
-            self._client_proxied[storage_url] = proxied(storage_url)
-        return self._client_proxied[storage_url]
 
     #: Swift serves up to 50 ascending byte ranges in one GET (`swift.common.swob.MAX_RANGES`).
     ranges_per_get = 50
@@ -512,7 +473,9 @@ class SwiftStore(Store):
         header = "bytes=" + ",".join(f"{start}-{start + length - 1}" for start, length in spans)
 
         def attempt() -> list[bytes] | None:
-            response_headers, body = self._get_object(what, key, {"Range": header})
+            response_headers, body = self._call(
+                what, "get_object", self.container, self._name(key), headers={"Range": header}, resp_chunk_size=2**20
+            )
             kind, _, parameters = response_headers.get("content-type", "").partition(";")
             boundary = dict(p.strip().split("=", 1) for p in parameters.split(";") if "=" in p).get("boundary")
             single = _SINGLE_RANGE.match(response_headers.get("content-range", ""))
