@@ -32,8 +32,8 @@ cold epoch (a fresh loader over an empty cache directory), each from `iter()` to
 batch. It reports per setting cold/warm img/s (median and range over the rounds: each
 round's cold run against the warm run just before it), the same ratio from the first batch
 on (the streaming alone: whether the downloads keep ahead of the readers once the first
-shuffle window is in) and the time to the first batch when cold (from `iter()`). ``--fetch`` passes fetch settings (`DataConfig` fields) to the cold
-loaders, several ``--fetch`` compare variants in the same rounds. ``--store-cores`` keeps
+shuffle window is in) and the time to the first batch when cold (from `iter()`). ``--fetch`` passes fetch settings (`DataConfig` fields, or
+`StoreConfig` fields) to the cold loaders, several ``--fetch`` compare variants in the same rounds. ``--store-cores`` keeps
 the local Swift and the emulators on cores of their own, as a remote store would be. With
 the thread engine it also says where the cold epoch's extra CPU goes, per MB of shards and
 by thread kind (`THREAD_KINDS`: decode, the downloads' receive and write, the prefetch's checksums).
@@ -536,7 +536,7 @@ def summarize_loader(rounds: list[dict], megabytes: float) -> dict:
                         for w, c in pairs
                     ]
                 )
-                for kind in ("decode", "download", "prefetch", "other")
+                for kind in (*THREAD_KINDS.values(), "other")
             },
         }
     return out
@@ -588,7 +588,8 @@ def loader_main(argv: list[str]) -> int:
     parser.add_argument(
         "--fetch",
         action="append",
-        help='fetch settings of the cold loaders, e.g. "fetch_parts=4" or a StoreConfig field ("chunk_size=4194304"); repeat to compare',
+        help='fetch settings of the cold loaders, e.g. "fetch_parts=4", or a StoreConfig field '
+        '("chunk_size=4194304"); repeat to compare',
     )
     parser.add_argument("--workdir", help="where the generated data is kept between runs (default: a temp dir)")
     parser.add_argument("--env-file", help="env.sh from tools/swift_server.py (default: the environment)")
