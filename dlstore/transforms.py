@@ -29,6 +29,11 @@ try:  # libjpeg-turbo through simplejpeg: ~1.2x Pillow's JPEG decode here
 except ImportError:  # pragma: no cover - optional speed-up
     simplejpeg = None
 
+try:  # the crop-only decode (dlstore/_jpeg_region.c), built at install when libjpeg-turbo's headers are there
+    from dlstore import _jpeg_region
+except ImportError:  # pragma: no cover - optional speed-up; whole images are decoded instead
+    _jpeg_region = None
+
 try:  # OpenCV's SIMD resize: ~1.6x Pillow's resize of a crop here (tools/bench_transform.py)
     import cv2
 except ImportError:  # pragma: no cover - optional speed-up; Pillow resizes instead
@@ -487,6 +492,11 @@ def decode_for_crop(data: bytes, cfg: TransformConfig, rng: np.random.Generator 
     itself an antialiased shrink): the inverse DCT, upsampling and colour conversion then
     run on a quarter of the pixels or fewer. The box is scaled with the image.
 
+    A box on whole pixels (the train preset's, unless scaled) is decoded alone where
+    `dlstore._jpeg_region` is built: the rows above it are skipped, those below never read,
+    the columns beside it not transformed (`_decode_region`); the pixels are the same. Then
+    `CropSource.pixels` is that region, not the whole image.
+
     >>> resize_crop(decode_for_crop(jpeg_bytes, cfg, rng), cfg).shape   # doctest: +SKIP
     (224, 224, 3)
     """
@@ -497,6 +507,10 @@ def decode_for_crop(data: bytes, cfg: TransformConfig, rng: np.random.Generator 
     height, width = _jpeg_size(data)
     box, flip = crop_plan(width, height, cfg, rng)
     scale = _decode_scale(box, cfg)
+    if _jpeg_region is not None and cfg.preset != "none":
+        region = _decode_region(data, (height, width), box, scale)
+        if region is not None:
+            return CropSource(region[0], region[1], flip)
     scaled = (math.ceil(height * scale), math.ceil(width * scale))
     pixels = _decode_jpeg(data, scaled)
     if pixels.shape[:2] != scaled:  # libjpeg-turbo chose another scale (tiny images only)
@@ -552,6 +566,33 @@ def _decode_jpeg(data: bytes, size: tuple[int, int]) -> np.ndarray:
         return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=size[0], min_width=size[1])
     except Exception as exc:  # decoders raise many types; all mean "bad bytes"
         raise CorruptSample(f"cannot decode image ({len(data)} bytes): {exc}") from None
+
+
+def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float):
+    """The part of the JPEG that OpenCV's resize of the whole-pixel `box` reads, decoded at
+    `scale` (pixels, and the box in their coordinates), or None where the crop-only decoder
+    does not serve: a fractional box, or a JPEG it does not take (the caller decodes the whole
+    image, which also tells a corrupt one).
+
+    The result is bit for bit the whole-image transform's (tests/test_transforms.py): the
+    region reaches one pixel past the box, the column whose upsampling sees the region's
+    edge. A fractional box (the eval preset's, one mapped into a scaled decode) goes to
+    Pillow, whose output moves by a level when the image around the box is smaller, so it
+    keeps the whole image (and it is the cheaper case already: a scaled decode, or the
+    centre box's 77% of the image)."""
+    left, top, right, bottom = (v * scale for v in box)
+    if not all(float(v).is_integer() for v in (left, top, right, bottom)):
+        return None
+    denom = round(1 / scale)
+    height, width = -(-shape[0] // denom), -(-shape[1] // denom)  # libjpeg's scaled size
+    x, y = max(0, int(left) - 1), max(0, int(top) - 1)
+    x_end, y_end = min(width, int(right) + 1), min(height, int(bottom) + 1)
+    try:
+        buffer, x0, region_width = _jpeg_region.decode_region(data, x, y, x_end - x, y_end - y, denom)
+    except ValueError:
+        return None
+    pixels = np.frombuffer(buffer, dtype=np.uint8).reshape(y_end - y, region_width, 3)
+    return pixels, (left - x0, top - y, right - x0, bottom - y)
 
 
 def _decode_scale(box, cfg: TransformConfig) -> float:

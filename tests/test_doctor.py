@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 import uuid
 
 import pytest
@@ -18,7 +19,7 @@ from dlstore.doctor.check import redact
 from dlstore.doctor.credentials import credentials_check
 from dlstore.doctor.gpu import TorchFacts, cuda_check, nccl_check, torch_check
 from dlstore.doctor.launch import distributed_check
-from dlstore.doctor.node import LoaderShape, cache_check, filesystem_type, shm_check
+from dlstore.doctor.node import LoaderShape, cache_check, decode_check, filesystem_type, shm_check
 from dlstore.manifest import Manifest, ShardInfo
 from dlstore.sample_index import checksum_of
 
@@ -251,6 +252,34 @@ def test_shm(tmp_path):
     check = shm_check(huge, str(tmp_path))
     assert check.status == FAIL and "--shm-size" in check.fix and "8 rank(s) x 18 slots" in check.summary
     assert shm_check(small, str(tmp_path / "absent")).status == WARN
+
+
+def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
+    def parts(simplejpeg=True, cv2=True, region=True):
+        return types.SimpleNamespace(
+            simplejpeg=types.SimpleNamespace(__version__="1.9.0") if simplejpeg else None,
+            cv2=types.SimpleNamespace(__version__="5.0.0") if cv2 else None,
+            _jpeg_region=types.SimpleNamespace(libjpeg_turbo_version="2.1.5") if region else None,
+        )
+
+    check = decode_check(parts())
+    assert check.status == OK and check.summary == (
+        "JPEG decode: simplejpeg 1.9.0; crop-only decode: libjpeg-turbo 2.1.5; resize: OpenCV 5.0.0"
+    )
+    check = decode_check(parts(region=False))
+    assert check.status == WARN and "crop-only decode: not built" in check.summary and "libjpeg-dev" in check.fix
+    assert "[fast]" not in check.fix
+    check = decode_check(parts(simplejpeg=False, cv2=False))
+    assert check.status == WARN and "Pillow (no simplejpeg)" in check.summary and "Pillow (no OpenCV)" in check.summary
+    assert '".[fast]"' in check.fix and "libjpeg-dev" not in check.fix
+
+
+def test_decode_reports_this_install():
+    """The real module: this checkout's setup builds every part (tools/setup.sh installs libjpeg-dev)."""
+    from dlstore import transforms
+
+    check = decode_check(transforms)
+    assert check.status == OK, check
 
 
 # -- the whole run against the local Swift server ------------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from dlstore import transforms as transforms_module
 from dlstore.config import DataConfig
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.transforms import (
@@ -565,3 +566,120 @@ def test_resize_crop_into_a_row_of_a_batch_gives_the_same_pixels(preset):
         assert resize_crop(source, cfg, out=row) is row
         assert np.array_equal(row, resize_crop(source, cfg))
     assert flips == ({False, True} if preset == "train" else {False})
+
+
+# -- the crop-only decode (dlstore/_jpeg_region.c) -------------------------------------------
+_NO_REGION = pytest.mark.skipif(
+    transforms_module._jpeg_region is None, reason="dlstore._jpeg_region was not built (no libjpeg-turbo headers)"
+)
+
+
+def _photo_jpeg(width: int, height: int, seed: int = 0, **save) -> bytes:
+    """Texture in every 8x8 block (so every block's DCT and upsampling matter), not a flat field."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([(x * 3 + y) % 256, (y * 5) % 256, (x * y // 7) % 256], axis=-1).astype(np.int16)
+    pixels += rng.integers(-25, 25, pixels.shape, dtype=np.int16)
+    out = io.BytesIO()
+    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, "JPEG", **save)
+    return out.getvalue()
+
+
+def _whole_image_transform(monkeypatch, data: bytes, cfg: TransformConfig, rng) -> np.ndarray:
+    with monkeypatch.context() as patch:
+        patch.setattr(transforms_module, "_jpeg_region", None)
+        return transform_image(data, cfg, rng)
+
+
+class _CountingRegionDecoder:
+    def __init__(self, real) -> None:
+        self.real, self.calls, self.failures = real, 0, 0
+
+    def decode_region(self, *args):
+        self.calls += 1
+        try:
+            return self.real.decode_region(*args)
+        except ValueError:
+            self.failures += 1
+            raise
+
+
+@_NO_REGION
+@pytest.mark.parametrize(
+    "encoding",
+    [
+        {"subsampling": 2, "quality": 90},  # 4:2:0: 16x16 iMCUs, upsampled both ways
+        {"subsampling": 1, "quality": 90},  # 4:2:2
+        {"subsampling": 0, "quality": 95},  # 4:4:4: 8x8 iMCUs
+        {"subsampling": 2, "quality": 85, "progressive": True},
+        {"subsampling": 2, "quality": 90, "restart_marker_blocks": 3},
+    ],
+    ids=["420", "422", "444", "progressive", "restarts"],
+)
+@pytest.mark.parametrize("preset", ["train", "eval"])
+def test_the_crop_only_decode_gives_the_pixels_of_the_whole_image_decode(monkeypatch, encoding, preset):
+    """Every crop comes out identical to the transform that decodes the whole image: boxes at
+    every edge and every decode scale; the whole-pixel ones (the train preset's at the stored
+    scale, and a scaled one that lands on whole pixels) made by the crop-only decoder, the
+    fractional ones (the eval preset's centre box, most scaled ones) by the whole decode."""
+    counting = _CountingRegionDecoder(transforms_module._jpeg_region)
+    monkeypatch.setattr(transforms_module, "_jpeg_region", counting)
+    cfg = TransformConfig(preset, image_size=24, scale=(0.004, 1.0))
+    whole_pixel_boxes = 0
+    for width, height in [(333, 250), (250, 333), (97, 61), (64, 64)]:
+        data = _photo_jpeg(width, height, **encoding)
+        plans = [crop_plan(width, height, cfg, sample_rng(5, 0, i)) for i in range(40)]
+        scales = [next(iter(_decode_scales([plan], 24))) for plan in plans]
+        if preset == "train" and width > 97:
+            assert set(scales) == {0.125, 0.25, 0.5, 1.0}
+        for i, ((box, _), scale) in enumerate(zip(plans, scales)):
+            whole_pixel_boxes += all(float(v * scale).is_integer() for v in box)
+            region = transform_image(data, cfg, sample_rng(5, 0, i))
+            whole = _whole_image_transform(monkeypatch, data, cfg, sample_rng(5, 0, i))
+            assert np.array_equal(region, whole), (width, height, box)
+    assert counting.calls == whole_pixel_boxes and counting.failures == 0
+    assert whole_pixel_boxes >= (40 if preset == "train" else 1)
+
+
+@_NO_REGION
+def test_the_crop_only_decode_never_decodes_the_rows_below_the_box(monkeypatch):
+    """A JPEG cut off below a box still gives that box's crop (the rows after it are not
+    decoded at all, which is where the time goes), the same as the intact JPEG's; a box that
+    reaches into the cut-off part is a corrupt sample, as a whole-image decode says."""
+    data = _photo_jpeg(320, 240, subsampling=2, quality=90)
+    cut = data[: len(data) // 2]
+    buffer, x0, width = transforms_module._jpeg_region.decode_region(cut, 40, 16, 100, 60, 1)
+    intact, _, _ = transforms_module._jpeg_region.decode_region(data, 40, 16, 100, 60, 1)
+    assert bytes(buffer) == bytes(intact) and x0 <= 40 and x0 + width >= 140
+    whole = np.asarray(decode_image(data))
+    assert np.array_equal(
+        np.frombuffer(buffer, np.uint8).reshape(60, width, 3)[:, 41 - x0 : 139 - x0], whole[16:76, 41:139]
+    )
+    with pytest.raises(ValueError, match="[Pp]remature end"):
+        transforms_module._jpeg_region.decode_region(cut, 40, 200, 100, 30, 1)
+    with pytest.raises(CorruptSample):
+        decode_image(cut)
+    cfg = TransformConfig("train", image_size=32, scale=(0.9, 1.0))  # boxes reach the bottom rows
+    with pytest.raises(CorruptSample):
+        transform_image(cut, cfg, sample_rng(0, 0, 0))
+
+
+@_NO_REGION
+def test_what_the_crop_only_decode_does_not_take_is_decoded_whole(monkeypatch):
+    """A CMYK JPEG (libjpeg has no CMYK-to-RGB conversion) and a region outside the image are
+    ValueErrors of the module; the transform then decodes the whole image as it did before,
+    and corrupt bytes stay a CorruptSample."""
+    counting = _CountingRegionDecoder(transforms_module._jpeg_region)
+    monkeypatch.setattr(transforms_module, "_jpeg_region", counting)
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (120, 90), (10, 200, 30, 0)).save(cmyk, "JPEG")
+    cfg = TransformConfig("train", image_size=96)  # every box grows: decoded at the stored scale
+    out = transform_image(cmyk.getvalue(), cfg, sample_rng(0, 0, 1))
+    assert counting.failures == 1
+    assert np.array_equal(out, _whole_image_transform(monkeypatch, cmyk.getvalue(), cfg, sample_rng(0, 0, 1)))
+    data = _photo_jpeg(64, 48)
+    for args in [(60, 0, 8, 8, 1), (0, 0, 33, 8, 2), (-1, 0, 8, 8, 1), (0, 0, 8, 8, 3)]:
+        with pytest.raises(ValueError):
+            transforms_module._jpeg_region.decode_region(data, *args)
+    with pytest.raises(CorruptSample):
+        transform_image(data[:200] + bytes(300), cfg, sample_rng(0, 0, 0))

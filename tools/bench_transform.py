@@ -23,7 +23,10 @@ Variants (the first is the reference):
 * dct+cv2      the same scaled decode, then as cv2 (the mapped box rounded)
 * dct8+cv2     any k/8 scale (7/8, 3/4, ...; not SIMD in libjpeg-turbo), then as cv2
 * dlstore      `dlstore.transforms.transform_image` as it is now (after issue 11: dct, then
-               cv2 for a whole-pixel box and Pillow for a fractional one)
+               cv2 for a whole-pixel box and Pillow for a fractional one; a whole-pixel box's
+               rows and columns decoded alone by dlstore._jpeg_region where it is built)
+* dlstore-whole  the same with every JPEG decoded whole (dlstore._jpeg_region left out):
+               what the crop-only decode saves
 * dlstore-split  `resize_crop(decode_for_crop(data))`: the same, as two timed halves
 * dlstore-pil  `augment_image(decode_image(data))`: the older split, a Pillow image between
 
@@ -33,6 +36,7 @@ percentile (and max), in 0..255 units.
     taskset -c 0 python tools/bench_transform.py                      # 300 JPEGs 400x350, train 224
     python tools/bench_transform.py --source-size 800 600 --image-size 160 --rounds 7
     python tools/bench_transform.py --preset eval --json eval.json
+    taskset -c 0 python tools/bench_transform.py --variants pillow dlstore dlstore-whole
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from PIL import Image, ImageFilter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dlstore import transforms as transforms_module  # noqa: E402
 from dlstore.config import TransformConfig  # noqa: E402
 from dlstore.demo.datagen import synthetic_image, synthetic_jpeg  # noqa: E402
 from dlstore.transforms import (  # noqa: E402
@@ -155,6 +160,15 @@ def dlstore_pil(data, cfg, rng):
     return augment_image(decode_image(data), cfg, rng)
 
 
+def dlstore_whole(data, cfg, rng):
+    """`transform_image` without the crop-only decoder: every JPEG decoded whole."""
+    region, transforms_module._jpeg_region = transforms_module._jpeg_region, None
+    try:
+        return transform_image(data, cfg, rng)
+    finally:
+        transforms_module._jpeg_region = region
+
+
 def variants() -> dict[str, Variant]:
     found: dict[str, Variant] = {"pillow": pillow_transform}
     if cv2 is not None:
@@ -164,6 +178,8 @@ def variants() -> dict[str, Variant]:
         found["dct+cv2"] = dct_cv2
         found["dct8+cv2"] = dct8_cv2
     found["dlstore"] = transform_image
+    if transforms_module._jpeg_region is not None:
+        found["dlstore-whole"] = dlstore_whole
     found["dlstore-split"] = dlstore_split
     found["dlstore-pil"] = dlstore_pil
     return found
@@ -252,12 +268,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--core", type=int, default=0, help="the one core to run on; -1 leaves affinity alone")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--variants", nargs="+", metavar="NAME", help="only these (pillow, the reference, always)")
     args = parser.parse_args(argv)
     if args.core >= 0:
         os.sched_setaffinity(0, {args.core})
     cfg = TransformConfig(args.preset, image_size=args.image_size)
     jpegs = make_jpegs(args.images, tuple(args.source_size), args.quality, args.smooth)
     found = variants()
+    if args.variants:
+        unknown = set(args.variants) - set(found)
+        if unknown:
+            parser.error(f"unknown variants {sorted(unknown)}; there are {list(found)}")
+        found = {name: v for name, v in found.items() if name == "pillow" or name in args.variants}
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),

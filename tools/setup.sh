@@ -69,6 +69,18 @@ if ! "$VENV_PYTHON" -c "import torch, torchvision" >/dev/null 2>&1; then
     # shellcheck disable=SC2086
     "$VENV_PYTHON" -m pip install --quiet $TORCH_SPEC
 fi
+# dlstore/_jpeg_region.c (the crop-only JPEG decode) needs a C compiler, libjpeg-turbo's headers and
+# Python's; without them the install goes on and whole JPEGs are decoded (`dlstore doctor` says which).
+native_build_deps() {
+    local packages=(gcc libjpeg-dev)
+    if ! "$VENV_PYTHON" -c "import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then
+        packages+=("python$("$VENV_PYTHON" -c "import sys; print('%d.%d' % sys.version_info[:2])")-dev")
+    fi
+    if ! (apt_install "${packages[@]}"); then
+        echo "setup.sh: could not install ${packages[*]}: dlstore will decode whole JPEGs (slower); see dlstore doctor" >&2
+    fi
+}
+native_build_deps
 "$VENV_PYTHON" -m pip install --quiet -e ".[train,fast]"
 
 if [[ "${1:-}" == "--test" ]]; then

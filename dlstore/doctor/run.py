@@ -12,7 +12,7 @@ from dlstore.doctor.check import FAIL, Check, redact
 from dlstore.doctor.credentials import credentials_check
 from dlstore.doctor.gpu import TorchFacts, cuda_check, gather_torch_facts, nccl_check, torch_check
 from dlstore.doctor.launch import distributed_check
-from dlstore.doctor.node import LoaderShape, cache_check, shm_check
+from dlstore.doctor.node import LoaderShape, cache_check, decode_check, shm_check
 from dlstore.doctor.store_probe import endpoint_check, probe_store
 from dlstore.errors import ConfigError
 from dlstore.manifest import Manifest
@@ -137,6 +137,9 @@ def run_doctor(
     world = _world(env)
     cache_dir = options.data.cache_dir or default_cache_dir(env)
     emit(cache_check(cache_dir, options.data.cache_limit, manifest, world.num_nodes))
+    from dlstore import transforms  # numpy and Pillow: imported only by the one check that needs them
+
+    emit(decode_check(transforms))
     facts = _torch_checks(options, env, world, emit)
     emit(distributed_check(env, len(facts.devices) or None))
     return checks

@@ -1,0 +1,13 @@
+"""The one compiled part: dlstore._jpeg_region, the crop-only JPEG decode (see its source).
+
+Optional: without a C compiler or libjpeg-turbo's headers (Debian/Ubuntu `libjpeg-dev`) the
+install goes on without it, and dlstore decodes whole images instead (`dlstore doctor` says which).
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("dlstore._jpeg_region", ["dlstore/_jpeg_region.c"], libraries=["jpeg"], optional=True),
+    ]
+)
