@@ -130,6 +130,10 @@ class SamplePath:
         # The store's sample indexes of shards read directly (`_read_direct`), None where a
         # shard has none with digests: {shard: SampleIndex | None}.
         self._store_indexes: dict[int, SampleIndex | None] = {}
+        # Samples whose image has decoded without error in this process, the whole stream
+        # checked: a later crop of theirs reads only the rows it needs (`decode_for_crop`).
+        # The bytes of a sample never change (checksums), so neither does that verdict.
+        self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
         # The stages run in several threads at once (the loader's decode threads): the two
         # caches above are shared between them.
         self._lock = threading.Lock()
@@ -350,7 +354,9 @@ class SamplePath:
         data, label = self.image_bytes(sample), self.label(sample)
         rng = sample_rng(self.cfg.seed, epoch, sample_id)
         with _timed(clock, "decode"):
-            return decode_for_crop(data, self.cfg.transform, rng), label
+            source = decode_for_crop(data, self.cfg.transform, rng, bool(self._decodes_cleanly[sample_id]))
+        self._decodes_cleanly[sample_id] = True  # a race of two threads writes the same True
+        return source, label
 
     def augment(self, source: CropSource, clock: StageClock | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The crop, resize and flip drawn by `decode`: uint8 HWC at the preset's size, written

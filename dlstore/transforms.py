@@ -483,7 +483,9 @@ class CropSource:
     flip: bool
 
 
-def decode_for_crop(data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None) -> CropSource:
+def decode_for_crop(
+    data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None, known_to_decode: bool = False
+) -> CropSource:
     """Decode `data` and draw its crop (`crop_plan`, the same draws as `augment_image`): the
     first half of `transform_image`, apart so that a caller can time decode and resize.
 
@@ -493,9 +495,11 @@ def decode_for_crop(data: bytes, cfg: TransformConfig, rng: np.random.Generator 
     run on a quarter of the pixels or fewer. The box is scaled with the image.
 
     A box on whole pixels (the train preset's, unless scaled) is decoded alone where
-    `dlstore._jpeg_region` is built: the rows above it are skipped, those below never read,
-    the columns beside it not transformed (`_decode_region`); the pixels are the same. Then
-    `CropSource.pixels` is that region, not the whole image.
+    `dlstore._jpeg_region` is built: the rows and columns outside it are not transformed
+    (`_decode_region`), with the same pixels; `CropSource.pixels` is then that region. The
+    rows below it are still read, so that bad data anywhere fails the JPEG as a whole decode
+    would, unless `known_to_decode` (these bytes decoded without error before: the loader
+    remembers that per sample), when they are not read at all.
 
     >>> resize_crop(decode_for_crop(jpeg_bytes, cfg, rng), cfg).shape   # doctest: +SKIP
     (224, 224, 3)
@@ -508,7 +512,7 @@ def decode_for_crop(data: bytes, cfg: TransformConfig, rng: np.random.Generator 
     box, flip = crop_plan(width, height, cfg, rng)
     scale = _decode_scale(box, cfg)
     if _jpeg_region is not None and cfg.preset != "none":
-        region = _decode_region(data, (height, width), box, scale)
+        region = _decode_region(data, (height, width), box, scale, check_all=not known_to_decode)
         if region is not None:
             return CropSource(region[0], region[1], flip)
     scaled = (math.ceil(height * scale), math.ceil(width * scale))
@@ -568,7 +572,7 @@ def _decode_jpeg(data: bytes, size: tuple[int, int]) -> np.ndarray:
         raise CorruptSample(f"cannot decode image ({len(data)} bytes): {exc}") from None
 
 
-def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float):
+def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float, check_all: bool = True):
     """The part of the JPEG that OpenCV's resize of the whole-pixel `box` reads, decoded at
     `scale` (pixels, and the box in their coordinates), or None where the crop-only decoder
     does not serve: a fractional box, or a JPEG it does not take (the caller decodes the whole
@@ -588,7 +592,7 @@ def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float):
     x, y = max(0, int(left) - 1), max(0, int(top) - 1)
     x_end, y_end = min(width, int(right) + 1), min(height, int(bottom) + 1)
     try:
-        buffer, x0, region_width = _jpeg_region.decode_region(data, x, y, x_end - x, y_end - y, denom)
+        buffer, x0, region_width = _jpeg_region.decode_region(data, x, y, x_end - x, y_end - y, denom, check_all)
     except ValueError:
         return None
     pixels = np.frombuffer(buffer, dtype=np.uint8).reshape(y_end - y, region_width, 3)

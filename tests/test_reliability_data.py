@@ -321,6 +321,45 @@ def test_corrupt_jpegs_and_wrong_labels_are_counted_and_skipped_or_raised(tmp_pa
     report(f"case 5 (bad samples, {workers} workers)", skipped=len(bad), counted=ds.corrupt_samples)
 
 
+def _damaged_below(width: int = 320, height: int = 240) -> tuple[bytes, int]:
+    """A JPEG whose entropy data is garbled from its lower part on (the end-of-image marker
+    kept), which a whole-image decode refuses; and the first row the damage can reach."""
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([(x * 3 + y) % 256, (y * 5) % 256, (x * y // 7) % 256], axis=-1).astype(np.uint8)
+    out = io.BytesIO()
+    from PIL import Image
+
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    data = out.getvalue()
+    start = int(len(data) * 0.8)
+    return data[:start] + bytes(b ^ 0x5A for b in data[start : start + 200]) + data[start + 200 :], height // 2
+
+
+def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tmp_path):
+    """The crop-only decode reads the rows below a box too until a sample has decoded once:
+    a JPEG garbled in its lower part is a corrupt sample in every epoch, as with a whole-image
+    decode, though some epochs' crops lie wholly above the damage; the good samples keep being
+    decoded (from their second epoch on, without the rows below their boxes)."""
+    from dlstore.transforms import TransformConfig, crop_plan, decode_image, sample_rng
+
+    damaged, first_bad_row = _damaged_below()
+    with pytest.raises(CorruptSample):
+        decode_image(damaged)
+    url = f"file://{tmp_path}/data"
+    shards = [[(f"s{i:06d}", {"cls": b"1", "jpg": damaged if i == 2 else tiny_jpeg(1, i)}) for i in range(4)]]
+    keys = write_samples(open_store(url), shards)
+    transform = TransformConfig("train", image_size=48, scale=(0.01, 0.03))  # boxes under 2 x 48: not scaled
+    epochs = 4
+    boxes = [crop_plan(320, 240, transform, sample_rng(3, epoch, 2))[0] for epoch in range(epochs)]
+    assert any(box[3] < first_bad_row for box in boxes)  # an epoch whose crop misses the damage
+    ds = dataset(url, tmp_path / "cache", transform=transform, image_size=None, batch_size=1)
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine="threads")
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        assert sorted(delivered(loader)) == sorted(set(keys) - {"s000002"})
+    assert ds.corrupt_samples == epochs
+
+
 # -- case 6: fuzzing the reader, the sample index and the manifest, on the paths the dataset uses ----
 def _good_shard() -> tuple[bytes, SampleIndex]:
     buffer = io.BytesIO()

@@ -575,13 +575,24 @@ _NO_REGION = pytest.mark.skipif(
 
 
 def _photo_jpeg(width: int, height: int, seed: int = 0, **save) -> bytes:
-    """Texture in every 8x8 block (so every block's DCT and upsampling matter), not a flat field."""
+    """Texture in every 8x8 block (so every block's DCT and upsampling matter), not a flat
+    field. `save`: Pillow's JPEG options, or `opencv_sampling` (411, 440: samplings Pillow does
+    not write) or `grey=True`."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     pixels = np.stack([(x * 3 + y) % 256, (y * 5) % 256, (x * y // 7) % 256], axis=-1).astype(np.int16)
-    pixels += rng.integers(-25, 25, pixels.shape, dtype=np.int16)
+    pixels = np.clip(pixels + rng.integers(-25, 25, pixels.shape, dtype=np.int16), 0, 255).astype(np.uint8)
+    if "opencv_sampling" in save:
+        cv2 = pytest.importorskip("cv2")
+        sampling = getattr(cv2, f"IMWRITE_JPEG_SAMPLING_FACTOR_{save['opencv_sampling']}")
+        ok, encoded = cv2.imencode(".jpg", pixels[..., ::-1], [cv2.IMWRITE_JPEG_SAMPLING_FACTOR, sampling])
+        assert ok
+        return encoded.tobytes()
+    image = Image.fromarray(pixels)
+    if save.pop("grey", False):
+        image = image.convert("L")
     out = io.BytesIO()
-    Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(out, "JPEG", **save)
+    image.save(out, "JPEG", **save)
     return out.getvalue()
 
 
@@ -613,8 +624,11 @@ class _CountingRegionDecoder:
         {"subsampling": 0, "quality": 95},  # 4:4:4: 8x8 iMCUs
         {"subsampling": 2, "quality": 85, "progressive": True},
         {"subsampling": 2, "quality": 90, "restart_marker_blocks": 3},
+        {"opencv_sampling": 440},
+        {"opencv_sampling": 411},
+        {"grey": True},
     ],
-    ids=["420", "422", "444", "progressive", "restarts"],
+    ids=["420", "422", "444", "progressive", "restarts", "440", "411", "grey"],
 )
 @pytest.mark.parametrize("preset", ["train", "eval"])
 def test_the_crop_only_decode_gives_the_pixels_of_the_whole_image_decode(monkeypatch, encoding, preset):
@@ -627,7 +641,7 @@ def test_the_crop_only_decode_gives_the_pixels_of_the_whole_image_decode(monkeyp
     cfg = TransformConfig(preset, image_size=24, scale=(0.004, 1.0))
     whole_pixel_boxes = 0
     for width, height in [(333, 250), (250, 333), (97, 61), (64, 64)]:
-        data = _photo_jpeg(width, height, **encoding)
+        data = _photo_jpeg(width, height, **dict(encoding))
         plans = [crop_plan(width, height, cfg, sample_rng(5, 0, i)) for i in range(40)]
         scales = [next(iter(_decode_scales([plan], 24))) for plan in plans]
         if preset == "train" and width > 97:
@@ -642,26 +656,65 @@ def test_the_crop_only_decode_gives_the_pixels_of_the_whole_image_decode(monkeyp
 
 
 @_NO_REGION
-def test_the_crop_only_decode_never_decodes_the_rows_below_the_box(monkeypatch):
-    """A JPEG cut off below a box still gives that box's crop (the rows after it are not
-    decoded at all, which is where the time goes), the same as the intact JPEG's; a box that
-    reaches into the cut-off part is a corrupt sample, as a whole-image decode says."""
+@pytest.mark.parametrize("damage", ["cut", "flipped"])
+def test_a_jpeg_damaged_outside_the_box_is_refused_as_the_whole_decode_refuses_it(damage):
+    """The rows outside the region are not transformed but still read: a JPEG cut off, or with
+    bytes changed, below the box is a corrupt sample whatever the box, exactly as before (the
+    loader counts and skips the same samples); the box's pixels alone would have decoded."""
+    data = _photo_jpeg(320, 240, subsampling=2, quality=90)
+    middle = len(data) // 2
+    if damage == "cut":
+        bad = data[:middle]
+    else:
+        bad = data[:middle] + bytes(b ^ 0x5A for b in data[middle : middle + 64]) + data[middle + 64 :]
+    with pytest.raises(CorruptSample):
+        decode_image(bad)
+    with pytest.raises(ValueError):
+        transforms_module._jpeg_region.decode_region(bad, 40, 16, 100, 30, 1)
+    cfg = TransformConfig("train", image_size=32, scale=(0.01, 0.02))  # small boxes, many above the damage
+    plans = [crop_plan(320, 240, cfg, sample_rng(0, 0, i)) for i in range(16)]
+    assert any(box[3] < 100 for box, _ in plans)
+    for i in range(16):
+        with pytest.raises(CorruptSample):
+            transform_image(bad, cfg, sample_rng(0, 0, i))
+
+
+@_NO_REGION
+def test_a_jpeg_known_to_decode_is_not_read_below_the_box():
+    """`known_to_decode` (the loader knows these bytes decoded before): the rows below the
+    box are never read, which is where the rest of the time goes. Seen on a JPEG cut off
+    below the box: the box's pixels are those of the intact JPEG."""
     data = _photo_jpeg(320, 240, subsampling=2, quality=90)
     cut = data[: len(data) // 2]
-    buffer, x0, width = transforms_module._jpeg_region.decode_region(cut, 40, 16, 100, 60, 1)
-    intact, _, _ = transforms_module._jpeg_region.decode_region(data, 40, 16, 100, 60, 1)
-    assert bytes(buffer) == bytes(intact) and x0 <= 40 and x0 + width >= 140
-    whole = np.asarray(decode_image(data))
-    assert np.array_equal(
-        np.frombuffer(buffer, np.uint8).reshape(60, width, 3)[:, 41 - x0 : 139 - x0], whole[16:76, 41:139]
+    buffer, x0, width = transforms_module._jpeg_region.decode_region(cut, 40, 16, 100, 60, 1, False)
+    intact, _, _ = transforms_module._jpeg_region.decode_region(data, 40, 16, 100, 60, 1, False)
+    assert bytes(buffer) == bytes(intact) and bytes(intact) == bytes(
+        transforms_module._jpeg_region.decode_region(data, 40, 16, 100, 60, 1)[0]
     )
-    with pytest.raises(ValueError, match="[Pp]remature end"):
-        transforms_module._jpeg_region.decode_region(cut, 40, 200, 100, 30, 1)
-    with pytest.raises(CorruptSample):
-        decode_image(cut)
-    cfg = TransformConfig("train", image_size=32, scale=(0.9, 1.0))  # boxes reach the bottom rows
-    with pytest.raises(CorruptSample):
-        transform_image(cut, cfg, sample_rng(0, 0, 0))
+    cfg = TransformConfig("train", image_size=64, scale=(0.01, 0.03))
+    plans = [crop_plan(320, 240, cfg, sample_rng(0, 0, i)) for i in range(32)]
+    above = [i for i, (box, _) in enumerate(plans) if box[3] < 80]
+    assert above
+    for i in above:
+        out = resize_crop(decode_for_crop(cut, cfg, sample_rng(0, 0, i), known_to_decode=True), cfg)
+        assert np.array_equal(out, transform_image(data, cfg, sample_rng(0, 0, i)))
+        with pytest.raises(CorruptSample):
+            decode_for_crop(cut, cfg, sample_rng(0, 0, i))
+
+
+@_NO_REGION
+@pytest.mark.parametrize("sampling", [{"subsampling": 2}, {"subsampling": 1}, {"opencv_sampling": 411}])
+def test_narrow_regions_are_decoded_as_whole_rows(sampling):
+    """A region under two chroma samples wide would be upsampled the simple way: such regions
+    (any under 32 px) are decoded across the whole width; the boxes at the edges of tiny
+    images keep the whole decode's pixels."""
+    data = _photo_jpeg(40, 24, **sampling)
+    whole = np.asarray(decode_image(data))
+    for left, width in [(0, 1), (0, 2), (1, 2), (38, 2), (39, 1), (16, 4), (3, 31), (0, 40)]:
+        buffer, x0, region_width = transforms_module._jpeg_region.decode_region(data, left, 0, width, 24, 1)
+        pixels = np.frombuffer(buffer, np.uint8).reshape(24, region_width, 3)
+        inner = slice(max(left, 1) if left else 0, left + width - (1 if left + width < 40 else 0))
+        assert np.array_equal(pixels[:, inner.start - x0 : inner.stop - x0], whole[:, inner]), (left, width)
 
 
 @_NO_REGION
