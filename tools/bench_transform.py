@@ -25,6 +25,8 @@ Variants (the first is the reference):
 * dlstore      `dlstore.transforms.transform_image` as it is now (after issue 11: dct, then
                cv2 for a whole-pixel box and Pillow for a fractional one; a whole-pixel box's
                rows and columns decoded alone by dlstore._jpeg_region where it is built)
+* dlstore-known  the same for a JPEG known to decode (the loader's from a sample's second
+               epoch on): the rows below the box are not read at all
 * dlstore-whole  the same with every JPEG decoded whole (dlstore._jpeg_region left out):
                what the crop-only decode saves
 * dlstore-split  `resize_crop(decode_for_crop(data))`: the same, as two timed halves
@@ -160,6 +162,11 @@ def dlstore_pil(data, cfg, rng):
     return augment_image(decode_image(data), cfg, rng)
 
 
+def dlstore_known(data, cfg, rng):
+    """`transform_image` for bytes that decoded before (`known_to_decode`)."""
+    return resize_crop(decode_for_crop(data, cfg, rng, known_to_decode=True), cfg)
+
+
 def dlstore_whole(data, cfg, rng):
     """`transform_image` without the crop-only decoder: every JPEG decoded whole."""
     region, transforms_module._jpeg_region = transforms_module._jpeg_region, None
@@ -179,6 +186,7 @@ def variants() -> dict[str, Variant]:
         found["dct8+cv2"] = dct8_cv2
     found["dlstore"] = transform_image
     if transforms_module._jpeg_region is not None:
+        found["dlstore-known"] = dlstore_known
         found["dlstore-whole"] = dlstore_whole
     found["dlstore-split"] = dlstore_split
     found["dlstore-pil"] = dlstore_pil
