@@ -19,6 +19,8 @@ a ratio taken within one round is the trustworthy figure, the spread over rounds
   decoders ("pil", "torchrgb8") runs the pipeline faster here, measured before the rounds.
 * folder: `torchvision.datasets.ImageFolder` over the JPEGs the shards were made from, in a
   `DataLoader(shuffle=True)` with persistent workers.
+* dlstore_threads_whole_decode (`--whole-decode-too`): the thread engine with every JPEG
+  decoded whole, what dlstore did before its crop-only decode (`dlstore/_jpeg_region.c`).
 
 Both peers augment with torchvision transforms v2 (RandomResizedCrop(size, antialias=True),
 RandomHorizontalFlip, uint8 tensors out), with the same workers and batch size as dlstore.
@@ -149,6 +151,27 @@ def dlstore_candidate(data: Data, args, engine: str) -> Candidate:
     return Candidate(batches, loader.close)
 
 
+def dlstore_whole_decode_candidate(data: Data, args) -> Candidate:
+    """The thread engine with every JPEG decoded whole (`dlstore._jpeg_region` left out for
+    this run: the loaders run one at a time, and the thread engine decodes in this process)."""
+    import dlstore.transforms
+
+    region, dlstore.transforms._jpeg_region = dlstore.transforms._jpeg_region, None
+    try:
+        candidate = dlstore_candidate(data, args, "threads")
+    except BaseException:
+        dlstore.transforms._jpeg_region = region
+        raise
+
+    def close() -> None:
+        try:
+            candidate.close()
+        finally:
+            dlstore.transforms._jpeg_region = region
+
+    return Candidate(candidate.batches, close)
+
+
 def peer_augment(image_size: int, from_pil: bool) -> v2.Compose:
     """torchvision's RandomResizedCrop + flip, uint8 CHW tensors out (on a PIL image the crop
     and resize run in Pillow, then it becomes a tensor)."""
@@ -277,6 +300,8 @@ def loader_makers(data: Data, args, engines: list[str], wds_decode: str) -> dict
     makers: dict[str, Callable[[], Candidate]] = {
         f"dlstore_{engine}": (lambda engine=engine: dlstore_candidate(data, args, engine)) for engine in engines
     }
+    if args.whole_decode_too and "threads" in engines:
+        makers["dlstore_threads_whole_decode"] = lambda: dlstore_whole_decode_candidate(data, args)
     makers["webdataset"] = lambda: webdataset_candidate(data, args, wds_decode)
     makers["folder"] = lambda: folder_candidate(data, args)
     return makers
@@ -432,6 +457,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", help="keep the data here and reuse it (default: a temp dir, removed afterwards)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for a smoke run: " + str(QUICK))
+    parser.add_argument(
+        "--whole-decode-too",
+        action="store_true",
+        help="also the thread engine decoding whole JPEGs (dlstore._jpeg_region left out): what the crop-only decode gives",
+    )
     parser.add_argument("--rss-child", choices=ENGINES, help=argparse.SUPPRESS)
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(**QUICK)  # what the command line gives explicitly still wins
