@@ -12,6 +12,7 @@ uninterrupted one would have, whatever the worker count.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import io
 import math
@@ -612,12 +613,62 @@ def _decode_scale(box, cfg: TransformConfig) -> float:
 def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """Crop `box`, resize to size x size (antialiased when shrinking), flip if asked.
 
-    OpenCV takes whole-pixel boxes (the train preset's at the stored scale); a fractional box
-    (the eval preset's centre box, a box mapped into a scaled decode) goes to Pillow, which
-    resamples it exactly: rounded, it would move the crop by up to half an output pixel."""
-    if cv2 is None or not all(float(v).is_integer() for v in box):
+    A whole-pixel box (the train preset's at the stored scale) goes to torch's antialiased
+    bilinear resize of uint8 images where its SIMD kernel runs (x86 with AVX2: the crop is
+    then exactly torchvision's `resized_crop(..., antialias=True)`, within a level of Pillow's
+    resample of the same box, at ~2x the speed of OpenCV's INTER_AREA here), else to OpenCV;
+    a fractional box (the eval preset's centre box, a box mapped into a scaled decode) goes to
+    Pillow, which resamples it exactly: rounded, it would move the crop by up to half an
+    output pixel."""
+    whole_pixels = all(float(v).is_integer() for v in box)
+    if whole_pixels and _torch_resizes_uint8():
+        return _resize_with_torch(np.asarray(image), box, flip, size, out)
+    if cv2 is None or not whole_pixels:
         return _resize_with_pillow(image, box, flip, size)
     return _resize_with_opencv(np.asarray(image), box, flip, size, out)
+
+
+@functools.cache
+def _torch_resizes_uint8() -> bool:
+    """Whether torch has its SIMD antialiased resize of uint8 images (x86 AVX2 and up); the
+    generic one elsewhere is slower than OpenCV's, and splits work over torch's threads."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency; the transforms need not be
+        return False
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
+def _resize_with_torch(pixels: np.ndarray, box, flip: bool, size: int, out: np.ndarray | None = None) -> np.ndarray:
+    """torch's antialiased bilinear resize of the crop (whole-pixel `box`), torchvision's
+    RandomResizedCrop(antialias=True) step: a triangle filter as wide as the shrink, plain
+    bilinear where it grows. Serial for uint8 (no intra-op threads); written straight into
+    `out` (a row of the batch) or a new array, as HWC.
+
+    The HWC arrays are NCHW tensors in channels_last memory, the SIMD kernel's layout; its
+    out= form writes that layout where `interpolate` returns contiguous NCHW, whose copy back
+    to HWC costs more than the resize (~0.2 ms here)."""
+    import torch
+
+    left, top, right, bottom = (int(v) for v in box)
+    crop = pixels[top:bottom, left:right]
+    if not (crop.flags.c_contiguous and crop.flags.writeable):  # torch takes no read-only arrays
+        crop = np.array(crop)
+    target = out if out is not None else np.empty((size, size, 3), dtype=np.uint8)
+    source = torch.from_numpy(crop).permute(2, 0, 1).unsqueeze(0)
+    dest = torch.from_numpy(target).permute(2, 0, 1).unsqueeze(0)
+    try:
+        torch.ops.aten._upsample_bilinear2d_aa.out(source, [size, size], False, None, None, out=dest)
+    except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - a torch without that form
+        import torch.nn.functional as functional
+
+        dest.copy_(functional.interpolate(source, size=(size, size), mode="bilinear", antialias=True))
+    if flip:
+        if cv2 is not None:
+            cv2.flip(target, 1, dst=target)
+        else:
+            target[...] = target[:, ::-1].copy()
+    return target
 
 
 def _resize_with_pillow(image: Image.Image | np.ndarray, box, flip: bool, size: int) -> np.ndarray:

@@ -736,3 +736,50 @@ def test_what_the_crop_only_decode_does_not_take_is_decoded_whole(monkeypatch):
             transforms_module._jpeg_region.decode_region(data, *args)
     with pytest.raises(CorruptSample):
         transform_image(data[:200] + bytes(300), cfg, sample_rng(0, 0, 0))
+
+
+# -- the resize of a whole-pixel box: torch's SIMD kernel, else OpenCV --------------------------
+_NO_TORCH_RESIZE = pytest.mark.skipif(
+    not transforms_module._torch_resizes_uint8(), reason="torch has no SIMD uint8 resize on this CPU (AVX2)"
+)
+
+
+@_NO_TORCH_RESIZE
+@pytest.mark.parametrize("size", [24, 64])
+def test_a_train_crop_is_torchvisions_resized_crop_of_the_same_box(size):
+    """Where torch's SIMD resize runs, a train crop decoded at the stored scale (shrinking,
+    growing, one side each, flips) is exactly torchvision's `resized_crop(..., antialias=True)`
+    of the decoded image: the augmentation torchvision's RandomResizedCrop makes for that box.
+    (A box of twice the output size or more is decoded at a reduced scale first.)"""
+    tv = pytest.importorskip("torchvision.transforms.v2.functional")
+    data = _photo_jpeg(150, 100, subsampling=2, quality=90)
+    whole = torch.from_numpy(np.asarray(decode_image(data)).copy()).permute(2, 0, 1)
+    cfg = TransformConfig("train", image_size=size, scale=(0.02, 1.0), ratio=(0.2, 5.0))
+    plans = [crop_plan(150, 100, cfg, sample_rng(2, 0, i)) for i in range(64)]
+    unscaled = [i for i, plan in enumerate(plans) if _decode_scales([plan], size) == {1.0}]
+    sides = {(plans[i][0][2] - plans[i][0][0] > size, plans[i][0][3] - plans[i][0][1] > size) for i in unscaled}
+    assert len(sides) >= 3 and {plans[i][1] for i in unscaled} == {False, True}
+    for i in unscaled:
+        box, flip = plans[i]
+        left, top, right, bottom = box
+        want = tv.resized_crop(whole, top, left, bottom - top, right - left, [size, size], antialias=True)
+        want = (want.flip(-1) if flip else want).permute(1, 2, 0).numpy()
+        assert np.array_equal(transform_image(data, cfg, sample_rng(2, 0, i)), want), (box, flip)
+
+
+def test_without_torchs_resize_opencv_resizes_near_pillow(monkeypatch):
+    """Elsewhere (no AVX2: aarch64) OpenCV resizes: the same boxes and flips, within a few
+    levels of Pillow's antialiased resample, and torch's path within one level of it."""
+    data, size = _photo_jpeg(200, 150, subsampling=2, quality=90), 80  # no box of 160 px: none decoded scaled
+    cfg = TransformConfig("train", image_size=size, scale=(0.05, 1.0))
+    plans = [crop_plan(200, 150, cfg, sample_rng(4, 0, i)) for i in range(24)]
+    assert _decode_scales(plans, size) == {1.0}
+    references = [_pillow_reference(data, box, flip, size).astype(int) for box, flip in plans]
+    default = [transform_image(data, cfg, sample_rng(4, 0, i)) for i in range(len(plans))]
+    torch_resizes = transforms_module._torch_resizes_uint8()
+    monkeypatch.setattr(transforms_module, "_torch_resizes_uint8", lambda: False)
+    opencv = [transform_image(data, cfg, sample_rng(4, 0, i)) for i in range(len(plans))]
+    assert np.mean([np.abs(o - r).mean() for o, r in zip(opencv, references)]) < 4
+    if torch_resizes:
+        assert not all(np.array_equal(a, b) for a, b in zip(default, opencv))  # another resizer ran
+        assert np.mean([np.abs(d - r).mean() for d, r in zip(default, references)]) < 1

@@ -147,7 +147,12 @@ def decode_check(transforms) -> Check:
     parts = [
         f"JPEG decode: {f'simplejpeg {simplejpeg.__version__}' if simplejpeg else 'Pillow (no simplejpeg)'}",
         f"crop-only decode: {f'libjpeg-turbo {region.libjpeg_turbo_version}' if region else 'not built'}",
-        f"resize: {f'OpenCV {cv2.__version__}' if cv2 else 'Pillow (no OpenCV)'}",
+        "resize: "
+        + (
+            "torch's SIMD kernel"
+            if transforms._torch_resizes_uint8()
+            else (f"OpenCV {cv2.__version__}" if cv2 else "Pillow (no OpenCV)")
+        ),
     ]
     fixes = []
     if simplejpeg is None or cv2 is None:
