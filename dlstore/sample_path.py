@@ -132,8 +132,9 @@ class SamplePath:
         self._store_indexes: dict[int, SampleIndex | None] = {}
         # Samples whose image has decoded without error in this process, the whole stream
         # checked: a later crop of theirs reads only the rows it needs (`decode_for_crop`).
-        # The bytes of a sample never change (checksums), so neither does that verdict.
-        self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
+        # The bytes of a sample never change (checksums), so neither does that verdict. Made
+        # at the first decode, and not sent to worker processes (they keep their own).
+        self._decodes_cleanly: np.ndarray | None = None
         # The stages run in several threads at once (the loader's decode threads): the two
         # caches above are shared between them.
         self._lock = threading.Lock()
@@ -141,7 +142,7 @@ class SamplePath:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_indexes"], state["_rechecked"], state["_building"] = OrderedDict(), set(), {}
-        state["_store_indexes"] = {}
+        state["_store_indexes"], state["_decodes_cleanly"] = {}, None
         del state["_lock"]
         return state
 
@@ -353,9 +354,12 @@ class SamplePath:
         smallest scale the crop allows, and its label; `CorruptSample` when either is bad."""
         data, label = self.image_bytes(sample), self.label(sample)
         rng = sample_rng(self.cfg.seed, epoch, sample_id)
+        decodes_cleanly = self._decodes_cleanly
+        if decodes_cleanly is None:  # two threads may both make one: a few marks lost, no more
+            decodes_cleanly = self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
         with _timed(clock, "decode"):
-            source = decode_for_crop(data, self.cfg.transform, rng, bool(self._decodes_cleanly[sample_id]))
-        self._decodes_cleanly[sample_id] = True  # a race of two threads writes the same True
+            source = decode_for_crop(data, self.cfg.transform, rng, bool(decodes_cleanly[sample_id]))
+        decodes_cleanly[sample_id] = True  # a race of two threads writes the same True
         return source, label
 
     def augment(self, source: CropSource, clock: StageClock | None = None, out: np.ndarray | None = None) -> np.ndarray:

@@ -335,7 +335,8 @@ def _damaged_below(width: int = 320, height: int = 240) -> tuple[bytes, int]:
     return data[:start] + bytes(b ^ 0x5A for b in data[start : start + 200]) + data[start + 200 :], height // 2
 
 
-def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tmp_path):
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tmp_path, engine):
     """The crop-only decode reads the rows below a box too until a sample has decoded once:
     a JPEG garbled in its lower part is a corrupt sample in every epoch, as with a whole-image
     decode, though some epochs' crops lie wholly above the damage; the good samples keep being
@@ -353,7 +354,7 @@ def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tm
     boxes = [crop_plan(320, 240, transform, sample_rng(3, epoch, 2))[0] for epoch in range(epochs)]
     assert any(box[3] < first_bad_row for box in boxes)  # an epoch whose crop misses the damage
     ds = dataset(url, tmp_path / "cache", transform=transform, image_size=None, batch_size=1)
-    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine="threads")
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine=engine)
     for epoch in range(epochs):
         loader.set_epoch(epoch)
         assert sorted(delivered(loader)) == sorted(set(keys) - {"s000002"})
