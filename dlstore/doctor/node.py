@@ -144,15 +144,14 @@ def decode_check(transforms) -> Check:
     """Which native parts the CPU decode found (`transforms`: the module `dlstore.transforms`,
     or what stands for it): each one missing costs images per core, none breaks a run."""
     simplejpeg, cv2, region = transforms.simplejpeg, transforms.cv2, transforms._jpeg_region
+    if transforms._torch_resizes_uint8():
+        resizer = "torch's SIMD kernel"
+    else:
+        resizer = f"OpenCV {cv2.__version__}" if cv2 else "Pillow (no OpenCV)"
     parts = [
         f"JPEG decode: {f'simplejpeg {simplejpeg.__version__}' if simplejpeg else 'Pillow (no simplejpeg)'}",
         f"crop-only decode: {f'libjpeg-turbo {region.libjpeg_turbo_version}' if region else 'not built'}",
-        "resize: "
-        + (
-            "torch's SIMD kernel"
-            if transforms._torch_resizes_uint8()
-            else (f"OpenCV {cv2.__version__}" if cv2 else "Pillow (no OpenCV)")
-        ),
+        f"resize: {resizer}",
     ]
     fixes = []
     if simplejpeg is None or cv2 is None:
