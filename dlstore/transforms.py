@@ -574,10 +574,10 @@ def _decode_jpeg(data: bytes, size: tuple[int, int]) -> np.ndarray:
 
 
 def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float, check_all: bool = True):
-    """The part of the JPEG that OpenCV's resize of the whole-pixel `box` reads, decoded at
-    `scale` (pixels, and the box in their coordinates), or None where the crop-only decoder
-    does not serve: a fractional box, or a JPEG it does not take (the caller decodes the whole
-    image, which also tells a corrupt one).
+    """The part of the JPEG that the resize of the whole-pixel `box` reads (torch's or
+    OpenCV's: the box only), decoded at `scale` (pixels, and the box in their coordinates), or
+    None where the crop-only decoder does not serve: a fractional box, or a JPEG it does not
+    take (the caller decodes the whole image, which also tells a corrupt one).
 
     The result is bit for bit the whole-image transform's (tests/test_transforms.py): the
     region reaches one pixel past the box, the column whose upsampling sees the region's
