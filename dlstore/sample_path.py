@@ -37,7 +37,7 @@ from dlstore.manifest import Manifest
 from dlstore.plan import locate
 from dlstore.sample_index import SampleIndex, load_sample_index
 from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
-from dlstore.transforms import CropSource, crop_plan, decode_for_crop, device_jpeg, resize_crop, sample_rng
+from dlstore.transforms import CropSource, SampleRngs, crop_plan, decode_for_crop, device_jpeg, resize_crop
 
 __all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "direct_shards", "join_encoded"]
 
@@ -135,6 +135,8 @@ class SamplePath:
         # The bytes of a sample never change (checksums), so neither does that verdict. Made
         # at the first decode, and not sent to worker processes (they keep their own).
         self._decodes_cleanly: np.ndarray | None = None
+        # Each sample's generator (`sample_rng`'s draws), one re-keyed per thread.
+        self._rngs = SampleRngs()
         # The stages run in several threads at once (the loader's decode threads): the two
         # caches above are shared between them.
         self._lock = threading.Lock()
@@ -353,7 +355,7 @@ class SamplePath:
         """The sample's pixels with its crop drawn (its own random generator), decoded at the
         smallest scale the crop allows, and its label; `CorruptSample` when either is bad."""
         data, label = self.image_bytes(sample), self.label(sample)
-        rng = sample_rng(self.cfg.seed, epoch, sample_id)
+        rng = self._rngs(self.cfg.seed, epoch, sample_id)
         decodes_cleanly = self._decodes_cleanly
         if decodes_cleanly is None:  # two threads may both make one: a few marks lost, no more
             decodes_cleanly = self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
@@ -372,7 +374,7 @@ class SamplePath:
         """For `decode_on="device"`: the JPEG bytes and the crop row, without decoding."""
         data, label = self.image_bytes(sample), self.label(sample)
         data, width, height = device_jpeg(data)
-        rng = sample_rng(self.cfg.seed, epoch, sample_id)
+        rng = self._rngs(self.cfg.seed, epoch, sample_id)
         box, flip = crop_plan(width, height, self.cfg.transform, rng)
         return (data, (*box, float(flip))), label
 

@@ -56,6 +56,7 @@ __all__ = [
     "decode_image",
     "resize_crop",
     "sample_rng",
+    "SampleRngs",
     "transform_image",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
@@ -69,7 +70,44 @@ _JPEG_MAGIC = b"\xff\xd8"
 
 def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
     """The augmentation randomness of one sample in one epoch; independent of workers and ranks."""
-    return np.random.Generator(np.random.Philox(key=[seed & 0xFFFFFFFFFFFFFFFF, (epoch << 40) ^ sample_id]))
+    return np.random.Generator(np.random.Philox(key=_sample_key(seed, epoch, sample_id)))
+
+
+def _sample_key(seed: int, epoch: int, sample_id: int) -> list[int]:
+    return [seed & 0xFFFFFFFFFFFFFFFF, (epoch << 40) ^ sample_id]
+
+
+class SampleRngs:
+    """`sample_rng`'s generators for the loader's hot loop, with the same draws: one generator
+    per thread, re-keyed for each sample. Why: a new `Philox` costs ~11 us (an OS entropy read
+    among it, which also lets go of the GIL), a re-key ~2. A generator it returns is good until
+    the same thread asks for the next one."""
+
+    def __init__(self) -> None:
+        self._mine = threading.local()
+
+    def __call__(self, seed: int, epoch: int, sample_id: int) -> np.random.Generator:
+        mine = self._mine
+        generator = getattr(mine, "generator", None)
+        if generator is None:
+            generator = mine.generator = np.random.Generator(np.random.Philox(0))
+        # A fresh Philox's state: counter and buffer zeroed, the buffer used up.
+        generator.bit_generator.state = {
+            "bit_generator": "Philox",
+            # As `Philox(key=...)` reads a list (through float64 past 2**63: its draws, kept).
+            "state": {"counter": _ZERO_WORDS, "key": np.asarray(_sample_key(seed, epoch, sample_id)).astype(np.uint64)},
+            "buffer": _ZERO_WORDS,
+            "buffer_pos": 4,
+            "has_uint32": 0,
+            "uinteger": 0,
+        }
+        return generator
+
+    def __reduce__(self):  # a thread-local holds nothing worth sending to a worker process
+        return (SampleRngs, ())
+
+
+_ZERO_WORDS = np.zeros(4, dtype=np.uint64)
 
 
 def decode_image(data: bytes) -> Image.Image:
@@ -655,8 +693,10 @@ def _resize_with_torch(pixels: np.ndarray, box, flip: bool, size: int, out: np.n
     if not (crop.flags.c_contiguous and crop.flags.writeable):  # torch takes no read-only arrays
         crop = np.array(crop)
     target = out if out is not None else np.empty((size, size, 3), dtype=np.uint8)
-    source = torch.from_numpy(crop).permute(2, 0, 1).unsqueeze(0)
-    dest = torch.from_numpy(target).permute(2, 0, 1).unsqueeze(0)
+    # NCHW views made by numpy, one torch call each: every torch call lets go of the GIL, and
+    # with the decode threads beside this one each let-go can cost a wait to get it back.
+    source = torch.from_numpy(crop.transpose(2, 0, 1)[np.newaxis])
+    dest = torch.from_numpy(target.transpose(2, 0, 1)[np.newaxis])
     try:
         torch.ops.aten._upsample_bilinear2d_aa.out(source, [size, size], False, None, None, out=dest)
     except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - a torch without that form

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import pickle
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ from dlstore import transforms as transforms_module
 from dlstore.config import DataConfig
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.transforms import (
+    SampleRngs,
     TransformConfig,
     augment_image,
     crop_plan,
@@ -109,6 +111,34 @@ def test_train_augmentation_is_a_function_of_seed_epoch_and_sample():
     assert np.array_equal(a, b)
     others = [transform_image(data, cfg, sample_rng(3, epoch, 42)) for epoch in range(2, 8)]
     assert any(not np.array_equal(a, o) for o in others)
+
+
+def _draws(rng) -> list:
+    """What the train preset draws from a generator, and some more of each kind."""
+    return [*rng.uniform(0.08, 1.0, 3), *rng.integers(0, 317, 3), rng.integers(0, 2**40), *rng.random(2)]
+
+
+def test_the_re_keyed_generators_draw_what_fresh_ones_draw_in_every_thread():
+    rngs = SampleRngs()
+    keys = [
+        (seed, epoch, sample_id) for seed in (0, 7, 2**63 + 5) for epoch in (0, 1, 9) for sample_id in (0, 1, 10**9)
+    ]
+    expected = [_draws(sample_rng(*key)) for key in keys]
+    assert len({str(d) for d in expected}) == len(keys)  # the keys give different draws
+
+    def run(order: list[int]) -> dict[int, list]:
+        got = {}
+        for i in order:
+            rng = rngs(*keys[i])
+            got[i] = _draws(rng)
+            rng.integers(0, 3, 5)  # a half-used 32-bit word and buffer: the next re-key starts afresh
+        return got
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, [list(range(len(keys)))[::step] for step in (1, -1, 2, -3)] * 2))
+    for got in results:
+        assert all(got[i] == expected[i] for i in got)
+    assert pickle.loads(pickle.dumps(rngs))(*keys[4]).random() == sample_rng(*keys[4]).random()
 
 
 def test_bad_transform_config_is_a_config_error():
