@@ -784,6 +784,33 @@ def test_workers_from_a_fork_server_deliver_what_forked_workers_do(local_dataset
     assert len({k for _, keys in runs[1][0] for k in keys}) == 23
 
 
+@pytest.mark.parametrize("start_method", ["fork", "forkserver"])
+def test_worker_processes_share_which_samples_decode_cleanly(local_dataset, tmp_path, start_method):
+    """A sample decoded cleanly by one worker is known to the others (and to the loader's
+    process) from then on: its later crops leave the rows below them unread in any worker."""
+    url, _ = local_dataset
+    ds = _dataset(url, tmp_path, transform="train")
+    with dlstore.Loader(ds, num_workers=2, device="cpu", engine="processes", start_method=start_method) as loader:
+        seen = {k for _, _, meta in loader for k in meta["keys"]}
+        marks = ds.samples._decodes_cleanly
+        assert marks is not None and len(seen) == 23
+        assert marks.sum() == 23  # every sample, whichever worker decoded it
+
+
+def test_decode_marks_stay_per_process_without_shared_memory(local_dataset, tmp_path, monkeypatch):
+    def no_room(self):
+        raise RuntimeError("unable to allocate shared memory")
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
+    url, _ = local_dataset
+    ds = _dataset(url, tmp_path, transform="train")
+    # uint8 batches on the CPU: no batch slots, which need shared memory too.
+    loader = dlstore.Loader(ds, num_workers=2, device="cpu", dtype="uint8", engine="processes", start_method="fork")
+    with loader:
+        assert len({k for _, _, meta in loader for k in meta["keys"]}) == 23
+        assert ds.samples._decodes_cleanly is None  # the workers kept their own
+
+
 def _corrupt_in_first_batches(url, tmp_path, sizes, world):
     """A dataset of `sizes` whose first batches of epochs 0 and 1 (rank `world.rank`, batch
     size 7) have a corrupt sample in a chunk before others (rows 1 and 4), as has the first

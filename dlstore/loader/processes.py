@@ -175,6 +175,8 @@ class ProcessEngine:
             start_fork_server()
         self.dataset = dataset
         self.slots = slots
+        if workers > 0:
+            dataset.samples.share_decode_marks()
         # Chunks of the first batch: one per worker (the DataLoader hands its items to the
         # workers in turn, so consecutive ones go to different workers).
         self.sampler = _PlanSampler(dataset, slots, chunks=workers)
