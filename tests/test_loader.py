@@ -283,8 +283,12 @@ def _pixels_and_keys(loader, epochs, abandon_after):
     return out
 
 
-def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_dataset, tmp_path, engine):
-    """Batch size 2 over 23 samples with 3 slots: every slot is reused four times per epoch."""
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_dataset, tmp_path, engine, dtype):
+    """Batch size 2 over 23 samples with 3 slots: every slot is reused four times per epoch,
+    while every batch is kept (uint8 ones are copied out of their slots into reused buffers:
+    none may be reused while a batch in it is held). The decode threads hand uint8 batches
+    over without slots."""
     url, _ = local_dataset
     runs = []
     for shared in (False, True):
@@ -293,12 +297,13 @@ def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_data
             num_workers=1,
             device="cpu",
             engine=engine,
+            dtype=dtype,
             normalize=False,  # float32 batches holding the uint8 values: compared exactly
             prefetch_factor=1,
             shared_slots=shared,
         )
-        assert (loader.slots is not None) == shared
-        if shared:
+        assert (loader.slots is not None) == (shared and (dtype == "float32" or engine == "processes"))
+        if loader.slots is not None:
             assert loader.slots.count == 3
         runs.append(_pixels_and_keys(loader, [0, 1], abandon_after=4))
     assert len(runs[0]) == len(runs[1]) == 4 + 2 * 12
@@ -804,8 +809,10 @@ def test_decode_marks_stay_per_process_without_shared_memory(local_dataset, tmp_
     monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
     url, _ = local_dataset
     ds = _dataset(url, tmp_path, transform="train")
-    # uint8 batches on the CPU: no batch slots, which need shared memory too.
-    loader = dlstore.Loader(ds, num_workers=2, device="cpu", dtype="uint8", engine="processes", start_method="fork")
+    # No batch slots, which need shared memory too.
+    loader = dlstore.Loader(
+        ds, num_workers=2, device="cpu", dtype="uint8", engine="processes", start_method="fork", shared_slots=False
+    )
     with loader:
         assert len({k for _, _, meta in loader for k in meta["keys"]}) == 23
         assert ds.samples._decodes_cleanly is None  # the workers kept their own
@@ -832,10 +839,13 @@ def _batches(loader, epochs):
     return out
 
 
-@pytest.mark.parametrize(("dtype", "decode_on"), [("float32", "worker"), ("uint8", "worker"), ("uint8", "device")])
-def test_a_first_batch_built_in_chunks_equals_one_built_whole(tmp_path, dtype, decode_on):
+@pytest.mark.parametrize(
+    ("dtype", "decode_on", "slots"),
+    [("float32", "worker", True), ("uint8", "worker", True), ("uint8", "worker", False), ("uint8", "device", True)],
+)
+def test_a_first_batch_built_in_chunks_equals_one_built_whole(tmp_path, dtype, decode_on, slots):
     """The process engine builds each pass's first batch in chunks, one per worker: through
-    the slots (float32), handed over (uint8) or as JPEGs (device decode), with corrupt samples
+    the slots (float32, uint8), handed over (uint8 without slots) or as JPEGs (device decode), with corrupt samples
     skipped in several chunks, padding (rank 1 of 2) and a resumed pass, every batch equals the
     whole-batch build's."""
     url = f"file://{tmp_path}/data"
@@ -852,9 +862,9 @@ def test_a_first_batch_built_in_chunks_equals_one_built_whole(tmp_path, dtype, d
             world=world,
             decode_on=decode_on,
         )
-        options = dict(device="cpu", engine="processes", dtype=dtype, normalize=False)
+        options = dict(device="cpu", engine="processes", dtype=dtype, normalize=False, shared_slots=slots)
         with dlstore.Loader(ds, num_workers=workers, **options) as loader:
-            assert (loader.slots is not None) == (workers > 0 and dtype == "float32" and decode_on == "worker")
+            assert (loader.slots is not None) == (workers > 0 and slots and decode_on == "worker")
             runs[workers] = _batches(loader, [0, 1])
             counted[workers] = ds.corrupt_samples  # whole epochs (a pass left early may count more)
             loader.set_epoch(1)
@@ -883,7 +893,8 @@ def test_the_first_batch_of_each_pass_is_built_by_every_worker(local_dataset, tm
     epoch (here 1 again) starts a pass of its own, with the same batches."""
     url, _ = local_dataset
     ds = _dataset(url, tmp_path, batch_size=7)
-    with dlstore.Loader(ds, num_workers=3, device="cpu", engine="processes", dtype="uint8") as loader:
+    options = dict(device="cpu", engine="processes", dtype="uint8", shared_slots=False)  # the batches whole
+    with dlstore.Loader(ds, num_workers=3, **options) as loader:
         assert loader.slots is None
         keys = {}
         for epoch, new_pass in ((0, True), (1, False), (1, True)):  # all on the same (persistent) workers

@@ -14,7 +14,7 @@ import torch
 
 from dlstore.errors import CorruptSample
 from dlstore.loader.config import LoaderConfig
-from dlstore.loader.slots import BatchSlots
+from dlstore.loader.slots import BatchSlots, HandedBuffers
 from dlstore.transforms import IMAGENET_MEAN, IMAGENET_STD, DeviceJpegDecoder, decode_on_device
 
 __all__ = ["GpuPrefetcher"]
@@ -63,6 +63,9 @@ class GpuPrefetcher:
         self.scale = 1.0 / self.std
         self.shift = -self.mean / self.std
         self.pending: list[tuple[dict, Any]] = []
+        # uint8 batches copied out of their slots on the CPU: into buffers reused, not fresh
+        # ones (a fresh 38 MB batch cost the training process ~0.09 ms an image in page faults).
+        self.handed = HandedBuffers(keep=cfg.device_lookahead + 2)
         if self.cuda:  # the constants above were made on the current stream; the side stream reads them
             self.stream.wait_stream(torch.cuda.current_stream(device))
 
@@ -80,8 +83,9 @@ class GpuPrefetcher:
             if self.cuda:
                 # Page-locked: an asynchronous DMA; the slot is reused after its event.
                 images = images.to(self.device, non_blocking=self.slots.page_locked)
-            elif self.dtype == torch.uint8:
-                images = images.clone()  # the slot is reused once this batch is handed on
+            elif self.dtype == torch.uint8:  # the slot is reused once this batch is handed on
+                size = self.slots.buffers.shape[2]
+                images = self.handed.take(len(images), self.slots.buffers.shape[1], size).copy_(images)
         else:
             images = batch["images"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)

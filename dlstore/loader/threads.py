@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures as futures
 import logging
 import threading
-import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ import torch
 from dlstore.dataset import Dataset
 from dlstore.errors import CorruptSample
 from dlstore.loader.config import LoaderConfig
-from dlstore.loader.slots import BatchSlots
+from dlstore.loader.slots import BatchSlots, HandedBuffers
 from dlstore.sample_path import BatchRequest
 
 __all__ = ["ThreadEngine"]
@@ -62,39 +61,6 @@ class _Row:
     key: str | None
     padding: bool
     image: object = None
-
-
-class _HandedBuffers:
-    """Buffers for batches handed to the loop as they are (uint8 on the CPU), reused once the
-    loop has let go of them.
-
-    Why: a fresh 38 MB batch (256 x 224 px) is mapped anew by the allocator and faulted in page
-    by page as the threads write it, ~6% of the decode time. Each batch is a tensor made with
-    `torch.from_numpy` over a pooled array, so it is the root of every view the loop takes of it
-    (views keep their root alive); when that tensor is garbage, no view of it is left, and its
-    array goes back to the pool."""
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep
-        self.free: list[np.ndarray] = []
-        self.lock = threading.Lock()
-
-    def take(self, n: int, batch_size: int, size: int) -> torch.Tensor:
-        """A tensor of `n` rows (a short last batch has fewer) over a pooled whole batch."""
-        shape = (batch_size, size, size, 3)
-        with self.lock:
-            found = next((i for i, a in enumerate(self.free) if a.shape == shape), None)
-            array = self.free.pop(found) if found is not None else None
-        if array is None:
-            array = np.empty(shape, dtype=np.uint8)
-        tensor = torch.from_numpy(array[:n])
-        weakref.finalize(tensor, self._give_back, array)
-        return tensor
-
-    def _give_back(self, array: np.ndarray) -> None:
-        with self.lock:
-            if len(self.free) < self.keep:
-                self.free.append(array)
 
 
 @dataclass
@@ -116,7 +82,7 @@ class ThreadEngine:
         self.threads = max(1, cfg.num_workers)
         self.lookahead = max(1, cfg.lookahead)
         self.slots = slots
-        self.handed = _HandedBuffers(keep=self.lookahead + 2)
+        self.handed = HandedBuffers(keep=self.lookahead + 2)
         # Jobs started for the next epoch: ((epoch, history), jobs, batches submitted).
         self._ahead: tuple[tuple, deque[_Job], int] | None = None
         self._pool: futures.ThreadPoolExecutor | None = None  # made at the first batch, again after close()
