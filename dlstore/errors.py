@@ -55,4 +55,4 @@ class ConfigError(DlstoreError):
 
 
 class NoSpace(DlstoreError):
-    """The local disk (cache or destination) is full; nothing partial was left behind."""
+    """The local disk (cache or destination), or /dev/shm, is full; nothing partial was left behind."""

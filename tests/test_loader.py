@@ -457,6 +457,38 @@ def test_two_epochs_with_a_64mb_dev_shm(tmp_path, dtype):
     assert "two epochs done" in done.stdout
 
 
+_SHM_SLOTS_RUN = """
+import sys
+import dlstore
+from loader_support import write_dataset
+from dlstore.errors import NoSpace
+from dlstore.storage import open_store
+url = sys.argv[1]
+write_dataset(open_store(url), [40, 40, 40])
+ds = dlstore.Dataset(url, cache_dir=sys.argv[2], transform="train", image_size=224, batch_size=128,
+                     world=dlstore.World())
+try:
+    dlstore.Loader(ds, num_workers=2, device="cpu", dtype="uint8", engine="processes")
+except NoSpace as exc:
+    print("refused:", exc)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def test_worker_processes_without_room_in_dev_shm_are_refused_at_once(tmp_path):
+    """Worker processes need /dev/shm for their batch slots (6 of 19 MB here); in 64 MB the
+    loader is refused when made, saying what to do. Batches handed over whole instead stalled
+    the epoch there: a worker's batch that cannot go into /dev/shm is lost."""
+    script = tmp_path / "run.py"
+    script.write_text(_SHM_SLOTS_RUN)
+    inner = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script} file://{tmp_path}/data {tmp_path}/cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOLS), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout and "116 MB of /dev/shm" in done.stdout and "engine='threads'" in done.stdout
+
+
 def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, monkeypatch):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6])

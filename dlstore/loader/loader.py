@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from dlstore.dataset import Dataset
-from dlstore.errors import ConfigError
+from dlstore.errors import ConfigError, NoSpace
 from dlstore.loader.config import LoaderConfig, default_workers
 from dlstore.loader.prefetch import GpuPrefetcher
 from dlstore.loader.processes import ProcessEngine
@@ -88,7 +88,19 @@ class Loader:
         if in_process or not (cfg.shared_slots and copied_out and data.decode_on == "worker"):
             return None
         shared = cfg.engine == "processes"  # worker processes write them: in /dev/shm
-        return BatchSlots(count, data.batch_size, data.transform.image_size, self.device, shared=shared)
+        try:
+            return BatchSlots(count, data.batch_size, data.transform.image_size, self.device, shared=shared)
+        except RuntimeError as exc:
+            if not shared:
+                raise
+            # A container's 64 MB /dev/shm, say. Not batches handed over whole instead: they
+            # need /dev/shm too, and a worker that cannot put one there stalls the epoch.
+            need = count * data.batch_size * data.transform.image_size**2 * 3
+            raise NoSpace(
+                f"the worker processes' {count} batch slots need {need / 1e6:.0f} MB of /dev/shm ({exc}): give it"
+                " more room (docker run --shm-size), or use engine='threads' (no /dev/shm), fewer workers or"
+                " smaller batches"
+            ) from None
 
     def set_epoch(self, epoch: int) -> None:
         """Start `epoch` from its beginning, unless a loaded state resumes this very epoch."""
