@@ -442,18 +442,26 @@ print("two epochs done")
 """
 
 
+def _run_with_64mb_dev_shm(tmp_path, code: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess:
+    """`code` run as a script (its arguments: a file:// URL, a cache directory, `args`) with a
+    private 64 MB tmpfs as /dev/shm (a mount namespace of our own); it must exit 0."""
+    script = tmp_path / "run.py"
+    script.write_text(code)
+    words = " ".join([sys.executable, str(script), f"file://{tmp_path}/data", str(tmp_path / "cache"), *args])
+    inner = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {words}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOLS), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], env=env,
+                          capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
 def test_two_epochs_with_a_64mb_dev_shm(tmp_path, dtype):
     """A container's default /dev/shm (64 MB, here a private tmpfs in a mount namespace of our
     own): batches of 64 x 224 px (9.6 MB each) through the default engine need none of it."""
-    script = tmp_path / "run.py"
-    script.write_text(_SHM_RUN)
-    inner = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script} file://{tmp_path}/data {tmp_path}/cache {dtype}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOLS), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run_with_64mb_dev_shm(tmp_path, _SHM_RUN, dtype, timeout_s=300)
     assert "two epochs done" in done.stdout
 
 
@@ -479,13 +487,7 @@ def test_worker_processes_without_room_in_dev_shm_are_refused_at_once(tmp_path):
     """Worker processes need /dev/shm for their batch slots (6 of 19 MB here); in 64 MB the
     loader is refused when made, saying what to do. Batches handed over whole instead stalled
     the epoch there: a worker's batch that cannot go into /dev/shm is lost."""
-    script = tmp_path / "run.py"
-    script.write_text(_SHM_SLOTS_RUN)
-    inner = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {sys.executable} {script} file://{tmp_path}/data {tmp_path}/cache"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOLS), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = _run_with_64mb_dev_shm(tmp_path, _SHM_SLOTS_RUN, timeout_s=120)
     assert "refused:" in done.stdout and "116 MB of /dev/shm" in done.stdout and "engine='threads'" in done.stdout
 
 
