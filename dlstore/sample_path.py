@@ -452,15 +452,13 @@ class SamplePath:
         return batch
 
     def collate(self, index: int, images: list, labels: list, keys: list, padding: list, out=None) -> dict:
-        """One batch dict from the samples' images (arrays, or device rows), labels and marks."""
+        """One batch dict from the samples' images (arrays, or device rows), labels and marks;
+        with `out`, the images are its first rows already (`build_batch` resizes into them)."""
         if self.cfg.decode_on == "device":
             batch = self.batch_dict(index, self.empty_images(), labels, keys, padding)
             batch["encoded"], batch["boxes"] = join_encoded(images)
             batch["image_size"] = self.cfg.transform.image_size  # what the device decodes to
-        elif out is not None and images:
-            rows = out[: len(images)].numpy()
-            if not all(_same_memory(image, row) for image, row in zip(images, rows)):  # made elsewhere
-                np.stack(images, out=rows)
+        elif out is not None and images:  # `build_batch` resized each image into its row of `out`
             batch = self.batch_dict(index, out[: len(images)], labels, keys, padding)
         else:
             stacked = torch.from_numpy(np.stack(images)) if images else self.empty_images()
@@ -482,11 +480,6 @@ class SamplePath:
     def empty_images(self) -> torch.Tensor:
         size = self.cfg.transform.image_size
         return torch.empty((0, size, size, 3), dtype=torch.uint8)
-
-
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether two arrays are the same bytes (an image resized into its row is its row)."""
-    return a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.shape == b.shape
 
 
 def join_encoded(rows: list[tuple[bytes, tuple]]) -> tuple[tuple[torch.Tensor, list[int]], torch.Tensor]:
