@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from tqdm import tqdm
 
 from dlstore.cache import cache_report, clear_cache
+from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
 from dlstore.config import DataConfig, format_size, parse_size
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
@@ -156,6 +157,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         tmp_dir=args.tmp_dir,
         overwrite=args.overwrite,
         rehash_existing=args.rehash_existing,
+        checksum_algorithm=args.checksum,
     )
     started = time.monotonic()
     with tqdm(desc="convert", unit=" img", disable=args.quiet, dynamic_ncols=True) as bar:
@@ -232,6 +234,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--rehash-existing", action="store_true", help="when resuming, re-read kept shards and check their checksums"
     )
+    _add_checksum_option(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
 
@@ -270,7 +273,13 @@ def _cmd_index(args: argparse.Namespace) -> int:
             bar.total = total
             bar.update(done - bar.n)
 
-        manifest = index_dataset(args.url, label_field=args.label_field, workers=args.workers, progress=on_progress)
+        manifest = index_dataset(
+            args.url,
+            label_field=args.label_field,
+            workers=args.workers,
+            progress=on_progress,
+            checksum_algorithm=args.checksum,
+        )
     print(
         f"indexed {len(manifest.shards)} shards, {manifest.total_samples:,} samples, "
         f"{manifest.num_classes} classes, fields {', '.join(manifest.fields)}; wrote index.json"
@@ -283,8 +292,19 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.add_argument("url", help="URL of the folder/prefix holding the .tar shards")
     p.add_argument("--label-field", default="cls", help="member holding the integer label (default cls)")
     p.add_argument("--workers", type=int, default=4, help="shards indexed at once (default 4)")
+    _add_checksum_option(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_index)
+
+
+def _add_checksum_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--checksum",
+        choices=sorted(ALGORITHMS),
+        default=DEFAULT_ALGORITHM,
+        help=f"the shards' checksums (default {DEFAULT_ALGORITHM}: fast; sha256 where a pinned manifest must "
+        "vouch for every byte)",
+    )
 
 
 SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ls, _add_cp]

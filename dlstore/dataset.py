@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from dlstore.cache import CacheConfig, SampleRange, ShardCache
+from dlstore.checksums import checksum_of
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.errors import ConfigError, DlstoreError
 from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
-from dlstore.sample_index import checksum_of, load_sample_index
+from dlstore.sample_index import load_sample_index
 from dlstore.sample_path import BatchRequest, SamplePath, StageClock, direct_shards
 from dlstore.storage import open_store
 from dlstore.world import World
@@ -119,7 +120,7 @@ class Dataset(torch.utils.data.Dataset):
         """A checksum of the shard table (names, sizes, sample counts, checksums): what the
         plan's sample ids mean. A dataset converted again gets another one."""
         table = [[s.name, s.size, s.samples, s.checksum] for s in self.manifest.shards]
-        return checksum_of(json.dumps(table).encode())
+        return checksum_of(json.dumps(table).encode(), "sha256")  # saved in checkpoints: stays SHA-256
 
     @property
     def image_fields(self) -> tuple[str, ...]:

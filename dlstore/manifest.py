@@ -7,8 +7,8 @@ A dataset is a store prefix holding tar shards, one sample index beside each sha
 
     {
       "format": "dlstore-dataset",
-      "format_version": 1,
-      "checksum_algorithm": "sha256",
+      "format_version": 2,                             # 1 where checksum_algorithm is "sha256"
+      "checksum_algorithm": "xxh3_128",                # or "sha256": every checksum below uses it
       "total_samples": 1281167,
       "total_size": 147897477120,                      # bytes, all shards
       "classes": ["n01440764", "n01443537", ...],      # label i is classes[i]; [] if unlabelled
@@ -16,8 +16,8 @@ A dataset is a store prefix holding tar shards, one sample index beside each sha
       "fields": ["cls", "jpg", "json"],                # member extensions seen in the shards
       "shards": [
         {"name": "shard-000000.tar", "size": 256000512, "samples": 2298,
-         "checksum": "sha256:<64 hex>",
-         "index": "shard-000000.idx", "index_size": 18480, "index_checksum": "sha256:<64 hex>"},
+         "checksum": "xxh3_128:<32 hex>",
+         "index": "shard-000000.idx", "index_size": 18480, "index_checksum": "xxh3_128:<32 hex>"},
         ...
       ],
       "created": {"tool": "dlstore convert", "tool_version": "0.1.0", "source_format": "imagenet",
@@ -26,12 +26,12 @@ A dataset is a store prefix holding tar shards, one sample index beside each sha
       "extra": {}                                      # free-form, kept as is
     }
 
-Checksums are SHA-256 (hashlib's is the fastest strong hash on CPUs with SHA extensions:
-~1.8 GB/s on one core here, against ~1.2 GB/s for BLAKE2b), written as `"sha256:<hex>"`.
+Checksums are XXH3-128 or SHA-256, one algorithm per dataset (`dlstore.checksums`: why
+XXH3 is the default, and when to ask for SHA-256). Format 2 is format 1 with XXH3 allowed;
+a dataset checked with SHA-256 is still written as format 1, which every dlstore reads.
 
 Each shard has a sample index beside it (`shard-000000.idx`): its format and
-`load_sample_index`, which checks one against the manifest, are in `dlstore.sample_index`,
-with `checksum_of`.
+`load_sample_index`, which checks one against the manifest, are in `dlstore.sample_index`.
 
 >>> m = Manifest.load(open_store("file:///data/imagenet/train"))      # doctest: +SKIP
 >>> m.total_samples, len(m.shards), m.classes[:2]                     # doctest: +SKIP
@@ -46,9 +46,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dlstore.checksums import ALGORITHMS
 from dlstore.config import format_size
-from dlstore.errors import FormatError
-from dlstore.sample_index import CHECKSUM_ALGORITHM, SampleIndex
+from dlstore.errors import ConfigError, FormatError
+from dlstore.sample_index import SampleIndex
 
 __all__ = [
     "FORMAT_VERSION",
@@ -61,9 +62,10 @@ __all__ = [
 
 MANIFEST_NAME = "index.json"
 FORMAT = "dlstore-dataset"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this dlstore reads and writes
+_SHA256_ONLY_VERSION = 1
 
-_CHECKSUM_RE = re.compile(r"sha256:[0-9a-f]{64}\Z")
+_CHECKSUM_RE = {name: re.compile(rf"{name}:[0-9a-f]{{{2 * size}}}\Z") for name, size in ALGORITHMS.items()}
 _FIELD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 
 
@@ -98,11 +100,11 @@ class CreationInfo:
 class Manifest:
     """The dataset manifest; see the module docstring for the JSON.
 
-    >>> from dlstore.sample_index import checksum_of
-    >>> m = Manifest(shards=(ShardInfo("a.tar", 2048, 1, checksum_of(b"x")),), classes=("cat",),
+    >>> from dlstore.checksums import checksum_of
+    >>> m = Manifest(shards=(ShardInfo("a.tar", 2048, 1, checksum_of(b"x", "xxh3_128")),), classes=("cat",),
     ...              fields=("cls", "jpg"), label_field="cls")
-    >>> Manifest.from_json(m.to_json()) == m
-    True
+    >>> Manifest.from_json(m.to_json()) == m, m.checksum_algorithm, m.format_version
+    (True, 'xxh3_128', 2)
     """
 
     shards: tuple[ShardInfo, ...]
@@ -111,12 +113,24 @@ class Manifest:
     label_field: str | None = None
     created: CreationInfo = field(default_factory=CreationInfo)
     extra: dict = field(default_factory=dict)
-    format_version: int = FORMAT_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shards", tuple(self.shards))
         object.__setattr__(self, "classes", tuple(self.classes))
         object.__setattr__(self, "fields", tuple(sorted(self.fields)))
+        checksums = {c.partition(":")[0] for s in self.shards for c in (s.checksum, s.index_checksum) if c}
+        if len(checksums) > 1:
+            raise ConfigError(f"a manifest's checksums use one algorithm, these use {sorted(checksums)}")
+
+    @property
+    def checksum_algorithm(self) -> str:
+        """The algorithm of every checksum of the dataset (SHA-256 for a manifest without shards)."""
+        return self.shards[0].checksum.partition(":")[0] if self.shards else "sha256"
+
+    @property
+    def format_version(self) -> int:
+        """1 where the checksums are SHA-256 (every dlstore reads it), else 2."""
+        return _SHA256_ONLY_VERSION if self.checksum_algorithm == "sha256" else FORMAT_VERSION
 
     @property
     def total_samples(self) -> int:
@@ -144,7 +158,7 @@ class Manifest:
         return {
             "format": FORMAT,
             "format_version": self.format_version,
-            "checksum_algorithm": CHECKSUM_ALGORITHM,
+            "checksum_algorithm": self.checksum_algorithm,
             "total_samples": self.total_samples,
             "total_size": self.total_size,
             "classes": list(self.classes),
@@ -239,10 +253,11 @@ def _key(value: Any, where: str) -> str:
     return text
 
 
-def _checksum(value: Any, where: str) -> str:
+def _checksum(value: Any, where: str, algorithm: str) -> str:
     text = _str(value, where)
-    if not _CHECKSUM_RE.match(text):
-        raise FormatError(f"{where}: expected 'sha256:' and 64 lowercase hex digits, found {text[:80]!r}")
+    if not _CHECKSUM_RE[algorithm].match(text):
+        digits = 2 * ALGORITHMS[algorithm]
+        raise FormatError(f"{where}: expected '{algorithm}:' and {digits} lowercase hex digits, found {text[:80]!r}")
     return text
 
 
@@ -262,19 +277,19 @@ _TOP_OPTIONAL = {"total_samples", "total_size", "label_field", "created", "extra
 _CREATED = {"tool", "tool_version", "source_format", "source", "split", "seed", "options"}
 
 
-def _parse_shard(value: Any, where: str) -> ShardInfo:
+def _parse_shard(value: Any, where: str, algorithm: str) -> ShardInfo:
     raw = _require_object(value, where, _SHARD_REQUIRED, _SHARD_OPTIONAL)
     index = raw.get("index")
     return ShardInfo(
         name=_key(raw["name"], f"{where}.name"),
         size=_int(raw["size"], f"{where}.size"),
         samples=_int(raw["samples"], f"{where}.samples"),
-        checksum=_checksum(raw["checksum"], f"{where}.checksum"),
+        checksum=_checksum(raw["checksum"], f"{where}.checksum", algorithm),
         index=None if index is None else _key(index, f"{where}.index"),
         index_size=None if raw.get("index_size") is None else _int(raw["index_size"], f"{where}.index_size"),
         index_checksum=None
         if raw.get("index_checksum") is None
-        else _checksum(raw["index_checksum"], f"{where}.index_checksum"),
+        else _checksum(raw["index_checksum"], f"{where}.index_checksum", algorithm),
     )
 
 
@@ -302,18 +317,21 @@ def _parse_manifest(raw: Any) -> Manifest:
     if raw["format"] != FORMAT:
         raise FormatError(f"{MANIFEST_NAME}: format is {str(raw['format'])[:60]!r}, expected {FORMAT!r}")
     version = _int(raw["format_version"], "format_version")
-    if version != FORMAT_VERSION:
+    if not 1 <= version <= FORMAT_VERSION:
         newer = " (made by a newer dlstore; upgrade)" if version > FORMAT_VERSION else ""
         raise FormatError(
-            f"{MANIFEST_NAME}: format_version {version} is not supported{newer}; this dlstore reads {FORMAT_VERSION}"
+            f"{MANIFEST_NAME}: format_version {version} is not supported{newer}; "
+            f"this dlstore reads 1 to {FORMAT_VERSION}"
         )
-    if raw["checksum_algorithm"] != CHECKSUM_ALGORITHM:
+    algorithm = raw["checksum_algorithm"]
+    known = ["sha256"] if version == _SHA256_ONLY_VERSION else sorted(ALGORITHMS)
+    if algorithm not in known:
         raise FormatError(
-            f"checksum_algorithm: {str(raw['checksum_algorithm'])[:40]!r} is not supported, expected 'sha256'"
+            f"checksum_algorithm: {str(algorithm)[:40]!r} is not supported in format {version}, expected one of {known}"
         )
     if not isinstance(raw["shards"], list):
         raise FormatError(f"shards: expected a list, found {_kind(raw['shards'])}")
-    shards = tuple(_parse_shard(s, f"shards[{i}]") for i, s in enumerate(raw["shards"]))
+    shards = tuple(_parse_shard(s, f"shards[{i}]", algorithm) for i, s in enumerate(raw["shards"]))
     names = [s.name for s in shards] + [s.index for s in shards if s.index is not None]
     if len(set(names)) != len(names):
         raise FormatError("shards: two shards (or indexes) share a name")
@@ -337,7 +355,6 @@ def _parse_manifest(raw: Any) -> Manifest:
         label_field=label_field,
         created=_parse_created(raw.get("created")),
         extra=extra,
-        format_version=version,
     )
     for name, actual in (("total_samples", manifest.total_samples), ("total_size", manifest.total_size)):
         if name in raw and _int(raw[name], name) != actual:
@@ -356,13 +373,13 @@ def describe_dataset(store) -> str:
     """A few lines about the dataset at the root of `store`, from its manifest.
 
     >>> print(describe_dataset(open_store("file:///data/cifar10/train")))   # doctest: +SKIP
-    file:///data/cifar10/train: dlstore dataset, format 1
+    file:///data/cifar10/train: dlstore dataset, format 2, xxh3_128 checksums
       samples  50,000 in 4 shards, 119.4 MB (2.4 KB per sample)
       ...
     """
     m = Manifest.load(store)
     n, size = m.total_samples, m.total_size
-    lines = [f"{store.url}: dlstore dataset, format {m.format_version}"]
+    lines = [f"{store.url}: dlstore dataset, format {m.format_version}, {m.checksum_algorithm} checksums"]
     per_sample = f" ({format_size(size / n)} per sample)" if n else ""
     lines.append(f"  samples  {n:,} in {len(m.shards)} shards, {format_size(size)}{per_sample}")
     if m.classes:

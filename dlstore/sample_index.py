@@ -8,7 +8,8 @@ digests)::
     0   8   magic b"DLSIDX02" (version 2) or b"DLSIDX01" (version 1: no sample digests)
     8   8   uint64  n, the number of samples
     16  8   uint64  the shard's size in bytes
-    24  32  SHA-256 digest of the shard
+    24  32  the shard's digest (`shard_digest`): SHA-256's 32 bytes, or XXH3-128's 16 bytes
+            followed by b"xxh3_128" and 8 zero bytes (the manifest's `checksum_algorithm`)
     56  32  recipe: SHA-256 of what the shard was built from (zeros when unknown)
     88  8(n+1)  uint64 offsets: sample i is the bytes [offsets[i], offsets[i+1]) of the shard,
             from its first tar header to the end of its last member's padding;
@@ -29,8 +30,9 @@ range is checked on its own; the index itself is trusted through the manifest's
 convert` and `dlstore index` write version 2; readers accept both, and a version 1 index
 only means that its shard is always fetched whole.
 
-`checksum_of` (the `"sha256:<hex>"` form of every checksum the manifest stores) lives here,
-below the manifest, because `SampleIndex.checksum` and `load_sample_index` need it too.
+The shard's digest names its algorithm (`digest_field`) so that an index never passes for
+another algorithm's: the tag after an XXH3 digest stands where a SHA-256 digest has 16 more
+bytes of its own (2^-128 odds of one ending so).
 """
 
 from __future__ import annotations
@@ -43,33 +45,43 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dlstore.errors import FormatError
+from dlstore.checksums import ALGORITHMS, checksum_of, parse_checksum
+from dlstore.errors import ConfigError, FormatError
 
 if TYPE_CHECKING:  # only a type hint: the manifest imports this module
     from dlstore.manifest import ShardInfo
 
 __all__ = [
-    "CHECKSUM_ALGORITHM",
     "SampleIndex",
     "SampleSpan",
-    "checksum_of",
+    "digest_field",
     "index_name",
     "load_sample_index",
     "sample_digest",
 ]
 
-CHECKSUM_ALGORITHM = "sha256"
 INDEX_SUFFIX = ".idx"
 SAMPLE_DIGEST_SIZE = 16
+_DIGEST_FIELD = 32
+_TAGS = {name: name.encode().ljust(_DIGEST_FIELD - size, b"\0") for name, size in ALGORITHMS.items() if size < 32}
 
 
-def checksum_of(data: bytes | bytearray | memoryview) -> str:
-    """`"sha256:<hex>"` of `data`: the form the manifest stores.
+def digest_field(checksum: str) -> bytes:
+    """The 32 bytes a sample index holds for the shard checksum `checksum` (`ConfigError` for
+    one that is not of `checksums.ALGORITHMS`).
 
-    >>> checksum_of(b"")[:15]
-    'sha256:e3b0c442'
+    >>> digest_field("xxh3_128:" + "ab" * 16).hex()[32:]
+    '787868335f3132380000000000000000'
     """
-    return f"{CHECKSUM_ALGORITHM}:{hashlib.sha256(data).hexdigest()}"
+    algorithm, hexdigest = parse_checksum(checksum)
+    return bytes.fromhex(hexdigest) + _TAGS.get(algorithm, b"")
+
+
+def _field_checksum(field: bytes) -> str:
+    for algorithm, tag in _TAGS.items():
+        if field.endswith(tag):
+            return f"{algorithm}:{field[: ALGORITHMS[algorithm]].hex()}"
+    return f"sha256:{field.hex()}"
 
 
 def sample_digest(data: bytes | bytearray | memoryview) -> bytes:
@@ -116,20 +128,20 @@ class SampleIndex:
     MAGIC_V1 = b"DLSIDX01"
     _HEADER = struct.Struct("<8sQQ32s32s")
 
-    __slots__ = ("offsets", "shard_size", "sha256", "recipe", "sample_digests")
+    __slots__ = ("offsets", "shard_size", "shard_digest", "recipe", "sample_digests")
 
     def __init__(
         self,
         offsets: Sequence[int] | np.ndarray,
         shard_size: int,
-        sha256: bytes = bytes(32),
+        shard_digest: bytes = bytes(32),
         recipe: bytes = bytes(32),
         sample_digests: bytes | None = None,
     ) -> None:
         array = np.array(offsets, dtype=np.int64)
         if array.ndim != 1 or array.size < 1:
             raise FormatError("a sample index needs at least one offset (the end of the last sample)")
-        if len(sha256) != 32 or len(recipe) != 32:
+        if len(shard_digest) != 32 or len(recipe) != 32:
             raise FormatError("a sample index's digests are 32 bytes each")
         if not (int(array[0]) >= 0 and int(array[-1]) <= shard_size):
             raise FormatError(
@@ -145,7 +157,7 @@ class SampleIndex:
         array.flags.writeable = False
         self.offsets = array
         self.shard_size = int(shard_size)
-        self.sha256 = bytes(sha256)
+        self.shard_digest = bytes(shard_digest)
         self.recipe = bytes(recipe)
         self.sample_digests = None if sample_digests is None else bytes(sample_digests)
 
@@ -169,7 +181,16 @@ class SampleIndex:
 
     @property
     def checksum(self) -> str:
-        return f"{CHECKSUM_ALGORITHM}:{self.sha256.hex()}"
+        """The shard's checksum as the manifest writes it (`"sha256:<hex>"`, `"xxh3_128:<hex>"`)."""
+        return _field_checksum(self.shard_digest)
+
+    def with_checksum(self, checksum: str) -> SampleIndex:
+        """This index for the shard of checksum `checksum`."""
+        try:
+            field = digest_field(checksum)
+        except ConfigError as exc:
+            raise FormatError(str(exc)) from None
+        return SampleIndex(self.offsets, self.shard_size, field, self.recipe, self.sample_digests)
 
     @classmethod
     def file_size(cls, samples: int, version: int) -> int:
@@ -196,13 +217,13 @@ class SampleIndex:
 
     def with_sample_digests(self, digests: Iterable[bytes]) -> SampleIndex:
         """This index with each sample's digest (in sample order): a version 2 index."""
-        return SampleIndex(self.offsets, self.shard_size, self.sha256, self.recipe, b"".join(digests))
+        return SampleIndex(self.offsets, self.shard_size, self.shard_digest, self.recipe, b"".join(digests))
 
     def __eq__(self, other: object) -> bool:
         return (
             isinstance(other, SampleIndex)
             and self.shard_size == other.shard_size
-            and self.sha256 == other.sha256
+            and self.shard_digest == other.shard_digest
             and self.recipe == other.recipe
             and self.sample_digests == other.sample_digests
             and np.array_equal(self.offsets, other.offsets)
@@ -214,7 +235,7 @@ class SampleIndex:
     def to_bytes(self) -> bytes:
         """The index file: version 2 with sample digests, else version 1."""
         magic = self.MAGIC_V1 if self.sample_digests is None else self.MAGIC
-        header = self._HEADER.pack(magic, len(self), self.shard_size, self.sha256, self.recipe)
+        header = self._HEADER.pack(magic, len(self), self.shard_size, self.shard_digest, self.recipe)
         return header + self.offsets.astype("<u8").tobytes() + (self.sample_digests or b"")
 
     @classmethod
@@ -224,7 +245,7 @@ class SampleIndex:
         size = cls._HEADER.size
         if len(data) < size + 8:
             raise FormatError(f"a sample index is at least {size + 8} bytes, this one has {len(data)}")
-        magic, count, shard_size, sha256, recipe = cls._HEADER.unpack_from(data)
+        magic, count, shard_size, shard_digest, recipe = cls._HEADER.unpack_from(data)
         if magic not in (cls.MAGIC, cls.MAGIC_V1):
             # A later version keeps the prefix: say so, or the index reads as foreign or damaged.
             newer = "; made by a newer dlstore: upgrade it" if magic[:6] == cls.MAGIC[:6] and magic > cls.MAGIC else ""
@@ -241,7 +262,7 @@ class SampleIndex:
         if np.any(offsets >= 2**62):
             raise FormatError("sample index has an impossible offset")
         digests = data[end:] if magic == cls.MAGIC else None
-        return cls(offsets.astype(np.int64), shard_size, sha256, recipe, digests)
+        return cls(offsets.astype(np.int64), shard_size, shard_digest, recipe, digests)
 
 
 def load_sample_index(store, shard: ShardInfo) -> SampleIndex:
@@ -250,16 +271,17 @@ def load_sample_index(store, shard: ShardInfo) -> SampleIndex:
     if shard.index is None:
         raise FormatError(f"shard {shard.name!r} has no sample index in the manifest")
     data = store.get_bytes(shard.index)
-    if shard.index_checksum is not None and checksum_of(data) != shard.index_checksum:
+    if shard.index_checksum is not None:
         # The sample digests are only as trustworthy as the index: check it against the manifest.
-        raise FormatError(
-            f"sample index {shard.index!r} fails its checksum: {checksum_of(data)[:19]}…, "
-            f"manifest {shard.index_checksum[:19]}…"
-        )
+        actual = checksum_of(data, parse_checksum(shard.index_checksum)[0])
+        if actual != shard.index_checksum:
+            raise FormatError(
+                f"sample index {shard.index!r} fails its checksum: {actual[:21]}…, manifest {shard.index_checksum[:21]}…"
+            )
     index = SampleIndex.from_bytes(data)
     if len(index) != shard.samples or index.shard_size != shard.size or index.checksum != shard.checksum:
         raise FormatError(
             f"sample index {shard.index!r} describes a shard of {index.shard_size} bytes and {len(index)} samples "
-            f"(checksum {index.checksum[:19]}…), the manifest one of {shard.size} bytes and {shard.samples} samples"
+            f"(checksum {index.checksum[:21]}…), the manifest one of {shard.size} bytes and {shard.samples} samples"
         )
     return index

@@ -18,11 +18,11 @@ SampleSpan(offset=0, size=2048)
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from typing import BinaryIO
 
-from dlstore.sample_index import SampleIndex, SampleSpan
+from dlstore.checksums import DEFAULT_ALGORITHM, new_hasher
+from dlstore.sample_index import SampleIndex, SampleSpan, digest_field
 from dlstore.shards import BLOCK
 
 __all__ = ["TarShardWriter"]
@@ -44,9 +44,10 @@ class TarShardWriter:
     ...     index = w.close(recipe=digest)
     """
 
-    def __init__(self, file: BinaryIO) -> None:
+    def __init__(self, file: BinaryIO, checksum_algorithm: str = DEFAULT_ALGORITHM) -> None:
         self._file = file
-        self._hash = hashlib.sha256()
+        self._algorithm = checksum_algorithm
+        self._hash = new_hasher(checksum_algorithm)
         self._offset = 0
         self._offsets: list[int] = []
         self._closed = False
@@ -113,7 +114,8 @@ class TarShardWriter:
                 self._emit(bytes(pad))
             self._closed = True
             self._end = end
-        return SampleIndex(self._offsets + [self._end], self._offset, self._hash.digest(), recipe)
+        checksum = f"{self._algorithm}:{self._hash.hexdigest()}"
+        return SampleIndex(self._offsets + [self._end], self._offset, digest_field(checksum), recipe)
 
 
 def _pax_record(key: str, value: str) -> bytes:

@@ -31,7 +31,6 @@ SampleSpan(offset=0, size=2048)
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -39,8 +38,9 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import BinaryIO, NamedTuple
 
+from dlstore.checksums import DEFAULT_ALGORITHM, new_hasher
 from dlstore.errors import CorruptSample, CorruptShard
-from dlstore.sample_index import SampleIndex, SampleSpan, sample_digest
+from dlstore.sample_index import SampleIndex, SampleSpan, digest_field, sample_digest
 from dlstore.storage.base import IterReader
 
 __all__ = [
@@ -446,14 +446,16 @@ def scan_shard(
     on_sample: Callable[[dict], None] | None = None,
     max_member_size: int = MAX_MEMBER_SIZE,
     sample_digests: bool = False,
+    checksum_algorithm: str = DEFAULT_ALGORITHM,
 ) -> SampleIndex:
-    """Walk a whole shard (a stream is fine) and build its `SampleIndex`, hashing it on the way.
+    """Walk a whole shard (a stream is fine) and build its `SampleIndex`, hashing it on the way
+    (with `checksum_algorithm`: `dlstore.checksums`).
 
     `on_sample` sees each sample (e.g. to collect labels and fields, or to decode it). With
     `sample_digests`, the index is version 2: each sample's digest too, hashed from the bytes
     as they stream past (only the samples not hashed yet are kept: about two at a time).
     """
-    digest = hashlib.sha256()
+    digest = new_hasher(checksum_algorithm)
     size = 0
     pending, pending_at, digests = bytearray(), 0, []  # bytes from pending_at on, not yet hashed
 
@@ -492,7 +494,7 @@ def scan_shard(
         digest_sample(offsets[-1], end)
     for _ in chunks:  # the end-of-archive blocks and record padding count towards the checksum
         pass
-    index = SampleIndex(offsets + [end], size, digest.digest())
+    index = SampleIndex(offsets + [end], size, digest_field(f"{checksum_algorithm}:{digest.hexdigest()}"))
     return index.with_sample_digests(digests) if sample_digests else index
 
 

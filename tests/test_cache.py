@@ -42,6 +42,7 @@ from dlstore.cache import (
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.prefetch import _next_prefetch, advance_window
 from dlstore.cache.runtime import _Runtime
+from dlstore.checksums import checksum_of
 from dlstore.cli import main
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound
@@ -736,6 +737,26 @@ def test_corrupt_cached_copy_is_replaced(tmp_path, remote):
     assert read(cache.fetch(*specs[0], recheck=True)) == contents[name]
     assert cache.stats.corrupt_replaced == 2
     assert store.downloads()[name] == 3
+
+
+def test_xxh3_checksums_are_verified_as_sha256_ones_are(tmp_path, remote):
+    """The default of `dlstore convert`: a right XXH3-128 fetches, a wrong one is `CorruptShard`
+    with nothing published, and a recheck of a cached copy damaged in place replaces it."""
+    store, specs, contents = remote([300_000, 4000])
+    (name, size, _), (other, other_size, _) = specs
+    checksum = checksum_of(contents[name], "xxh3_128")
+    cache = ShardCache(config(tmp_path, 1_000_000), store)
+    path = cache.fetch(name, size, checksum)
+    assert read(path) == contents[name]
+    with open(path, "r+b") as file:
+        file.write(b"\0" * 16)
+    assert read(cache.fetch(name, size, checksum, recheck=True)) == contents[name]
+    assert cache.stats.corrupt_replaced == 1
+    wrong = checksum_of(contents[name], "xxh3_128")  # another shard's
+    with pytest.raises(CorruptShard, match="shard-000001.tar"):
+        cache.fetch(other, other_size, wrong)
+    assert cached_names(tmp_path / "cache") == {name}
+    assert os.listdir(tmp_path / "cache" / "tmp") == []
 
 
 def test_unverified_checksum_format_is_a_config_error(tmp_path, remote):

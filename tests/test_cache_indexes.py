@@ -80,7 +80,7 @@ def test_a_kept_index_of_other_content_or_damaged_is_walked_again(data_url, tmp_
     assert sorted(walked) == sorted(path.name.removesuffix(".idx") for path in kept[:2])
     # ... and replaced by good ones.
     for path in kept[:2]:
-        assert SampleIndex.from_bytes(path.read_bytes()).sha256 != bytes(range(32))
+        assert SampleIndex.from_bytes(path.read_bytes()).shard_digest != bytes(range(32))
 
 
 def test_a_kept_index_that_misleads_a_read_is_dropped_and_walked_again(data_url, tmp_path):
@@ -92,7 +92,7 @@ def test_a_kept_index_that_misleads_a_read_is_dropped_and_walked_again(data_url,
     kept = sorted((cache / "indexes").iterdir(), key=lambda path: path.stat().st_size)[-1]  # 9 samples
     good = SampleIndex.from_bytes(kept.read_bytes())
     merged = np.delete(good.offsets, 1)  # samples 0 and 1 as one span: still a well-formed index
-    kept.write_bytes(SampleIndex(merged, good.shard_size, good.sha256).to_bytes())
+    kept.write_bytes(SampleIndex(merged, good.shard_size, good.shard_digest).to_bytes())
     assert _all_keys(_dataset(data_url, cache)) == first
     assert SampleIndex.from_bytes(kept.read_bytes()) == good
     assert _all_keys(_dataset(data_url, cache)) == first

@@ -21,6 +21,7 @@ import pytest
 from convert_faults import FAULTS
 from PIL import Image
 
+from dlstore.checksums import checksum_of
 from dlstore.cli import main as cli
 from dlstore.config import StoreConfig
 from dlstore.convert import (
@@ -37,7 +38,7 @@ from dlstore.convert.shard_plan import plan_tasks
 from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, FormatError
 from dlstore.manifest import MANIFEST_NAME, Manifest
-from dlstore.sample_index import SampleIndex, checksum_of, load_sample_index, sample_digest
+from dlstore.sample_index import SampleIndex, load_sample_index, sample_digest
 from dlstore.shards import iter_samples, read_sample
 from dlstore.storage import open_store
 
@@ -469,8 +470,9 @@ def test_verify_catches_a_flipped_byte_and_a_missing_shard(data, tmp_path, capsy
 
 
 def test_deep_verify_catches_labels_out_of_range_and_undecodable_images(tmp_path):
+    from dlstore.checksums import checksum_of
     from dlstore.manifest import CreationInfo, ShardInfo
-    from dlstore.sample_index import checksum_of, index_name
+    from dlstore.sample_index import index_name
     from dlstore.shard_writer import TarShardWriter
 
     store = open_store(f"file://{tmp_path}")
@@ -485,7 +487,13 @@ def test_deep_verify_catches_labels_out_of_range_and_undecodable_images(tmp_path
     store.put("s-000000.tar", buffer.getvalue())
     store.put(index_name("s-000000.tar"), index.to_bytes())
     shard = ShardInfo(
-        "s-000000.tar", index.shard_size, 3, index.checksum, "s-000000.idx", 112, checksum_of(index.to_bytes())
+        "s-000000.tar",
+        index.shard_size,
+        3,
+        index.checksum,
+        "s-000000.idx",
+        112,
+        checksum_of(index.to_bytes(), "xxh3_128"),
     )
     Manifest((shard,), ("x", "y"), ("cls", "png"), "cls", CreationInfo()).save(store)
     assert verify_dataset(store).ok
@@ -537,6 +545,15 @@ def test_index_shards_written_by_webdataset(tmp_path):
     assert [g["__key__"] for g in got] == [w["__key__"] for w in written]
     assert all(g["jpg"] == w["jpg"] and int(g["cls"]) == w["cls"] for g, w in zip(got, written, strict=True))
     assert verify_dataset(store, deep=True).ok
+    tars = [store.get_bytes(s.name) for s in manifest.shards]
+    assert [s.checksum for s in manifest.shards] == [checksum_of(tar, "xxh3_128") for tar in tars]
+    # Asked for SHA-256 (a manifest pinned to vouch for every byte): format 1, as before XXH3.
+    assert cli(["index", f"file://{tmp_path}", "--checksum", "sha256", "-q"]) == 0
+    manifest = Manifest.load(store)
+    assert [s.checksum for s in manifest.shards] == [checksum_of(tar, "sha256") for tar in tars]
+    assert manifest.format_version == 1 and verify_dataset(store, deep=True).ok
+    store.put(manifest.shards[0].name, tars[0][:-1] + bytes([tars[0][-1] ^ 1]))  # in the record padding
+    assert not verify_dataset(store).ok
 
 
 def test_index_refuses_a_place_without_shards(tmp_path):
@@ -611,22 +628,29 @@ def test_deep_verify_catches_a_wrong_sample_digest(data, tmp_path):
     damaged = bytearray(store.get_bytes(shard.index))
     damaged[-1] ^= 1
     store.put(shard.index, bytes(damaged))
-    new_info = dataclasses.replace(shard, index_checksum=checksum_of(bytes(damaged)))
+    new_info = dataclasses.replace(shard, index_checksum=checksum_of(bytes(damaged), "xxh3_128"))
     summary.manifest.with_shards([new_info, *summary.manifest.shards[1:]]).save(store)
     report = verify_dataset(store, deep=True)
     assert not report.ok and any("sample digests do not match" in p for p in report.problems)
 
 
-def test_a_rerun_upgrades_version_1_indexes_without_rebuilding_the_tars(data, tmp_path):
+@pytest.mark.parametrize("index_version, first_algorithm", [(1, "xxh3_128"), (1, "sha256"), (2, "sha256")])
+def test_a_rerun_rewrites_old_indexes_without_rebuilding_the_tars(data, tmp_path, index_version, first_algorithm):
+    """Indexes without sample digests (version 1), or checked with another algorithm (a
+    conversion begun with SHA-256, resumed with the default), are rewritten from the stored
+    tars; a tar that is not the one its index describes is rebuilt."""
     made = data["imagenet"]
     url = f"file://{tmp_path}/conv"
     options = dataclasses.replace(OPTS, samples_per_shard=5)
-    first = convert("imagenet", made.root, url, options)
+    first = convert("imagenet", made.root, url, dataclasses.replace(options, checksum_algorithm=first_algorithm))
+    assert first.manifest.checksum_algorithm == first_algorithm
     store = open_store(url)
     tars = {s.name: store.get_bytes(s.name) for s in first.manifest.shards}
-    for shard in first.manifest.shards:  # as a dlstore before sample digests wrote them
+    for shard in first.manifest.shards if index_version == 1 else ():  # as a dlstore before sample digests
         index = load_sample_index(store, shard)
-        store.put(shard.index, SampleIndex(index.offsets, index.shard_size, index.sha256, index.recipe).to_bytes())
+        store.put(
+            shard.index, SampleIndex(index.offsets, index.shard_size, index.shard_digest, index.recipe).to_bytes()
+        )
     # Tars that are not the ones their indexes describe: a byte of a sample, a byte of a header.
     for shard, at in ((first.manifest.shards[0].name, 600), (first.manifest.shards[1].name, 10)):
         store.put(shard, tars[shard][:at] + bytes([tars[shard][at] ^ 1]) + tars[shard][at + 1 :])
@@ -634,6 +658,10 @@ def test_a_rerun_upgrades_version_1_indexes_without_rebuilding_the_tars(data, tm
     assert again.shards_reused == first.shards - 2 and again.shards_written == 2  # only the damaged ones
     _check_sample_digests(store, again.manifest)
     assert {s.name: store.get_bytes(s.name) for s in again.manifest.shards} == tars
-    assert [(s.name, s.size, s.checksum) for s in again.manifest.shards] == [  # what a resume checks
-        (s.name, s.size, s.checksum) for s in first.manifest.shards
+    assert again.manifest.checksum_algorithm == "xxh3_128"
+    assert [(s.name, s.size, s.checksum) for s in again.manifest.shards] == [
+        (name, len(tar), checksum_of(tar, "xxh3_128")) for name, tar in tars.items()
     ]
+    if first_algorithm == "xxh3_128":  # what a resume checks
+        assert [s.checksum for s in again.manifest.shards] == [s.checksum for s in first.manifest.shards]
+    assert verify_dataset(store).ok

@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from dlstore.checksums import checksum_of
 from dlstore.cli import main as cli_main
 from dlstore.config import DataConfig, StoreConfig
 from dlstore.convert import ConvertOptions, convert
@@ -21,7 +22,6 @@ from dlstore.doctor.gpu import TorchFacts, cuda_check, nccl_check, torch_check
 from dlstore.doctor.launch import distributed_check
 from dlstore.doctor.node import LoaderShape, cache_check, decode_check, filesystem_type, shm_check
 from dlstore.manifest import Manifest, ShardInfo
-from dlstore.sample_index import checksum_of
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:
@@ -220,7 +220,9 @@ def test_torch_and_torchvision_situations():
 
 # -- cache and /dev/shm --------------------------------------------------------------------------------
 def manifest_of(*sizes: int) -> Manifest:
-    return Manifest(shards=tuple(ShardInfo(f"s-{i}.tar", size, 1, checksum_of(b"")) for i, size in enumerate(sizes)))
+    return Manifest(
+        shards=tuple(ShardInfo(f"s-{i}.tar", size, 1, checksum_of(b"", "xxh3_128")) for i, size in enumerate(sizes))
+    )
 
 
 def test_cache_limits(tmp_path):

@@ -4,29 +4,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlstore.errors import FormatError
+from dlstore.checksums import checksum_of
+from dlstore.errors import ConfigError, FormatError
 from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, ShardInfo, describe_dataset
-from dlstore.sample_index import SampleIndex, checksum_of, index_name, load_sample_index, sample_digest
+from dlstore.sample_index import SampleIndex, digest_field, index_name, load_sample_index, sample_digest
 from dlstore.storage import open_store
 
 
-def example_manifest(shards: int = 3) -> Manifest:
+def example_manifest(shards: int = 3, algorithm: str = "sha256") -> Manifest:
     return Manifest(
         shards=tuple(
             ShardInfo(
                 f"shard-{i:06d}.tar",
                 10240 * (i + 1),
                 5 + i,
-                checksum_of(b"%d" % i),
+                checksum_of(b"%d" % i, algorithm),
                 f"shard-{i:06d}.idx",
                 136,
-                checksum_of(b"i"),
+                checksum_of(b"i", algorithm),
             )
             for i in range(shards)
         ),
@@ -49,6 +51,30 @@ def test_round_trip_and_store(tmp_path):
     assert (tmp_path / MANIFEST_NAME).exists()
     assert Manifest.load(store) == manifest
     assert manifest.to_json() == Manifest.load(store).to_json()  # stable bytes
+
+
+def test_xxh3_checksums_are_format_2_and_round_trip(tmp_path):
+    """A dataset checked with XXH3 is format 2 (a dlstore that knows only SHA-256 says
+    "upgrade"); one checked with SHA-256 stays format 1, which every dlstore reads."""
+    manifest = example_manifest(algorithm="xxh3_128")
+    raw = json.loads(manifest.to_json())
+    assert (raw["format_version"], raw["checksum_algorithm"]) == (2, "xxh3_128")
+    assert raw["shards"][0]["checksum"] == checksum_of(b"0", "xxh3_128") and len(raw["shards"][0]["checksum"]) == 41
+    assert Manifest.from_json(manifest.to_json()) == manifest
+    store = open_store(f"file://{tmp_path}")
+    manifest.save(store)
+    assert "format 2, xxh3_128 checksums" in describe_dataset(store)
+    # A format 2 manifest may still say sha256 (read as it is; written back as format 1).
+    raw = json.loads(example_manifest().to_json())
+    raw["format_version"] = 2
+    assert Manifest.from_json(json.dumps(raw)).format_version == 1
+
+
+def test_a_manifest_mixing_checksum_algorithms_is_refused():
+    manifest = example_manifest(algorithm="xxh3_128")
+    mixed = dataclasses.replace(manifest.shards[1], checksum=checksum_of(b"1", "sha256"))
+    with pytest.raises(ConfigError, match="one algorithm"):
+        manifest.with_shards((manifest.shards[0], mixed))
 
 
 def test_describe_dataset(tmp_path):
@@ -99,7 +125,9 @@ BAD = {
     "missing shards": (mutate("shards", delete=True), "missing shards"),
     "unknown field": (mutate("shardz", []), "unknown field"),
     "wrong format": (mutate("format", "webdataset"), "expected 'dlstore-dataset'"),
-    "newer version": (mutate("format_version", 2), "newer dlstore"),
+    "newer version": (mutate("format_version", 3), "newer dlstore"),
+    "zero version": (mutate("format_version", 0), "not supported"),
+    "xxh3 in format 1": (mutate("checksum_algorithm", "xxh3_128"), "not supported in format 1"),
     "bool version": (mutate("format_version", True), "expected an integer"),
     "md5": (mutate("checksum_algorithm", "md5"), "not supported"),
     "shards not a list": (mutate("shards", {}), "expected a list"),
@@ -130,6 +158,17 @@ def test_invalid_manifests_give_clear_format_errors(case):
     raw = change(valid_dict())
     with pytest.raises(FormatError, match=message.replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         Manifest.from_json(json.dumps(raw))
+
+
+def test_an_xxh3_manifest_takes_xxh3_checksums_only():
+    raw = json.loads(example_manifest(algorithm="xxh3_128").to_json())
+    for path, value, message in [
+        ("shards.0.checksum", checksum_of(b"0", "sha256"), "shards[0].checksum: expected 'xxh3_128:' and 32"),
+        ("shards.2.index_checksum", "xxh3_128:" + "0" * 31, "shards[2].index_checksum: expected 'xxh3_128:'"),
+        ("checksum_algorithm", "blake3", "not supported in format 2"),
+    ]:
+        with pytest.raises(FormatError, match=re.escape(message)):
+            Manifest.from_json(json.dumps(mutate(path, value)(json.loads(json.dumps(raw)))))
 
 
 @pytest.mark.parametrize("text", [b"", b"{", b"\xff\xfe", b"[" * 100000 + b"]" * 100000, b'{"a": NaN}', b"null"])
@@ -196,7 +235,7 @@ def test_manifest_from_random_bytes(blob):
 
 # -- sample index ----------------------------------------------------------------------------
 def test_sample_index_round_trip_and_spans():
-    index = SampleIndex([0, 1536, 4096, 5120], shard_size=15360, sha256=b"s" * 32, recipe=b"r" * 32)
+    index = SampleIndex([0, 1536, 4096, 5120], shard_size=15360, shard_digest=b"s" * 32, recipe=b"r" * 32)
     again = SampleIndex.from_bytes(index.to_bytes())
     assert again == index and len(again) == 3 and len(index.to_bytes()) == 88 + 8 * 4
     assert (again[1].offset, again[1].size) == (1536, 2560)
@@ -230,7 +269,7 @@ def test_sample_index_from_garbage(blob, keep):
 
 def test_load_sample_index_checks_it_matches_the_manifest(tmp_path):
     store = open_store(f"file://{tmp_path}")
-    index = SampleIndex([0, 1024, 2048], 10240, sha256=b"\x01" * 32)
+    index = SampleIndex([0, 1024, 2048], 10240, shard_digest=b"\x01" * 32)
     store.put("shard-000000.idx", index.to_bytes())
     shard = ShardInfo("shard-000000.tar", 10240, 2, index.checksum, "shard-000000.idx")
     assert load_sample_index(store, shard) == index
@@ -238,17 +277,49 @@ def test_load_sample_index_checks_it_matches_the_manifest(tmp_path):
         load_sample_index(store, dataclasses.replace(shard, samples=3))
 
 
+def test_sample_index_names_the_algorithm_of_its_shard_checksum():
+    """An index holds its shard's XXH3 digest with a tag after it: it never passes for a
+    SHA-256 one (nor the reverse), and the loader's check against the manifest tells them apart."""
+    xxh3, sha = checksum_of(b"tar", "xxh3_128"), checksum_of(b"tar", "sha256")
+    index = SampleIndex([0, 1024, 2048], 10240).with_checksum(xxh3)
+    again = SampleIndex.from_bytes(index.to_bytes())
+    assert again.checksum == xxh3 and again.shard_digest == digest_field(xxh3)
+    assert SampleIndex([0, 1024, 2048], 10240).with_checksum(sha).checksum == sha
+    # The SHA-256 digest that begins with the same 16 bytes is another checksum.
+    lookalike = "sha256:" + xxh3.partition(":")[2] + "00" * 16
+    assert SampleIndex([0, 1024, 2048], 10240).with_checksum(lookalike).checksum == lookalike != xxh3
+    with pytest.raises(FormatError, match="xxh3_128"):
+        index.with_checksum("xxh3_128:123")
+
+
+def test_load_sample_index_checks_an_xxh3_index_against_the_manifest(tmp_path):
+    store = open_store(f"file://{tmp_path}")
+    shard_checksum = checksum_of(b"tar", "xxh3_128")
+    index = SampleIndex([0, 1024, 2048], 10240).with_checksum(shard_checksum).with_sample_digests([bytes(16)] * 2)
+    data = index.to_bytes()
+    store.put("shard-000000.idx", data)
+    shard = ShardInfo(
+        "shard-000000.tar", 10240, 2, shard_checksum, "shard-000000.idx", len(data), checksum_of(data, "xxh3_128")
+    )
+    assert load_sample_index(store, shard) == index
+    with pytest.raises(FormatError, match="describes a shard"):  # another shard's checksum
+        load_sample_index(store, dataclasses.replace(shard, checksum=checksum_of(b"other", "xxh3_128")))
+    store.put("shard-000000.idx", data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(FormatError, match="fails its checksum"):
+        load_sample_index(store, shard)
+
+
 # -- sample index version 2: per-sample digests ----------------------------------------------------
 def test_sample_index_version_2_round_trip_with_sample_digests():
     digests = [sample_digest(bytes([i]) * 7) for i in range(3)]
-    index = SampleIndex([0, 1536, 4096, 5120], 15360, sha256=b"s" * 32).with_sample_digests(digests)
+    index = SampleIndex([0, 1536, 4096, 5120], 15360, shard_digest=b"s" * 32).with_sample_digests(digests)
     data = index.to_bytes()
     assert data[:8] == b"DLSIDX02" and len(data) == 88 + 8 * 4 + 16 * 3
     again = SampleIndex.from_bytes(data)
     assert again == index and again.version == 2 and [again.digest(i) for i in range(3)] == digests
     assert again.digest(-1) == digests[2]
     # Digests are part of what an index is: the same offsets without them are another index.
-    assert again != SampleIndex(index.offsets, index.shard_size, index.sha256)
+    assert again != SampleIndex(index.offsets, index.shard_size, index.shard_digest)
     with pytest.raises(FormatError, match="holds"):
         SampleIndex.from_bytes(data[:-1])
     with pytest.raises(FormatError, match="sample digests"):
@@ -256,7 +327,7 @@ def test_sample_index_version_2_round_trip_with_sample_digests():
 
 
 def test_sample_index_version_1_is_still_read_and_has_no_digests():
-    index = SampleIndex([0, 1024, 2048], 10240, sha256=b"\x01" * 32)
+    index = SampleIndex([0, 1024, 2048], 10240, shard_digest=b"\x01" * 32)
     data = index.to_bytes()
     assert data[:8] == b"DLSIDX01" and len(data) == 88 + 8 * 3
     again = SampleIndex.from_bytes(data)
@@ -271,11 +342,11 @@ def test_sample_index_version_1_is_still_read_and_has_no_digests():
 
 def test_load_sample_index_checks_the_index_checksum_in_the_manifest(tmp_path):
     store = open_store(f"file://{tmp_path}")
-    index = SampleIndex([0, 1024, 2048], 10240, sha256=b"\x01" * 32).with_sample_digests([bytes(16), bytes(16)])
+    index = SampleIndex([0, 1024, 2048], 10240, shard_digest=b"\x01" * 32).with_sample_digests([bytes(16), bytes(16)])
     store.put("shard-000000.idx", index.to_bytes())
     shard = ShardInfo(
         "shard-000000.tar", 10240, 2, index.checksum, "shard-000000.idx", len(index.to_bytes()),
-        checksum_of(index.to_bytes()),
+        checksum_of(index.to_bytes(), "sha256"),
     )  # fmt: skip
     assert load_sample_index(store, shard) == index
     damaged = bytearray(index.to_bytes())

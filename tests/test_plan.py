@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import dlstore
 from dlstore.cache import cache_report
+from dlstore.checksums import checksum_of
 from dlstore.config import StoreConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_imagefolder
@@ -36,7 +37,7 @@ from dlstore.plan import (
     shard_order,
     world_plans,
 )
-from dlstore.sample_index import SampleIndex, checksum_of, load_sample_index
+from dlstore.sample_index import SampleIndex, load_sample_index
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -794,9 +795,11 @@ def test_nodes_fetch_their_share_over_swift(swift_server, swift_container, tmp_p
         shards = []
         for info in manifest.shards:
             old = load_sample_index(store, info)
-            data = SampleIndex(old.offsets, old.shard_size, old.sha256, old.recipe).to_bytes()
+            data = SampleIndex(old.offsets, old.shard_size, old.shard_digest, old.recipe).to_bytes()
             store.put(info.index, data)
-            shards.append(replace(info, index_size=len(data), index_checksum=checksum_of(data)))
+            shards.append(
+                replace(info, index_size=len(data), index_checksum=checksum_of(data, manifest.checksum_algorithm))
+            )
         manifest = manifest.with_shards(shards)
         manifest.save(store)
     caplog.set_level(logging.INFO, logger="dlstore.dataset")

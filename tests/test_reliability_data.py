@@ -30,9 +30,10 @@ from test_shards import MALICIOUS
 
 import dlstore
 from dlstore.cache import cache_report
+from dlstore.checksums import checksum_of
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, NoSpace
 from dlstore.manifest import Manifest, ShardInfo
-from dlstore.sample_index import SampleIndex, checksum_of, index_name
+from dlstore.sample_index import SampleIndex, index_name
 from dlstore.shard_writer import TarShardWriter
 from dlstore.shards import read_sample_from_file, read_shard_index, scan_shard, shard_name
 from dlstore.storage import open_store
@@ -64,7 +65,7 @@ def write_samples(store, shards: list[list[tuple[str, dict]]], fields=("cls", "j
 
 def put_raw_shard(store, data: bytes, samples: int = 1) -> None:
     """One shard of arbitrary bytes, with a manifest that vouches for exactly these bytes."""
-    info = ShardInfo(name="shard-000000.tar", size=len(data), samples=samples, checksum=checksum_of(data))
+    info = ShardInfo(name="shard-000000.tar", size=len(data), samples=samples, checksum=checksum_of(data, "xxh3_128"))
     store.put(info.name, data)
     Manifest(shards=(info,), classes=("a", "b"), fields=("cls", "jpg"), label_field="cls").save(store)
 

@@ -56,7 +56,7 @@ def test_writer_is_deterministic_and_indexes_what_it_wrote():
     assert data == again and index == index2
     assert len(data) % 10240 == 0 and index.shard_size == len(data)
     assert len(index) == len(samples) and index.recipe == b"r" * 32
-    assert scan_shard(data) == SampleIndex(index.offsets, index.shard_size, index.sha256)
+    assert scan_shard(data) == SampleIndex(index.offsets, index.shard_size, index.shard_digest)
     assert list(iter_samples(data)) == samples
 
 

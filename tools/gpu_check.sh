@@ -43,7 +43,7 @@ if [[ ${1:-} == "--wheels" ]]; then
     # What dlstore's local-store path needs beyond torch, numpy, pillow and tqdm (their own
     # dependencies are in any torch image), then the test tools with theirs.
     "$PYTHON" -m pip download -q --no-deps "${target[@]}" -d .whl \
-        "tenacity==$(version tenacity)" "simplejpeg==$(version simplejpeg)" \
+        "tenacity==$(version tenacity)" "simplejpeg==$(version simplejpeg)" "xxhash==$(version xxhash)" \
         "webdataset==$(version webdataset)" "braceexpand==$(version braceexpand)"  # for tools/bench_peers.py
     "$PYTHON" -m pip download -q "${target[@]}" -d .whl \
         "pytest==$(version pytest)" "pytest-timeout==$(version pytest-timeout)"
@@ -106,7 +106,7 @@ export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DLSTO
 # and libjpeg-turbo's headers; without them dlstore decodes whole JPEGs (versions.txt says which).
 "$PYTHON" setup.py -q build_ext --inplace >"$OUT/build_ext.txt" 2>&1 ||
     echo "gpu_check: dlstore._jpeg_region not built here (see $OUT/build_ext.txt): whole JPEGs are decoded"
-"$PYTHON" -c "import tenacity, simplejpeg, pytest, pytest_timeout" ||
+"$PYTHON" -c "import tenacity, simplejpeg, xxhash, pytest, pytest_timeout" ||
     { echo "gpu_check: packages missing: bash tools/gpu_check.sh --wheels (with pip), then carry .whl/" >&2; exit 1; }
 "$PYTHON" - <<'EOF' | tee "$OUT/versions.txt"
 import sys

@@ -5,7 +5,6 @@ its size and checksum before the cache publishes it."""
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
 import time
@@ -15,6 +14,7 @@ from typing import Protocol
 
 from dlstore.cache.config import CacheConfig, ShardSpec
 from dlstore.cache.engine import DownloadEngine
+from dlstore.checksums import new_hasher
 from dlstore.errors import ConfigError, CorruptShard
 from dlstore.storage.base import Store
 
@@ -29,14 +29,14 @@ def _parse_checksum(checksum: str) -> tuple[str, str]:
     if not sep or not digest:
         raise ConfigError(f"checksum {checksum!r} is not 'algo:hexdigest' (e.g. 'sha256:9f86d0...')")
     try:
-        hashlib.new(algo)
-    except ValueError:
+        new_hasher(algo)
+    except ConfigError:
         raise ConfigError(f"checksum {checksum!r}: unknown hash algorithm {algo!r}") from None
     return algo, digest.lower()
 
 
 def _file_digest(path: str, algo: str) -> str:
-    hasher = hashlib.new(algo)
+    hasher = new_hasher(algo)
     with open(path, "rb") as file:
         while chunk := file.read(4 * 2**20):
             hasher.update(chunk)
@@ -51,7 +51,7 @@ class _PrefixHash:
 
     def __init__(self, fd: int, algo: str) -> None:
         self.fd = fd
-        self.hasher = hashlib.new(algo)
+        self.hasher = new_hasher(algo)
         self.hashed = 0
         self._buffer = bytearray(_HASH_BLOCK)
 

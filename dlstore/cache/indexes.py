@@ -9,7 +9,7 @@ once per node while the shard stays cached, and read back in well under a millis
 
 An index kept here carries the shard's checksum from the manifest (the cached copy was
 verified against it), so a shard cached again with other content never meets an old index;
-the index of a shard without a sha256 checksum is not kept. Eviction removes it with its
+the index of a shard without a manifest checksum is not kept. Eviction removes it with its
 shard (`_CacheDir.remove_shard`). Indexes are small (8 bytes per sample) and are not counted
 against the cache's limit. Writing one is best effort: a full disk or a read-only cache
 costs the walk again, not the read. A writer that dies before its rename leaves a temp file,
@@ -22,8 +22,8 @@ import logging
 import os
 import secrets
 
-from dlstore.errors import FormatError
-from dlstore.sample_index import CHECKSUM_ALGORITHM, SampleIndex
+from dlstore.errors import ConfigError, FormatError
+from dlstore.sample_index import SampleIndex, digest_field
 from dlstore.shards import read_shard_index
 
 __all__ = ["cached_sample_index"]
@@ -35,7 +35,7 @@ def cached_sample_index(index_path: str, shard_path: str, checksum: str | None) 
     """The sample index of the cached shard at `shard_path` (held by the caller, so not evicted
     meanwhile): the one kept at `index_path` when it is this shard's (its size and
     `checksum`), else walked from the file and kept there for the next reader."""
-    digest = _sha256(checksum)
+    digest = _digest_field(checksum)
     shard_size = os.path.getsize(shard_path)
     if digest is not None:
         kept = _read_kept(index_path, shard_size, digest)
@@ -49,15 +49,13 @@ def cached_sample_index(index_path: str, shard_path: str, checksum: str | None) 
     return index
 
 
-def _sha256(checksum: str | None) -> bytes | None:
-    algorithm, _, hexdigest = (checksum or "").partition(":")
-    if algorithm != CHECKSUM_ALGORITHM:
-        return None
+def _digest_field(checksum: str | None) -> bytes | None:
+    """What an index of the shard of `checksum` holds for it; None for a checksum of none of
+    the manifest's algorithms (given by hand: the index is then not kept)."""
     try:
-        digest = bytes.fromhex(hexdigest)
-    except ValueError:
+        return None if checksum is None else digest_field(checksum)
+    except ConfigError:
         return None
-    return digest if len(digest) == 32 else None
 
 
 def _read_kept(index_path: str, shard_size: int, digest: bytes) -> SampleIndex | None:
@@ -69,7 +67,7 @@ def _read_kept(index_path: str, shard_size: int, digest: bytes) -> SampleIndex |
     except (OSError, FormatError) as exc:  # damaged or unreadable: walked again, and replaced
         log.info("sample index %s not used: %s", index_path, exc)
         return None
-    if index.shard_size != shard_size or index.sha256 != digest:
+    if index.shard_size != shard_size or index.shard_digest != digest:
         return None  # another shard's (one cached under this name before)
     return index
 

@@ -11,7 +11,6 @@ matches, and whose tar has the recorded size is complete, and is kept as it is
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import tempfile
 import time
@@ -21,13 +20,14 @@ from typing import Any
 
 import numpy as np
 
+from dlstore.checksums import checksum_of, new_hasher
 from dlstore.convert.encode import encode_input
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
 from dlstore.convert.shard_plan import ShardTask, sample_key, sample_metadata
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, FormatError, NotFound
 from dlstore.manifest import ShardInfo
-from dlstore.sample_index import SampleIndex, checksum_of, index_name, sample_digest
+from dlstore.sample_index import SampleIndex, index_name, sample_digest
 from dlstore.shard_writer import TarShardWriter
 from dlstore.shards import scan_shard
 from dlstore.storage import Store
@@ -132,7 +132,7 @@ class ShardBuilder:
         class Sink:
             write = parts.append
 
-        writer = TarShardWriter(Sink)  # type: ignore[arg-type]
+        writer = TarShardWriter(Sink, options.checksum_algorithm)  # type: ignore[arg-type]
         skipped: list[SkippedInput] = []
         digests: list[bytes] = []
         for position in task.positions:
@@ -161,33 +161,51 @@ class ShardBuilder:
 
 
 def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
-    """The manifest's entry for a shard whose sample index is `index` (serialised as `index_bytes`)."""
+    """The manifest's entry for a shard whose sample index is `index` (serialised as `index_bytes`):
+    the index's checksum in the algorithm of the shard's."""
+    algorithm = index.checksum.partition(":")[0]
     return ShardInfo(
-        name, index.shard_size, len(index), index.checksum, index_name(name), len(index_bytes), checksum_of(index_bytes)
+        name,
+        index.shard_size,
+        len(index),
+        index.checksum,
+        index_name(name),
+        len(index_bytes),
+        checksum_of(index_bytes, algorithm),
     )
 
 
-def _upgraded_index(store: Store, task: ShardTask, old: SampleIndex) -> Built | None:
-    """`task`'s shard with its version 1 index rewritten as version 2, if the stored tar is the
-    one that index describes (else None: it is rebuilt)."""
-    log.info("%s: its sample index has no sample digests (version 1); adding them", task.name)
+def _same_tar(old: SampleIndex, new: SampleIndex) -> bool:
+    """Whether `new` (walked from the stored tar) describes the tar `old` was written for: the
+    same offsets, and the same checksum where both are of one algorithm, else the same sample
+    digests."""
+    if not np.array_equal(new.offsets, old.offsets) or new.shard_size != old.shard_size:
+        return False
+    if old.checksum.partition(":")[0] == new.checksum.partition(":")[0]:
+        return old.shard_digest == new.shard_digest
+    return old.sample_digests is not None and old.sample_digests == new.sample_digests
+
+
+def _rescanned(store: Store, task: ShardTask, old: SampleIndex, algorithm: str) -> SampleIndex | None:
+    """`task`'s sample index walked again from the stored tar, version 2 with its checksum in
+    `algorithm`, if the tar is the one `old` describes (else None: it is rebuilt)."""
+    why = "has no sample digests (version 1)" if old.version < 2 else f"is not checked with {algorithm}"
+    log.info("%s: its sample index %s; rewriting it from the stored tar", task.name, why)
     try:
-        index = scan_shard(store.get(task.name), sample_digests=True)
+        index = scan_shard(store.get(task.name), sample_digests=True, checksum_algorithm=algorithm)
     except (FormatError, CorruptShard):  # a damaged tar: rebuilt
         index = None
-    if index is None or index.sha256 != old.sha256 or not np.array_equal(index.offsets, old.offsets):
-        log.warning("%s: the tar differs from its version 1 index; rebuilding it", task.name)
+    if index is None or not _same_tar(old, index):
+        log.warning("%s: the tar differs from its sample index; rebuilding it", task.name)
         return None
-    index = SampleIndex(index.offsets, index.shard_size, index.sha256, old.recipe, index.sample_digests)
-    index_bytes = index.to_bytes()
-    store.put(index_name(task.name), index_bytes)
-    return Built(task.number, shard_info(task.name, index, index_bytes), (), reused=True)
+    return SampleIndex(index.offsets, index.shard_size, index.shard_digest, old.recipe, index.sample_digests)
 
 
-def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool) -> Built | None:
+def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool, algorithm: str) -> Built | None:
     """The shard as an earlier run left it, if it is complete and was built from the same recipe.
-    A version 1 sample index (no sample digests) is upgraded in place from the stored tar: one
-    read of it, no re-encode, so the tar's bytes and checksum (what a resume checks) stay."""
+    A version 1 sample index (no sample digests), or one whose checksum is not in `algorithm`
+    (the conversion's), is rewritten in place from the stored tar: one read of it, no
+    re-encode, so the tar's bytes stay."""
     if task.name not in sizes or index_name(task.name) not in sizes:
         return None
     try:
@@ -197,13 +215,22 @@ def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash:
         return None
     if index.recipe != task.recipe or index.shard_size != sizes[task.name]:
         return None
-    if index.version < 2:
-        return _upgraded_index(store, task, index)
+    rewritten = index
+    if rewritten.version < 2:  # checked in its own algorithm: a version 1 index has no sample digests
+        rewritten = _rescanned(store, task, rewritten, rewritten.checksum.partition(":")[0])
+    if rewritten is not None and not rewritten.checksum.startswith(f"{algorithm}:"):
+        rewritten = _rescanned(store, task, rewritten, algorithm)  # checked by its sample digests
+    if rewritten is None:
+        return None
+    if rewritten is not index:
+        index_bytes = rewritten.to_bytes()
+        store.put(index_name(task.name), index_bytes)
+        return Built(task.number, shard_info(task.name, rewritten, index_bytes), (), reused=True)
     if rehash:
-        digest = hashlib.sha256()
+        digest = new_hasher(algorithm)
         for chunk in store.get(task.name):
             digest.update(chunk)
-        if digest.digest() != index.sha256:
+        if f"{algorithm}:{digest.hexdigest()}" != index.checksum:
             log.warning("%s: checksum differs from its index; rebuilding it", task.name)
             return None
     return Built(task.number, shard_info(task.name, index, index_bytes), (), reused=True)

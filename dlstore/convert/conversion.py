@@ -119,7 +119,7 @@ def _kept_shards(
     """{shard number: Built} for the shards an earlier run of the same conversion completed."""
     built: dict[int, Built] = {}
     for task in tasks:
-        existing = existing_shard(store, task, listed, options.rehash_existing)
+        existing = existing_shard(store, task, listed, options.rehash_existing, options.checksum_algorithm)
         if existing is not None:
             built[task.number] = existing
     if built:

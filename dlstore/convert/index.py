@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from dlstore import __version__
+from dlstore.checksums import DEFAULT_ALGORITHM
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
 from dlstore.errors import CorruptSample, FormatError
@@ -28,6 +29,7 @@ def index_dataset(
     label_field: str = "cls",
     workers: int = 4,
     config: StoreConfig | None = None,
+    checksum_algorithm: str = DEFAULT_ALGORITHM,
     progress: Callable[[int, int], None] | None = None,
 ) -> Manifest:
     """Build sample indexes and `index.json` for the `.tar` shards under `dataset` (written
@@ -35,6 +37,7 @@ def index_dataset(
 
     Labels are the integer `label_field` members; the class count is the largest label + 1
     (class names are then `"0"`, `"1"`, …). Shards without labels give an unlabelled manifest.
+    Checksums are in `checksum_algorithm` (`dlstore.checksums`).
 
     >>> index_dataset("s3://bucket/laion-subset").total_samples       # doctest: +SKIP
     """
@@ -43,7 +46,7 @@ def index_dataset(
     if not names:
         raise FormatError(f"{store.url}: expected WebDataset .tar shards, found none")
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dlstore-index") as pool:
-        futures = [pool.submit(_index_shard, store, name, label_field) for name in names]
+        futures = [pool.submit(_index_shard, store, name, label_field, checksum_algorithm) for name in names]
         results = []
         for done, future in enumerate(futures, 1):
             results.append(future.result())
@@ -86,11 +89,14 @@ class _IndexedShard:
         self.top_label = max(self.top_label, label)
 
 
-def _index_shard(store: Store, name: str, label_field: str) -> _IndexedShard:
+def _index_shard(store: Store, name: str, label_field: str, checksum_algorithm: str) -> _IndexedShard:
     """Scan one shard, put its sample index (version 2, with sample digests) beside it, and say what it holds."""
     found = _IndexedShard()
     index = scan_shard(
-        store.get(name), on_sample=lambda sample: found.add(name, sample, label_field), sample_digests=True
+        store.get(name),
+        on_sample=lambda sample: found.add(name, sample, label_field),
+        sample_digests=True,
+        checksum_algorithm=checksum_algorithm,
     )
     index_bytes = index.to_bytes()
     store.put(index_name(name), index_bytes)

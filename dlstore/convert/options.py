@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
 from dlstore.errors import ConfigError
 from dlstore.manifest import Manifest
 
@@ -21,7 +22,8 @@ class ConvertOptions:
     (None: the folder itself). `image_format` is for cifar10/mnist (`png` or `jpeg`);
     `keep_format` (imagefolder) stores non-JPEG images as they are instead of re-encoding
     them as JPEG; `val_labels` points at an ImageNet ground-truth file when it is not found
-    beside the data.
+    beside the data. `checksum_algorithm`: the shards' and indexes' checksums
+    (`dlstore.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them).
     """
 
     split: str | None = None
@@ -41,8 +43,13 @@ class ConvertOptions:
     tmp_dir: str | None = None
     overwrite: bool = False
     rehash_existing: bool = False
+    checksum_algorithm: str = DEFAULT_ALGORITHM
 
     def __post_init__(self) -> None:
+        if self.checksum_algorithm not in ALGORITHMS:
+            raise ConfigError(
+                f"checksum_algorithm must be one of {sorted(ALGORITHMS)}, not {self.checksum_algorithm!r}"
+            )
         if self.shard_size < 4096:
             raise ConfigError(f"shard_size {self.shard_size} is too small; use at least a few MB")
         if self.samples_per_shard is not None and self.samples_per_shard < 1:

@@ -7,7 +7,6 @@ range, it sits where the index says).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 from collections.abc import Callable
@@ -17,10 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from dlstore.checksums import checksum_of, new_hasher
 from dlstore.config import StoreConfig
 from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, Manifest, ShardInfo
-from dlstore.sample_index import SampleIndex, checksum_of
+from dlstore.sample_index import SampleIndex
 from dlstore.shards import image_field, parse_label, scan_shard
 from dlstore.storage import Store, open_store
 
@@ -92,25 +92,26 @@ def _verify_shard(store: Store, manifest: Manifest, shard: ShardInfo, deep: bool
     problems: list[str] = []
     if actual != shard.size:
         problems.append(f"{shard.name}: {actual} bytes, the manifest says {shard.size}")
-    stored_index = _check_stored_index(store, shard, problems)
+    stored_index = _check_stored_index(store, manifest, shard, problems)
     if not deep:
-        digest = hashlib.sha256()
+        algorithm = manifest.checksum_algorithm
+        digest = new_hasher(algorithm)
         for chunk in store.get(shard.name):
             digest.update(chunk)
-        if f"sha256:{digest.hexdigest()}" != shard.checksum:
+        if f"{algorithm}:{digest.hexdigest()}" != shard.checksum:
             problems.append(f"{shard.name}: checksum differs from the manifest")
         return problems, shard.samples, actual
     samples = _walk_shard(store, manifest, shard, stored_index, problems)
     return problems, samples, actual
 
 
-def _check_stored_index(store: Store, shard: ShardInfo, problems: list[str]) -> SampleIndex | None:
+def _check_stored_index(store: Store, manifest: Manifest, shard: ShardInfo, problems: list[str]) -> SampleIndex | None:
     """The shard's sample index as stored, checked against the manifest (problems appended)."""
     if not shard.index:
         return None
     try:
         index_bytes = store.get_bytes(shard.index)
-        if shard.index_checksum and checksum_of(index_bytes) != shard.index_checksum:
+        if shard.index_checksum and checksum_of(index_bytes, manifest.checksum_algorithm) != shard.index_checksum:
             problems.append(f"{shard.index}: checksum differs from the manifest")
         stored_index = SampleIndex.from_bytes(index_bytes)
     except NotFound:
@@ -140,7 +141,12 @@ def _walk_shard(
 
     digests = stored_index is not None and stored_index.version >= 2
     try:
-        index = scan_shard(store.get(shard.name), on_sample=check, sample_digests=digests)
+        index = scan_shard(
+            store.get(shard.name),
+            on_sample=check,
+            sample_digests=digests,
+            checksum_algorithm=manifest.checksum_algorithm,
+        )
     except CorruptShard as exc:
         problems.append(f"{shard.name}: {exc}")
         return 0
