@@ -77,6 +77,7 @@ from bench_storage import curl, make_payload, read_env_file
 from wan_proxy import WanProxyProcess
 
 from dlstore.cache import CacheConfig, ShardCache
+from dlstore.checksums import DEFAULT_ALGORITHM
 from dlstore.config import StoreConfig, parse_size
 from dlstore.storage import Store, open_store
 
@@ -455,12 +456,19 @@ def parse_fetch(text: str) -> dict:
     return out
 
 
-def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tmp: str) -> list[dict]:
-    """`args.rounds` rounds; in each, per setting and fetch variant, a warm epoch then a cold one."""
+def loader_rounds(urls: dict[str, str], env: Mapping[str, str], args: argparse.Namespace, tmp: str) -> list[dict]:
+    """`args.rounds` rounds; in each, per setting and fetch variant (and the dataset of each
+    checksum algorithm of `urls`), a warm epoch then a cold one."""
     direct = StoreConfig.from_env(env)
-    warm_dir = os.path.join(tmp, "warm-cache")
-    loader_epoch(url, direct, warm_dir, args, {})  # fills the warm cache (and the page cache)
-    variants = {text or "default": parse_fetch(text) for text in args.fetch or [""]}
+    url = next(iter(urls.values()))
+    warm_dirs = {algorithm: os.path.join(tmp, f"warm-cache-{algorithm}") for algorithm in urls}
+    for algorithm, dataset in urls.items():
+        loader_epoch(dataset, direct, warm_dirs[algorithm], args, {})  # fills the warm cache (and the page cache)
+    variants = {
+        f"{text or 'default'}{f' {algorithm}' if len(urls) > 1 else ''}": (parse_fetch(text), algorithm)
+        for text in args.fetch or [""]
+        for algorithm in urls
+    }
     rates = [r for r in args.rates.split(",") if r]
     with contextlib.ExitStack() as stack:
         settings: dict[str, tuple[StoreConfig, WanProxyProcess | None]] = {"loopback": (direct, None)}
@@ -481,11 +489,11 @@ def loader_rounds(url: str, env: Mapping[str, str], args: argparse.Namespace, tm
         for number in range(args.rounds):
             runs: dict = {}
             for setting, (config, wan) in settings.items():
-                for variant, fetch in variants.items():
-                    warm = loader_epoch(url, direct, warm_dir, args, {})
+                for variant, (fetch, algorithm) in variants.items():
+                    warm = loader_epoch(urls[algorithm], direct, warm_dirs[algorithm], args, {})
                     if wan is not None:
                         wan.reset_counts()
-                    cold = cold_epoch(url, config, args, fetch, tmp)
+                    cold = cold_epoch(urls[algorithm], config, args, fetch, tmp)
                     if wan is not None:
                         cold.connections = wan.stats()["most_open"]
                     runs[(setting, variant)] = (warm, cold)
@@ -591,6 +599,11 @@ def loader_main(argv: list[str]) -> int:
         help='fetch settings of the cold loaders, e.g. "fetch_parts=4", or a StoreConfig field '
         '("chunk_size=4194304"); repeat to compare',
     )
+    parser.add_argument(
+        "--checksums",
+        default=DEFAULT_ALGORITHM,
+        help=f"the datasets' checksum algorithms, comma-separated: one dataset each (default {DEFAULT_ALGORITHM})",
+    )
     parser.add_argument("--workdir", help="where the generated data is kept between runs (default: a temp dir)")
     parser.add_argument("--env-file", help="env.sh from tools/swift_server.py (default: the environment)")
     parser.add_argument(
@@ -609,11 +622,16 @@ def loader_main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="dlstore-bench-cold-") as tmp:
         data = bench_peers.prepare_data(Path(args.workdir or tmp), args.images, args.shards)
         root = data.store_dir.parents[1]
-        url, _ = bench_loader.upload_to_swift(root, dict(env), -(-args.images // args.shards))
+        urls = {
+            algorithm: bench_loader.upload_to_swift(
+                root, dict(env), -(-args.images // args.shards), checksum_algorithm=algorithm
+            )[0]
+            for algorithm in args.checksums.split(",")
+        }
         sizes = [p.stat().st_size for p in data.store_dir.glob("*.tar")]
         if args.peers:  # webdataset's faster decoder on these images, as bench_peers picks it
             args.wds_decode, _ = bench_peers.fastest_wds_decode(data, args)
-        rounds = loader_rounds(url, env, args, tmp)
+        rounds = loader_rounds(urls, env, args, tmp)
     report = {
         "images": args.images,
         "shards": len(sizes),

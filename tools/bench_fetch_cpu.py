@@ -17,12 +17,12 @@ local Swift), one shard at a time, with `--rounds` interleaved rounds:
   over a full cache: the CPU of one epoch;
 * ``GET``: each shard's bytes through the Swift client, dropped (one GET per shard);
 * ``GET + write``: written into a file as well;
-* ``GET + write + SHA-256``: hashed as well: the least a checked download can cost with
-  the manifest's SHA-256;
+* ``GET + write + <algorithm>``: hashed as well, with the manifest's algorithm: the least a
+  checked download can cost;
 * ``cache, 1 part`` and ``cache, N parts``: `ShardCache.fetch` of every shard into an empty
   cache (one GET per shard; the default ranged parts): what the loader's downloads cost;
-* ``SHA-256 alone``, ``CRC-32 alone``: hashing the shards' bytes from memory (what a cheaper
-  checksum would leave, for comparison; the manifest has SHA-256).
+* ``SHA-256 alone``, ``XXH3-128 alone``, ``CRC-32 alone``: hashing the shards' bytes from
+  memory (what each checksum costs by itself).
 
 CPU is the process's (every thread; user + system). The store's CPU (the local Swift, in
 processes of its own) is not counted: as if it were remote.
@@ -53,6 +53,7 @@ from bench_loader import spread
 from swift_server import read_env_file
 
 from dlstore.cache import CacheConfig, ShardCache
+from dlstore.checksums import new_hasher
 from dlstore.config import StoreConfig
 from dlstore.storage import Store, open_store
 
@@ -73,14 +74,15 @@ def stream(store: Store, shards: list[dict], tmp: str, write: bool, hash_: bool)
     fd, path = tempfile.mkstemp(dir=tmp)
     try:
         for shard in shards:
-            hasher, position = hashlib.sha256() if hash_ else None, 0
+            algorithm = shard["checksum"].partition(":")[0]
+            hasher, position = new_hasher(algorithm) if hash_ else None, 0
             for chunk in store.get(shard["name"]):
                 if write:
                     os.pwrite(fd, chunk, position)
                 if hasher is not None:
                     hasher.update(chunk)
                 position += len(chunk)
-            if hasher is not None and f"sha256:{hasher.hexdigest()}" != shard["checksum"]:
+            if hasher is not None and f"{algorithm}:{hasher.hexdigest()}" != shard["checksum"]:
                 raise SystemExit(f"{shard['name']}: checksum differs from the manifest's")
     finally:
         os.close(fd)
@@ -124,11 +126,15 @@ def measure(url: str, env: Mapping[str, str], args: argparse.Namespace, tmp: str
     stages: dict[str, Callable[[], object]] = {
         "GET": lambda: stream(store, shards, tmp, False, False),
         "GET + write": lambda: stream(store, shards, tmp, True, False),
-        "GET + write + SHA-256": lambda: stream(store, shards, tmp, True, True),
+        f"GET + write + {shards[0]['checksum'].partition(':')[0]}": lambda: stream(store, shards, tmp, True, True),
         "cache, 1 part": lambda: cache_fetch(store, shards, tmp, 1),
         f"cache, {CacheConfig.parts_in_flight} parts": lambda: cache_fetch(store, shards, tmp, None),
     }
-    hashes = {"SHA-256 alone": lambda: hashlib.sha256(data[0]).digest(), "CRC-32 alone": lambda: zlib.crc32(data[0])}
+    hashes = {
+        "SHA-256 alone": lambda: hashlib.sha256(data[0]).digest(),
+        "XXH3-128 alone": lambda: new_hasher("xxh3_128").update(data[0]),
+        "CRC-32 alone": lambda: zlib.crc32(data[0]),
+    }
     runs: dict[str, list[float]] = {"warm epoch": [], **{name: [] for name in [*stages, *hashes]}}
     rates: list[float] = []
     for number in range(args.rounds):

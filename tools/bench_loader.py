@@ -51,6 +51,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import dlstore  # noqa: E402
+from dlstore.checksums import DEFAULT_ALGORITHM  # noqa: E402
 from dlstore.config import StoreConfig  # noqa: E402
 from dlstore.sample_path import SamplePath  # noqa: E402
 from dlstore.world import World  # noqa: E402
@@ -336,8 +337,11 @@ def parse_exports(text: str) -> dict[str, str]:
     return env
 
 
-def upload_to_swift(workdir: Path, env: dict[str, str], samples_per_shard: int) -> tuple[str, StoreConfig]:
-    """The same shards (the conversion is deterministic) written straight into Swift."""
+def upload_to_swift(
+    workdir: Path, env: dict[str, str], samples_per_shard: int, checksum_algorithm: str = DEFAULT_ALGORITHM
+) -> tuple[str, StoreConfig]:
+    """The same shards (the conversion is deterministic) written straight into Swift: at
+    swift://bench/train with the default checksums, else at swift://bench/train-<algorithm>."""
     import swiftclient
 
     from dlstore.convert import ConvertOptions, convert
@@ -345,8 +349,10 @@ def upload_to_swift(workdir: Path, env: dict[str, str], samples_per_shard: int) 
     config = StoreConfig.from_env(env)
     swift = config.swift
     swiftclient.Connection(swift.auth_url, swift.user, swift.key.reveal() if swift.key else None).put_container("bench")
-    url = "swift://bench/train"
-    options = ConvertOptions(split="train", samples_per_shard=samples_per_shard, workers=1)
+    url = "swift://bench/train" + ("" if checksum_algorithm == DEFAULT_ALGORITHM else f"-{checksum_algorithm}")
+    options = ConvertOptions(
+        split="train", samples_per_shard=samples_per_shard, workers=1, checksum_algorithm=checksum_algorithm
+    )
     convert("imagenet", workdir / "source", url, options, config=config)
     return url, config
 
