@@ -1,6 +1,6 @@
 """`verify_dataset`: check a finished dataset against its manifest, shard by shard, in threads.
 
-The quick check compares each shard's size and SHA-256 (and its sample index) with the
+The quick check compares each shard's size and checksum (and its sample index) with the
 manifest; `deep` also walks every shard and checks every sample (it decodes, its label is in
 range, it sits where the index says).
 """
