@@ -2,9 +2,9 @@
 
 Every header field that could vary between runs is fixed (mtime 0, uid/gid 0, mode 0444,
 empty user/group names), so the same samples in the same order give byte-identical shards.
-The writer hashes (`checksum_algorithm`, XXH3-128 by default) while writing and returns the shard's `SampleIndex`. Names
-longer than 100 bytes and members of 8 GiB or more get a pax header. `dlstore.shards`
-describes the format and reads it back.
+The writer hashes (`checksum_algorithm`, XXH3-128 by default) while writing and returns
+the shard's `SampleIndex`. Names longer than 100 bytes and members of 8 GiB or more get a
+pax header. `dlstore.shards` describes the format and reads it back.
 
 >>> import io
 >>> buffer = io.BytesIO()
