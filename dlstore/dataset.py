@@ -9,7 +9,6 @@ augment → collate into a uint8 NHWC batch).
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from collections import OrderedDict
 from typing import Any
@@ -18,7 +17,6 @@ import numpy as np
 import torch
 
 from dlstore.cache import CacheConfig, SampleRange, ShardCache
-from dlstore.checksums import checksum_of
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.errors import ConfigError, DlstoreError
 from dlstore.manifest import Manifest
@@ -119,8 +117,7 @@ class Dataset(torch.utils.data.Dataset):
     def manifest_digest(self) -> str:
         """A checksum of the shard table (names, sizes, sample counts, checksums): what the
         plan's sample ids mean. A dataset converted again gets another one."""
-        table = [[s.name, s.size, s.samples, s.checksum] for s in self.manifest.shards]
-        return checksum_of(json.dumps(table).encode(), "sha256")  # saved in checkpoints: stays SHA-256
+        return self.manifest.shard_table_digest
 
     @property
     def image_fields(self) -> tuple[str, ...]:

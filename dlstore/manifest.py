@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dlstore.checksums import ALGORITHMS
+from dlstore.checksums import ALGORITHMS, checksum_of
 from dlstore.config import format_size
 from dlstore.errors import ConfigError, FormatError
 from dlstore.sample_index import SampleIndex
@@ -152,6 +152,13 @@ class Manifest:
 
     def with_shards(self, shards: Iterable[ShardInfo]) -> Manifest:
         return replace(self, shards=tuple(shards))
+
+    @property
+    def shard_table_digest(self) -> str:
+        """A SHA-256 checksum of the shard table (names, sizes, sample counts, checksums): what
+        a sample id means, and which bytes it has. A dataset converted again gets another one."""
+        table = [[s.name, s.size, s.samples, s.checksum] for s in self.shards]
+        return checksum_of(json.dumps(table).encode(), "sha256")
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

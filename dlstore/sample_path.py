@@ -133,9 +133,12 @@ class SamplePath:
         # Samples whose image has decoded without error, the whole stream checked: a later
         # crop of theirs reads only the rows it needs (`decode_for_crop`). The bytes of a
         # sample never change (checksums), so neither does that verdict. Made at the first
-        # decode in this process, or shared with worker processes (`share_decode_marks`).
+        # decode in this process, or shared with worker processes (`share_decode_marks`);
+        # what it lacks is asked of the node's marks, which every process of the node
+        # shares through the cache directory (`dlstore.cache.marks`).
         self._decodes_cleanly: np.ndarray | None = None
         self._shared_marks: torch.Tensor | None = None
+        self._node_marks = cache.node_marks(manifest.shard_table_digest.partition(":")[2][:32])
         # Each sample's generator (`sample_rng`'s draws), one re-keyed per thread.
         self._rngs = SampleRngs()
         # The stages run in several threads at once (the loader's decode threads): the two
@@ -382,8 +385,11 @@ class SamplePath:
         decodes_cleanly = self._decodes_cleanly
         if decodes_cleanly is None:  # two threads may both make one: a few marks lost, no more
             decodes_cleanly = self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
+        known = bool(decodes_cleanly[sample_id]) or self._node_marks.known(sample_id)
         with _timed(clock, "decode"):
-            source = decode_for_crop(data, self.cfg.transform, rng, bool(decodes_cleanly[sample_id]))
+            source = decode_for_crop(data, self.cfg.transform, rng, known)
+        if not known:
+            self._node_marks.mark(sample_id)
         decodes_cleanly[sample_id] = True  # a race of two threads writes the same True
         return source, label
 

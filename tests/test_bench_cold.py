@@ -40,11 +40,14 @@ def test_bench_cold_loader_runs_with_its_peers_and_leaks_no_secret(swift_server,
     report = tmp_path / "report.json"
     store_cores = ["--store-cores", "0"] if len(os.sched_getaffinity(0)) > 1 else []
     before = _swift_affinities(swift_server)
-    run = _bench(swift_server, tmp_path, "--rates", "40MB", "--peers", *store_cores, "--json", str(report))
+    run = _bench(
+        swift_server, tmp_path, "--rates", "40MB", "--peers", "--checksums", "xxh3_128,sha256", *store_cores,
+        "--json", str(report),
+    )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(report.read_text())
     settings = ["loopback", "40MB/s+5ms"]
-    assert [name.split(" | ")[0] for name in result["settings"]] == settings
+    assert list(result["settings"]) == [f"{s} | default {c}" for s in settings for c in ("xxh3_128", "sha256")]
     for figures in result["settings"].values():
         assert figures["cold_img_s"]["median"] > 0 and figures["warm_img_s"]["median"] > 0
         # The cold epoch's extra CPU by thread kind (too little to time at this size: only reported).
@@ -66,7 +69,7 @@ def test_bench_cold_refuses_store_cores_that_leave_the_loader_none(swift_server,
 
 def test_bench_fetch_cpu_reports_every_stage_and_leaks_no_secret(swift_server, tmp_path):
     """`tools/bench_fetch_cpu.py` at toy size: each stage's CPU, the streamed stages' bytes
-    checked against the manifest's SHA-256 (it exits otherwise), no credential printed."""
+    checked against the manifest's checksum (it exits otherwise), no credential printed."""
     env_file = tmp_path / "env.sh"
     env_file.write_text("".join(f"export {name}={value}\n" for name, value in swift_server.env().items()))
     report = tmp_path / "report.json"
@@ -75,7 +78,7 @@ def test_bench_fetch_cpu_reports_every_stage_and_leaks_no_secret(swift_server, t
     run = subprocess.run([*args, "--json", str(report)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(report.read_text())
-    stages = ["warm epoch", "GET", "GET + write", "GET + write + SHA-256", "cache, 1 part", "cache, 8 parts"]
+    stages = ["warm epoch", "GET", "GET + write", "GET + write + xxh3_128", "cache, 1 part", "cache, 8 parts"]
     assert list(result["cpu_s"])[: len(stages)] == stages
     assert all(len(runs) == 1 and runs[0] >= 0 for runs in result["cpu_s"].values())
     assert result["cpu_s"]["warm epoch"][0] > 0 and result["bytes"] > 0

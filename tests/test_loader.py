@@ -6,6 +6,7 @@ import collections
 import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -23,10 +24,12 @@ from loader_support import run_rank, write_dataset
 
 import dlstore
 from dlstore.cache import cache_report
+from dlstore.cache.marks import NodeMarks
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.loader import LoaderConfig, choose_engine, resolve_auto
 from dlstore.manifest import Manifest
+from dlstore.sample_path import BatchRequest
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -834,6 +837,9 @@ def test_worker_processes_share_which_samples_decode_cleanly(local_dataset, tmp_
         marks = ds.samples._decodes_cleanly
         assert marks is not None and len(seen) == 23
         assert marks.sum() == 23  # every sample, whichever worker decoded it
+    # ... and to the node: another process of it (a rank) finds them in the cache directory.
+    node = pickle.loads(pickle.dumps(ds.samples._node_marks))
+    assert [node.known(i) for i in range(24)] == [True] * 23 + [False]
 
 
 def test_decode_marks_stay_per_process_without_shared_memory(local_dataset, tmp_path, monkeypatch):
@@ -850,6 +856,49 @@ def test_decode_marks_stay_per_process_without_shared_memory(local_dataset, tmp_
     with loader:
         assert len({k for _, _, meta in loader for k in meta["keys"]}) == 23
         assert ds.samples._decodes_cleanly is None  # the workers kept their own
+
+
+def test_the_ranks_of_a_node_share_which_samples_decode_cleanly(local_dataset, tmp_path, monkeypatch):
+    """A sample one rank decoded cleanly is known to the other ranks of its node (the same
+    cache directory, another process's memory), whose crops of it then leave the rows below
+    them unread; samples no rank decoded yet are decoded checked."""
+    url, _ = local_dataset
+    rank0, rank1 = (_dataset(url, tmp_path, transform="train", world=World(r, 2, 2)) for r in (0, 1))
+
+    def run_epoch(ds, epoch):
+        plan = ds.plan(epoch)
+        for j in range(plan.num_batches):
+            ds.samples.build_batch(BatchRequest(epoch, j, *plan.batch(j)))
+        return set(plan.ids.tolist())
+
+    decoded0 = run_epoch(rank0, 0)
+    asked: list[tuple[int, bool]] = []
+    known = NodeMarks.known
+    monkeypatch.setattr(NodeMarks, "known", lambda self, i: asked.append((i, known(self, i))) or asked[-1][1])
+    read1 = run_epoch(rank1, 1)
+    assert sorted(i for i, _ in asked) == sorted(read1)  # each asked once: then known in memory
+    assert {i for i, found in asked if found} == read1 & decoded0 != set()
+    assert read1 - decoded0 != set()  # some were not known: decoded checked, and marked now
+    assert all(rank1.samples._node_marks.known(i) for i in read1 | decoded0)
+
+
+def test_node_decode_marks_that_cannot_be_kept_stay_in_memory(tmp_path, caplog):
+    """A full disk (/dev/full) or a cache directory that cannot hold the file: nothing is
+    known, marking is no error, and it is said once."""
+    caplog.set_level(logging.INFO, logger="dlstore.cache.marks")
+    (tmp_path / "file").write_bytes(b"")
+    for path in ("/dev/full", str(tmp_path / "file" / "marks.bin")):
+        if path == "/dev/full" and not os.path.exists(path):
+            continue
+        marks = NodeMarks(path)
+        marks.mark(3)
+        marks.mark(4)
+        assert not marks.known(3) and not marks.known(4)
+    assert 1 <= len([r for r in caplog.records if "kept per process" in r.getMessage()]) <= 2
+    kept = NodeMarks(str(tmp_path / "marks" / "m.bin"))
+    kept.mark(5)
+    again = pickle.loads(pickle.dumps(kept))  # as a worker process gets it: the file opened anew
+    assert again.known(5) and not again.known(4) and not again.known(10**6)
 
 
 def _corrupt_in_first_batches(url, tmp_path, sizes, world):

@@ -151,6 +151,7 @@ class _CacheDir:
         self.tmp = os.path.join(root, "tmp")
         self.locks = os.path.join(root, "locks")
         self.indexes = os.path.join(root, "indexes")  # sample indexes of cached shards (`indexes.py`)
+        self.marks = os.path.join(root, "marks")  # samples known to decode cleanly (`marks.py`)
         self.lock_path = os.path.join(root, "cache.lock")
         self.stats_path = os.path.join(root, "stats.json")
 
@@ -164,6 +165,10 @@ class _CacheDir:
 
     def shard_path(self, stem: str) -> str:
         return os.path.join(self.shards, stem)
+
+    def marks_path(self, name: str) -> str:
+        """Where the node's decode marks `name` are kept (`marks.NodeMarks`)."""
+        return os.path.join(self.marks, name + ".bin")
 
     def index_path(self, stem: str) -> str:
         """Where the sample index of cached shard `stem` is kept (`indexes.cached_sample_index`)."""

@@ -25,6 +25,7 @@ from dlstore.cache.download import _NO_SPACE_ERRNOS, _file_digest, _parse_checks
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.indexes import cached_sample_index
 from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, _release, _try_flock, _unlink_quietly, _Usage
+from dlstore.cache.marks import NodeMarks
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.partial import SampleRange, write_verified_range
 from dlstore.cache.policy import HintWriter, read_next_use, victim_order
@@ -204,6 +205,11 @@ class ShardCache:
         """The sample index of the shard held at `path` (a `hold`'s), kept in the cache
         (`indexes.cached_sample_index`); `checksum` is the manifest's."""
         return cached_sample_index(self._dir.index_path(os.path.basename(path)), path, checksum)
+
+    def node_marks(self, dataset: str) -> NodeMarks:
+        """The node's marks of which samples of `dataset` (a digest naming the dataset's bytes)
+        decode cleanly (`marks.NodeMarks`), shared by every process of this cache directory."""
+        return NodeMarks(self._dir.marks_path(f"{self._namespace}-{dataset}"))
 
     def cached(self, name: str) -> bool:
         """Whether shard `name` is in the cache now: a hint (another process may evict it the
