@@ -8,7 +8,8 @@ if new; with the node's marks (`dlstore.cache.marks`) it knows them all after th
 epoch. This runs `--ranks` rank processes at once (one node: `World(rank, ranks, ranks)`, one
 fresh cache directory per run, the thread engine with `--threads` decode threads, uint8 CPU
 batches) for `--epochs` epochs and reports each epoch's CPU milliseconds per image (all
-ranks' process CPU over all their images). `--tree` names checkouts to compare (each run with
+ranks' process CPU over all their images) and the share of images decoded checked (the rows
+below the crop read: a count, where the CPU times are noisy). `--tree` names checkouts to compare (each run with
 that checkout first on PYTHONPATH); rounds interleave them.
 
 Example (the data of `bench_peers.py`: a dataset both checkouts read)::
@@ -31,8 +32,15 @@ from pathlib import Path
 RANK = r"""
 import json, resource, sys, time
 import dlstore
+import dlstore.sample_path
 from dlstore.world import World
 args = json.loads(sys.argv[1])
+checked = [0]  # decodes that read the rows below the crop: the sample was not known to decode
+decode_for_crop = dlstore.sample_path.decode_for_crop
+def counted(data, cfg, rng=None, known_to_decode=False):
+    checked[0] += not known_to_decode
+    return decode_for_crop(data, cfg, rng, known_to_decode)
+dlstore.sample_path.decode_for_crop = counted
 ds = dlstore.Dataset(
     args["url"], cache_dir=args["cache_dir"], cache_limit="20GB", transform="train",
     image_size=args["image_size"], batch_size=args["batch_size"], seed=0,
@@ -45,11 +53,12 @@ out = []
 with dlstore.Loader(ds, num_workers=args["threads"], device="cpu", dtype="uint8", engine="threads") as loader:
     for epoch in range(args["epochs"]):
         loader.set_epoch(epoch)
-        before, started, images = cpu(), time.perf_counter(), 0
+        before, started, images, checked[0] = cpu(), time.perf_counter(), 0, 0
         for batch, _ in loader:
             images += batch.shape[0]
-        out.append({"cpu_s": cpu() - before, "wall_s": time.perf_counter() - started, "images": images})
-print(json.dumps(out))
+        out.append({"cpu_s": cpu() - before, "wall_s": time.perf_counter() - started, "images": images,
+                    "checked": checked[0]})
+print(json.dumps({"epochs": out, "dlstore": dlstore.__file__}))
 """
 
 
@@ -71,8 +80,12 @@ def run(tree: str, args: argparse.Namespace) -> list[dict]:
                 "image_size": args.image_size,
             }
             ranks.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", RANK, json.dumps(spec)], env=env, stdout=subprocess.PIPE, text=True
+                subprocess.Popen(  # not run in a checkout: `-c` puts the working directory first on sys.path
+                    [sys.executable, "-c", RANK, json.dumps(spec)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    cwd=cache_dir,
                 )
             )
         results = []
@@ -80,9 +93,12 @@ def run(tree: str, args: argparse.Namespace) -> list[dict]:
             stdout, _ = process.communicate(timeout=3600)
             if process.returncode:
                 raise SystemExit(f"a rank failed ({process.returncode}) with {tree} first on PYTHONPATH")
-            results.append(json.loads(stdout.strip().splitlines()[-1]))
+            result = json.loads(stdout.strip().splitlines()[-1])
+            if not result["dlstore"].startswith(os.path.join(tree, "")):
+                raise SystemExit(f"a rank imported {result['dlstore']}, not the checkout {tree}")
+            results.append(result["epochs"])
     return [
-        {key: sum(rank[epoch][key] for rank in results) for key in ("cpu_s", "wall_s", "images")}
+        {key: sum(rank[epoch][key] for rank in results) for key in ("cpu_s", "wall_s", "images", "checked")}
         for epoch in range(args.epochs)
     ]
 
@@ -106,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             epochs = run(tree, args)
             runs[tree].append(epochs)
             per_image = ", ".join(f"{1000 * e['cpu_s'] / e['images']:.3f}" for e in epochs)
-            print(f"round {number + 1} {tree}: CPU ms an image, epoch by epoch: {per_image}", file=sys.stderr)
+            checked = ", ".join(f"{e['checked'] / e['images']:.2f}" for e in epochs)
+            print(
+                f"round {number + 1} {tree}: CPU ms an image, epoch by epoch: {per_image}; "
+                f"share of images decoded checked: {checked}",
+                file=sys.stderr,
+            )
     print(f"{args.ranks} ranks of one node, {args.threads} decode thread(s) each; CPU ms an image, median [min .. max]")
     report: dict = {"ranks": args.ranks, "threads": args.threads, "epochs": args.epochs, "trees": {}}
     for tree, rounds in runs.items():
@@ -114,9 +135,13 @@ def main(argv: list[str] | None = None) -> int:
         for epoch in range(args.epochs):
             values = [1000 * r[epoch]["cpu_s"] / r[epoch]["images"] for r in rounds]
             columns.append({"median": statistics.median(values), "min": min(values), "max": max(values)})
-        report["trees"][tree] = columns
+        shares = [
+            statistics.median(r[epoch]["checked"] / r[epoch]["images"] for r in rounds) for epoch in range(args.epochs)
+        ]
+        report["trees"][tree] = {"cpu_ms_per_image": columns, "checked_share": shares}
         cells = "  ".join(f"{c['median']:.3f} [{c['min']:.3f} .. {c['max']:.3f}]" for c in columns)
         print(f"  {tree}\n    epochs 0..{args.epochs - 1}: {cells}")
+        print("    share decoded checked: " + "  ".join(f"{share:.2f}" for share in shares))
     if len(trees) == 2:
         first, second = runs[trees[0]], runs[trees[1]]
         for epoch in range(args.epochs):
