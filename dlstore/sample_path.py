@@ -165,7 +165,7 @@ class SamplePath:
         spent ~5% more CPU an image (medians of 6 rounds) reading the rows below crops of
         samples another worker had decoded. One byte a sample (1.3 MB for ImageNet); where
         shared memory cannot be had, each process keeps its own marks as before. The ranks of
-        a node keep theirs apart."""
+        a node share theirs through the cache directory (`dlstore.cache.marks`)."""
         if self._shared_marks is not None:
             return
         count = int(self.shard_sizes.sum())
