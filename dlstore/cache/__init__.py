@@ -27,13 +27,17 @@ Layout of the directory::
                         writer holds LOCK_SH on it while it lives (`policy`)
     slots/slot-<i>.lock the node's connection slots (`slots`): each GET to the store holds
                         one with LOCK_EX; readers-waiting.lock: LOCK_SH while a reader waits
+    marks/<namespace>-<dataset>.bin
+                        one byte a sample: 1 once some process of the node has decoded it
+                        cleanly (`marks`); `clear_cache` leaves them (a dataset's bytes, named
+                        by `<dataset>`, never change, nor do their marks)
 
 Invariants (DESIGN.md, "Cache invariants") and how they hold:
 
 * **Byte limit.** Bytes on disk = published shards + reservations of downloads in flight
   + the 1 KiB stats file (not counted: the readers' hint files, about 60 bytes per shard
-  of a reader's share, and the kept sample indexes, 8 bytes per sample, a 4 KiB block at
-  least each). A download reserves its full size under the cache-wide lock
+  of a reader's share, the kept sample indexes, 8 bytes per sample, a 4 KiB block at
+  least each, and the decode marks, one byte per sample of a dataset). A download reserves its full size under the cache-wide lock
   (creating its temp file, whose name carries the size) after evicting shards that no
   reader holds (in `policy`'s order); if they cannot make room it waits, and raises `CacheFull`
   after `wait_timeout_s`. So the directory never exceeds the limit, not even by the shard
