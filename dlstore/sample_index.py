@@ -184,6 +184,11 @@ class SampleIndex:
         """The shard's checksum as the manifest writes it (`"sha256:<hex>"`, `"xxh3_128:<hex>"`)."""
         return _field_checksum(self.shard_digest)
 
+    @property
+    def checksum_algorithm(self) -> str:
+        """The algorithm of `checksum` (`dlstore.checksums`)."""
+        return self.checksum.partition(":")[0]
+
     def with_checksum(self, checksum: str) -> SampleIndex:
         """This index for the shard of checksum `checksum`."""
         try:

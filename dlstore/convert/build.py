@@ -163,7 +163,6 @@ class ShardBuilder:
 def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
     """The manifest's entry for a shard whose sample index is `index` (serialised as `index_bytes`):
     the index's checksum in the algorithm of the shard's."""
-    algorithm = index.checksum.partition(":")[0]
     return ShardInfo(
         name,
         index.shard_size,
@@ -171,7 +170,7 @@ def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
         index.checksum,
         index_name(name),
         len(index_bytes),
-        checksum_of(index_bytes, algorithm),
+        checksum_of(index_bytes, index.checksum_algorithm),
     )
 
 
@@ -181,7 +180,7 @@ def _same_tar(old: SampleIndex, new: SampleIndex) -> bool:
     digests."""
     if not np.array_equal(new.offsets, old.offsets) or new.shard_size != old.shard_size:
         return False
-    if old.checksum.partition(":")[0] == new.checksum.partition(":")[0]:
+    if old.checksum_algorithm == new.checksum_algorithm:
         return old.shard_digest == new.shard_digest
     return old.sample_digests is not None and old.sample_digests == new.sample_digests
 
@@ -204,8 +203,8 @@ def _rescanned(store: Store, task: ShardTask, old: SampleIndex, algorithm: str) 
 def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool, algorithm: str) -> Built | None:
     """The shard as an earlier run left it, if it is complete and was built from the same recipe.
     A version 1 sample index (no sample digests), or one whose checksum is not in `algorithm`
-    (the conversion's), is rewritten in place from the stored tar: one read of it, no
-    re-encode, so the tar's bytes stay."""
+    (the conversion's), is rewritten in place from the stored tar: one read of it (two for a
+    version 1 index of another algorithm), no re-encode, so the tar's bytes stay."""
     if task.name not in sizes or index_name(task.name) not in sizes:
         return None
     try:
@@ -217,8 +216,8 @@ def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash:
         return None
     rewritten = index
     if rewritten.version < 2:  # checked in its own algorithm: a version 1 index has no sample digests
-        rewritten = _rescanned(store, task, rewritten, rewritten.checksum.partition(":")[0])
-    if rewritten is not None and not rewritten.checksum.startswith(f"{algorithm}:"):
+        rewritten = _rescanned(store, task, rewritten, rewritten.checksum_algorithm)
+    if rewritten is not None and rewritten.checksum_algorithm != algorithm:
         rewritten = _rescanned(store, task, rewritten, algorithm)  # checked by its sample digests
     if rewritten is None:
         return None
