@@ -340,8 +340,9 @@ def parse_exports(text: str) -> dict[str, str]:
 def upload_to_swift(
     workdir: Path, env: dict[str, str], samples_per_shard: int, checksum_algorithm: str = DEFAULT_ALGORITHM
 ) -> tuple[str, StoreConfig]:
-    """The same shards (the conversion is deterministic) written straight into Swift: at
-    swift://bench/train with the default checksums, else at swift://bench/train-<algorithm>."""
+    """The same shards (the conversion is deterministic) written straight into Swift, at
+    swift://bench/train-<samples per shard> (and -<algorithm> for checksums other than the
+    default): a run of another size or algorithm leaves the others' data in place."""
     import swiftclient
 
     from dlstore.convert import ConvertOptions, convert
@@ -349,7 +350,8 @@ def upload_to_swift(
     config = StoreConfig.from_env(env)
     swift = config.swift
     swiftclient.Connection(swift.auth_url, swift.user, swift.key.reveal() if swift.key else None).put_container("bench")
-    url = "swift://bench/train" + ("" if checksum_algorithm == DEFAULT_ALGORITHM else f"-{checksum_algorithm}")
+    url = f"swift://bench/train-{samples_per_shard}"
+    url += "" if checksum_algorithm == DEFAULT_ALGORITHM else f"-{checksum_algorithm}"
     options = ConvertOptions(
         split="train", samples_per_shard=samples_per_shard, workers=1, checksum_algorithm=checksum_algorithm
     )
