@@ -24,7 +24,7 @@ import xxhash
 
 from dlstore.errors import ConfigError
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "Hasher", "checksum_of", "new_hasher", "parse_checksum"]
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "Hasher", "checksum_of", "is_checksum", "new_hasher", "parse_checksum"]
 
 #: The digest size in bytes of each algorithm a checksum may use.
 ALGORITHMS = {"xxh3_128": 16, "sha256": 32}
@@ -64,6 +64,11 @@ def checksum_of(data: bytes | bytearray | memoryview, algorithm: str) -> str:
 _CHECKSUM_RE = {name: re.compile(rf"{name}:[0-9a-f]{{{2 * size}}}\Z") for name, size in ALGORITHMS.items()}
 
 
+def is_checksum(text: str, algorithm: str) -> bool:
+    """Whether `text` is a whole checksum of `algorithm`: `"<algorithm>:"` and its lowercase hex digits."""
+    return bool(_CHECKSUM_RE[algorithm].match(text))
+
+
 def parse_checksum(checksum: str) -> tuple[str, str]:
     """`(algorithm, hex digest)` of a checksum; `ConfigError` unless it is one of ours, whole.
 
@@ -75,7 +80,7 @@ def parse_checksum(checksum: str) -> tuple[str, str]:
         raise ConfigError(
             f"checksum {str(checksum)[:80]!r} is not '<algorithm>:<hex>' with an algorithm of {sorted(ALGORITHMS)}"
         )
-    if not _CHECKSUM_RE[algorithm].match(checksum):
+    if not is_checksum(checksum, algorithm):
         raise ConfigError(
             f"checksum {checksum[:80]!r}: expected '{algorithm}:' and {2 * ALGORITHMS[algorithm]} lowercase hex digits"
         )

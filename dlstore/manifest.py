@@ -46,7 +46,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dlstore.checksums import ALGORITHMS, checksum_of
+from dlstore.checksums import ALGORITHMS, checksum_of, is_checksum
 from dlstore.config import format_size
 from dlstore.errors import ConfigError, FormatError
 from dlstore.sample_index import SampleIndex
@@ -65,7 +65,6 @@ FORMAT = "dlstore-dataset"
 FORMAT_VERSION = 2  # the newest this dlstore reads and writes
 _SHA256_ONLY_VERSION = 1
 
-_CHECKSUM_RE = {name: re.compile(rf"{name}:[0-9a-f]{{{2 * size}}}\Z") for name, size in ALGORITHMS.items()}
 _FIELD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 
 
@@ -262,7 +261,7 @@ def _key(value: Any, where: str) -> str:
 
 def _checksum(value: Any, where: str, algorithm: str) -> str:
     text = _str(value, where)
-    if not _CHECKSUM_RE[algorithm].match(text):
+    if not is_checksum(text, algorithm):
         digits = 2 * ALGORITHMS[algorithm]
         raise FormatError(f"{where}: expected '{algorithm}:' and {digits} lowercase hex digits, found {text[:80]!r}")
     return text
