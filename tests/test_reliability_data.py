@@ -120,11 +120,13 @@ def flip(data: bytes, at: int) -> bytes:
     return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
 
 
-@pytest.mark.parametrize("workers", [0, 1])
-def test_a_corrupt_shard_in_the_store_is_a_clear_corrupt_shard(tmp_path, workers):
+@pytest.mark.parametrize("workers, algorithm", [(0, "xxh3_128"), (1, "xxh3_128"), (1, "sha256")])
+def test_a_corrupt_shard_in_the_store_is_a_clear_corrupt_shard(tmp_path, workers, algorithm):
+    """Either algorithm of the manifest's checksums (format 2's XXH3, format 1's SHA-256)."""
     url = f"file://{tmp_path}/data"
     store = open_store(url)
-    write_dataset(store, [4, 4, 4])
+    write_dataset(store, [4, 4, 4], checksum_algorithm=algorithm)
+    assert Manifest.load(store).checksum_algorithm == algorithm
     good = store.get_bytes("shard-000001.tar")
     store.put("shard-000001.tar", flip(good, len(good) // 3))  # same size, other bytes
     ds = dataset(url, tmp_path / "cache")

@@ -35,14 +35,15 @@ def write_dataset(
     sizes: list[int],
     corrupt_keys: frozenset[str] = frozenset(),
     truncated_keys: frozenset[str] = frozenset(),
+    checksum_algorithm: str = "xxh3_128",
 ) -> list[str]:
     """Shards of the given sample counts; returns every key. Keys are unique across shards.
     `corrupt_keys` get bytes that are no JPEG; `truncated_keys` a JPEG whose header is whole
-    but whose last bytes are cut off."""
+    but whose last bytes are cut off. The manifest's checksums are in `checksum_algorithm`."""
     shards, keys, serial = [], [], 0
     for number, count in enumerate(sizes):
         buffer = io.BytesIO()
-        writer = TarShardWriter(buffer)
+        writer = TarShardWriter(buffer, checksum_algorithm)
         for _ in range(count):
             key = f"s{serial:06d}"
             label = serial % NUM_CLASSES
