@@ -42,7 +42,7 @@ def test_bench_cold_loader_runs_with_its_peers_and_leaks_no_secret(swift_server,
     before = _swift_affinities(swift_server)
     run = _bench(
         swift_server, tmp_path, "--rates", "40MB", "--peers", "--checksums", "xxh3_128,sha256", *store_cores,
-        "--json", str(report),
+        "--unmarked-warm", "--json", str(report),
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(report.read_text())
@@ -52,6 +52,9 @@ def test_bench_cold_loader_runs_with_its_peers_and_leaks_no_secret(swift_server,
         assert figures["cold_img_s"]["median"] > 0 and figures["warm_img_s"]["median"] > 0
         # The cold epoch's extra CPU by thread kind (too little to time at this size: only reported).
         assert set(figures["cold_ms_per_mb"]) == {"decode", "download", "prefetch", "other"}
+        # --unmarked-warm: a warm first epoch beside the warm one, and the cold one against it.
+        assert figures["cold_over_unmarked_warm"]["median"] > 0 and figures["unmarked_warm_over_warm"]["median"] > 0
+        assert set(figures["cold_ms_per_mb_over_unmarked"]) == set(figures["cold_ms_per_mb"])
     assert list(result["peers"]) == settings
     assert all(p["webdataset_img_s"]["median"] > 0 for p in result["peers"].values())
     printed = run.stdout + run.stderr + report.read_text()

@@ -37,6 +37,10 @@ shuffle window is in) and the time to the first batch when cold (from `iter()`).
 the local Swift and the emulators on cores of their own, as a remote store would be. With
 the thread engine it also says where the cold epoch's extra CPU goes, per MB of shards and
 by thread kind (`THREAD_KINDS`: decode, the downloads' receive and write, the prefetch's checksums).
+A warm epoch decodes crop-only what the cache's decode marks (`dlstore.cache.marks`) know to
+decode cleanly, a cold one (a fresh cache directory) every image checked, as any first epoch
+does; ``--unmarked-warm`` adds a warm epoch with the marks cleared, so that the cold epoch's
+gap splits into the first epoch's decode and the downloads'.
 
 Examples (small smoke runs; the defaults are full ones)::
 
@@ -491,16 +495,23 @@ def loader_rounds(urls: dict[str, str], env: Mapping[str, str], args: argparse.N
             for setting, (config, wan) in settings.items():
                 for variant, (fetch, algorithm) in variants.items():
                     warm = loader_epoch(urls[algorithm], direct, warm_dirs[algorithm], args, {})
+                    unmarked = None
+                    if args.unmarked_warm:  # a first epoch over a warm cache: every image decoded checked
+                        shutil.rmtree(
+                            os.path.join(warm_dirs[algorithm], "marks"), ignore_errors=True
+                        )  # the layout's marks/
+                        unmarked = loader_epoch(urls[algorithm], direct, warm_dirs[algorithm], args, {})
                     if wan is not None:
                         wan.reset_counts()
                     cold = cold_epoch(urls[algorithm], config, args, fetch, tmp)
                     if wan is not None:
                         cold.connections = wan.stats()["most_open"]
-                    runs[(setting, variant)] = (warm, cold)
+                    runs[(setting, variant)] = (warm, cold) if unmarked is None else (warm, cold, unmarked)
                     print(
                         f"round {number + 1} {setting:<18} {variant:<30} warm {warm.images_per_s:7.0f} img/s"
                         f"  cold {cold.images_per_s:7.0f} img/s  ratio {cold.images_per_s / warm.images_per_s:.3f}"
-                        f"  cold first batch {cold.first_batch_s:.2f}s",
+                        f"  cold first batch {cold.first_batch_s:.2f}s"
+                        + ("" if unmarked is None else f"  warm unmarked {unmarked.images_per_s:7.0f} img/s"),
                         file=sys.stderr,
                     )
                 if args.peers:
@@ -525,8 +536,8 @@ def summarize_loader(rounds: list[dict], megabytes: float) -> dict:
     for key in rounds[0]:
         if key[1] == PEER:
             continue
-        pairs = [r[key] for r in rounds]
-        out[" | ".join(key)] = {
+        pairs = [r[key][:2] for r in rounds]
+        out[" | ".join(key)] = entry = {
             "cold_over_warm": spread([c.images_per_s / w.images_per_s for w, c in pairs]),
             "cold_first_batch_s": spread([c.first_batch_s for _, c in pairs]),
             "after_first_batch_cold_over_warm": spread([c.after_first_img_s / w.after_first_img_s for w, c in pairs]),
@@ -547,6 +558,21 @@ def summarize_loader(rounds: list[dict], megabytes: float) -> dict:
                 for kind in (*THREAD_KINDS.values(), "other")
             },
         }
+        if len(rounds[0][key]) == 3:  # --unmarked-warm: the cold epoch against a warm first epoch
+            unmarked = [(r[key][2], r[key][1]) for r in rounds]
+            entry["cold_over_unmarked_warm"] = spread([c.images_per_s / u.images_per_s for u, c in unmarked])
+            entry["unmarked_warm_over_warm"] = spread(
+                [u.images_per_s / w.images_per_s for (w, _), (u, _) in zip(pairs, unmarked)]
+            )
+            entry["cold_ms_per_mb_over_unmarked"] = {
+                kind: spread(
+                    [
+                        1e3 * (c.threads_cpu_s.get(kind, 0.0) - u.threads_cpu_s.get(kind, 0.0)) / megabytes
+                        for u, c in unmarked
+                    ]
+                )
+                for kind in (*THREAD_KINDS.values(), "other")
+            }
     return out
 
 
@@ -580,6 +606,16 @@ def print_loader_report(report: dict) -> None:
                 "      cold - warm CPU per MB of shards (this process's threads; medians): "
                 + ", ".join(f"{kind} {value['median']:.2f} ms" for kind, value in extra.items())
             )
+        if "cold_over_unmarked_warm" in res:
+            ratio, share = res["cold_over_unmarked_warm"], res["unmarked_warm_over_warm"]
+            print(
+                f"      warm first epoch (decode marks cleared)/warm {share['median']:.3f}"
+                f" [{share['min']:.3f} .. {share['max']:.3f}];"
+                f" cold/warm first epoch {ratio['median']:.3f} [{ratio['min']:.3f} .. {ratio['max']:.3f}]; CPU per MB beyond it: "
+                + ", ".join(
+                    f"{kind} {value['median']:.2f} ms" for kind, value in res["cold_ms_per_mb_over_unmarked"].items()
+                )
+            )
 
 
 def loader_main(argv: list[str]) -> int:
@@ -612,6 +648,12 @@ def loader_main(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--peers", action="store_true", help="also WebDataset streaming the shards from Swift (pipe:curl), each setting"
+    )
+    parser.add_argument(
+        "--unmarked-warm",
+        action="store_true",
+        help="also a warm epoch with the cache's decode marks cleared (every image decoded checked, as in any "
+        "first epoch, as in the cold one): what of cold/warm is the downloads'",
     )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
