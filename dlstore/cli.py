@@ -301,9 +301,9 @@ def _add_checksum_option(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--checksum",
         choices=sorted(ALGORITHMS),
-        default=DEFAULT_ALGORITHM,
-        help=f"the shards' checksums (default {DEFAULT_ALGORITHM}: fast; sha256 where a pinned manifest must "
-        "vouch for every byte)",
+        default=None,
+        help=f"the shards' checksums: {DEFAULT_ALGORITHM} (fast) or sha256 (where a pinned manifest must vouch "
+        f"for every byte); default: those of the dataset already there, else {DEFAULT_ALGORITHM}",
     )
 
 

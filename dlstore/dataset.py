@@ -144,7 +144,7 @@ class Dataset(torch.utils.data.Dataset):
             except DlstoreError as exc:  # damaged, missing, or the store failed for good: fetched whole
                 log.warning("shard %r is fetched whole on this node: %s", info.name, exc)
                 continue
-            if index is None or index.version < 2:
+            if index is None or not index.has_sample_digests:
                 log.warning(  # a whole extra shard per epoch on this node: worth a line by default
                     "shard %r is fetched whole on this node, which reads only samples %d-%d of it: %s "
                     "(`dlstore convert` run again, or `dlstore index`, writes version 2 indexes)",

@@ -1,21 +1,24 @@
 """The per-shard sample index (`shard-000000.idx`): where each sample of a shard starts and
-ends, and in version 2 each sample's digest. It sits beside its shard; the manifest
+ends, and from version 2 on each sample's digest. It sits beside its shard; the manifest
 (`dlstore.manifest`) names it and holds its size and checksum.
 
-File layout (little-endian, 88-byte header, `n + 1` offsets, and in version 2 `n` sample
-digests)::
+File layout (little-endian, 88-byte header, `n + 1` offsets, and from version 2 on `n`
+sample digests)::
 
-    0   8   magic b"DLSIDX02" (version 2) or b"DLSIDX01" (version 1: no sample digests)
+    0   8   magic b"DLSIDX03" (version 3), b"DLSIDX02" (version 2) or b"DLSIDX01" (version 1:
+            no sample digests)
     8   8   uint64  n, the number of samples
     16  8   uint64  the shard's size in bytes
-    24  32  the shard's digest (`shard_digest`): SHA-256's 32 bytes, or XXH3-128's 16 bytes
-            followed by b"xxh3_128" and 8 zero bytes (the manifest's `checksum_algorithm`)
+    24  32  the shard's digest (`shard_digest`): SHA-256's 32 bytes (versions 1 and 2), or
+            XXH3-128's 16 bytes followed by b"xxh3_128" and 8 zero bytes (version 3; the
+            manifest's `checksum_algorithm`)
     56  32  recipe: SHA-256 of what the shard was built from (zeros when unknown)
     88  8(n+1)  uint64 offsets: sample i is the bytes [offsets[i], offsets[i+1]) of the shard,
             from its first tar header to the end of its last member's padding;
             offsets[n] is where the last sample ends (the end-of-archive blocks follow)
-    .   16n     version 2 only: the first 16 bytes of the SHA-256 of each sample's bytes
-            [offsets[i], offsets[i+1]) (`sample_digest`)
+    .   16n     version 2, and version 3 as written by `convert` and `index` (a node cache
+            keeps version 3 indexes without; the file's size tells): the first 16 bytes
+            of the SHA-256 of each sample's bytes [offsets[i], offsets[i+1]) (`sample_digest`)
 
 Samples i..j-1 are therefore one ranged GET of `[offsets[i], offsets[j])`, which
 `dlstore.shards.parse_samples` turns back into samples. The recipe lets an interrupted
@@ -23,12 +26,19 @@ conversion recognise a finished shard without reading it again.
 
 Why per-sample digests: the shard's checksum verifies a whole shard only, so a cache that
 fetches part of a shard (a node's share of a shard it splits with its neighbour,
-`dlstore.cache.partial`) could not verify what it fetched. With version 2 each sample of a
+`dlstore.cache.partial`) could not verify what it fetched. From version 2 on each sample of a
 range is checked on its own; the index itself is trusted through the manifest's
 `index_checksum`. 16 bytes of SHA-256 per sample (2^-128 odds of missing a damaged one) add
 ~20 MB to ImageNet's indexes (1.28 M samples), next to its 147 GB of shards. `dlstore
-convert` and `dlstore index` write version 2; readers accept both, and a version 1 index
-only means that its shard is always fetched whole.
+convert` and `dlstore index` write version 3 (version 2 with `--checksum sha256`); readers
+accept all three, and a version 1 index only means that its shard is always fetched whole.
+
+Why version 3: its layout is version 2's, but a dlstore that knows only SHA-256 would take
+an XXH3 digest for the first half of a SHA-256 one (and a conversion it resumes would write
+a wrong checksum into its manifest); the new magic makes it refuse the index instead (a
+conversion then rebuilds the shard). An index written as version 2 with an XXH3 digest (by
+the dlstore before version 3) is still read, and rewritten as version 3 by the next
+`convert` that keeps its shard.
 
 The shard's digest names its algorithm (`digest_field`) so that an index never passes for
 another algorithm's: the tag after an XXH3 digest stands where a SHA-256 digest has 16 more
@@ -124,7 +134,8 @@ class SampleIndex:
     (2, SampleSpan(offset=2048, size=3072), SampleSpan(offset=0, size=5120), 1)
     """
 
-    MAGIC = b"DLSIDX02"
+    MAGIC = b"DLSIDX03"
+    MAGIC_V2 = b"DLSIDX02"
     MAGIC_V1 = b"DLSIDX01"
     _HEADER = struct.Struct("<8sQQ32s32s")
 
@@ -209,13 +220,22 @@ class SampleIndex:
 
     @property
     def version(self) -> int:
-        """The file format this index is written in: 2 with sample digests, 1 without."""
+        """The file format this index is written in: for a shard checked with SHA-256, 2 with
+        sample digests and 1 without; for any other algorithm, 3 (`has_sample_digests` says
+        whether it has them: a node cache keeps such indexes without)."""
+        if self.checksum_algorithm != "sha256":
+            return 3
         return 1 if self.sample_digests is None else 2
 
+    @property
+    def has_sample_digests(self) -> bool:
+        """Whether each sample can be checked on its own (`digest`): a shard read in part needs it."""
+        return self.sample_digests is not None
+
     def digest(self, i: int) -> bytes:
-        """Sample i's digest (`sample_digest` of its bytes); `FormatError` for a version 1 index."""
+        """Sample i's digest (`sample_digest` of its bytes); `FormatError` for an index without them."""
         if self.sample_digests is None:
-            raise FormatError("a version 1 sample index has no sample digests")
+            raise FormatError(f"this sample index (version {self.version}) has no sample digests")
         self[i]  # bounds check
         i %= len(self)
         return self.sample_digests[SAMPLE_DIGEST_SIZE * i : SAMPLE_DIGEST_SIZE * (i + 1)]
@@ -238,26 +258,31 @@ class SampleIndex:
         return f"SampleIndex({len(self)} samples, shard_size={self.shard_size}, version={self.version})"
 
     def to_bytes(self) -> bytes:
-        """The index file: version 2 with sample digests, else version 1."""
-        magic = self.MAGIC_V1 if self.sample_digests is None else self.MAGIC
+        """The index file, in its `version`."""
+        magic = {1: self.MAGIC_V1, 2: self.MAGIC_V2, 3: self.MAGIC}[self.version]
         header = self._HEADER.pack(magic, len(self), self.shard_size, self.shard_digest, self.recipe)
         return header + self.offsets.astype("<u8").tobytes() + (self.sample_digests or b"")
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> SampleIndex:
-        """Parse and validate an index file (version 1 or 2); anything malformed is a `FormatError`."""
+        """Parse and validate an index file (version 1, 2 or 3); anything malformed is a `FormatError`."""
         data = bytes(data)
         size = cls._HEADER.size
         if len(data) < size + 8:
             raise FormatError(f"a sample index is at least {size + 8} bytes, this one has {len(data)}")
         magic, count, shard_size, shard_digest, recipe = cls._HEADER.unpack_from(data)
-        if magic not in (cls.MAGIC, cls.MAGIC_V1):
+        if magic not in (cls.MAGIC, cls.MAGIC_V2, cls.MAGIC_V1):
             # A later version keeps the prefix: say so, or the index reads as foreign or damaged.
             newer = "; made by a newer dlstore: upgrade it" if magic[:6] == cls.MAGIC[:6] and magic > cls.MAGIC else ""
             raise FormatError(
-                f"not a dlstore sample index (magic {magic!r}, expected {cls.MAGIC!r} or {cls.MAGIC_V1!r}){newer}"
+                f"not a dlstore sample index (magic {magic!r}, expected {cls.MAGIC!r}, {cls.MAGIC_V2!r} "
+                f"or {cls.MAGIC_V1!r}){newer}"
             )
-        per_sample = 8 + (SAMPLE_DIGEST_SIZE if magic == cls.MAGIC else 0)
+        # Version 3 has sample digests unless its size says it has none (a node cache's copy).
+        with_digests = magic == cls.MAGIC_V2 or (
+            magic == cls.MAGIC and (count == 0 or len(data) != size + 8 + 8 * count)
+        )
+        per_sample = 8 + (SAMPLE_DIGEST_SIZE if with_digests else 0)
         if len(data) != size + 8 + per_sample * count:
             raise FormatError(f"sample index says {count} samples but holds {(len(data) - size - 8) / per_sample:g}")
         if shard_size >= 2**62:
@@ -266,8 +291,11 @@ class SampleIndex:
         offsets = np.frombuffer(data, dtype="<u8", offset=size, count=count + 1)
         if np.any(offsets >= 2**62):
             raise FormatError("sample index has an impossible offset")
-        digests = data[end:] if magic == cls.MAGIC else None
-        return cls(offsets.astype(np.int64), shard_size, shard_digest, recipe, digests)
+        digests = data[end:] if with_digests else None
+        index = cls(offsets.astype(np.int64), shard_size, shard_digest, recipe, digests)
+        if magic == cls.MAGIC and index.checksum_algorithm == "sha256":
+            raise FormatError("a version 3 sample index holds a SHA-256 shard digest, which version 2 holds")
+        return index
 
 
 def load_sample_index(store, shard: ShardInfo) -> SampleIndex:

@@ -340,7 +340,7 @@ class SamplePath:
                 return None
             except DlstoreError as exc:
                 log.info("shard %r is read from the cache only: %s", info.name, exc)
-            if index is not None and index.version < 2:
+            if index is not None and not index.has_sample_digests:
                 index = None
         with self._lock:
             self._store_indexes[shard] = index

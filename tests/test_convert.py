@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import os
 import shutil
 import signal
@@ -597,19 +598,22 @@ def test_convert_into_swift_over_both_apis(data, tmp_path, request, api, swift_s
 def _check_sample_digests(store, manifest: Manifest) -> None:
     for shard in manifest.shards:
         index = load_sample_index(store, shard)
-        assert index.version == 2 and store.get_bytes(shard.index)[:8] == b"DLSIDX02"
+        # Version 3 for XXH3 (which a dlstore that knows only SHA-256 refuses), 2 for SHA-256.
+        version = 3 if manifest.checksum_algorithm == "xxh3_128" else 2
+        assert index.version == version and store.get_bytes(shard.index)[:8] == b"DLSIDX0%d" % version
+        assert index.has_sample_digests
         data = store.get_bytes(shard.name)
         for i in range(len(index)):
             assert index.digest(i) == sample_digest(data[index.offsets[i] : index.offsets[i + 1]])
 
 
-def test_convert_and_index_write_version_2_sample_indexes(data, tmp_path):
+def test_convert_and_index_write_sample_digests(data, tmp_path):
     made = data["imagenet"]
     summary = convert("imagenet", made.root, f"file://{tmp_path}/conv", dataclasses.replace(OPTS, samples_per_shard=5))
     store = open_store(f"file://{tmp_path}/conv")
     _check_sample_digests(store, summary.manifest)
     assert verify_dataset(store, deep=True).ok
-    # The same shards indexed in place (as foreign shards): the same version 2 indexes.
+    # The same shards indexed in place (as foreign shards): the same indexes.
     shutil.copytree(tmp_path / "conv", tmp_path / "foreign", ignore=shutil.ignore_patterns("*.idx", MANIFEST_NAME))
     indexed = index_dataset(f"file://{tmp_path}/foreign")
     _check_sample_digests(open_store(f"file://{tmp_path}/foreign"), indexed)
@@ -634,16 +638,23 @@ def test_deep_verify_catches_a_wrong_sample_digest(data, tmp_path):
     assert not report.ok and any("sample digests do not match" in p for p in report.problems)
 
 
-@pytest.mark.parametrize("index_version, first_algorithm", [(1, "xxh3_128"), (1, "sha256"), (2, "sha256")])
-def test_a_rerun_rewrites_old_indexes_without_rebuilding_the_tars(data, tmp_path, index_version, first_algorithm):
-    """Indexes without sample digests (version 1), or checked with another algorithm (a
-    conversion begun with SHA-256, resumed with the default), are rewritten from the stored
-    tars; a tar that is not the one its index describes is rebuilt."""
+@pytest.mark.parametrize(
+    "index_version, first_algorithm, rerun_algorithm",
+    [(1, "xxh3_128", None), (1, "sha256", None), (2, "sha256", "xxh3_128"), (1, "sha256", "xxh3_128")],
+)
+def test_a_rerun_rewrites_old_indexes_without_rebuilding_the_tars(
+    data, tmp_path, index_version, first_algorithm, rerun_algorithm
+):
+    """Indexes without sample digests (version 1), or checked with another algorithm than the
+    one asked for (a SHA-256 conversion run again with --checksum xxh3_128), are rewritten from
+    the stored tars; a tar that is not the one its index describes, by a byte anywhere (a
+    sample, a header, the end-of-archive blocks), is rebuilt. Without --checksum the rerun
+    keeps the dataset's algorithm."""
     made = data["imagenet"]
     url = f"file://{tmp_path}/conv"
     options = dataclasses.replace(OPTS, samples_per_shard=5)
     first = convert("imagenet", made.root, url, dataclasses.replace(options, checksum_algorithm=first_algorithm))
-    assert first.manifest.checksum_algorithm == first_algorithm
+    assert first.manifest.checksum_algorithm == first_algorithm and first.shards > 3
     store = open_store(url)
     tars = {s.name: store.get_bytes(s.name) for s in first.manifest.shards}
     for shard in first.manifest.shards if index_version == 1 else ():  # as a dlstore before sample digests
@@ -651,17 +662,43 @@ def test_a_rerun_rewrites_old_indexes_without_rebuilding_the_tars(data, tmp_path
         store.put(
             shard.index, SampleIndex(index.offsets, index.shard_size, index.shard_digest, index.recipe).to_bytes()
         )
-    # Tars that are not the ones their indexes describe: a byte of a sample, a byte of a header.
-    for shard, at in ((first.manifest.shards[0].name, 600), (first.manifest.shards[1].name, 10)):
+    # Tars that are not the ones their indexes describe: a byte of a sample, of a header, of the end blocks.
+    names = [s.name for s in first.manifest.shards]
+    for shard, at in ((names[0], 600), (names[1], 10), (names[2], len(tars[names[2]]) - 1)):
         store.put(shard, tars[shard][:at] + bytes([tars[shard][at] ^ 1]) + tars[shard][at + 1 :])
-    again = convert("imagenet", made.root, url, options)
-    assert again.shards_reused == first.shards - 2 and again.shards_written == 2  # only the damaged ones
+    again = convert("imagenet", made.root, url, dataclasses.replace(options, checksum_algorithm=rerun_algorithm))
+    assert again.shards_reused == first.shards - 3 and again.shards_written == 3  # only the damaged ones
     _check_sample_digests(store, again.manifest)
     assert {s.name: store.get_bytes(s.name) for s in again.manifest.shards} == tars
-    assert again.manifest.checksum_algorithm == "xxh3_128"
+    algorithm = rerun_algorithm or first_algorithm
+    assert again.manifest.checksum_algorithm == algorithm
     assert [(s.name, s.size, s.checksum) for s in again.manifest.shards] == [
-        (name, len(tar), checksum_of(tar, "xxh3_128")) for name, tar in tars.items()
+        (name, len(tar), checksum_of(tar, algorithm)) for name, tar in tars.items()
     ]
-    if first_algorithm == "xxh3_128":  # what a resume checks
+    if rerun_algorithm is None:  # the same checksums: a checkpoint saved on the first run still resumes
         assert [s.checksum for s in again.manifest.shards] == [s.checksum for s in first.manifest.shards]
+        assert again.manifest.shard_table_digest == first.manifest.shard_table_digest
     assert verify_dataset(store).ok
+
+
+def test_a_conversion_resumed_or_indexed_again_keeps_its_checksum_algorithm(data, tmp_path, caplog):
+    """Without --checksum, a conversion resumed after it was cut (no manifest yet: its kept
+    indexes tell) and `index` run again keep the dataset's algorithm; asked for another, the
+    conversion rewrites the checksums and says that checkpoints saved on it will not resume."""
+    made = data["imagenet"]
+    url = f"file://{tmp_path}/conv"
+    options = dataclasses.replace(OPTS, samples_per_shard=5)
+    first = convert("imagenet", made.root, url, dataclasses.replace(options, checksum_algorithm="sha256"))
+    store = open_store(url)
+    store.delete(MANIFEST_NAME)  # as a conversion cut before its end leaves it
+    store.delete(first.manifest.shards[-1].name)
+    resumed = convert("imagenet", made.root, url, options)
+    assert resumed.shards_reused == first.shards - 1 and resumed.manifest.checksum_algorithm == "sha256"
+    assert resumed.manifest.shard_table_digest == first.manifest.shard_table_digest
+    with caplog.at_level(logging.WARNING, logger="dlstore.convert"):
+        switched = convert("imagenet", made.root, url, dataclasses.replace(options, checksum_algorithm="xxh3_128"))
+    assert switched.shards_written == 0 and switched.manifest.checksum_algorithm == "xxh3_128"
+    assert any("--resume-any-data" in r.getMessage() for r in caplog.records)
+    assert index_dataset(url).checksum_algorithm == "xxh3_128"  # indexed again in place
+    assert index_dataset(url, checksum_algorithm="sha256").checksum_algorithm == "sha256"
+    assert index_dataset(url).checksum_algorithm == "sha256"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import logging
 import os
@@ -882,21 +883,48 @@ def test_the_ranks_of_a_node_share_which_samples_decode_cleanly(local_dataset, t
     assert all(rank1.samples._node_marks.known(i) for i in read1 | decoded0)
 
 
-def test_node_decode_marks_that_cannot_be_kept_stay_in_memory(tmp_path, caplog):
-    """A full disk (/dev/full) or a cache directory that cannot hold the file: nothing is
-    known, marking is no error, and it is said once."""
+def test_node_decode_marks_that_cannot_be_kept_stay_in_memory(tmp_path, caplog, monkeypatch):
+    """A file that cannot be written (a full disk) is still read; a cache directory that cannot
+    hold the file gives nothing known; marking is never an error, and each is said once."""
     caplog.set_level(logging.INFO, logger="dlstore.cache.marks")
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "decode marks" in r.getMessage()]
+
+    shared = str(tmp_path / "marks" / "m.bin")
+    NodeMarks(shared).mark(5)
+    full = NodeMarks(shared)
+    with monkeypatch.context() as patched:  # the disk fills up: every write fails with ENOSPC
+        patched.setattr(os, "pwrite", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left")))
+        full.mark(6)
+        full.mark(7)
+    assert full.known(5) and not full.known(6) and not full.known(7)
+    full.mark(8)  # no longer written, even with room again
+    assert not NodeMarks(shared).known(8)
+    assert len(said()) == 1 and "read, not written" in said()[0] and "No space left" in said()[0]
+    if os.path.exists("/dev/full"):  # reads as zeros, every write ENOSPC
+        device = NodeMarks("/dev/full")
+        device.mark(3)
+        assert not device.known(3) and len(said()) == 2 and "read, not written" in said()[1]
     (tmp_path / "file").write_bytes(b"")
-    for path in ("/dev/full", str(tmp_path / "file" / "marks.bin")):
-        if path == "/dev/full" and not os.path.exists(path):
-            continue
-        marks = NodeMarks(path)
-        marks.mark(3)
-        marks.mark(4)
-        assert not marks.known(3) and not marks.known(4)
-    assert 1 <= len([r for r in caplog.records if "kept per process" in r.getMessage()]) <= 2
+    nowhere = NodeMarks(str(tmp_path / "file" / "marks.bin"))  # its directory would be a file
+    nowhere.mark(3)
+    nowhere.mark(4)
+    assert not nowhere.known(3) and not nowhere.known(4) and "not used" in said()[-1]
+    assert len(said()) == 2 + os.path.exists("/dev/full")  # once per process and file
+    real_open = os.open
+
+    def users_file(path, flags, *args):  # another user's file, in a cache shared by several (root passes any check)
+        if path == shared and flags & os.O_RDWR:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "open", users_file)
+        theirs = NodeMarks(shared)
+        theirs.mark(9)
+        assert theirs.known(5) and not theirs.known(9) and "read, not written" in said()[-1]
     kept = NodeMarks(str(tmp_path / "marks" / "m.bin"))
-    kept.mark(5)
     again = pickle.loads(pickle.dumps(kept))  # as a worker process gets it: the file opened anew
     assert again.known(5) and not again.known(4) and not again.known(10**6)
 

@@ -335,9 +335,35 @@ def test_sample_index_version_1_is_still_read_and_has_no_digests():
     with pytest.raises(FormatError, match="version 1"):
         again.digest(0)
     with pytest.raises(FormatError, match="not a dlstore sample index"):
-        SampleIndex.from_bytes(b"DLSIDX03" + data[8:])
+        SampleIndex.from_bytes(b"DLSIDX04" + data[8:])
     with pytest.raises(FormatError, match="newer dlstore"):
-        SampleIndex.from_bytes(b"DLSIDX03" + data[8:])
+        SampleIndex.from_bytes(b"DLSIDX04" + data[8:])
+
+
+def test_sample_index_version_3_holds_a_digest_of_another_algorithm_than_sha256():
+    """An XXH3 shard digest is written as version 3, so that a reader of versions 1 and 2 (which
+    knows only SHA-256, and would take its 16 bytes and tag for a SHA-256 digest) refuses it;
+    version 2 files of XXH3 shards (written before version 3) still read; a node cache keeps
+    version 3 indexes without sample digests."""
+    checksum = checksum_of(b"shard", "xxh3_128")
+    digests = [bytes([i]) * 16 for i in range(3)]
+    index = SampleIndex([0, 1024, 2048, 4096], 10240).with_checksum(checksum).with_sample_digests(digests)
+    data = index.to_bytes()
+    assert data[:8] == b"DLSIDX03" and len(data) == 88 + 8 * 4 + 16 * 3
+    again = SampleIndex.from_bytes(data)
+    assert again == index and again.version == 3 and again.checksum == checksum and again.has_sample_digests
+    old = SampleIndex.from_bytes(b"DLSIDX02" + data[8:])  # as the dlstore before version 3 wrote it
+    assert old == index and old.to_bytes() == data
+    bare = SampleIndex(index.offsets, index.shard_size, index.shard_digest)  # a cache's copy
+    assert bare.to_bytes()[:8] == b"DLSIDX03" and len(bare.to_bytes()) == 88 + 8 * 4
+    again = SampleIndex.from_bytes(bare.to_bytes())
+    assert again == bare and not again.has_sample_digests and again.checksum == checksum
+    with pytest.raises(FormatError, match="sample digests"):
+        again.digest(0)
+    sha = SampleIndex([0, 1024], 2048).with_checksum(checksum_of(b"shard", "sha256")).with_sample_digests([bytes(16)])
+    assert sha.to_bytes()[:8] == b"DLSIDX02" and sha.version == 2
+    with pytest.raises(FormatError, match="version 3 .* SHA-256"):
+        SampleIndex.from_bytes(b"DLSIDX03" + sha.to_bytes()[8:])
 
 
 def test_load_sample_index_checks_the_index_checksum_in_the_manifest(tmp_path):

@@ -10,8 +10,9 @@ Kept here, every process of the node (ranks, their worker processes, a job resta
 node) knows what any of them decoded.
 
 How: `pread` and `pwrite` of one byte, no memory map, so that a full disk or a read-only
-cache is an `OSError` (after which this process keeps its marks in memory only), never a
-SIGBUS. Readers keep what they found in memory (`SamplePath`), so a sample costs the file at
+cache is an `OSError`, never a SIGBUS: a file that cannot be written is still read (another
+user's, on a full disk), one that cannot be read is not used, and this process keeps its
+marks in memory from then on. Readers keep what they found in memory (`SamplePath`), so a sample costs the file at
 most a read and a write per process. The bytes of a sample never change (the file's name
 holds the digest of the dataset's shard table, checksums included), so neither does the
 verdict. A damaged file can only make a corrupt sample's damage below its crop go uncounted.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 
 __all__ = ["NodeMarks"]
 
@@ -32,14 +32,15 @@ _MARKED = b"\x01"
 
 class NodeMarks:
     """The node's marks of one dataset in the file at `path`; picklable (a worker process opens
-    the file again), safe to use from several threads."""
+    the file again), safe to use from several threads and across a fork (no lock is held)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd: int | None = None
         self._pid = -1
-        self._failed = False
-        self._lock = threading.Lock()
+        self._unreadable = False  # no file, or a read failed: nothing known, nothing marked
+        self._unwritable = False  # read-only file, or a write failed (a full disk): marks still read
+        self._said = False
 
     def __getstate__(self) -> dict:
         return {"path": self.path}
@@ -65,36 +66,51 @@ class NodeMarks:
         try:
             return os.pread(fd, 1, sample) == _MARKED
         except OSError as exc:
-            self._give_up(exc)
+            self._unreadable = True
+            self._say(exc)
             return False
 
     def mark(self, sample: int) -> None:
-        """Mark `sample` for the node; a file that cannot take it is given up (no error)."""
+        """Mark `sample` for the node; a file that cannot take it is no longer written (no error)."""
         fd = self._file()
-        if fd is None:
+        if fd is None or self._unwritable:
             return
         try:
             os.pwrite(fd, _MARKED, sample)
         except OSError as exc:
-            self._give_up(exc)
+            self._unwritable = True
+            self._say(exc)
 
     def _file(self) -> int | None:
-        if self._failed:
+        if self._unreadable:
             return None
-        if self._pid == os.getpid():
+        pid = os.getpid()
+        if self._pid == pid:
             return self._fd
-        with self._lock:
-            if self._pid != os.getpid():  # first use in this process (a fork shares the parent's fd: kept apart)
-                try:
-                    os.makedirs(os.path.dirname(self.path), exist_ok=True)
-                    self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                except OSError as exc:
-                    self._fd = None
-                    self._give_up(exc)
-                self._pid = os.getpid()
-        return self._fd
+        # First use in this process (a fork shares the parent's fd: kept apart). Two threads
+        # may both open it: the one published last wins, the other's descriptor stays open.
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # as the cache's shared files
+        except PermissionError as exc:  # another user's file, or a read-only cache: read it
+            try:
+                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = None
+            self._unreadable, self._unwritable = fd is None, True
+            self._say(exc)
+        except OSError as exc:
+            fd = None
+            self._unreadable = True
+            self._say(exc)
+        if fd is None:
+            self._unreadable = True
+        self._fd, self._pid = fd, pid
+        return fd
 
-    def _give_up(self, exc: OSError) -> None:
-        if not self._failed:
-            self._failed = True
-            log.info("decode marks kept per process: %s: %s", self.path, exc)
+    def _say(self, exc: OSError) -> None:
+        """Log the first trouble with the file, once per process."""
+        if not self._said:
+            self._said = True
+            what = "read, not written" if not self._unreadable else "not used"
+            log.info("the node's decode marks %s: %s (%s); this process keeps its own", self.path, exc, what)

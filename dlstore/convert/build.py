@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dlstore.checksums import checksum_of, new_hasher
+from dlstore.checksums import DEFAULT_ALGORITHM, checksum_of, new_hasher
 from dlstore.convert.encode import encode_input
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
@@ -132,7 +132,7 @@ class ShardBuilder:
         class Sink:
             write = parts.append
 
-        writer = TarShardWriter(Sink, options.checksum_algorithm)  # type: ignore[arg-type]
+        writer = TarShardWriter(Sink, options.checksum_algorithm or DEFAULT_ALGORITHM)  # type: ignore[arg-type]
         skipped: list[SkippedInput] = []
         digests: list[bytes] = []
         for position in task.positions:
@@ -174,27 +174,30 @@ def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
     )
 
 
-def _same_tar(old: SampleIndex, new: SampleIndex) -> bool:
-    """Whether `new` (walked from the stored tar) describes the tar `old` was written for: the
-    same offsets, and the same checksum where both are of one algorithm, else the same sample
-    digests."""
-    if not np.array_equal(new.offsets, old.offsets) or new.shard_size != old.shard_size:
-        return False
-    if old.checksum_algorithm == new.checksum_algorithm:
-        return old.shard_digest == new.shard_digest
-    return old.sample_digests is not None and old.sample_digests == new.sample_digests
-
-
 def _rescanned(store: Store, task: ShardTask, old: SampleIndex, algorithm: str) -> SampleIndex | None:
-    """`task`'s sample index walked again from the stored tar, version 2 with its checksum in
-    `algorithm`, if the tar is the one `old` describes (else None: it is rebuilt)."""
-    why = "has no sample digests (version 1)" if old.version < 2 else f"is not checked with {algorithm}"
+    """`task`'s sample index walked again from the stored tar, with sample digests and its
+    checksum in `algorithm`, if the tar is the one `old` describes: the same offsets and size,
+    every byte matching `old`'s checksum (hashed in `old`'s algorithm in the same read) and its
+    sample digests where it has them. Else None: the shard is rebuilt."""
+    why = "has no sample digests" if not old.has_sample_digests else f"is not checked with {algorithm}"
     log.info("%s: its sample index %s; rewriting it from the stored tar", task.name, why)
+    before = new_hasher(old.checksum_algorithm)
+
+    def hashed(chunks: Iterator[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            before.update(chunk)
+            yield chunk
+
     try:
-        index = scan_shard(store.get(task.name), sample_digests=True, checksum_algorithm=algorithm)
+        index = scan_shard(hashed(store.get(task.name)), sample_digests=True, checksum_algorithm=algorithm)
     except (FormatError, CorruptShard):  # a damaged tar: rebuilt
         index = None
-    if index is None or not _same_tar(old, index):
+    if index is None or not (
+        np.array_equal(index.offsets, old.offsets)
+        and index.shard_size == old.shard_size
+        and f"{old.checksum_algorithm}:{before.hexdigest()}" == old.checksum
+        and (not old.has_sample_digests or old.sample_digests == index.sample_digests)
+    ):
         log.warning("%s: the tar differs from its sample index; rebuilding it", task.name)
         return None
     return SampleIndex(index.offsets, index.shard_size, index.shard_digest, old.recipe, index.sample_digests)
@@ -202,9 +205,9 @@ def _rescanned(store: Store, task: ShardTask, old: SampleIndex, algorithm: str) 
 
 def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool, algorithm: str) -> Built | None:
     """The shard as an earlier run left it, if it is complete and was built from the same recipe.
-    A version 1 sample index (no sample digests), or one whose checksum is not in `algorithm`
-    (the conversion's), is rewritten in place from the stored tar: one read of it (two for a
-    version 1 index of another algorithm), no re-encode, so the tar's bytes stay."""
+    A sample index without sample digests, or whose checksum is not in `algorithm` (the
+    conversion's), is rewritten in place from the stored tar (one read of it, no re-encode, so
+    the tar's bytes stay); one of an older file version is written again in the current one."""
     if task.name not in sizes or index_name(task.name) not in sizes:
         return None
     try:
@@ -214,14 +217,12 @@ def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash:
         return None
     if index.recipe != task.recipe or index.shard_size != sizes[task.name]:
         return None
-    rewritten = index
-    if rewritten.version < 2:  # checked in its own algorithm: a version 1 index has no sample digests
-        rewritten = _rescanned(store, task, rewritten, rewritten.checksum_algorithm)
-    if rewritten is not None and rewritten.checksum_algorithm != algorithm:
-        rewritten = _rescanned(store, task, rewritten, algorithm)  # checked by its sample digests
+    rewritten: SampleIndex | None = index
+    if not index.has_sample_digests or index.checksum_algorithm != algorithm:
+        rewritten = _rescanned(store, task, index, algorithm)
     if rewritten is None:
         return None
-    if rewritten is not index:
+    if rewritten is not index or rewritten.to_bytes() != index_bytes:  # (a version 2 file of an XXH3 shard)
         index_bytes = rewritten.to_bytes()
         store.put(index_name(task.name), index_bytes)
         return Built(task.number, shard_info(task.name, rewritten, index_bytes), (), reused=True)

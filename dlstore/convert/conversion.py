@@ -6,12 +6,14 @@ in place, so a half-finished dataset is never taken for a finished one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable
 
 from dlstore import __version__
+from dlstore.checksums import DEFAULT_ALGORITHM
 from dlstore.config import StoreConfig
 from dlstore.convert.arrays import ArrayReader
 from dlstore.convert.build import Built, Counters, existing_shard
@@ -20,9 +22,9 @@ from dlstore.convert.options import ConvertOptions, ConvertProgress, ConvertSumm
 from dlstore.convert.shard_plan import ShardTask, plan_tasks
 from dlstore.convert.sources import list_source
 from dlstore.convert.workers import build_shards
-from dlstore.errors import ConfigError, FormatError
+from dlstore.errors import ConfigError, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest
-from dlstore.sample_index import index_name
+from dlstore.sample_index import SampleIndex, index_name
 from dlstore.shards import IMAGE_FIELDS
 from dlstore.storage import Store, open_store
 
@@ -57,9 +59,11 @@ def convert(
     source = list_source(fmt, src, options)
     tasks = plan_tasks(source, options)
     creation = _creation_info(source, options)
+    before = _manifest_algorithm(store)  # before `_check_destination` removes the manifest
     _check_destination(store, creation, options)
 
     listed = {info.key: info.size for info in store.list(options.prefix)}
+    options = _with_checksum_algorithm(options, store, tasks, listed, before)
     built = _kept_shards(store, tasks, listed, options)
     todo = [task for task in tasks if task.number not in built]
     report = _ProgressReport(progress, len(source.items), tasks, built)
@@ -111,6 +115,42 @@ def _check_destination(store: Store, creation: CreationInfo, options: ConvertOpt
             "choose another URL or pass overwrite (--overwrite)"
         )
     store.delete(MANIFEST_NAME)
+
+
+def _manifest_algorithm(store: Store) -> str | None:
+    """The checksum algorithm of the dataset at `store`, if it has a manifest that loads."""
+    try:
+        return Manifest.load(store).checksum_algorithm
+    except (NotFound, FormatError):
+        return None
+
+
+def _with_checksum_algorithm(
+    options: ConvertOptions, store: Store, tasks: list[ShardTask], listed: dict[str, int], before: str | None
+) -> ConvertOptions:
+    """`options` with the conversion's checksum algorithm: the one asked for; else the one the
+    destination already uses (its manifest's `before`, or a kept sample index's), so that a
+    conversion run again or resumed keeps its checksums, and with them its manifest's digest,
+    which the checkpoints saved on the dataset name; else the default."""
+    asked = options.checksum_algorithm
+    if asked is not None:
+        if before is not None and before != asked:
+            log.warning(
+                "%s: rewriting the dataset's checksums from %s to %s (its sample indexes, not its shards): "
+                "checkpoints saved on it resume only with --resume-any-data (strict=False)",
+                store.url,
+                before,
+                asked,
+            )
+        return options
+    found = before
+    kept = next((index_name(task.name) for task in tasks if index_name(task.name) in listed), None)
+    if found is None and kept is not None:
+        try:
+            found = SampleIndex.from_bytes(store.get_bytes(kept)).checksum_algorithm
+        except (NotFound, FormatError):
+            found = None
+    return dataclasses.replace(options, checksum_algorithm=found or DEFAULT_ALGORITHM)
 
 
 def _kept_shards(

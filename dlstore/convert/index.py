@@ -12,7 +12,7 @@ from dlstore import __version__
 from dlstore.checksums import DEFAULT_ALGORITHM
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
-from dlstore.errors import CorruptSample, FormatError
+from dlstore.errors import CorruptSample, FormatError, NotFound
 from dlstore.manifest import CreationInfo, Manifest, ShardInfo
 from dlstore.sample_index import index_name
 from dlstore.shards import parse_label, scan_shard
@@ -29,7 +29,7 @@ def index_dataset(
     label_field: str = "cls",
     workers: int = 4,
     config: StoreConfig | None = None,
-    checksum_algorithm: str = DEFAULT_ALGORITHM,
+    checksum_algorithm: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Manifest:
     """Build sample indexes and `index.json` for the `.tar` shards under `dataset` (written
@@ -37,7 +37,9 @@ def index_dataset(
 
     Labels are the integer `label_field` members; the class count is the largest label + 1
     (class names are then `"0"`, `"1"`, …). Shards without labels give an unlabelled manifest.
-    Checksums are in `checksum_algorithm` (`dlstore.checksums`).
+    Checksums are in `checksum_algorithm` (`dlstore.checksums`); None keeps the algorithm of
+    the manifest already there (indexed before: a checkpoint names the manifest's checksums),
+    else XXH3-128.
 
     >>> index_dataset("s3://bucket/laion-subset").total_samples       # doctest: +SKIP
     """
@@ -45,6 +47,11 @@ def index_dataset(
     names = [info.key for info in store.list("") if info.key.endswith(".tar")]
     if not names:
         raise FormatError(f"{store.url}: expected WebDataset .tar shards, found none")
+    if checksum_algorithm is None:
+        try:
+            checksum_algorithm = Manifest.load(store).checksum_algorithm
+        except (NotFound, FormatError):
+            checksum_algorithm = DEFAULT_ALGORITHM
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dlstore-index") as pool:
         futures = [pool.submit(_index_shard, store, name, label_field, checksum_algorithm) for name in names]
         results = []
@@ -90,7 +97,7 @@ class _IndexedShard:
 
 
 def _index_shard(store: Store, name: str, label_field: str, checksum_algorithm: str) -> _IndexedShard:
-    """Scan one shard, put its sample index (version 2, with sample digests) beside it, and say what it holds."""
+    """Scan one shard, put its sample index (with sample digests) beside it, and say what it holds."""
     found = _IndexedShard()
     index = scan_shard(
         store.get(name),

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
+from dlstore.checksums import ALGORITHMS
 from dlstore.errors import ConfigError
 from dlstore.manifest import Manifest
 
@@ -23,7 +23,9 @@ class ConvertOptions:
     `keep_format` (imagefolder) stores non-JPEG images as they are instead of re-encoding
     them as JPEG; `val_labels` points at an ImageNet ground-truth file when it is not found
     beside the data. `checksum_algorithm`: the shards' and indexes' checksums
-    (`dlstore.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them).
+    (`dlstore.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them); None
+    (the default) keeps the one of the dataset already at the destination (a conversion run
+    again or resumed), else XXH3-128.
     """
 
     split: str | None = None
@@ -43,10 +45,10 @@ class ConvertOptions:
     tmp_dir: str | None = None
     overwrite: bool = False
     rehash_existing: bool = False
-    checksum_algorithm: str = DEFAULT_ALGORITHM
+    checksum_algorithm: str | None = None
 
     def __post_init__(self) -> None:
-        if self.checksum_algorithm not in ALGORITHMS:
+        if self.checksum_algorithm is not None and self.checksum_algorithm not in ALGORITHMS:
             raise ConfigError(
                 f"checksum_algorithm must be one of {sorted(ALGORITHMS)}, not {self.checksum_algorithm!r}"
             )

@@ -139,7 +139,7 @@ def _walk_shard(
         if problem:
             bad.append(problem)
 
-    digests = stored_index is not None and stored_index.version >= 2
+    digests = stored_index is not None and stored_index.has_sample_digests
     try:
         index = scan_shard(
             store.get(shard.name),
