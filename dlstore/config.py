@@ -371,7 +371,7 @@ class DataConfig:
     fetch_shards: int | None = None
     fetch_part_size: int | str | None = None
     fetch_node_connections: int | None = None
-    # A pass's first batches read samples of shards not cached yet straight from the store.
+    # A pass's first batch reads samples of shards not cached yet straight from the store.
     first_batch_direct: bool = True
     # Credentials and retries: not part of what the data is (nor of equality, nor of `to_dict`).
     store: StoreConfig | None = field(default=None, repr=False, compare=False)
@@ -528,7 +528,7 @@ DATA_FLAGS: dict[str, tuple[Any, str]] = {
     ),
     "first_batch_direct": (
         bool,
-        "from a cold cache, read the first batches' samples straight from the store (each checked against its"
-        " digest; at most a quarter of a shard) while their shards download, rather than wait for the shards",
+        "from a cold cache, read the first batch's samples straight from the store (each checked against its"
+        " digest) while its shards download, rather than wait for the shards",
     ),
 }

@@ -20,9 +20,9 @@ from dlstore.cache import CacheConfig, SampleRange, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig
 from dlstore.errors import ConfigError, DlstoreError
 from dlstore.manifest import Manifest
-from dlstore.plan import PlanConfig, RankPlan, locate, node_ranges, rank_plan
+from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
 from dlstore.sample_index import load_sample_index
-from dlstore.sample_path import DIRECT_BUDGET, BatchRequest, SamplePath, StageClock, direct_shards
+from dlstore.sample_path import BatchRequest, SamplePath, StageClock, direct_shards
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -108,10 +108,6 @@ class Dataset(torch.utils.data.Dataset):
         # (`request`, `prefetch_after`, `first_batch_delivered`), and the list to start after it.
         self._prefetch_on_hold = False
         self._held_prefetch: tuple | None = None
-        # Samples of each of the pass's first shards its batches may still read straight from
-        # the store (`_direct_shards`), and the pass (its plan) they are counted for.
-        self._direct_left: dict[int, int] = {}
-        self._direct_pass: RankPlan | None = None
 
     @property
     def shard_sizes(self) -> np.ndarray:
@@ -197,50 +193,15 @@ class Dataset(torch.utils.data.Dataset):
         names += [self.samples.partial[s].key for s in shards if s in self.samples.partial]
         self.cache.set_epoch(epoch, names)
         ids, is_padding = plan.batch(index)
-        # A pass's first batches may read the samples of shards not cached yet straight from
-        # the store: from a cold cache they would wait for whole shards (`dlstore.cache.direct`).
-        direct = self._direct_shards(plan, index, ids) if self.cfg.first_batch_direct else ()
+        # A pass's first batch may read the samples of shards not cached yet straight from the
+        # store: from a cold cache it would wait for whole shards (`dlstore.cache.direct`).
+        direct = direct_shards(ids, self.shard_sizes) if index == 0 and self.cfg.first_batch_direct else ()
         if index == 0 and fresh_pass:
             self._prefetch_on_hold = any(self.samples.may_read_directly(shard) for shard in direct)
             self._held_prefetch = None
             if self._prefetch_on_hold:
                 self.cache.prefetch([])  # a list left by an earlier pass does not go on beside it
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding, direct=direct)
-
-    def _direct_shards(self, plan: RankPlan, index: int, ids: np.ndarray) -> tuple[int, ...]:
-        """The shards whose samples batch `index` of `plan` may read straight from the store if
-        they are not cached when it is built: for a pass's first batch, each shard it reads
-        little of (`direct_shards`); for the batches after it, those of the same shards (the
-        first window's) not cached yet, until `DIRECT_BUDGET` of a shard's samples is spent.
-
-        Why the batches after the first: the prefetch starts once the first batch is handed on
-        (`first_batch_delivered`), and the second batch then waited for the first window's
-        whole shards (two with the window ramp, ~500 MB at the default shard size: ~1 s on
-        loopback with the store on a core of its own, 5% of a cold epoch of 16,000 images on
-        this box). Reading on directly, training goes on while they download; the budget
-        bounds the bytes read twice (there and in the shards) to a quarter of those shards, on
-        a link too slow to bring them in meanwhile."""
-        if index == 0:
-            self._direct_pass, self._direct_left = plan, {}
-            shards = direct_shards(ids, self.shard_sizes)
-            budget = {s: int(DIRECT_BUDGET * self.shard_sizes[s]) for s in plan.batch_shards(0).tolist()}
-        elif plan is self._direct_pass and self._direct_left:
-            shards = tuple(s for s in direct_shards(ids, self.shard_sizes) if s in self._direct_left)
-            budget = self._direct_left
-        else:
-            return ()
-        found, counts = np.unique(locate(ids, self.shard_sizes)[0], return_counts=True)
-        chosen = []
-        for shard, count in zip(found.tolist(), counts.tolist()):
-            if shard not in budget:
-                continue
-            if index > 0 and not self.samples.may_read_directly(shard):
-                budget[shard] = 0  # cached (or never to be read directly): no more asking
-            elif shard in shards and budget[shard] >= count:
-                budget[shard] -= count
-                chosen.append(shard)
-        self._direct_left = {s: left for s, left in budget.items() if left > 0}
-        return tuple(chosen)
 
     def first_batch_delivered(self) -> None:
         """The loader handed on a pass's first batch (index 0): start the prefetch it held back.

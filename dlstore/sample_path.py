@@ -39,7 +39,7 @@ from dlstore.sample_index import SampleIndex, load_sample_index
 from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
 from dlstore.transforms import CropSource, SampleRngs, crop_plan, decode_for_crop, device_jpeg, resize_crop
 
-__all__ = ["DIRECT_BUDGET", "STAGES", "BatchRequest", "SamplePath", "StageClock", "direct_shards", "join_encoded"]
+__all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "direct_shards", "join_encoded"]
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +51,14 @@ STAGES = ("fetch", "read", "decode", "augment", "collate")
 # (in 16 parts at 40 MB/s each) came 0.06-0.08 s later than the shard itself, 2.5% of a
 # 256 MB shard 0.3-1.2 s sooner (`tools/bench_cold.py loader`).
 DIRECT_SHARE = 0.125
-# The most of a shard's samples a pass's first batches read straight from the store, all of
-# them together, while its shard downloads (`Dataset._direct_shards`): a bound on the bytes read
-# twice on a link too slow to bring the shard in meanwhile.
-DIRECT_BUDGET = 0.25
 
 
 @dataclass(frozen=True)
 class BatchRequest:
     """What a worker needs to build one batch: the sample ids, the epoch (for augmentation
     randomness) and the batch's position (for ordering and errors). `direct`: the shards
-    whose samples, when not cached yet, may be read straight from the store (at a pass's
-    start, those its first batches read little of: `Dataset._direct_shards`)."""
+    whose samples, when not cached yet, may be read straight from the store (those a pass's
+    first batch reads little of: `direct_shards`)."""
 
     epoch: int
     index: int
