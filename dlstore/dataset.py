@@ -92,7 +92,7 @@ class Dataset(torch.utils.data.Dataset):
         cache_cfg = CacheConfig(
             cache_dir=self.cfg.cache_dir,
             limit_bytes=self.cfg.cache_limit,
-            prefetch=self.cfg.prefetch_shards,
+            prefetch=self.prefetch_ahead,
             **fetch_settings(self.cfg),
         )
         self.cache = ShardCache(cache_cfg, self.store)
@@ -108,6 +108,24 @@ class Dataset(torch.utils.data.Dataset):
         # (`request`, `prefetch_after`, `first_batch_delivered`), and the list to start after it.
         self._prefetch_on_hold = False
         self._held_prefetch: tuple | None = None
+
+    @functools.cached_property
+    def prefetch_ahead(self) -> int:
+        """How many shards the prefetch fetches beyond those in use: `prefetch_shards`, fewer
+        when this node's share of the data outgrows its cache, so that the window in use and
+        the shards fetched ahead take at most a third of it (one shard at least).
+
+        Why: such a cache streams part of the data every epoch, and keeps from one epoch to the
+        next what the plan needs soonest (`hint_cache`); every shard fetched ahead takes the
+        place of one kept, fetched again later. The issue's case, 24 shards and the cache at
+        half of them (shuffle window 4, `tools/bench_cache_policy.py`): 0.65 of the data per
+        epoch with 4 shards ahead, 0.56 with 2, 0.51 with 1. The cost: on a link slower than
+        the readers, less of the next window comes in ahead of them."""
+        ahead, sizes = self.cfg.prefetch_shards, [s.size for s in self.manifest.shards]
+        if not ahead or not sizes or sum(sizes) / self.world.num_nodes <= self.cfg.cache_limit:
+            return ahead
+        held = self.cfg.cache_limit // max(sizes)
+        return max(1, min(ahead, held // 3 - self.cfg.shuffle_window))
 
     @property
     def shard_sizes(self) -> np.ndarray:
@@ -225,7 +243,7 @@ class Dataset(torch.utils.data.Dataset):
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
         """Ask the cache to fetch in the background the shards batch `index` (just requested)
-        reads, then the next `prefetch_shards` shards the plan reads after them, in the order
+        reads, then the next `prefetch_ahead` shards the plan reads after them, in the order
         it first needs them.
 
         Why the shards in use lead the list: from a cold cache, batch 0 needs every shard of
@@ -250,7 +268,7 @@ class Dataset(torch.utils.data.Dataset):
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
         reading = plan.batch_shards(index).tolist()
-        wanted = len(reading) + self.cfg.prefetch_shards
+        wanted = len(reading) + self.prefetch_ahead
         upcoming = dict.fromkeys(reading)
         for j in range(index + 1, plan.num_batches):
             if len(upcoming) >= wanted:
@@ -302,7 +320,7 @@ class Dataset(torch.utils.data.Dataset):
     def _holds_two_windows(self) -> bool:
         """Whether the cache has room for two shuffle windows (the one read, the next coming
         in) and the prefetch, at the largest shard's size."""
-        working_set = 2 * self.cfg.shuffle_window + self.cfg.prefetch_shards
+        working_set = 2 * self.cfg.shuffle_window + self.prefetch_ahead
         return self.cfg.cache_limit >= working_set * max((s.size for s in self.manifest.shards), default=0)
 
     def _hint_is_stale(self, plan: RankPlan, first_batch: int) -> bool:

@@ -279,9 +279,47 @@ def test_the_hint_puts_shards_in_use_first_then_those_builders_may_still_read(tm
 
 
 def test_a_cache_without_room_for_two_windows_and_the_prefetch_gets_no_hints(tmp_path):
-    roomy = _small_dataset(tmp_path, "roomy", limit_in_shards=2 * 1 + 2)
+    # 8 shards, windows of one: a cache of 3 holds two windows and one shard ahead (the prefetch
+    # of a cache smaller than the data, `prefetch_ahead`); one of 2 does not.
+    roomy = _small_dataset(tmp_path, "roomy", limit_in_shards=2 * 1 + 1)
+    assert roomy.prefetch_ahead == 1
     roomy.hint_cache(roomy.plan(0), 0)
     assert len(os.listdir(os.path.join(roomy.cache.config.cache_dir, HINTS_DIR))) == 1
-    tight = _small_dataset(tmp_path, "tight", limit_in_shards=2 * 1 + 2 - 1)
+    tight = _small_dataset(tmp_path, "tight", limit_in_shards=2 * 1 + 1 - 1)
     tight.hint_cache(tight.plan(0), 0)
     assert not os.path.exists(os.path.join(tight.cache.config.cache_dir, HINTS_DIR))
+
+
+def test_a_cache_smaller_than_the_data_fetches_fewer_shards_ahead(tmp_path):
+    """`prefetch_shards` ahead where the node's share fits the cache; where it does not, the
+    window in use and the shards ahead take at most a third of the cache (one ahead at least),
+    each node counting its own share; none where the prefetch is off."""
+    for limit, nodes, prefetch, ahead in [(8, 1, 2, 2), (4, 2, 2, 2), (7, 1, 2, 1), (4, 1, 2, 1), (8, 1, 0, 0)]:
+        url = f"file://{tmp_path / 'data'}"
+        if not (tmp_path / "data").exists():
+            write_bench_dataset(str(tmp_path / "data"), shards=8, samples=8)
+        size = max(s.size for s in Manifest.load(open_store(url)).shards)
+        ds = dlstore.Dataset(
+            url, cache_dir=str(tmp_path / f"c{limit}-{nodes}-{prefetch}"), cache_limit=limit * size + STATS_FILE_BYTES,
+            world=World(0, nodes, 1), shuffle_window=1, prefetch_shards=prefetch, batch_size=4,
+        )  # fmt: skip
+        assert ds.prefetch_ahead == ahead, (limit, nodes, prefetch)
+        assert ds.cache.config.prefetch == ahead
+        ds.cache.close()
+    big = write_bench_dataset(str(tmp_path / "big"), shards=48, samples=1)
+    size = max(s.size for s in Manifest.load(open_store(big)).shards)
+    ds = dlstore.Dataset(big, cache_dir=str(tmp_path / "half"), cache_limit=24 * size, world=World(0, 1, 1))
+    assert ds.prefetch_ahead == 4  # 24 shards held, windows of 4: 24 // 3 - 4 = 4, the default
+    ds.cache.close()
+
+
+def test_the_issues_layout_at_half_the_cache_fetches_half_of_it_per_epoch(tmp_path):
+    """Issue 12's layout: one rank, 24 shards, the cache at half of them (windows of 4): the
+    window in use and 4 shards ahead took 8 of the cache's 12, and later epochs fetched
+    0.62-0.67 of the dataset (0.8-0.96 over the local Swift); with one shard ahead, about half."""
+    url = write_bench_dataset(str(tmp_path / "data"), shards=24, samples=32)
+    run = fetched_per_epoch(url, str(tmp_path / "cache"), 0.5, epochs=4)
+    shares = [round(share, 3) for share in run.shares]
+    print(f"fraction of the dataset fetched per epoch: {shares}")
+    assert run.hinted and run.fetched[0] == run.dataset_bytes
+    assert sum(shares[1:]) / len(shares[1:]) <= 0.55 and all(share <= 0.6 for share in shares[1:]), shares

@@ -406,11 +406,13 @@ def test_the_prefetch_list_reaches_past_the_shuffle_window_in_use(tmp_path, monk
         assert depths[-1] == (len(lists[-1]), len(reading))
     # A cache without room for two shuffle windows and the prefetch keeps the cache's window:
     # a deeper one would evict shards of the window in use that queued batches still need.
+    # (Smaller than the data, it fetches one shard ahead: `prefetch_ahead`.)
     largest = max(s.size for s in ds.manifest.shards)
     small = dlstore.Dataset(
-        url, cache_dir=str(tmp_path / "small-cache"), cache_limit=(2 * 4 + 3) * largest - 1, world=World(0, 1, 1),
+        url, cache_dir=str(tmp_path / "small-cache"), cache_limit=(2 * 4 + 1) * largest - 1, world=World(0, 1, 1),
         transform="eval", image_size=8, batch_size=16, shuffle_window=4, prefetch_shards=3,
     )  # fmt: skip
+    assert small.prefetch_ahead == 1
     monkeypatch.setattr(small.cache, "prefetch", ds.cache.prefetch)  # the recording one above
     small.prefetch_after(small.plan(0), 0)
     assert depths[-1] == (None, len(small.plan(0).batch_shards(0)))
