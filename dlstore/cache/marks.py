@@ -12,8 +12,8 @@ node) knows what any of them decoded.
 How: `pread` and `pwrite` of one byte, no memory map, so that a full disk or a read-only
 cache is an `OSError`, never a SIGBUS: a file that cannot be written is still read (another
 user's, on a full disk), one that cannot be read is not used, and this process keeps its
-marks in memory from then on. Readers keep what they found in memory (`SamplePath`), so a sample costs the file at
-most a read and a write per process. The bytes of a sample never change (the file's name
+marks in memory from then on. Readers keep what they found in memory (`SamplePath`), so a
+sample costs the file at most a read and a write per process. The bytes of a sample never change (the file's name
 holds the digest of the dataset's shard table, checksums included), so neither does the
 verdict. A damaged file can only make a corrupt sample's damage below its crop go uncounted.
 """
@@ -103,8 +103,6 @@ class NodeMarks:
             fd = None
             self._unreadable = True
             self._say(exc)
-        if fd is None:
-            self._unreadable = True
         self._fd, self._pid = fd, pid
         return fd
 
