@@ -702,3 +702,19 @@ def test_a_conversion_resumed_or_indexed_again_keeps_its_checksum_algorithm(data
     assert index_dataset(url).checksum_algorithm == "xxh3_128"  # indexed again in place
     assert index_dataset(url, checksum_algorithm="sha256").checksum_algorithm == "sha256"
     assert index_dataset(url).checksum_algorithm == "sha256"
+
+
+def test_an_unreadable_kept_index_or_another_dataset_overwritten_passes_on_no_algorithm(data, tmp_path):
+    """A conversion cut before its manifest takes the algorithm of the first kept index that
+    reads (a damaged one is rebuilt); another conversion over it (--overwrite) takes the default."""
+    made = data["imagenet"]
+    url = f"file://{tmp_path}/conv"
+    options = dataclasses.replace(OPTS, samples_per_shard=5)
+    first = convert("imagenet", made.root, url, dataclasses.replace(options, checksum_algorithm="sha256"))
+    store = open_store(url)
+    store.delete(MANIFEST_NAME)
+    store.put(first.manifest.shards[0].index, b"not an index")
+    resumed = convert("imagenet", made.root, url, options)
+    assert resumed.manifest.checksum_algorithm == "sha256" and resumed.shards_written == 1
+    other = convert("imagenet", made.root, url, dataclasses.replace(options, samples_per_shard=4, overwrite=True))
+    assert other.manifest.checksum_algorithm == "xxh3_128"

@@ -924,6 +924,17 @@ def test_node_decode_marks_that_cannot_be_kept_stay_in_memory(tmp_path, caplog, 
         theirs = NodeMarks(shared)
         theirs.mark(9)
         assert theirs.known(5) and not theirs.known(9) and "read, not written" in said()[-1]
+
+    def read_only_mount(path, flags, *args):  # a cache on a read-only file system
+        if path == shared and flags & os.O_RDWR:
+            raise OSError(errno.EROFS, "Read-only file system", path)
+        return real_open(path, flags, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "open", read_only_mount)
+        mounted = NodeMarks(shared)
+        mounted.mark(9)
+        assert mounted.known(5) and not mounted.known(9) and "read, not written" in said()[-1]
     kept = NodeMarks(str(tmp_path / "marks" / "m.bin"))
     again = pickle.loads(pickle.dumps(kept))  # as a worker process gets it: the file opened anew
     assert again.known(5) and not again.known(4) and not again.known(10**6)

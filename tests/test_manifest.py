@@ -360,6 +360,8 @@ def test_sample_index_version_3_holds_a_digest_of_another_algorithm_than_sha256(
     assert again == bare and not again.has_sample_digests and again.checksum == checksum
     with pytest.raises(FormatError, match="sample digests"):
         again.digest(0)
+    cached = SampleIndex.from_bytes(b"DLSIDX01" + bare.to_bytes()[8:])  # a node cache's copy before version 3
+    assert cached == bare and cached.checksum == checksum and cached.to_bytes()[:8] == b"DLSIDX03"
     sha = SampleIndex([0, 1024], 2048).with_checksum(checksum_of(b"shard", "sha256")).with_sample_digests([bytes(16)])
     assert sha.to_bytes()[:8] == b"DLSIDX02" and sha.version == 2
     with pytest.raises(FormatError, match="version 3 .* SHA-256"):

@@ -20,6 +20,7 @@ verdict. A damaged file can only make a corrupt sample's damage below its crop g
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -28,6 +29,8 @@ __all__ = ["NodeMarks"]
 log = logging.getLogger(__name__)
 
 _MARKED = b"\x01"
+# Errors of an open for writing after which the file may still be read.
+_READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class NodeMarks:
@@ -92,16 +95,14 @@ class NodeMarks:
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # as the cache's shared files
-        except PermissionError as exc:  # another user's file, or a read-only cache: read it
-            try:
-                fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                fd = None
-            self._unreadable, self._unwritable = fd is None, True
-            self._say(exc)
         except OSError as exc:
             fd = None
-            self._unreadable = True
+            if exc.errno in _READ_ONLY:  # another user's file, or a read-only cache: read it
+                try:
+                    fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    pass
+            self._unreadable, self._unwritable = fd is None, True
             self._say(exc)
         self._fd, self._pid = fd, pid
         return fd

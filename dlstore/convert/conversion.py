@@ -60,10 +60,13 @@ def convert(
     tasks = plan_tasks(source, options)
     creation = _creation_info(source, options)
     before = _manifest_algorithm(store)  # before `_check_destination` removes the manifest
-    _check_destination(store, creation, options)
+    same = _check_destination(store, creation, options)
 
     listed = {info.key: info.size for info in store.list(options.prefix)}
-    options = _with_checksum_algorithm(options, store, tasks, listed, before)
+    if same:  # another dataset overwritten passes on nothing
+        options = _with_checksum_algorithm(options, store, tasks, listed, before)
+    elif options.checksum_algorithm is None:
+        options = dataclasses.replace(options, checksum_algorithm=DEFAULT_ALGORITHM)
     built = _kept_shards(store, tasks, listed, options)
     todo = [task for task in tasks if task.number not in built]
     report = _ProgressReport(progress, len(source.items), tasks, built)
@@ -100,10 +103,11 @@ def _creation_info(source: Source, options: ConvertOptions) -> CreationInfo:
     )
 
 
-def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> None:
-    """Refuse to overwrite another dataset; remove the manifest before touching any shard."""
+def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> bool:
+    """Refuse to overwrite another dataset; remove the manifest before touching any shard.
+    Whether the destination holds this conversion (or nothing yet)."""
     if not store.exists(MANIFEST_NAME):
-        return
+        return True
     try:
         previous = Manifest.load(store).created
         same = (previous.source_format, previous.options) == (creation.source_format, creation.options)
@@ -115,6 +119,7 @@ def _check_destination(store: Store, creation: CreationInfo, options: ConvertOpt
             "choose another URL or pass overwrite (--overwrite)"
         )
     store.delete(MANIFEST_NAME)
+    return same
 
 
 def _manifest_algorithm(store: Store) -> str | None:
@@ -144,12 +149,17 @@ def _with_checksum_algorithm(
             )
         return options
     found = before
-    kept = next((index_name(task.name) for task in tasks if index_name(task.name) in listed), None)
-    if found is None and kept is not None:
-        try:
-            found = SampleIndex.from_bytes(store.get_bytes(kept)).checksum_algorithm
-        except (NotFound, FormatError):
-            found = None
+    if found is None:  # a conversion cut before its manifest: its first kept index that reads
+        for task in tasks:
+            if index_name(task.name) not in listed:
+                continue
+            try:
+                found = SampleIndex.from_bytes(store.get_bytes(index_name(task.name))).checksum_algorithm
+                break
+            except (NotFound, FormatError):
+                continue
+    if found is not None:
+        log.info("%s: checksums in %s, as the dataset's already there", store.url, found)
     return dataclasses.replace(options, checksum_algorithm=found or DEFAULT_ALGORITHM)
 
 
