@@ -913,28 +913,20 @@ def test_node_decode_marks_that_cannot_be_kept_stay_in_memory(tmp_path, caplog, 
     assert not nowhere.known(3) and not nowhere.known(4) and "not used" in said()[-1]
     assert len(said()) == 2 + os.path.exists("/dev/full")  # once per process and file
     real_open = os.open
+    # Opening for writing refused: another user's file in a cache shared by several (EACCES;
+    # root passes any check, so it is made up here), or a cache on a read-only file system.
+    for refused in (errno.EACCES, errno.EROFS):
 
-    def users_file(path, flags, *args):  # another user's file, in a cache shared by several (root passes any check)
-        if path == shared and flags & os.O_RDWR:
-            raise PermissionError(errno.EACCES, "Permission denied", path)
-        return real_open(path, flags, *args)
+        def refusing(path, flags, *args, refused=refused):
+            if path == shared and flags & os.O_RDWR:
+                raise OSError(refused, os.strerror(refused), path)
+            return real_open(path, flags, *args)
 
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "open", users_file)
-        theirs = NodeMarks(shared)
-        theirs.mark(9)
-        assert theirs.known(5) and not theirs.known(9) and "read, not written" in said()[-1]
-
-    def read_only_mount(path, flags, *args):  # a cache on a read-only file system
-        if path == shared and flags & os.O_RDWR:
-            raise OSError(errno.EROFS, "Read-only file system", path)
-        return real_open(path, flags, *args)
-
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "open", read_only_mount)
-        mounted = NodeMarks(shared)
-        mounted.mark(9)
-        assert mounted.known(5) and not mounted.known(9) and "read, not written" in said()[-1]
+        with monkeypatch.context() as patched:
+            patched.setattr(os, "open", refusing)
+            theirs = NodeMarks(shared)
+            theirs.mark(9)
+            assert theirs.known(5) and not theirs.known(9) and "read, not written" in said()[-1], refused
     kept = NodeMarks(str(tmp_path / "marks" / "m.bin"))
     again = pickle.loads(pickle.dumps(kept))  # as a worker process gets it: the file opened anew
     assert again.known(5) and not again.known(4) and not again.known(10**6)
