@@ -59,8 +59,7 @@ def convert(
     source = list_source(fmt, src, options)
     tasks = plan_tasks(source, options)
     creation = _creation_info(source, options)
-    before = _manifest_algorithm(store)  # before `_check_destination` removes the manifest
-    same = _check_destination(store, creation, options)
+    same, before = _check_destination(store, creation, options)
 
     listed = {info.key: info.size for info in store.list(options.prefix)}
     if same:  # another dataset overwritten passes on nothing
@@ -103,31 +102,25 @@ def _creation_info(source: Source, options: ConvertOptions) -> CreationInfo:
     )
 
 
-def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> bool:
+def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> tuple[bool, str | None]:
     """Refuse to overwrite another dataset; remove the manifest before touching any shard.
-    Whether the destination holds this conversion (or nothing yet)."""
+    Whether the destination holds this conversion (or nothing yet), and the checksum algorithm
+    of the dataset there when it is this conversion's."""
     if not store.exists(MANIFEST_NAME):
-        return True
+        return True, None
     try:
-        previous = Manifest.load(store).created
-        same = (previous.source_format, previous.options) == (creation.source_format, creation.options)
+        previous = Manifest.load(store)
+        same = (previous.created.source_format, previous.created.options) == (creation.source_format, creation.options)
+        algorithm = previous.checksum_algorithm
     except FormatError:
-        same = False
+        same, algorithm = False, None
     if not same and not options.overwrite:
         raise ConfigError(
             f"{store.url} already holds a dataset made from another source or with other options; "
             "choose another URL or pass overwrite (--overwrite)"
         )
     store.delete(MANIFEST_NAME)
-    return same
-
-
-def _manifest_algorithm(store: Store) -> str | None:
-    """The checksum algorithm of the dataset at `store`, if it has a manifest that loads."""
-    try:
-        return Manifest.load(store).checksum_algorithm
-    except (NotFound, FormatError):
-        return None
+    return same, algorithm if same else None
 
 
 def _with_checksum_algorithm(
