@@ -158,6 +158,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         rehash_existing=args.rehash_existing,
         checksum_algorithm=args.checksum,
+        check_decode=not args.no_check_decode,
     )
     started = time.monotonic()
     with tqdm(desc="convert", unit=" img", disable=args.quiet, dynamic_ncols=True) as bar:
@@ -226,6 +227,11 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-shuffle", action="store_true", help="keep the sorted input order")
     p.add_argument("--no-json", action="store_true", help="no per-sample .json (source path and class name)")
     p.add_argument("--strict", action="store_true", help="fail on the first unreadable image instead of skipping it")
+    p.add_argument(
+        "--no-check-decode",
+        action="store_true",
+        help="store JPEGs without decoding them (faster; the loader then checks each sample's rows once per node)",
+    )
     p.add_argument("--prefix", default="shard", help="shard name prefix: PREFIX-000000.tar (default shard)")
     p.add_argument(
         "--tmp-dir", help="where workers stage shards (at most one shard per worker; default: the system temp dir)"

@@ -22,7 +22,8 @@ A dataset is a store prefix holding tar shards, one sample index beside each sha
       ],
       "created": {"tool": "dlstore convert", "tool_version": "0.1.0", "source_format": "imagenet",
                   "source": "ILSVRC2012_img_train.tar", "split": "train", "seed": 0,
-                  "options": {...}},
+                  "options": {...}},                   # "check_decode": true: every JPEG
+                                                       # decoded once (`decode_checked`)
       "extra": {}                                      # free-form, kept as is
     }
 
@@ -158,6 +159,13 @@ class Manifest:
         a sample id means, and which bytes it has. A dataset converted again gets another one."""
         table = [[s.name, s.size, s.samples, s.checksum] for s in self.shards]
         return checksum_of(json.dumps(table).encode(), "sha256")
+
+    @property
+    def decode_checked(self) -> bool:
+        """Whether `dlstore convert` decoded every JPEG of the dataset as the loader's first
+        decode of a sample does, and left out those that failed (`ConvertOptions.check_decode`):
+        the loader may then decode only each crop's rows from the first epoch on."""
+        return self.created.tool == "dlstore convert" and self.created.options.get("check_decode") is True
 
     # -- JSON -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -139,6 +139,9 @@ class SamplePath:
         self._decodes_cleanly: np.ndarray | None = None
         self._shared_marks: torch.Tensor | None = None
         self._node_marks = cache.node_marks(manifest.shard_table_digest.partition(":")[2][:32])
+        # Every sample decodes cleanly where `dlstore convert` checked them all and the cache
+        # checks that a shard's bytes are the ones it wrote (its checksum).
+        self._all_decode_cleanly = manifest.decode_checked and cache.config.verify
         # Each sample's generator (`sample_rng`'s draws), one re-keyed per thread.
         self._rngs = SampleRngs()
         # The stages run in several threads at once (the loader's decode threads): the two
@@ -385,7 +388,7 @@ class SamplePath:
         decodes_cleanly = self._decodes_cleanly
         if decodes_cleanly is None:  # two threads may both make one: a few marks lost, no more
             decodes_cleanly = self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
-        known = bool(decodes_cleanly[sample_id]) or self._node_marks.known(sample_id)
+        known = self._all_decode_cleanly or bool(decodes_cleanly[sample_id]) or self._node_marks.known(sample_id)
         with _timed(clock, "decode"):
             source = decode_for_crop(data, self.cfg.transform, rng, known)
         if not known:

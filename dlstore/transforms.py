@@ -52,6 +52,7 @@ __all__ = [
     "TransformConfig",
     "augment_image",
     "CropSource",
+    "check_decodes",
     "decode_for_crop",
     "decode_image",
     "resize_crop",
@@ -636,6 +637,26 @@ def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float, check
         return None
     pixels = np.frombuffer(buffer, dtype=np.uint8).reshape(y_end - y, region_width, 3)
     return pixels, (left - x0, top - y, right - x0, bottom - y)
+
+
+def check_decodes(data: bytes) -> None:
+    """Raise `CorruptSample` where `decode_for_crop` would for these bytes, whatever the crop:
+    the check its first decode of a sample makes (every row read, libjpeg's warnings taken as
+    errors, the whole decode as the fallback), here at 1/8 scale, where nearly all the cost is
+    the entropy decode that finds bad data (~0.65 ms for a 95 KB JPEG, against ~0.95 ms for a
+    whole decode). `dlstore convert` runs it on every JPEG it stores as it is, so that a
+    dataset's first epoch may decode crop-only (`Manifest.decode_checked`)."""
+    if simplejpeg is None or data[:2] != _JPEG_MAGIC:
+        decode_image(data)
+        return
+    height, width = _jpeg_size(data)
+    if _jpeg_region is not None:
+        try:
+            _jpeg_region.decode_region(data, 0, 0, -(-width // 8), -(-height // 8), 8, True)
+            return
+        except ValueError:
+            pass  # as in `decode_for_crop`: the whole decode decides
+    _decode_jpeg(data, (1, 1))
 
 
 def _decode_scale(box, cfg: TransformConfig) -> float:

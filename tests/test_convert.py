@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from convert_faults import FAULTS
+from loader_support import folder_with_a_jpeg_damaged_below
 from PIL import Image
 
 from dlstore.checksums import checksum_of
@@ -500,6 +501,54 @@ def test_deep_verify_catches_labels_out_of_range_and_undecodable_images(tmp_path
     assert verify_dataset(store).ok
     problems = verify_dataset(store, deep=True).problems
     assert len(problems) == 2 and "'b': png does not decode" in problems[0] and "'c': label b'9'" in problems[1]
+
+
+# -- the decode check ------------------------------------------------------------------------------
+def test_convert_decodes_every_jpeg_it_stores_and_leaves_out_those_the_loader_would_skip(tmp_path, capsys):
+    source = folder_with_a_jpeg_damaged_below(tmp_path / "src")
+    damaged = (source / "class_a" / "damaged.jpg").read_bytes()
+    with Image.open(io.BytesIO(damaged)) as image:
+        assert image.format == "JPEG" and image.mode == "RGB"  # what convert looked at before
+
+    summary = convert("imagefolder", source, f"file://{tmp_path}/checked", OPTS)
+    assert [s.id for s in summary.skipped] == ["class_a/damaged.jpg"]
+    assert "cannot decode image" in summary.skipped[0].reason
+    assert summary.manifest.decode_checked and summary.manifest.created.options["check_decode"] is True
+    assert summary.manifest.total_samples == 6
+    assert verify_dataset(f"file://{tmp_path}/checked", deep=True).ok
+
+    unchecked = convert(
+        "imagefolder", source, f"file://{tmp_path}/unchecked", dataclasses.replace(OPTS, check_decode=False)
+    )
+    assert not unchecked.skipped and unchecked.manifest.total_samples == 7
+    assert not unchecked.manifest.decode_checked
+    problems = verify_dataset(f"file://{tmp_path}/unchecked", deep=True).problems
+    assert len(problems) == 1 and "jpg does not decode" in problems[0]  # the loader skips it every epoch
+
+    with pytest.raises(CorruptSample, match="damaged.jpg"):
+        convert("imagefolder", source, f"file://{tmp_path}/strict", dataclasses.replace(OPTS, strict=True))
+
+    url = f"file://{tmp_path}/cli"
+    assert cli(["convert", "imagefolder", str(source), url, "--workers", "1", "--no-check-decode", "-q"]) == 0
+    manifest = Manifest.load(open_store(url))
+    assert manifest.total_samples == 7 and not manifest.decode_checked
+
+
+def test_a_dataset_converted_before_the_decode_check_is_converted_again_without_overwrite(tmp_path):
+    """A destination whose manifest predates `check_decode` (no such option) is this
+    conversion's, as any destination made with the same options is: a rerun goes on."""
+    source = folder_with_a_jpeg_damaged_below(tmp_path / "src", damaged=False)
+    url = f"file://{tmp_path}/d"
+    convert("imagefolder", source, url, OPTS)
+    raw = json.loads((tmp_path / "d" / MANIFEST_NAME).read_text())
+    del raw["created"]["options"]["check_decode"]
+    (tmp_path / "d" / MANIFEST_NAME).write_text(json.dumps(raw))
+    assert not Manifest.load(open_store(url)).decode_checked
+
+    summary = convert("imagefolder", source, url, OPTS)
+    assert summary.manifest.decode_checked
+    with pytest.raises(ConfigError, match="already holds a dataset"):  # other options still refused
+        convert("imagefolder", source, url, dataclasses.replace(OPTS, seed=9))
 
 
 # -- compatibility with webdataset ----------------------------------------------------------------

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loader_support import NUM_CLASSES, tiny_jpeg, write_dataset
+from loader_support import NUM_CLASSES, damaged_below_jpeg, folder_with_a_jpeg_damaged_below, tiny_jpeg, write_dataset
 from test_shards import MALICIOUS
 
 import dlstore
@@ -324,20 +325,6 @@ def test_corrupt_jpegs_and_wrong_labels_are_counted_and_skipped_or_raised(tmp_pa
     report(f"case 5 (bad samples, {workers} workers)", skipped=len(bad), counted=ds.corrupt_samples)
 
 
-def _damaged_below(width: int = 320, height: int = 240) -> tuple[bytes, int]:
-    """A JPEG whose entropy data is garbled from its lower part on (the end-of-image marker
-    kept), which a whole-image decode refuses; and the first row the damage can reach."""
-    y, x = np.mgrid[0:height, 0:width]
-    pixels = np.stack([(x * 3 + y) % 256, (y * 5) % 256, (x * y // 7) % 256], axis=-1).astype(np.uint8)
-    out = io.BytesIO()
-    from PIL import Image
-
-    Image.fromarray(pixels).save(out, "JPEG", quality=90)
-    data = out.getvalue()
-    start = int(len(data) * 0.8)
-    return data[:start] + bytes(b ^ 0x5A for b in data[start : start + 200]) + data[start + 200 :], height // 2
-
-
 @pytest.mark.parametrize("engine", ["threads", "processes"])
 def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tmp_path, engine):
     """The crop-only decode reads the rows below a box too until a sample has decoded once:
@@ -346,7 +333,7 @@ def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tm
     decoded (from their second epoch on, without the rows below their boxes)."""
     from dlstore.transforms import TransformConfig, crop_plan, decode_image, sample_rng
 
-    damaged, first_bad_row = _damaged_below()
+    damaged, first_bad_row = damaged_below_jpeg()
     with pytest.raises(CorruptSample):
         decode_image(damaged)
     url = f"file://{tmp_path}/data"
@@ -362,6 +349,51 @@ def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tm
         loader.set_epoch(epoch)
         assert sorted(delivered(loader)) == sorted(set(keys) - {"s000002"})
     assert ds.corrupt_samples == epochs
+
+
+class _RegionDecodes:
+    """`dlstore._jpeg_region` that records, per JPEG, whether its first crop-only decode read
+    the rows below the crop too (`check_all`)."""
+
+    def __init__(self, real) -> None:
+        self.real, self.first_checked = real, {}
+
+    def decode_region(self, data, left, top, width, height, denom, check_all=True):
+        self.first_checked.setdefault(bytes(data), bool(check_all))
+        return self.real.decode_region(data, left, top, width, height, denom, check_all)
+
+
+def test_a_dataset_whose_jpegs_convert_decoded_reads_only_the_crops_rows_from_the_first_epoch(tmp_path, monkeypatch):
+    """`dlstore convert` decodes every JPEG once (`check_decode`), so the loader need not read
+    the rows below each crop in a sample's first epoch: the same batches, and no row read
+    below a crop. Without that check, the first epoch reads them (`Manifest.decode_checked`)."""
+    import dlstore.transforms
+    from dlstore.convert import ConvertOptions, convert
+
+    if dlstore.transforms._jpeg_region is None:
+        pytest.skip("dlstore._jpeg_region (the crop-only decode) is not built here")
+    source = folder_with_a_jpeg_damaged_below(tmp_path / "src", damaged=False)
+    epochs = {}
+    for name, check in (("checked", True), ("unchecked", False)):
+        options = ConvertOptions(samples_per_shard=4, workers=1, check_decode=check)
+        manifest = convert("imagefolder", source, f"file://{tmp_path}/{name}", options).manifest
+        assert manifest.decode_checked is check
+        regions = _RegionDecodes(dlstore.transforms._jpeg_region)
+        monkeypatch.setattr(dlstore.transforms, "_jpeg_region", regions)
+        # 64 px crops of 128 x 96 images: never decoded at a reduced scale, so each crop
+        # on whole pixels is decoded alone.
+        ds = dataset(f"file://{tmp_path}/{name}", tmp_path / f"cache-{name}", transform="train", image_size=64)
+        loader = dlstore.Loader(ds, num_workers=2, device="cpu", dtype="uint8", engine="threads")
+        epochs[name] = [(images.clone(), labels.clone()) for images, labels, _ in loader]
+        loader.close()
+        monkeypatch.setattr(dlstore.transforms, "_jpeg_region", regions.real)
+        # (The lookahead may have begun the next epoch: only each JPEG's first decode counts.)
+        assert len(regions.first_checked) == 6 and set(regions.first_checked.values()) == {not check}
+        assert ds.corrupt_samples == 0
+    assert len(epochs["checked"]) == len(epochs["unchecked"]) == 2
+    for (a, la), (b, lb) in zip(epochs["checked"], epochs["unchecked"], strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    assert epochs["checked"][0][0].float().std() > 10  # pixels that show where a crop was taken
 
 
 # -- case 6: fuzzing the reader, the sample index and the manifest, on the paths the dataset uses ----

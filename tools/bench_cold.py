@@ -39,8 +39,10 @@ the thread engine it also says where the cold epoch's extra CPU goes, per MB of 
 by thread kind (`THREAD_KINDS`: decode, the downloads' receive and write, the prefetch's checksums).
 A warm epoch decodes crop-only what the cache's decode marks (`dlstore.cache.marks`) know to
 decode cleanly, a cold one (a fresh cache directory) every image checked, as any first epoch
-does; ``--unmarked-warm`` adds a warm epoch with the marks cleared, so that the cold epoch's
-gap splits into the first epoch's decode and the downloads'.
+does, unless `dlstore convert` decoded every JPEG once (`ConvertOptions.check_decode`, the
+default); ``--unmarked-warm`` adds a warm epoch with the marks cleared, so that the cold epoch's
+gap splits into the first epoch's decode and the downloads'; ``--unchecked-too`` adds the same
+dataset converted without that check.
 
 Examples (small smoke runs; the defaults are full ones)::
 
@@ -475,11 +477,12 @@ def parse_fetch(text: str) -> dict:
 
 
 def loader_rounds(urls: dict[str, str], env: Mapping[str, str], args: argparse.Namespace, tmp: str) -> list[dict]:
-    """`args.rounds` rounds; in each, per setting and fetch variant (and the dataset of each
-    checksum algorithm of `urls`), a warm epoch then a cold one."""
+    """`args.rounds` rounds; in each, per setting and fetch variant (and each dataset of
+    `urls`: a checksum algorithm, converted with or without the decode check), a warm epoch
+    then a cold one."""
     direct = StoreConfig.from_env(env)
     url = next(iter(urls.values()))
-    warm_dirs = {algorithm: os.path.join(tmp, f"warm-cache-{algorithm}") for algorithm in urls}
+    warm_dirs = {name: os.path.join(tmp, f"warm-cache-{name.replace(' ', '-')}") for name in urls}
     for algorithm, dataset in urls.items():
         loader_epoch(dataset, direct, warm_dirs[algorithm], args, {})  # fills the warm cache (and the page cache)
     variants = {
@@ -669,6 +672,12 @@ def loader_main(argv: list[str]) -> int:
         help="also a warm epoch with the cache's decode marks cleared (every image decoded checked, as in any "
         "first epoch, as in the cold one): what of cold/warm is the downloads'",
     )
+    parser.add_argument(
+        "--unchecked-too",
+        action="store_true",
+        help="also each dataset converted with --no-check-decode (the same bytes): its first epochs decode every "
+        "image checked, which a dataset whose JPEGs convert decoded need not",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if args.store_cores:
@@ -678,11 +687,13 @@ def loader_main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="dlstore-bench-cold-") as tmp:
         data = bench_peers.prepare_data(Path(args.workdir or tmp), args.images, args.shards)
         root = data.store_dir.parents[1]
+        checks = (True, False) if args.unchecked_too else (True,)
         urls = {
-            algorithm: bench_loader.upload_to_swift(
-                root, dict(env), -(-args.images // args.shards), checksum_algorithm=algorithm
+            algorithm + ("" if check else " unchecked"): bench_loader.upload_to_swift(
+                root, dict(env), -(-args.images // args.shards), checksum_algorithm=algorithm, check_decode=check
             )[0]
             for algorithm in args.checksums.split(",")
+            for check in checks
         }
         sizes = [p.stat().st_size for p in data.store_dir.glob("*.tar")]
         if args.peers:  # webdataset's faster decoder on these images, as bench_peers picks it

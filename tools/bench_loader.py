@@ -338,11 +338,16 @@ def parse_exports(text: str) -> dict[str, str]:
 
 
 def upload_to_swift(
-    workdir: Path, env: dict[str, str], samples_per_shard: int, checksum_algorithm: str = DEFAULT_ALGORITHM
+    workdir: Path,
+    env: dict[str, str],
+    samples_per_shard: int,
+    checksum_algorithm: str = DEFAULT_ALGORITHM,
+    check_decode: bool = True,
 ) -> tuple[str, StoreConfig]:
     """The same shards (the conversion is deterministic) written straight into Swift, at
     swift://bench/train-<samples per shard> (and -<algorithm> for checksums other than the
-    default): a run of another size or algorithm leaves the others' data in place."""
+    default, -unchecked without `ConvertOptions.check_decode`): a run of another size,
+    algorithm or check leaves the others' data in place."""
     import swiftclient
 
     from dlstore.convert import ConvertOptions, convert
@@ -352,8 +357,13 @@ def upload_to_swift(
     swiftclient.Connection(swift.auth_url, swift.user, swift.key.reveal() if swift.key else None).put_container("bench")
     url = f"swift://bench/train-{samples_per_shard}"
     url += "" if checksum_algorithm == DEFAULT_ALGORITHM else f"-{checksum_algorithm}"
+    url += "" if check_decode else "-unchecked"
     options = ConvertOptions(
-        split="train", samples_per_shard=samples_per_shard, workers=1, checksum_algorithm=checksum_algorithm
+        split="train",
+        samples_per_shard=samples_per_shard,
+        workers=1,
+        checksum_algorithm=checksum_algorithm,
+        check_decode=check_decode,
     )
     convert("imagenet", workdir / "source", url, options, config=config)
     return url, config

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -28,6 +29,34 @@ def tiny_jpeg(label: int, seed: int, px: int = 16) -> bytes:
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, "JPEG", quality=80)
     return out.getvalue()
+
+
+def damaged_below_jpeg(width: int = 320, height: int = 240) -> tuple[bytes, int]:
+    """A JPEG whose entropy data is garbled from its lower part on (the end-of-image marker
+    kept), which a whole-image decode refuses; and the first row the damage can reach. Its
+    pixels depend on position, so a crop of it shows where it was taken."""
+    y, x = np.mgrid[0:height, 0:width]
+    pixels = np.stack([(x * 3 + y) % 256, (y * 5) % 256, (x * y // 7) % 256], axis=-1).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, "JPEG", quality=90)
+    data = out.getvalue()
+    start = int(len(data) * 0.8)
+    return data[:start] + bytes(b ^ 0x5A for b in data[start : start + 200]) + data[start + 200 :], height // 2
+
+
+def folder_with_a_jpeg_damaged_below(root: Path, damaged: bool = True) -> Path:
+    """An image folder of 2 classes x 3 JPEGs stored as they are (pixels that depend on
+    position), and one JPEG garbled below its upper half (`class_a/damaged.jpg`) that Pillow
+    opens and that ends with its end-of-image marker: only a decode of every row tells."""
+    for c, name in enumerate(("class_a", "class_b")):
+        (root / name).mkdir(parents=True)
+        for i in range(3):
+            y, x = np.mgrid[0:96, 0:128]
+            pixels = np.stack([(x * 2 + 40 * i) % 256, (y * 2 + 90 * c) % 256, (x + y) % 256], axis=-1)
+            Image.fromarray(pixels.astype(np.uint8)).save(root / name / f"{i}.jpg", "JPEG", quality=90)
+    if damaged:
+        (root / "class_a" / "damaged.jpg").write_bytes(damaged_below_jpeg()[0])
+    return root
 
 
 def write_dataset(

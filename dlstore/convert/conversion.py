@@ -102,6 +102,15 @@ def _creation_info(source: Source, options: ConvertOptions) -> CreationInfo:
     )
 
 
+def _same_options(before: dict, now: dict) -> bool:
+    """Whether a dataset made with options `before` is this conversion's. A dataset made
+    before `check_decode` existed counts as made with it either way: its shards, made
+    unchecked, are recognised as another recipe's (`shard_plan._recipe`) and rebuilt."""
+    if "check_decode" not in before:
+        now = {k: v for k, v in now.items() if k != "check_decode"}
+    return before == now
+
+
 def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> tuple[bool, str | None]:
     """Refuse to overwrite another dataset; remove the manifest before touching any shard.
     Whether the destination holds this conversion (or nothing yet), and the checksum algorithm
@@ -110,7 +119,9 @@ def _check_destination(store: Store, creation: CreationInfo, options: ConvertOpt
         return True, None
     try:
         previous = Manifest.load(store)
-        same = (previous.created.source_format, previous.created.options) == (creation.source_format, creation.options)
+        same = previous.created.source_format == creation.source_format and _same_options(
+            previous.created.options, creation.options
+        )
         algorithm = previous.checksum_algorithm
     except FormatError:
         same, algorithm = False, None

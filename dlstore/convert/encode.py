@@ -4,7 +4,9 @@ when asked, and stored as JPEG (or, with `keep_format`, in its own format). An i
 not a usable image raises `CorruptSample`.
 
 A cheap check catches truncated files: Pillow parses the header, and a JPEG without its
-end-of-image marker near the end is decoded fully before it is accepted.
+end-of-image marker near the end is decoded fully before it is accepted. With
+`check_decode` (the default) every JPEG stored as it is is also entropy-decoded whole, as the
+loader's first decode of a sample does, so that the loader need not (`Manifest.decode_checked`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from PIL import Image, UnidentifiedImageError
 
 from dlstore.convert.options import ConvertOptions
 from dlstore.errors import CorruptSample
-from dlstore.transforms import jpeg_frame
+from dlstore.transforms import check_decodes, jpeg_frame
 
 __all__ = ["encode_input", "jpeg_header"]
 
@@ -68,6 +70,14 @@ def _encode_array(pixels: np.ndarray, options: ConvertOptions) -> tuple[str, byt
     return "png", out.getvalue()
 
 
+def _checked(jpeg: bytes, options: ConvertOptions) -> bytes:
+    """`jpeg`, once it decodes as the loader's first decode of it would (`check_decodes`),
+    when `options.check_decode`; a JPEG that fails would be skipped in every epoch."""
+    if options.check_decode:
+        check_decodes(jpeg)
+    return jpeg
+
+
 def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str, bytes]:
     """(field, bytes) to store for one input; `CorruptSample` if it is not a usable image."""
     if isinstance(raw, np.ndarray):
@@ -80,7 +90,7 @@ def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str,
         and (not options.resize_max_side or max(header[:2]) <= options.resize_max_side)
         and raw.rfind(b"\xff\xd9", max(0, len(raw) - 4096)) >= 0
     ):
-        return "jpg", raw
+        return "jpg", _checked(raw, options)
     try:
         image = Image.open(io.BytesIO(raw))
         fmt = image.format
@@ -89,7 +99,7 @@ def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str,
         if fmt == "JPEG" and image.mode in ("RGB", "L"):
             if raw.rfind(b"\xff\xd9", max(0, len(raw) - 4096)) < 0:
                 image.load()  # no end-of-image marker near the end: decode to tell truncation from trailing junk
-            return "jpg", raw
+            return "jpg", _checked(raw, options)
         if options.keep_format and fmt in _EXT_OF_FORMAT:
             image.verify()
             return _EXT_OF_FORMAT[fmt], raw

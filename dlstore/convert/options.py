@@ -25,7 +25,11 @@ class ConvertOptions:
     beside the data. `checksum_algorithm`: the shards' and indexes' checksums
     (`dlstore.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them); None
     (the default) keeps the one of the dataset already at the destination (a conversion run
-    again or resumed), else XXH3-128.
+    again or resumed), else XXH3-128. `check_decode`: every JPEG stored as it is is decoded
+    (at 1/8 scale) as the loader's first decode of it would be, and one that fails is skipped
+    like any unreadable input; the manifest then says so (`Manifest.decode_checked`), and the
+    loader decodes only each crop's rows from the first epoch on, where it would otherwise
+    read every row of a sample once per node (~8% of a first epoch's CPU here).
     """
 
     split: str | None = None
@@ -46,6 +50,7 @@ class ConvertOptions:
     overwrite: bool = False
     rehash_existing: bool = False
     checksum_algorithm: str | None = None
+    check_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.checksum_algorithm is not None and self.checksum_algorithm not in ALGORITHMS:
@@ -83,6 +88,7 @@ class ConvertOptions:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "prefix": self.prefix,
+            "check_decode": self.check_decode,
         }
 
 
