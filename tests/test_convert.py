@@ -527,6 +527,9 @@ def test_convert_decodes_every_jpeg_it_stores_and_leaves_out_those_the_loader_wo
 
     with pytest.raises(CorruptSample, match="damaged.jpg"):
         convert("imagefolder", source, f"file://{tmp_path}/strict", dataclasses.replace(OPTS, strict=True))
+    # Shrunk (the damaged JPEG is 320 px wide), it would be a clean JPEG of damaged pixels.
+    shrunk = convert("imagefolder", source, f"file://{tmp_path}/shrunk", dataclasses.replace(OPTS, resize_max_side=100))
+    assert [s.id for s in shrunk.skipped] == ["class_a/damaged.jpg"] and shrunk.manifest.total_samples == 6
 
     url = f"file://{tmp_path}/cli"
     assert cli(["convert", "imagefolder", str(source), url, "--workers", "1", "--no-check-decode", "-q"]) == 0

@@ -20,6 +20,7 @@ from dlstore.transforms import (
     SampleRngs,
     TransformConfig,
     augment_image,
+    check_decodes,
     crop_plan,
     decode_for_crop,
     decode_image,
@@ -707,6 +708,35 @@ def test_a_jpeg_damaged_outside_the_box_is_refused_as_the_whole_decode_refuses_i
     for i in range(16):
         with pytest.raises(CorruptSample):
             transform_image(bad, cfg, sample_rng(0, 0, i))
+
+
+@pytest.mark.parametrize("crop_only_decoder", [True, False], ids=["crop-only", "whole-decode"])
+def test_check_decodes_refuses_exactly_what_a_first_crop_decode_refuses(monkeypatch, crop_only_decoder):
+    """What `dlstore convert` checks once (`check_decodes`) is what the loader's first decode
+    of a sample refuses, with the crop-only decoder or without it: JPEGs damaged below any
+    box, in every encoding; never an intact one; PNGs and other bytes as `decode_image`."""
+    if crop_only_decoder and transforms_module._jpeg_region is None:
+        pytest.skip("dlstore._jpeg_region is not built here")
+    if not crop_only_decoder:
+        monkeypatch.setattr(transforms_module, "_jpeg_region", None)
+    cfg = TransformConfig("train", image_size=32, scale=(0.01, 0.02))
+    for encoding in ({"subsampling": 2}, {"subsampling": 0}, {"progressive": True}, {"grey": True}):
+        data = _photo_jpeg(320, 240, quality=90, **encoding)
+        middle = len(data) // 2
+        flipped = data[:middle] + bytes(b ^ 0x5A for b in data[middle : middle + 64]) + data[middle + 64 :]
+        check_decodes(data)
+        for bad in (data[:middle], flipped):
+            with pytest.raises(CorruptSample):
+                check_decodes(bad)
+            for i in range(4):
+                with pytest.raises(CorruptSample):
+                    decode_for_crop(bad, cfg, sample_rng(0, 0, i))
+    png = io.BytesIO()
+    Image.new("RGB", (9, 7)).save(png, "PNG")
+    check_decodes(png.getvalue())
+    for junk in (b"not an image", png.getvalue()[:40]):
+        with pytest.raises(CorruptSample):
+            check_decodes(junk)
 
 
 @_NO_REGION

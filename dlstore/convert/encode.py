@@ -1,11 +1,11 @@
 """Encoding one input for a shard: a complete JPEG that need not shrink is stored as it is
-(checked by walking its markers, not decoded); anything else is opened with Pillow, resized
+(its markers walked, and with `check_decode` its data decoded once); anything else is opened with Pillow, resized
 when asked, and stored as JPEG (or, with `keep_format`, in its own format). An input that is
 not a usable image raises `CorruptSample`.
 
 A cheap check catches truncated files: Pillow parses the header, and a JPEG without its
 end-of-image marker near the end is decoded fully before it is accepted. With
-`check_decode` (the default) every JPEG stored as it is is also entropy-decoded whole, as the
+`check_decode` (the default) every RGB or grey JPEG input is also entropy-decoded whole, as the
 loader's first decode of a sample does, so that the loader need not (`Manifest.decode_checked`).
 """
 
@@ -72,7 +72,8 @@ def _encode_array(pixels: np.ndarray, options: ConvertOptions) -> tuple[str, byt
 
 def _checked(jpeg: bytes, options: ConvertOptions) -> bytes:
     """`jpeg`, once it decodes as the loader's first decode of it would (`check_decodes`),
-    when `options.check_decode`; a JPEG that fails would be skipped in every epoch."""
+    when `options.check_decode`: a JPEG that fails would be skipped in every epoch, or, shrunk
+    by Pillow (which decodes past damage), stored with its damage as pixels."""
     if options.check_decode:
         check_decodes(jpeg)
     return jpeg
@@ -95,6 +96,8 @@ def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str,
         image = Image.open(io.BytesIO(raw))
         fmt = image.format
         if options.resize_max_side and max(image.size) > options.resize_max_side:
+            if fmt == "JPEG" and image.mode in ("RGB", "L"):
+                _checked(raw, options)  # Pillow would shrink damaged data into a clean JPEG
             return "jpg", _jpeg_bytes(_shrink(image, options.resize_max_side), options.quality)
         if fmt == "JPEG" and image.mode in ("RGB", "L"):
             if raw.rfind(b"\xff\xd9", max(0, len(raw) - 4096)) < 0:
@@ -105,6 +108,8 @@ def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str,
             return _EXT_OF_FORMAT[fmt], raw
         # Other formats and JPEG modes decoders handle badly (CMYK): re-encode as RGB JPEG.
         return "jpg", _jpeg_bytes(image.convert("RGB"), options.quality)
+    except CorruptSample:
+        raise
     except UnidentifiedImageError:
         raise CorruptSample("not an image format Pillow reads") from None
     except Exception as exc:  # Pillow raises many types for bad input (OSError, SyntaxError, ValueError, …)
