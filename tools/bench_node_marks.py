@@ -10,7 +10,9 @@ fresh cache directory per run, the thread engine with `--threads` decode threads
 batches) for `--epochs` epochs and reports each epoch's CPU milliseconds per image (all
 ranks' process CPU over all their images) and the share of images decoded checked (the rows
 below the crop read: a count, where the CPU times are noisy). `--tree` names checkouts to compare (each run with
-that checkout first on PYTHONPATH); rounds interleave them.
+that checkout first on PYTHONPATH); rounds interleave them. The marks matter only for a
+dataset `dlstore convert` did not decode (`--no-check-decode`, or one made by another tool):
+in one it did, no image is decoded checked.
 
 Example (the data of `bench_peers.py`: a dataset both checkouts read)::
 
