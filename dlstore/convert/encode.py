@@ -1,7 +1,7 @@
 """Encoding one input for a shard: a complete JPEG that need not shrink is stored as it is
-(its markers walked, and with `check_decode` its data decoded once); anything else is opened with Pillow, resized
-when asked, and stored as JPEG (or, with `keep_format`, in its own format). An input that is
-not a usable image raises `CorruptSample`.
+(its markers walked, and with `check_decode` its data decoded once); anything else is opened
+with Pillow, resized when asked, and stored as JPEG (or, with `keep_format`, in its own
+format). An input that is not a usable image raises `CorruptSample`.
 
 A cheap check catches truncated files: Pillow parses the header, and a JPEG without its
 end-of-image marker near the end is decoded fully before it is accepted. With
