@@ -537,21 +537,65 @@ def test_convert_decodes_every_jpeg_it_stores_and_leaves_out_those_the_loader_wo
     assert manifest.total_samples == 7 and not manifest.decode_checked
 
 
-def test_a_dataset_converted_before_the_decode_check_is_converted_again_without_overwrite(tmp_path):
-    """A destination whose manifest predates `check_decode` (no such option) is this
-    conversion's, as any destination made with the same options is: a rerun goes on."""
-    source = folder_with_a_jpeg_damaged_below(tmp_path / "src", damaged=False)
+def test_a_dataset_converted_unchecked_is_not_rebuilt_checked_without_overwrite(tmp_path):
+    """A dataset converted without the decode check (as every dataset before it: the same
+    options, the same shard recipes) is converted again with `--no-check-decode` keeping every
+    shard; the default would rebuild them all, so it is refused, saying how to go on."""
+    source = folder_with_a_jpeg_damaged_below(tmp_path / "src")
     url = f"file://{tmp_path}/d"
-    convert("imagefolder", source, url, OPTS)
-    raw = json.loads((tmp_path / "d" / MANIFEST_NAME).read_text())
-    del raw["created"]["options"]["check_decode"]
-    (tmp_path / "d" / MANIFEST_NAME).write_text(json.dumps(raw))
-    assert not Manifest.load(open_store(url)).decode_checked
+    unchecked = dataclasses.replace(OPTS, check_decode=False)
+    first = convert("imagefolder", source, url, unchecked)
+    assert "check_decode" not in first.manifest.created.options  # as a dataset made before the check
+    with pytest.raises(ConfigError, match="without the decode check.*--no-check-decode"):
+        convert("imagefolder", source, url, OPTS)
+    assert Manifest.load(open_store(url)) == first.manifest  # untouched
+    again = convert("imagefolder", source, url, unchecked)
+    assert again.shards_written == 0 and again.shards_reused == first.shards and again.manifest == first.manifest
 
-    summary = convert("imagefolder", source, url, OPTS)
-    assert summary.manifest.decode_checked
-    with pytest.raises(ConfigError, match="already holds a dataset"):  # other options still refused
+    checked = convert("imagefolder", source, url, dataclasses.replace(OPTS, overwrite=True))
+    assert checked.shards_written == checked.shards and checked.manifest.decode_checked
+    assert checked.manifest.total_samples == first.manifest.total_samples - 1  # the damaged JPEG
+    with pytest.raises(ConfigError, match="leave out --no-check-decode"):
+        convert("imagefolder", source, url, unchecked)
+    with pytest.raises(ConfigError, match="another source or with other options"):
         convert("imagefolder", source, url, dataclasses.replace(OPTS, seed=9))
+
+
+def test_cmyk_jpegs_are_checked_before_they_are_re_encoded(tmp_path):
+    """A CMYK JPEG is re-encoded as RGB (by Pillow, which decodes past damaged data): checked
+    first, an intact one is kept and a damaged one left out, not stored as a clean JPEG of
+    damaged pixels."""
+    y, x = np.mgrid[0:240, 0:320]
+    pixels = np.stack([(x * 3 + y) % 256, (y * 5) % 256, (x * y // 7) % 256, (x + 2 * y) % 256], axis=-1)
+    out = io.BytesIO()
+    Image.fromarray(pixels.astype(np.uint8), "CMYK").save(out, "JPEG", quality=90)
+    intact = out.getvalue()
+    cut = int(len(intact) * 0.8)
+    damaged = intact[:cut] + bytes(b ^ 0x5A for b in intact[cut : cut + 200]) + intact[cut + 200 :]
+    with Image.open(io.BytesIO(damaged)) as image:
+        image.load()  # Pillow takes it
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "intact.jpg").write_bytes(intact)
+    (tmp_path / "src" / "a" / "damaged.jpg").write_bytes(damaged)
+    summary = convert("imagefolder", tmp_path / "src", f"file://{tmp_path}/d", OPTS)
+    assert [s.id for s in summary.skipped] == ["a/damaged.jpg"] and summary.manifest.total_samples == 1
+    unchecked = convert(
+        "imagefolder", tmp_path / "src", f"file://{tmp_path}/u", dataclasses.replace(OPTS, check_decode=False)
+    )
+    assert not unchecked.skipped and unchecked.manifest.total_samples == 2
+
+
+def test_without_simplejpeg_convert_stores_jpegs_unchecked_and_says_so(tmp_path, monkeypatch, caplog):
+    """Pillow decodes past damaged data, so without simplejpeg there is no check like the
+    loader's: the manifest must not claim one."""
+    import dlstore.transforms
+
+    monkeypatch.setattr(dlstore.transforms, "simplejpeg", None)
+    source = folder_with_a_jpeg_damaged_below(tmp_path / "src")
+    with caplog.at_level(logging.WARNING, logger="dlstore.convert"):
+        summary = convert("imagefolder", source, f"file://{tmp_path}/d", OPTS)
+    assert not summary.manifest.decode_checked and "check_decode" not in summary.manifest.created.options
+    assert summary.manifest.total_samples == 7 and "needs simplejpeg" in caplog.text
 
 
 # -- compatibility with webdataset ----------------------------------------------------------------

@@ -27,6 +27,7 @@ from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest
 from dlstore.sample_index import SampleIndex, index_name
 from dlstore.shards import IMAGE_FIELDS
 from dlstore.storage import Store, open_store
+from dlstore.transforms import can_check_decodes
 
 __all__ = ["convert"]
 
@@ -54,6 +55,7 @@ def convert(
     ...         ConvertOptions(split="train", samples_per_shard=10000))     # doctest: +SKIP
     """
     started = time.monotonic()
+    options = _with_decode_check(options)
     store = dest if isinstance(dest, Store) else open_store(dest, config)
     store.ensure_container()  # as `swift upload` does; refused rights fail here, before any work
     source = list_source(fmt, src, options)
@@ -102,13 +104,38 @@ def _creation_info(source: Source, options: ConvertOptions) -> CreationInfo:
     )
 
 
-def _same_options(before: dict, now: dict) -> bool:
-    """Whether a dataset made with options `before` is this conversion's. A dataset made
-    before `check_decode` existed counts as made with it either way: its shards, made
-    unchecked, are recognised as another recipe's (`shard_plan._recipe`) and rebuilt."""
-    if "check_decode" not in before:
-        now = {k: v for k, v in now.items() if k != "check_decode"}
-    return before == now
+def _with_decode_check(options: ConvertOptions) -> ConvertOptions:
+    """`options`, without `check_decode` where this Python cannot check JPEGs as the loader's
+    first decode would (no simplejpeg: Pillow decodes past damaged data), so that the manifest
+    never says they were checked when they were not."""
+    if options.check_decode and not can_check_decodes():
+        log.warning(
+            "the JPEGs are stored unchecked: the decode check needs simplejpeg (pip install 'dlstore[fast]'); "
+            "the loader then reads each sample's rows below its crop once per node"
+        )
+        return dataclasses.replace(options, check_decode=False)
+    return options
+
+
+def _refusal(url: str, previous: CreationInfo | None, creation: CreationInfo) -> str:
+    """Why the dataset at `url` (made as `previous` says; None: unreadable) is not
+    overwritten by this conversion: another one, or this one but for the decode check."""
+
+    def without_check(info: CreationInfo) -> tuple:
+        return info.source_format, {k: v for k, v in info.options.items() if k != "check_decode"}
+
+    if previous is not None and without_check(previous) == without_check(creation):
+        if creation.options.get("check_decode"):
+            return (
+                f"{url} already holds this dataset converted without the decode check, which would rebuild every "
+                "shard (and change the dataset's checksums where a JPEG fails it): pass --no-check-decode "
+                "(check_decode=False) to keep its shards, or overwrite (--overwrite) to rebuild them checked"
+            )
+        return f"{url} already holds this dataset with its JPEGs checked: leave out --no-check-decode to keep it"
+    return (
+        f"{url} already holds a dataset made from another source or with other options; "
+        "choose another URL or pass overwrite (--overwrite)"
+    )
 
 
 def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> tuple[bool, str | None]:
@@ -118,18 +145,14 @@ def _check_destination(store: Store, creation: CreationInfo, options: ConvertOpt
     if not store.exists(MANIFEST_NAME):
         return True, None
     try:
-        previous = Manifest.load(store)
-        same = previous.created.source_format == creation.source_format and _same_options(
-            previous.created.options, creation.options
-        )
-        algorithm = previous.checksum_algorithm
+        manifest = Manifest.load(store)
+        previous: CreationInfo | None = manifest.created
+        same = (manifest.created.source_format, manifest.created.options) == (creation.source_format, creation.options)
+        algorithm = manifest.checksum_algorithm
     except FormatError:
-        same, algorithm = False, None
+        previous, same, algorithm = None, False, None
     if not same and not options.overwrite:
-        raise ConfigError(
-            f"{store.url} already holds a dataset made from another source or with other options; "
-            "choose another URL or pass overwrite (--overwrite)"
-        )
+        raise ConfigError(_refusal(store.url, previous, creation))
     store.delete(MANIFEST_NAME)
     return same, algorithm if same else None
 

@@ -5,7 +5,7 @@ format). An input that is not a usable image raises `CorruptSample`.
 
 A cheap check catches truncated files: Pillow parses the header, and a JPEG without its
 end-of-image marker near the end is decoded fully before it is accepted. With
-`check_decode` (the default) every RGB or grey JPEG input is also entropy-decoded whole, as the
+`check_decode` (the default) every JPEG input is also entropy-decoded whole, as the
 loader's first decode of a sample does, so that the loader need not (`Manifest.decode_checked`).
 """
 
@@ -73,7 +73,7 @@ def _encode_array(pixels: np.ndarray, options: ConvertOptions) -> tuple[str, byt
 def _checked(jpeg: bytes, options: ConvertOptions) -> bytes:
     """`jpeg`, once it decodes as the loader's first decode of it would (`check_decodes`),
     when `options.check_decode`: a JPEG that fails would be skipped in every epoch, or, shrunk
-    by Pillow (which decodes past damage), stored with its damage as pixels."""
+    or re-encoded by Pillow (which decodes past damage), stored with its damage as pixels."""
     if options.check_decode:
         check_decodes(jpeg)
     return jpeg
@@ -95,14 +95,14 @@ def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str,
     try:
         image = Image.open(io.BytesIO(raw))
         fmt = image.format
+        if fmt == "JPEG":  # any mode: shrunk or re-encoded, Pillow would make damaged data a clean JPEG
+            _checked(raw, options)
         if options.resize_max_side and max(image.size) > options.resize_max_side:
-            if fmt == "JPEG" and image.mode in ("RGB", "L"):
-                _checked(raw, options)  # Pillow would shrink damaged data into a clean JPEG
             return "jpg", _jpeg_bytes(_shrink(image, options.resize_max_side), options.quality)
         if fmt == "JPEG" and image.mode in ("RGB", "L"):
             if raw.rfind(b"\xff\xd9", max(0, len(raw) - 4096)) < 0:
                 image.load()  # no end-of-image marker near the end: decode to tell truncation from trailing junk
-            return "jpg", _checked(raw, options)
+            return "jpg", raw
         if options.keep_format and fmt in _EXT_OF_FORMAT:
             image.verify()
             return _EXT_OF_FORMAT[fmt], raw

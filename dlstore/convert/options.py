@@ -25,7 +25,7 @@ class ConvertOptions:
     beside the data. `checksum_algorithm`: the shards' and indexes' checksums
     (`dlstore.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them); None
     (the default) keeps the one of the dataset already at the destination (a conversion run
-    again or resumed), else XXH3-128. `check_decode`: every RGB or grey JPEG input is decoded
+    again or resumed), else XXH3-128. `check_decode`: every JPEG input is decoded
     (at 1/8 scale) as the loader's first decode of it would be, and one that fails is skipped
     like any unreadable input; the manifest then says so (`Manifest.decode_checked`), and the
     loader decodes only each crop's rows from the first epoch on, where it would otherwise
@@ -88,7 +88,9 @@ class ConvertOptions:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "prefix": self.prefix,
-            "check_decode": self.check_decode,
+            # Only when set: a conversion without the check keeps the recipes, and so the
+            # shards, of a dataset converted before the check existed.
+            **({"check_decode": True} if self.check_decode else {}),
         }
 
 
