@@ -364,6 +364,7 @@ def upload_to_swift(
         workers=1,
         checksum_algorithm=checksum_algorithm,
         check_decode=check_decode,
+        overwrite=True,  # the bench's own data: one made by an older dlstore is rebuilt, not refused
     )
     convert("imagenet", workdir / "source", url, options, config=config)
     return url, config
