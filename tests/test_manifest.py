@@ -368,6 +368,18 @@ def test_sample_index_version_3_holds_a_digest_of_another_algorithm_than_sha256(
         SampleIndex.from_bytes(b"DLSIDX03" + sha.to_bytes()[8:])
 
 
+@pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
+@pytest.mark.parametrize("digests", [None, b""], ids=["without-digests", "with-digests"])
+def test_a_sample_index_of_no_samples_reads_back_as_it_was_written(algorithm, digests):
+    """A shard with no samples (every input of it unreadable) has an index of no samples: its
+    file reads back as the same index, with or without sample digests (a version 3 file of no
+    samples cannot tell: it has the digests of all of none)."""
+    index = SampleIndex([0], 1024, sample_digests=digests).with_checksum(checksum_of(b"", algorithm))
+    again = SampleIndex.from_bytes(index.to_bytes())
+    assert again == index and again.to_bytes() == index.to_bytes() and len(again) == 0
+    assert again.has_sample_digests == (digests is not None or algorithm != "sha256")
+
+
 def test_load_sample_index_checks_the_index_checksum_in_the_manifest(tmp_path):
     store = open_store(f"file://{tmp_path}")
     index = SampleIndex([0, 1024, 2048], 10240, shard_digest=b"\x01" * 32).with_sample_digests([bytes(16), bytes(16)])
