@@ -396,6 +396,28 @@ def test_a_dataset_whose_jpegs_convert_decoded_reads_only_the_crops_rows_from_th
     assert epochs["checked"][0][0].float().std() > 10  # pixels that show where a crop was taken
 
 
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_no_sample_of_a_dataset_convert_decoded_is_decoded_checked_in_any_process(tmp_path, engine):
+    """The worker processes take every sample as known to decode too: the node's marks (which
+    a first, checked decode of a sample writes, in whichever process) stay empty for a dataset
+    `convert` decoded, and hold every sample for one it did not; the batches are the same."""
+    from dlstore.convert import ConvertOptions, convert
+
+    source = folder_with_a_jpeg_damaged_below(tmp_path / "src", damaged=False)
+    epochs, marked = {}, {}
+    for name, check in (("checked", True), ("unchecked", False)):
+        options = ConvertOptions(samples_per_shard=4, workers=1, check_decode=check)
+        convert("imagefolder", source, f"file://{tmp_path}/{name}", options)
+        cache = tmp_path / f"cache-{name}"
+        ds = dataset(f"file://{tmp_path}/{name}", cache, transform="train", image_size=64)
+        with dlstore.Loader(ds, num_workers=2, device="cpu", dtype="uint8", engine=engine) as loader:
+            epochs[name] = [(images.clone(), labels.clone()) for images, labels, _ in loader]
+        marked[name] = sum(path.read_bytes().count(1) for path in (cache / "marks").glob("*.bin"))
+    assert marked == {"checked": 0, "unchecked": 6}
+    for (a, la), (b, lb) in zip(epochs["checked"], epochs["unchecked"], strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 # -- case 6: fuzzing the reader, the sample index and the manifest, on the paths the dataset uses ----
 def _good_shard() -> tuple[bytes, SampleIndex]:
     buffer = io.BytesIO()
