@@ -719,6 +719,26 @@ def test_convert_and_index_write_sample_digests(data, tmp_path):
         ]
 
 
+def test_index_in_place_of_a_converted_dataset_keeps_its_class_names_and_how_it_was_made(data, tmp_path):
+    """`dlstore index` over a dataset `convert` made (how one made by an older dlstore gets
+    sample digests in place) keeps the manifest's wnids and `created` (with it, the decode
+    check's claim) where its shards are the same bytes; another checksum algorithm keeps the
+    names only; shards changed since, neither."""
+    made = data["imagenet"]
+    url = f"file://{tmp_path}/d"
+    before = convert("imagenet", made.root, url, dataclasses.replace(OPTS, samples_per_shard=5)).manifest
+    assert before.classes[0].startswith("n") and before.decode_checked
+    again = index_dataset(url)
+    assert (again.classes, again.created, again.extra) == (before.classes, before.created, before.extra)
+    assert [s.checksum for s in again.shards] == [s.checksum for s in before.shards] and again.decode_checked
+    assert Manifest.load(open_store(url)) == again
+    sha = index_dataset(url, checksum_algorithm="sha256")
+    assert sha.classes == before.classes and sha.created.tool == "dlstore index" and not sha.decode_checked
+    (tmp_path / "d" / before.shards[-1].name).unlink()
+    fewer = index_dataset(url)
+    assert fewer.classes == tuple(str(i) for i in range(len(fewer.classes))) and fewer.created.tool == "dlstore index"
+
+
 def test_deep_verify_catches_a_wrong_sample_digest(data, tmp_path):
     made = data["imagenet"]
     url = f"file://{tmp_path}/conv"

@@ -3,6 +3,7 @@ readable by dlstore, in place: a sample index beside each `.tar` and an `index.j
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +37,8 @@ def index_dataset(
     by `webdataset.ShardWriter` or any other tool), in place.
 
     Labels are the integer `label_field` members; the class count is the largest label + 1
-    (class names are then `"0"`, `"1"`, …). Shards without labels give an unlabelled manifest.
+    (class names are then `"0"`, `"1"`, …), unless a manifest there before describes the same
+    shards: its class names stay, and its `created` where the checksums match too. Shards without labels give an unlabelled manifest.
     Checksums are in `checksum_algorithm` (`dlstore.checksums`); None keeps the algorithm of
     the manifest already there (indexed before: a checkpoint names the manifest's checksums),
     else XXH3-128.
@@ -47,11 +49,12 @@ def index_dataset(
     names = [info.key for info in store.list("") if info.key.endswith(".tar")]
     if not names:
         raise FormatError(f"{store.url}: expected WebDataset .tar shards, found none")
+    try:
+        previous: Manifest | None = Manifest.load(store)
+    except (NotFound, FormatError):
+        previous = None
     if checksum_algorithm is None:
-        try:
-            checksum_algorithm = Manifest.load(store).checksum_algorithm
-        except (NotFound, FormatError):
-            checksum_algorithm = DEFAULT_ALGORITHM
+        checksum_algorithm = previous.checksum_algorithm if previous is not None else DEFAULT_ALGORITHM
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dlstore-index") as pool:
         futures = [pool.submit(_index_shard, store, name, label_field, checksum_algorithm) for name in names]
         results = []
@@ -70,8 +73,30 @@ def index_dataset(
         label_field=label_field if labelled else None,
         created=CreationInfo(tool="dlstore index", tool_version=__version__, source_format="webdataset"),
     )
+    manifest = _keeping_what_the_shards_had(manifest, previous)
     manifest.save(store)
     return manifest
+
+
+def _keeping_what_the_shards_had(manifest: Manifest, previous: Manifest | None) -> Manifest:
+    """`manifest`, with what the manifest there before (`previous`) said of the same shards:
+    its class names (a converted ImageNet's wnids, not "0", "1", …) where the shards are the
+    same (names, sizes, samples), and its `created` and `extra` where their checksums are the
+    same too (the bytes it describes: `Manifest.decode_checked` still holds). Why: `index` is
+    how a dataset converted by an older dlstore gets sample digests in place."""
+    if previous is None:
+        return manifest
+    same_shards = [(s.name, s.size, s.samples) for s in previous.shards] == [
+        (s.name, s.size, s.samples) for s in manifest.shards
+    ]
+    if not same_shards:
+        return manifest
+    kept: dict = {}
+    if manifest.label_field == previous.label_field and len(previous.classes) >= len(manifest.classes):
+        kept["classes"] = previous.classes
+    if [s.checksum for s in previous.shards] == [s.checksum for s in manifest.shards]:
+        kept.update(created=previous.created, extra=previous.extra)
+    return dataclasses.replace(manifest, **kept)
 
 
 @dataclass
