@@ -167,7 +167,7 @@ class Dataset(torch.utils.data.Dataset):
             if index is None or not index.has_sample_digests:
                 log.warning(  # a whole extra shard per epoch on this node: worth a line by default
                     "shard %r is fetched whole on this node, which reads only samples %d-%d of it: %s "
-                    "(`dlstore convert` run again, or `dlstore index`, writes version 2 indexes)",
+                    "(`dlstore index` writes indexes with them in place, or `dlstore convert --no-check-decode` run again)",
                     info.name,
                     start,
                     stop - 1,

@@ -415,7 +415,7 @@ def describe_dataset(store) -> str:
             # Why it matters: a node then fetches such a shard whole where it needs only part of it.
             lines.append(
                 f"  indexes  {old} of {len(m.shards)} are version 1 (no sample digests: boundary shards are "
-                "fetched whole); `dlstore convert` again, or `dlstore index`, upgrades them"
+                "fetched whole); `dlstore index`, or `dlstore convert --no-check-decode` again, upgrades them"
             )
     c = m.created
     made = " ".join(x for x in (c.tool, c.tool_version) if x) or "unknown"
