@@ -38,7 +38,8 @@ def index_dataset(
 
     Labels are the integer `label_field` members; the class count is the largest label + 1
     (class names are then `"0"`, `"1"`, …), unless a manifest there before describes the same
-    shards: its class names stay, and its `created` where the checksums match too. Shards without labels give an unlabelled manifest.
+    shards: its class names stay, and its `created` where the checksums match too. Shards
+    without labels give an unlabelled manifest.
     Checksums are in `checksum_algorithm` (`dlstore.checksums`); None keeps the algorithm of
     the manifest already there (indexed before: a checkpoint names the manifest's checksums),
     else XXH3-128.
