@@ -722,21 +722,34 @@ def test_convert_and_index_write_sample_digests(data, tmp_path):
 def test_index_in_place_of_a_converted_dataset_keeps_its_class_names_and_how_it_was_made(data, tmp_path):
     """`dlstore index` over a dataset `convert` made (how one made by an older dlstore gets
     sample digests in place) keeps the manifest's wnids and `created` (with it, the decode
-    check's claim) where its shards are the same bytes; another checksum algorithm keeps the
-    names only; shards changed since, neither."""
+    check's claim) where its shards are the same bytes, also in another checksum algorithm,
+    and the recipes of its sample indexes, so that `convert` run again keeps every shard; a
+    shard relabelled in place (the same size), and neither is kept."""
+    import tarfile
+
     made = data["imagenet"]
     url = f"file://{tmp_path}/d"
-    before = convert("imagenet", made.root, url, dataclasses.replace(OPTS, samples_per_shard=5)).manifest
+    options = dataclasses.replace(OPTS, samples_per_shard=5)
+    before = convert("imagenet", made.root, url, options).manifest
     assert before.classes[0].startswith("n") and before.decode_checked
     again = index_dataset(url)
     assert (again.classes, again.created, again.extra) == (before.classes, before.created, before.extra)
     assert [s.checksum for s in again.shards] == [s.checksum for s in before.shards] and again.decode_checked
     assert Manifest.load(open_store(url)) == again
+    rerun = convert("imagenet", made.root, url, options)
+    assert rerun.shards_written == 0 and rerun.shards_reused == len(before.shards)
     sha = index_dataset(url, checksum_algorithm="sha256")
-    assert sha.classes == before.classes and sha.created.tool == "dlstore index" and not sha.decode_checked
-    (tmp_path / "d" / before.shards[-1].name).unlink()
-    fewer = index_dataset(url)
-    assert fewer.classes == tuple(str(i) for i in range(len(fewer.classes))) and fewer.created.tool == "dlstore index"
+    assert (sha.classes, sha.created) == (before.classes, before.created) and sha.checksum_algorithm == "sha256"
+
+    shard = tmp_path / "d" / before.shards[0].name
+    with tarfile.open(shard) as tar:
+        label = next(m for m in tar.getmembers() if m.name.endswith(".cls"))
+    data_bytes = bytearray(shard.read_bytes())
+    data_bytes[label.offset_data] = ord("1") if data_bytes[label.offset_data] == ord("0") else ord("0")
+    shard.write_bytes(bytes(data_bytes))  # another label, the same size
+    relabelled = index_dataset(url)
+    assert relabelled.classes == tuple(str(i) for i in range(len(relabelled.classes)))
+    assert relabelled.created.tool == "dlstore index" and not relabelled.decode_checked
 
 
 def test_deep_verify_catches_a_wrong_sample_digest(data, tmp_path):

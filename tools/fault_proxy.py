@@ -354,9 +354,9 @@ class FaultProxy(LoopThreadServer):
         except (_Closed, ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError):
             close_writer(client_w, rst=True)
         except asyncio.CancelledError:
-            # `_shutdown` cancelled it: end as a handler that returned, since Python 3.11's stream
-            # callback asks a cancelled handler for its exception and logs a traceback.
-            close_writer(client_w, rst=True)
+            # `_shutdown` cancelled it: end as a handler that returned (closed below), since Python
+            # 3.11's stream callback asks a cancelled handler for its exception and logs a traceback.
+            pass
         finally:
             close_writer(client_w, rst=False)
             if upstream is not None:

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dlstore import __version__
-from dlstore.checksums import DEFAULT_ALGORITHM
+from dlstore.checksums import DEFAULT_ALGORITHM, new_hasher
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
 from dlstore.errors import CorruptSample, FormatError, NotFound
 from dlstore.manifest import CreationInfo, Manifest, ShardInfo
-from dlstore.sample_index import index_name
+from dlstore.sample_index import SampleIndex, index_name
 from dlstore.shards import parse_label, scan_shard
 from dlstore.storage import Store, open_store
 
@@ -57,7 +59,10 @@ def index_dataset(
     if checksum_algorithm is None:
         checksum_algorithm = previous.checksum_algorithm if previous is not None else DEFAULT_ALGORITHM
     with ThreadPoolExecutor(max(1, workers), thread_name_prefix="dlstore-index") as pool:
-        futures = [pool.submit(_index_shard, store, name, label_field, checksum_algorithm) for name in names]
+        before = {s.name: s.checksum for s in previous.shards} if previous is not None else {}
+        futures = [
+            pool.submit(_index_shard, store, name, label_field, checksum_algorithm, before.get(name)) for name in names
+        ]
         results = []
         for done, future in enumerate(futures, 1):
             results.append(future.result())
@@ -74,30 +79,22 @@ def index_dataset(
         label_field=label_field if labelled else None,
         created=CreationInfo(tool="dlstore index", tool_version=__version__, source_format="webdataset"),
     )
-    manifest = _keeping_what_the_shards_had(manifest, previous)
+    if previous is not None and all(r.unchanged for r in results) and len(previous.shards) == len(results):
+        manifest = _keeping_what_the_shards_had(manifest, previous)
     manifest.save(store)
     return manifest
 
 
-def _keeping_what_the_shards_had(manifest: Manifest, previous: Manifest | None) -> Manifest:
-    """`manifest`, with what the manifest there before (`previous`) said of the same shards:
-    its class names (a converted ImageNet's wnids, not "0", "1", …) where the shards are the
-    same (names, sizes, samples), and its `created` and `extra` where their checksums are the
-    same too (the bytes it describes: `Manifest.decode_checked` still holds). Why: `index` is
-    how a dataset converted by an older dlstore gets sample digests in place."""
-    if previous is None:
+def _keeping_what_the_shards_had(manifest: Manifest, previous: Manifest) -> Manifest:
+    """`manifest`, with what the manifest there before (`previous`) said of the same shards,
+    byte for byte (their checksums, in its algorithm): its class names (a converted ImageNet's
+    wnids, not "0", "1", …), and its `created` and `extra` (with `Manifest.decode_checked`).
+    Why: `index` is how a dataset converted by an older dlstore gets sample digests in place."""
+    if [(s.name, s.samples) for s in previous.shards] != [(s.name, s.samples) for s in manifest.shards]:
         return manifest
-    same_shards = [(s.name, s.size, s.samples) for s in previous.shards] == [
-        (s.name, s.size, s.samples) for s in manifest.shards
-    ]
-    if not same_shards:
+    if manifest.label_field != previous.label_field or len(previous.classes) < len(manifest.classes):
         return manifest
-    kept: dict = {}
-    if manifest.label_field == previous.label_field and len(previous.classes) >= len(manifest.classes):
-        kept["classes"] = previous.classes
-    if [s.checksum for s in previous.shards] == [s.checksum for s in manifest.shards]:
-        kept.update(created=previous.created, extra=previous.extra)
-    return dataclasses.replace(manifest, **kept)
+    return dataclasses.replace(manifest, classes=previous.classes, created=previous.created, extra=previous.extra)
 
 
 @dataclass
@@ -109,6 +106,7 @@ class _IndexedShard:
     fields: set[str] = field(default_factory=set)
     top_label: int = -1
     unlabelled: bool = False
+    unchanged: bool = False  # the bytes the manifest there before gave this shard a checksum of
 
     def add(self, shard: str, sample: dict, label_field: str) -> None:
         self.fields.update(k for k in sample if not k.startswith("__"))
@@ -122,16 +120,44 @@ class _IndexedShard:
         self.top_label = max(self.top_label, label)
 
 
-def _index_shard(store: Store, name: str, label_field: str, checksum_algorithm: str) -> _IndexedShard:
-    """Scan one shard, put its sample index (with sample digests) beside it, and say what it holds."""
+def _index_shard(
+    store: Store, name: str, label_field: str, checksum_algorithm: str, checksum_before: str | None
+) -> _IndexedShard:
+    """Scan one shard, put its sample index (with sample digests) beside it, and say what it
+    holds, and whether it is the shard `checksum_before` (the manifest there before) names.
+    An index there before of the same bytes gives the new one its recipe digest, by which a
+    conversion run again recognises the shard as its own (`build.existing_shard`)."""
     found = _IndexedShard()
+    try:
+        old: SampleIndex | None = SampleIndex.from_bytes(store.get_bytes(index_name(name)))
+    except (NotFound, FormatError):
+        old = None
+    hashers = {  # the shard's bytes in the algorithms of what was there before, in the same read
+        algorithm: new_hasher(algorithm)
+        for algorithm in {c.partition(":")[0] for c in (checksum_before, old and old.checksum) if c}
+    }
+
+    def hashed(chunks: Iterator[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            for hasher in hashers.values():
+                hasher.update(chunk)
+            yield chunk
+
     index = scan_shard(
-        store.get(name),
+        hashed(store.get(name)),
         on_sample=lambda sample: found.add(name, sample, label_field),
         sample_digests=True,
         checksum_algorithm=checksum_algorithm,
     )
+
+    def is_checksum(checksum: str | None) -> bool:
+        algorithm = (checksum or "").partition(":")[0]
+        return algorithm in hashers and f"{algorithm}:{hashers[algorithm].hexdigest()}" == checksum
+
+    if old is not None and is_checksum(old.checksum) and np.array_equal(old.offsets, index.offsets):
+        index = SampleIndex(index.offsets, index.shard_size, index.shard_digest, old.recipe, index.sample_digests)
     index_bytes = index.to_bytes()
     store.put(index_name(name), index_bytes)
     found.info = shard_info(name, index, index_bytes)
+    found.unchanged = is_checksum(checksum_before)
     return found
