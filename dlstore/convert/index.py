@@ -40,8 +40,8 @@ def index_dataset(
 
     Labels are the integer `label_field` members; the class count is the largest label + 1
     (class names are then `"0"`, `"1"`, …), unless a manifest there before describes the same
-    shards: its class names stay, and its `created` where the checksums match too. Shards
-    without labels give an unlabelled manifest.
+    shards byte for byte: its class names and `created` stay. Shards without labels give an
+    unlabelled manifest.
     Checksums are in `checksum_algorithm` (`dlstore.checksums`); None keeps the algorithm of
     the manifest already there (indexed before: a checkpoint names the manifest's checksums),
     else XXH3-128.
@@ -132,9 +132,10 @@ def _index_shard(
         old: SampleIndex | None = SampleIndex.from_bytes(store.get_bytes(index_name(name)))
     except (NotFound, FormatError):
         old = None
-    hashers = {  # the shard's bytes in the algorithms of what was there before, in the same read
+    hashers = {  # the shard's bytes in the other algorithms of what was there before, in the same read
         algorithm: new_hasher(algorithm)
         for algorithm in {c.partition(":")[0] for c in (checksum_before, old and old.checksum) if c}
+        if algorithm != checksum_algorithm  # `scan_shard` hashes in this one
     }
 
     def hashed(chunks: Iterator[bytes]) -> Iterator[bytes]:
@@ -152,6 +153,8 @@ def _index_shard(
 
     def is_checksum(checksum: str | None) -> bool:
         algorithm = (checksum or "").partition(":")[0]
+        if algorithm == checksum_algorithm:
+            return checksum == index.checksum
         return algorithm in hashers and f"{algorithm}:{hashers[algorithm].hexdigest()}" == checksum
 
     if old is not None and is_checksum(old.checksum) and np.array_equal(old.offsets, index.offsets):
