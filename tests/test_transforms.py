@@ -50,11 +50,22 @@ QUADRANTS = np.array([[[220, 30, 30], [30, 220, 30]], [[30, 30, 220], [220, 220,
 
 
 @pytest.fixture(params=DEVICES)
-def device(request, monkeypatch):
-    """Each of `DEVICES`; on CUDA with TF32 matrix products, as the trainer runs them."""
-    if request.param.startswith("cuda"):
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    return request.param
+def device(request):
+    """Each of `DEVICES`; on CUDA with TF32 matrix products, as the trainer runs them.
+
+    Set and restored by hand: pytest's monkeypatch cannot undo it on torch 2.11 (it deletes the
+    attribute at teardown, an AttributeError on the H100 node's image).
+    """
+    if not request.param.startswith("cuda"):
+        yield request.param
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        yield request.param
+    finally:
+        matmul.allow_tf32 = before
 
 
 def _decode_on(device: str, encoded, rows, size: int):
