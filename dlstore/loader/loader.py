@@ -234,12 +234,12 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     decode call and every kernel launch hands it over: on an H100 node (16 cores, 14 workers,
     ResNet-50 bf16) threads fed 1,045-1,828 img/s where worker processes fed 3,445 (a switch
     interval of 0.5 ms instead of 5 gave the threads 1,251). On the CPU (no loop in between)
-    threads are as fast or faster up to ~8 (2 cores: 1.14x the processes; 16 cores, 4 and 8
-    workers: 1.2x) and spare what processes cost (/dev/shm, a fork, 8x the resident memory,
-    1.6x counting shared pages once, and the `__main__` guard a fork server needs). Past ~8
-    the GIL holds threads back (14 on 16 cores: 0.37-0.88x the processes over four runs on
-    H100 and H200 nodes, `tools/bench_workers.py` and `tools/bench_peers.py`), yet they stay the CPU
-    default: a script that ran on threads must not fail for want of that guard because its
+    threads are as fast or faster on a few cores (2 cores: 1.14x the processes) and spare what
+    processes cost (/dev/shm, a fork, 8x the resident memory, 1.6x counting shared pages once,
+    and the `__main__` guard a fork server needs). On many cores the GIL holds threads back
+    (16 cores, uint8 batches, `tools/bench_workers.py`: 0.89x the processes at 4 workers, 0.52x
+    at 8, 0.36x at 14, since each image got cheaper for the processes; 0.33x at 14 in
+    `tools/bench_peers.py`), yet they stay the CPU default: a script that ran on threads must not fail for want of that guard because its
     machine has more cores (`num_workers` defaults to the cores); ask for processes there. Processes need room in
     `/dev/shm` for the batches in flight (the ranks of a node together): without it, threads,
     with a warning, rather than a loader that fails: `/dev/shm` must be as large as the node's

@@ -10,10 +10,10 @@ hand-off per batch, and a restart at every epoch and resize.
 Where threads lose: beside a GPU training loop. The loop's Python (kernel launches) and the
 threads share the GIL, handed over at every decode call and every launch: on an H100 node (16
 cores, 14 threads, ResNet-50 bf16) the threads fed 1,045-1,828 img/s where worker processes fed
-3,445. `engine="auto"` therefore takes processes for a GPU. And past ~8 threads: each image
-takes the GIL a few times, so on that node (uint8 CPU batches, `tools/bench_workers.py`) 8
-threads fed 2,917 img/s, 14 threads 2,977 and 14 processes 3,512 (the README says when to ask
-for processes on the CPU).
+3,445. `engine="auto"` therefore takes processes for a GPU. And on many cores: each image
+takes the GIL a few times, so on that node (uint8 CPU batches, `tools/bench_workers.py`) 4, 8
+and 14 threads fed 1,554, 1,704 and 1,521 img/s where as many processes fed 1,751, 3,271 and
+4,233 (the README says when to ask for processes on the CPU).
 
 How: each batch is cut into `threads` chunks of consecutive samples; a chunk reads its samples
 from the node cache (one `pread` each) and writes each decoded, augmented image straight into
