@@ -807,6 +807,26 @@ def test_auto_engine_is_threads_on_the_cpu_and_processes_for_a_gpu_with_room_in_
     assert (chosen.engine, chosen.start_method) == ("threads", None)
 
 
+def test_auto_says_when_worker_processes_would_feed_more_than_its_decode_threads(local_dataset, tmp_path, caplog):
+    """Many decode threads for CPU batches stop scaling (the GIL): `engine="auto"` keeps them
+    (no `__main__` guard needed) but says to ask for processes; a few, or threads asked for by
+    name, pass without a word."""
+    url, _ = local_dataset
+    small = _dataset(url, tmp_path)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    with caplog.at_level(logging.WARNING, logger="dlstore.loader.loader"):
+        assert resolve_auto(LoaderConfig(num_workers=4, device="cpu"), small, cpu).engine == "threads"
+        assert resolve_auto(LoaderConfig(num_workers=8, device="cuda"), small, gpu, str(tmp_path)).engine == "processes"
+        assert "stop scaling" not in caplog.text
+        loader = dlstore.Loader(small, num_workers=8, device="cpu", engine="threads")
+        loader.close()
+        assert "stop scaling" not in caplog.text
+        loader = dlstore.Loader(small, num_workers=8, device="cpu")
+        loader.close()
+    assert loader.cfg.engine == "threads"
+    assert "8 decode threads" in caplog.text and "engine='processes'" in caplog.text
+
+
 def test_workers_from_a_fork_server_deliver_what_forked_workers_do(local_dataset, tmp_path):
     """The trainer starts its worker processes from a fork server (its process runs threads);
     float32 batches on the CPU go through the shared batch slots, as they do to a GPU."""

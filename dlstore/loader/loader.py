@@ -226,6 +226,10 @@ class Loader:
         self.dataset, self.engine = dataset, engine
 
 
+# Decode threads past which worker processes fed more on a 16-core node (`choose_engine`).
+THREADS_SCALE_TO = 4
+
+
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
     """What `engine="auto"` means: worker processes when the batches go to a GPU, decode
     threads otherwise.
@@ -279,6 +283,14 @@ def resolve_auto(cfg: LoaderConfig, dataset: Dataset, device: torch.device, shm:
     cache's threads, and a fork can copy a lock one of them holds (issue 11 saw a worker hang
     in `os.fork()` that way). A script that starts them needs `if __name__ == "__main__":`."""
     engine = choose_engine(dataset, cfg, device, shm)
+    if engine == "threads" and device.type != "cuda" and cfg.num_workers > THREADS_SCALE_TO:
+        log.warning(
+            "engine='auto' chose %d decode threads for CPU batches; past ~%d they stop scaling (the "
+            "GIL: on 16 cores, 14 threads fed ~0.35x what 14 worker processes fed), and beside a GPU "
+            "training loop they slow it: engine='processes' is faster here (the script then needs "
+            "`if __name__ == \"__main__\":`); engine='threads' keeps them without this warning",
+            cfg.num_workers, THREADS_SCALE_TO,
+        )  # fmt: skip
     start_method = cfg.start_method
     if engine == "processes" and start_method is None:
         start_method = "forkserver"
