@@ -18,13 +18,23 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable, Iterator
 from typing import Protocol
 
 import xxhash
 
 from dlstore.errors import ConfigError
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "Hasher", "checksum_of", "is_checksum", "new_hasher", "parse_checksum"]
+__all__ = [
+    "ALGORITHMS",
+    "DEFAULT_ALGORITHM",
+    "Hasher",
+    "PassingHashes",
+    "checksum_of",
+    "is_checksum",
+    "new_hasher",
+    "parse_checksum",
+]
 
 #: The digest size in bytes of each algorithm a checksum may use.
 ALGORITHMS = {"xxh3_128": 16, "sha256": 32}
@@ -48,6 +58,27 @@ def new_hasher(algorithm: str) -> Hasher:
         return hashlib.new(algorithm)
     except (ValueError, TypeError):
         raise ConfigError(f"unknown hash algorithm {str(algorithm)[:40]!r}") from None
+
+
+class PassingHashes:
+    """Chunks on their way to a reader hashed in `algorithms` as they pass: a scan that
+    computes one checksum checks the same bytes against checksums in other algorithms (what was
+    there before) in the same read. `matches` once the chunks are through."""
+
+    def __init__(self, algorithms: Iterable[str]) -> None:
+        self.hashers = {algorithm: new_hasher(algorithm) for algorithm in algorithms}
+
+    def through(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        for chunk in chunks:
+            for hasher in self.hashers.values():
+                hasher.update(chunk)
+            yield chunk
+
+    def matches(self, checksum: str | None) -> bool:
+        """Whether `checksum` is in one of the algorithms and is that of the chunks passed."""
+        algorithm = (checksum or "").partition(":")[0]
+        hasher = self.hashers.get(algorithm)
+        return hasher is not None and f"{algorithm}:{hasher.hexdigest()}" == checksum
 
 
 def checksum_of(data: bytes | bytearray | memoryview, algorithm: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlstore.checksums import checksum_of
+from dlstore.checksums import PassingHashes, checksum_of
 from dlstore.errors import ConfigError, FormatError
 from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, ShardInfo, describe_dataset
 from dlstore.sample_index import SampleIndex, digest_field, index_name, load_sample_index, sample_digest
@@ -394,3 +394,16 @@ def test_load_sample_index_checks_the_index_checksum_in_the_manifest(tmp_path):
     store.put("shard-000000.idx", bytes(damaged))
     with pytest.raises(FormatError, match="fails its checksum"):
         load_sample_index(store, shard)
+
+
+def test_passing_hashes_hand_the_chunks_on_and_match_checksums_of_exactly_those_bytes():
+    """What `index` and a conversion's rescan check old checksums with while they scan."""
+    chunks = [b"abc", b"", b"defgh" * 1000]
+    data = b"".join(chunks)
+    hashes = PassingHashes(["sha256", "xxh3_128"])
+    assert list(hashes.through(iter(chunks))) == chunks
+    for algorithm in ("sha256", "xxh3_128"):
+        assert hashes.matches(checksum_of(data, algorithm))
+        assert not hashes.matches(checksum_of(data[:-1], algorithm))
+    assert not hashes.matches(None) and not hashes.matches("") and not hashes.matches("md5:" + "0" * 32)
+    assert not PassingHashes(["sha256"]).matches(checksum_of(b"", "xxh3_128"))

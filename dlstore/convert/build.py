@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dlstore.checksums import DEFAULT_ALGORITHM, checksum_of, new_hasher
+from dlstore.checksums import DEFAULT_ALGORITHM, PassingHashes, checksum_of, new_hasher
 from dlstore.convert.encode import encode_input
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
@@ -181,21 +181,15 @@ def _rescanned(store: Store, task: ShardTask, old: SampleIndex, algorithm: str) 
     sample digests where it has them. Else None: the shard is rebuilt."""
     why = "has no sample digests" if not old.has_sample_digests else f"is not checked with {algorithm}"
     log.info("%s: its sample index %s; rewriting it from the stored tar", task.name, why)
-    before = new_hasher(old.checksum_algorithm)
-
-    def hashed(chunks: Iterator[bytes]) -> Iterator[bytes]:
-        for chunk in chunks:
-            before.update(chunk)
-            yield chunk
-
+    before = PassingHashes([old.checksum_algorithm])
     try:
-        index = scan_shard(hashed(store.get(task.name)), sample_digests=True, checksum_algorithm=algorithm)
+        index = scan_shard(before.through(store.get(task.name)), sample_digests=True, checksum_algorithm=algorithm)
     except (FormatError, CorruptShard):  # a damaged tar: rebuilt
         index = None
     if index is None or not (
         np.array_equal(index.offsets, old.offsets)
         and index.shard_size == old.shard_size
-        and f"{old.checksum_algorithm}:{before.hexdigest()}" == old.checksum
+        and before.matches(old.checksum)
         and (not old.has_sample_digests or old.sample_digests == index.sample_digests)
     ):
         log.warning("%s: the tar differs from its sample index; rebuilding it", task.name)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from dlstore import __version__
-from dlstore.checksums import DEFAULT_ALGORITHM, new_hasher
+from dlstore.checksums import DEFAULT_ALGORITHM, PassingHashes
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
 from dlstore.errors import CorruptSample, FormatError, NotFound
@@ -132,30 +132,21 @@ def _index_shard(
         old: SampleIndex | None = SampleIndex.from_bytes(store.get_bytes(index_name(name)))
     except (NotFound, FormatError):
         old = None
-    hashers = {  # the shard's bytes in the other algorithms of what was there before, in the same read
-        algorithm: new_hasher(algorithm)
-        for algorithm in {c.partition(":")[0] for c in (checksum_before, old and old.checksum) if c}
-        if algorithm != checksum_algorithm  # `scan_shard` hashes in this one
-    }
-
-    def hashed(chunks: Iterator[bytes]) -> Iterator[bytes]:
-        for chunk in chunks:
-            for hasher in hashers.values():
-                hasher.update(chunk)
-            yield chunk
-
-    index = scan_shard(
-        hashed(store.get(name)),
+    # The shard's bytes in the other algorithms of what was there before, in the same read.
+    before = PassingHashes(
+        {c.partition(":")[0] for c in (checksum_before, old and old.checksum) if c} - {checksum_algorithm}
+    )
+    index = scan_shard(  # hashes in `checksum_algorithm`
+        before.through(store.get(name)),
         on_sample=lambda sample: found.add(name, sample, label_field),
         sample_digests=True,
         checksum_algorithm=checksum_algorithm,
     )
 
     def is_checksum(checksum: str | None) -> bool:
-        algorithm = (checksum or "").partition(":")[0]
-        if algorithm == checksum_algorithm:
+        if (checksum or "").partition(":")[0] == checksum_algorithm:
             return checksum == index.checksum
-        return algorithm in hashers and f"{algorithm}:{hashers[algorithm].hexdigest()}" == checksum
+        return before.matches(checksum)
 
     if old is not None and is_checksum(old.checksum) and np.array_equal(old.offsets, index.offsets):
         index = SampleIndex(index.offsets, index.shard_size, index.shard_digest, old.recipe, index.sample_digests)
