@@ -807,17 +807,26 @@ def test_auto_engine_is_threads_on_the_cpu_and_processes_for_a_gpu_with_room_in_
     assert (chosen.engine, chosen.start_method) == ("threads", None)
 
 
-def test_auto_says_when_worker_processes_would_feed_more_than_its_decode_threads(local_dataset, tmp_path, caplog):
+def test_auto_says_when_worker_processes_would_feed_more_than_its_decode_threads(
+    local_dataset, tmp_path, caplog, monkeypatch
+):
     """Many decode threads for CPU batches stop scaling (the GIL): `engine="auto"` keeps them
-    (no `__main__` guard needed) but says to ask for processes; a few, or threads asked for by
-    name, pass without a word."""
+    (no `__main__` guard needed) but says to ask for processes; a few, threads asked for by
+    name, threads on a box of few cores or threads that do not decode (device decode) pass
+    without a word."""
     url, _ = local_dataset
     small = _dataset(url, tmp_path)
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(dlstore.loader.loader, "available_cores", lambda: 16)
     with caplog.at_level(logging.WARNING, logger="dlstore.loader.loader"):
         assert resolve_auto(LoaderConfig(num_workers=4, device="cpu"), small, cpu).engine == "threads"
         assert resolve_auto(LoaderConfig(num_workers=8, device="cuda"), small, gpu, str(tmp_path)).engine == "processes"
+        on_device = _dataset(url, tmp_path, decode_on="device")
+        assert resolve_auto(LoaderConfig(num_workers=8, device="cpu"), on_device, cpu).engine == "threads"
+        monkeypatch.setattr(dlstore.loader.loader, "available_cores", lambda: 4)
+        assert resolve_auto(LoaderConfig(num_workers=8, device="cpu"), small, cpu).engine == "threads"
         assert "stop scaling" not in caplog.text
+        monkeypatch.setattr(dlstore.loader.loader, "available_cores", lambda: 16)
         loader = dlstore.Loader(small, num_workers=8, device="cpu", engine="threads")
         loader.close()
         assert "stop scaling" not in caplog.text

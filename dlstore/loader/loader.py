@@ -26,6 +26,7 @@ from dlstore.loader.slots import BatchSlots
 from dlstore.loader.threads import ThreadEngine
 from dlstore.plan import EpochState
 from dlstore.transforms import device_jpeg_decoder
+from dlstore.world import available_cores
 
 __all__ = ["Loader", "choose_engine", "resolve_auto"]
 
@@ -226,7 +227,7 @@ class Loader:
         self.dataset, self.engine = dataset, engine
 
 
-# Decode threads past which worker processes fed more on a 16-core node (`choose_engine`).
+# Decode threads past which they stopped scaling on a 16-core node (`choose_engine`).
 THREADS_SCALE_TO = 4
 
 
@@ -239,8 +240,8 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     ResNet-50 bf16) threads fed 1,045-1,828 img/s where worker processes fed 3,445 (a switch
     interval of 0.5 ms instead of 5 gave the threads 1,251). On the CPU (no loop in between)
     threads are as fast or faster on a few cores (2 cores: 1.14x the processes) and spare what
-    processes cost (/dev/shm, a fork, 8x the resident memory, 1.6x counting shared pages once,
-    and the `__main__` guard a fork server needs). On many cores the GIL holds threads back
+    processes cost (/dev/shm, a fork, 5x the resident memory at 8 of each, 1.8x counting shared
+    pages once, and the `__main__` guard a fork server needs). On many cores the GIL holds threads back
     (16 cores, uint8 batches, `tools/bench_workers.py`: 0.89x the processes at 4 workers, 0.52x
     at 8, 0.36x at 14, since each image got cheaper for the processes; 0.33x at 14 in
     `tools/bench_peers.py`), yet they stay the CPU default: a script that ran on threads must not fail for want of that guard because its
@@ -283,11 +284,18 @@ def resolve_auto(cfg: LoaderConfig, dataset: Dataset, device: torch.device, shm:
     cache's threads, and a fork can copy a lock one of them holds (issue 11 saw a worker hang
     in `os.fork()` that way). A script that starts them needs `if __name__ == "__main__":`."""
     engine = choose_engine(dataset, cfg, device, shm)
-    if engine == "threads" and device.type != "cuda" and cfg.num_workers > THREADS_SCALE_TO:
+    # Threads that decode at once: no more than the cores this rank gets.
+    decoding = min(cfg.num_workers, max(1, available_cores() // dataset.world.local_world_size))
+    if (
+        engine == "threads"
+        and device.type == "cpu"
+        and dataset.cfg.decode_on != "device"
+        and decoding > THREADS_SCALE_TO
+    ):
         log.warning(
             "engine='auto' chose %d decode threads for CPU batches; past ~%d they stop scaling (the "
-            "GIL: on 16 cores, 14 threads fed ~0.35x what 14 worker processes fed), and beside a GPU "
-            "training loop they slow it: engine='processes' is faster here (the script then needs "
+            "GIL: on 16 cores, 14 threads fed 0.33-0.36x what 14 worker processes fed), and beside a "
+            "GPU training loop they slow it: engine='processes' is faster here (the script then needs "
             "`if __name__ == \"__main__\":`); engine='threads' keeps them without this warning",
             cfg.num_workers, THREADS_SCALE_TO,
         )  # fmt: skip
