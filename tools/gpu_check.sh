@@ -13,15 +13,17 @@
 # tools/setup.sh (or DLSTORE_TORCH_SPEC, e.g. "torch torchvision" for any), when a CUDA test is
 # skipped for want of a device, or when a step fails.
 # The interpreter is setup.sh's: .venv/bin/python when there is one, else python3 (or $PYTHON).
-# Budget: about 7 minutes on an H100 node with 16 cores (it took 8.5 with 16,000 images for the peers,
-# now 8,000); on an H200 node the steps before the peers took 3.5 minutes. The steps' timeouts add
-# up to 10 minutes, a lent machine's limit for one command. Without webdataset in .whl/ the peers
+# Budget: about 7 minutes on an H100 node with 16 cores (2026-11-27: 6 minutes before the threads
+# against processes step, which took 50 s alone); on an H200 node the steps before the peers took
+# 3.5 minutes. The steps' timeouts add up to 10 minutes, a lent machine's limit for one command. Without webdataset in .whl/ the peers
 # round is skipped. The CUDA tests run each device-decode case through nvImageCodec too when its
 # wheels are there (--wheels fetches them).
 # On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git);
 # it writes ~10 files, more than such a machine sends back: OUT=/tmp/gc, then tar /tmp/gc into $OUT;
 # the torch wheels (GBs) do not travel there: its image's torch must be the pair, or say which is.
-# Last, the peers on that node's cores (tools/bench_peers.py, one round), where webdataset is there.
+# Then the peers on that node's cores (tools/bench_peers.py, one round), where webdataset is there,
+# and last decode threads against worker processes at 4, 8 and 14 (tools/bench_workers.py): where
+# the README says to ask for processes on the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -149,7 +151,7 @@ fi
 # -- the checks: each runs to its end, the exit status says whether all passed ----------------
 echo "== CUDA tests"
 tests=0
-timeout -k 15 120 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_transforms.py 2>&1 |
+timeout -k 15 100 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_transforms.py 2>&1 |
     tee "$OUT/gpu-tests.txt" || tests=$?
 if grep -q "needs a CUDA device" "$OUT/gpu-tests.txt" || ! grep -Eq "[0-9]+ passed" "$OUT/gpu-tests.txt"; then
     echo "gpu_check: CUDA tests were skipped or none passed: they did not run on the GPU" >&2
@@ -158,7 +160,7 @@ fi
 
 echo "== synthetic vs fed training rate"
 bench=0
-timeout -k 15 240 "$PYTHON" tools/bench_gpu.py --workdir "$work" --stored full,341 --steps 200 --json "$OUT/bench_gpu.json" 2>&1 |
+timeout -k 15 230 "$PYTHON" tools/bench_gpu.py --workdir "$work" --stored full,341 --steps 200 --json "$OUT/bench_gpu.json" 2>&1 |
     tee "$OUT/bench_gpu.txt" || bench=$?
 
 echo "== dlstore bench (stage split, verdict)"
@@ -170,12 +172,17 @@ timeout -k 15 60 "$PYTHON" -m dlstore bench "file://$work/store/train" --device 
 echo "== the peers on this node's cores (tools/bench_peers.py)"
 peers=0
 if "$PYTHON" -c "import webdataset" 2>/dev/null; then
-    timeout -k 15 150 "$PYTHON" tools/bench_peers.py --workdir "$work/peers" --workers "$workers" --images 8000 \
+    timeout -k 15 130 "$PYTHON" tools/bench_peers.py --workdir "$work/peers" --workers "$workers" --images 8000 \
         --shards 32 --rounds 1 --epochs 2 --batch-size 256 --rss-workers "$workers" --single-core-samples 300 \
         --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.txt" || peers=$?
 else
     echo "no webdataset here: skipped (bash tools/gpu_check.sh --wheels fetches it)"
 fi
 
-echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict, peers $peers"
-[[ $tests == 0 && $bench == 0 && $verdict == 0 && $peers == 0 ]]
+echo "== decode threads against worker processes (tools/bench_workers.py)"
+engines=0
+timeout -k 10 80 "$PYTHON" tools/bench_workers.py --workers "4,8,$workers" --images 4000 --rounds 1 \
+    --json "$OUT/workers.json" 2>&1 | tee "$OUT/workers.txt" || engines=$?
+
+echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict, peers $peers, engines $engines"
+[[ $tests == 0 && $bench == 0 && $verdict == 0 && $peers == 0 && $engines == 0 ]]
