@@ -387,6 +387,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     for name, parse in (("batch_sizes", parse_int_list), ("workers", parse_int_list), ("procs", parse_int_list)):
         if getattr(args, name) is not None:
             changes[name] = parse(getattr(args, name))
+    if args.engines is not None:
+        changes["engines"] = tuple(part.strip() for part in args.engines.split(",") if part.strip())
     for name in ("batches", "stage_batches", "model", "device", "amp", "demand_steps"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
@@ -426,6 +428,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", metavar="N,N", help="batch sizes to sweep (default 256; --quick 32)")
     p.add_argument("--workers", metavar="N,N", help="worker counts to sweep (default: one per core)")
     p.add_argument("--procs", metavar="N,N", help="process counts for a scaling table, e.g. 1,2,4 (default: none)")
+    p.add_argument(
+        "--engines",
+        metavar="E,E",
+        help="loader engines each worker count runs on: auto (default: what the trainer gets), or threads,processes "
+        "to see which is faster here",
+    )
     p.add_argument("--batches", type=int, help="batches per timed loader pass (default 20; --quick 4)")
     p.add_argument("--stage-batches", type=int, help="batches of the per-stage timing pass (default 2)")
     p.add_argument("--model", help="torchvision model for the demand side (default resnet50; --quick resnet18)")

@@ -82,6 +82,7 @@ def test_bench_cli_writes_json_and_plot(dataset_url, tmp_path, capsys):
     best = max(report["loader"], key=lambda r: r["warm"]["images_per_s"])
     assert (verdict["batch_size"], verdict["workers"]) == (best["batch_size"], best["workers"])
     assert verdict["delivered_images_per_s"] == best["warm"]["images_per_s"]
+    assert verdict["engine"] == best["warm"]["engine"] == "threads"
     demand = {d["for_batch_size"]: d["images_per_s"] for d in report["demand"]}
     assert verdict["demanded_images_per_s"] == demand[best["batch_size"]]
     assert len(report["verdicts"]) == len(report["loader"]) and verdict["advice"]
@@ -100,6 +101,31 @@ def test_bench_with_decode_on_the_device_runs_on_cpu(dataset_url, tmp_path, caps
     assert report["config"]["decode_on"] == "device"
     (row,) = report["loader"]
     assert row["warm"]["images"] > 0 and row["warm"]["images_per_s"] > 0
+
+
+def test_bench_runs_each_worker_count_on_each_engine_asked_for(dataset_url, tmp_path, capsys):
+    """`--engines threads,processes`: a row per worker count and engine, each run on the engine
+    it names (not on what auto would pick), in the table, the JSON, the plot and the verdict."""
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    argv = ["bench", dataset_url, "--quick", "--no-demand", "--batch-sizes", "8", "--workers", "1,2"]
+    argv += ["--engines", "threads,processes", "--image-size", "32", "--cache-dir", str(tmp_path)]
+    argv += ["--json", str(out_json), "--plot", str(out_png), "-q"]
+    assert cli(argv) == 0
+    report = json.loads(out_json.read_text())
+    assert report["config"]["engines"] == ["threads", "processes"]
+    rows = [(r["workers"], r["cold"]["engine"], r["warm"]["engine"]) for r in report["loader"]]
+    assert rows == [(1, "threads", "threads"), (1, "processes", "processes")] + [
+        (2, "threads", "threads"),
+        (2, "processes", "processes"),
+    ]
+    assert all(r["warm"]["images_per_s"] > 0 and r["cold"]["images"] > 0 for r in report["loader"])
+    printed = capsys.readouterr().out
+    assert "processes" in printed and "threads" in printed
+    assert out_png.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ConfigError, match="engines"):
+        BenchConfig("file:///x", engines=("gpu",))
+    with pytest.raises(ConfigError, match="engines"):
+        BenchConfig("file:///x", engines=())
 
 
 def test_cold_cache_table_shows_fetches_connections_and_first_batch():

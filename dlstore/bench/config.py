@@ -8,6 +8,7 @@ from typing import Any
 
 from dlstore.config import DataConfig, parse_size
 from dlstore.errors import ConfigError
+from dlstore.loader.config import ENGINES
 from dlstore.world import available_cores
 
 __all__ = ["QUICK_DATA", "BenchConfig", "available_cores", "parse_int_list", "size_or_auto"]
@@ -26,6 +27,8 @@ class BenchConfig:
     decode location, seed, shuffle, the store's settings) the loader would get; its
     `batch_size` and `workers` are the sweeps' defaults: `batch_sizes=()` means
     `(data.batch_size,)`, `workers=()` means `(data.workers,)` or one worker per core.
+    `engines` are the loader engines each worker count runs on ("auto": what the trainer would
+    get; "threads,processes" shows which is faster on this machine, e.g. past ~4 CPU workers).
     `demand_steps=None` means 20 timed steps on a GPU and 3 on a CPU. `cache_dir` is where the
     bench's own temporary cache goes (default: the system temp dir; the training cache is left
     alone); `cache_limit=""` sizes it to hold the dataset.
@@ -38,6 +41,7 @@ class BenchConfig:
     batch_sizes: tuple[int, ...] = ()
     workers: tuple[int, ...] = ()
     procs: tuple[int, ...] = (1,)
+    engines: tuple[str, ...] = ("auto",)
     batches: int = 20
     stage_batches: int = 2
     model: str = "resnet50"
@@ -60,6 +64,8 @@ class BenchConfig:
             raise ConfigError("batch_sizes must list at least one size, each at least 1")
         if self.workers and min(self.workers) < 0:
             raise ConfigError("workers must be 0 or more")
+        if not self.engines or any(e not in ("auto", *ENGINES) for e in self.engines):
+            raise ConfigError(f"engines must list some of auto, {', '.join(ENGINES)}; not {self.engines!r}")
         if not self.procs or min(self.procs) < 1:
             raise ConfigError("procs must list at least one process count, each at least 1")
         if self.batches < 2:

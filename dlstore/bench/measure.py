@@ -46,7 +46,9 @@ def image_dtype(cfg: BenchConfig, device: torch.device) -> str:
 
 
 # -- loader side ----------------------------------------------------------------------------------
-def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str, channels_last: bool) -> LoaderRun:
+def time_loader(
+    ds, workers: int, batches: int, device: torch.device, dtype: str, channels_last: bool, engine: str = "auto"
+) -> LoaderRun:
     """At least `batches` batches of epoch 0 through a fresh `Loader` (fresh workers).
 
     The workers start together, so the first batches arrive in a burst, one per worker, after
@@ -55,7 +57,9 @@ def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str
     `workers` to that of the last batch, the pass being a whole number of rounds long.
     """
     created = time.perf_counter()
-    loader = Loader(ds, num_workers=workers, device=str(device), dtype=dtype, channels_last=channels_last)
+    loader = Loader(
+        ds, num_workers=workers, device=str(device), dtype=dtype, channels_last=channels_last, engine=engine
+    )
     loader.set_epoch(0)
     engine = loader.cfg.engine  # "auto" resolved
     per_round, available = max(workers, 1), len(loader)
@@ -109,21 +113,23 @@ def time_loader(ds, workers: int, batches: int, device: torch.device, dtype: str
     )
 
 
-def measure_loader(ds, cfg: BenchConfig, device: torch.device, workers: int, cache_dir: str) -> LoaderResult:
+def measure_loader(
+    ds, cfg: BenchConfig, device: torch.device, workers: int, cache_dir: str, engine: str = "auto"
+) -> LoaderResult:
     """A cold pass (the cache emptied and its counters zeroed first), then a warm one, each
-    with what the node cache fetched meanwhile (`LoaderRun`)."""
+    with what the node cache fetched meanwhile (`LoaderRun`), on `engine`."""
     dtype = image_dtype(cfg, device)
-    log.info("loader: batch %d, %d workers, cold cache", ds.cfg.batch_size, workers)
+    log.info("loader: batch %d, %d workers, engine %s, cold cache", ds.cfg.batch_size, workers, engine)
     ds.cache.close()  # the last run's background prefetch must not refill the emptied cache
     _empty_cache(cache_dir, reset_stats=True)
     # A dataset of its own: its cache's counters and download engine start from zero in this
     # process too, so the connections counted are this pass's.
     run_ds = Dataset(ds.cfg, world=ds.world)
     try:
-        cold = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last)
+        cold = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last, engine)
         after_cold = _cache_totals(run_ds)
-        log.info("loader: batch %d, %d workers, warm cache", ds.cfg.batch_size, workers)
-        warm = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last)
+        log.info("loader: batch %d, %d workers, engine %s, warm cache", ds.cfg.batch_size, workers, engine)
+        warm = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last, engine)
         after_warm = _cache_totals(run_ds)
     finally:
         run_ds.cache.close()

@@ -46,13 +46,23 @@ def _plot_loader(ax, report: BenchReport) -> None:
     ax.legend(fontsize="small")
 
 
+def _engines(report: BenchReport) -> list[str]:
+    """The engines the rows ran on, each named in the legend only when there are several."""
+    return sorted({r.warm.engine for r in report.loader})
+
+
 def _plot_by_batch_size(ax, report: BenchReport, worker_counts, batch_sizes, demand: dict) -> list[float]:
     values: list[float] = []
-    for colour, workers in zip(_COLOURS, worker_counts):
-        rows = sorted((r for r in report.loader if r.workers == workers), key=lambda r: r.batch_size)
+    engines = _engines(report)
+    lines = [(w, e) for w in worker_counts for e in engines]
+    for colour, (workers, engine) in zip(_COLOURS, lines):
+        rows = sorted(
+            (r for r in report.loader if r.workers == workers and r.warm.engine == engine), key=lambda r: r.batch_size
+        )
         xs = [r.batch_size for r in rows]
-        ax.plot(xs, [r.warm.images_per_s for r in rows], "o-", color=colour, label=f"{workers} workers, warm")
-        ax.plot(xs, [r.cold.images_per_s for r in rows], "s--", color=colour, label=f"{workers} workers, cold")
+        name = f"{workers} workers" + (f", {engine}" if len(engines) > 1 else "")
+        ax.plot(xs, [r.warm.images_per_s for r in rows], "o-", color=colour, label=f"{name}, warm")
+        ax.plot(xs, [r.cold.images_per_s for r in rows], "s--", color=colour, label=f"{name}, cold")
         values += [r.warm.images_per_s for r in rows] + [r.cold.images_per_s for r in rows]
     if demand:
         xs = sorted(demand)
@@ -66,13 +76,19 @@ def _plot_by_batch_size(ax, report: BenchReport, worker_counts, batch_sizes, dem
 
 def _plot_by_workers(ax, report: BenchReport, worker_counts, batch_sizes, demand: dict) -> list[float]:
     values: list[float] = []
-    for colour, batch_size in zip(_COLOURS, batch_sizes):
-        rows = sorted((r for r in report.loader if r.batch_size == batch_size), key=lambda r: r.workers)
+    engines = _engines(report)
+    lines = [(b, e) for b in batch_sizes for e in engines]
+    for colour, (batch_size, engine) in zip(_COLOURS, lines):
+        rows = sorted(
+            (r for r in report.loader if r.batch_size == batch_size and r.warm.engine == engine),
+            key=lambda r: r.workers,
+        )
         xs = [r.workers for r in rows]
-        ax.plot(xs, [r.warm.images_per_s for r in rows], "o-", color=colour, label=f"batch {batch_size}, warm")
-        ax.plot(xs, [r.cold.images_per_s for r in rows], "s--", color=colour, label=f"batch {batch_size}, cold")
+        name = f"batch {batch_size}" + (f", {engine}" if len(engines) > 1 else "")
+        ax.plot(xs, [r.warm.images_per_s for r in rows], "o-", color=colour, label=f"{name}, warm")
+        ax.plot(xs, [r.cold.images_per_s for r in rows], "s--", color=colour, label=f"{name}, cold")
         values += [r.warm.images_per_s for r in rows] + [r.cold.images_per_s for r in rows]
-        if batch_size in demand:
+        if batch_size in demand and engine == engines[0]:
             ax.axhline(
                 demand[batch_size], color=colour, linestyle=":", linewidth=2, label=f"demand, batch {batch_size}"
             )

@@ -131,6 +131,7 @@ class Verdict:
     cold_stall_pct: float
     shared_cpu_images_per_s: float | None  # CPU device: loader and model share the cores
     advice: tuple[str, ...]
+    engine: str = ""  # the row's engine ("threads" or "processes")
 
 
 @dataclass
@@ -218,6 +219,7 @@ def verdict_for(report: BenchReport, row: LoaderResult, cfg: BenchConfig, device
         cold_stall_pct=stall_pct(row.cold.images_per_s, demanded),
         shared_cpu_images_per_s=shared,
         advice=tuple(advice),
+        engine=row.warm.engine,
     )
 
 
@@ -496,7 +498,7 @@ def _verdict_lines(report: BenchReport) -> list[str]:
         return []
     lines = [
         "",
-        f"verdict (batch {v.batch_size}, {v.workers} workers): delivered {_fmt_rate(v.delivered_images_per_s)} "
+        f"verdict (batch {v.batch_size}, {v.workers} workers{', ' + v.engine if v.engine else ''}): delivered {_fmt_rate(v.delivered_images_per_s)} "
         f"/ demanded {_fmt_rate(v.demanded_images_per_s)} img/s = {v.ratio:.2f}; expected data stall "
         f"{v.stall_pct:.0f}% warm, {v.cold_stall_pct:.0f}% cold",
     ]

@@ -46,7 +46,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
                 if batch_size == cfg.batch_sizes[0]:
                     measure_stages(report, ds, cfg, device, cache_dir)
                 for workers in cfg.worker_counts:
-                    report.loader.append(measure_loader(ds, cfg, device, workers, cache_dir))
+                    for engine in cfg.engines:
+                        report.loader.append(measure_loader(ds, cfg, device, workers, cache_dir, engine))
             finally:
                 ds.cache.close()
         if cfg.demand:
