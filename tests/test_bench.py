@@ -185,6 +185,21 @@ def test_advise_on_a_cpu_bound_gpu_machine_points_at_gpu_decode_and_smaller_imag
     assert "--resize-max-side" in text
 
 
+def test_advise_names_worker_processes_when_many_decode_threads_fall_short():
+    split = _split(decode=1.0)
+    common = dict(delivered=1500, cold_delivered=1500, demanded=3000, cores=16, warm=split)
+    tips = advise(workers=14, engine="threads", **common)
+    assert any("engine='processes'" in tip and "--engines threads,processes" in tip for tip in tips)
+    for quiet in (dict(workers=14, engine="processes"), dict(workers=4, engine="threads")):
+        assert not any("engine='processes'" in tip for tip in advise(**quiet, **common))
+    assert not any(
+        "engine='processes'" in tip for tip in advise(workers=14, engine="threads", **{**common, "cores": 2})
+    )
+    # A loader that keeps up needs no advice on its engine.
+    kept_up = advise(workers=14, engine="threads", **{**common, "delivered": 4000})
+    assert not any("engine='processes'" in tip for tip in kept_up)
+
+
 def test_advise_when_the_loader_keeps_up_but_cold_reads_are_slow():
     tips = advise(delivered=5000, cold_delivered=400, demanded=3000, workers=8, cores=8, warm=_split(decode=1.0))
     assert "keeps up" in tips[0]

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, field
 
 from dlstore.bench.config import BenchConfig
+from dlstore.loader.config import THREADS_SCALE_TO
 from dlstore.sample_path import STAGES as SAMPLE_STAGES
 from dlstore.world import available_cores
 
@@ -207,6 +208,7 @@ def verdict_for(report: BenchReport, row: LoaderResult, cfg: BenchConfig, device
         gpu_decode_images_per_s=report.gpu_decode_images_per_s,
         mean_source_pixels=report.dataset.get("mean_source_pixels"),
         image_size=cfg.image_size,
+        engine=row.warm.engine,
     )
     return Verdict(
         batch_size=row.batch_size,
@@ -236,6 +238,7 @@ def advise(
     gpu_decode_images_per_s: float | None = None,
     mean_source_pixels: float | None = None,
     image_size: int = 224,
+    engine: str = "",
 ) -> list[str]:
     """What would make the loader keep up, read off the stage split (a pure function).
 
@@ -248,6 +251,7 @@ def advise(
     # Where a worker's time goes matters only when the warm loader is the bottleneck.
     if delivered < demanded and warm is not None:
         tips += [
+            _engine_tip(engine, workers, cores),
             _worker_tip(demanded, workers, cores, warm),
             _decode_tip(warm, cuda, gpu_decode_images_per_s),
             _stored_size_tip(mean_source_pixels, image_size),
@@ -274,6 +278,16 @@ def _cold_cache_tip(cold_delivered: float, delivered: float, demanded: float, co
     return (
         f"From a cold cache it delivers {cold_delivered:.0f} img/s{via}: the first epoch is fetch-bound. "
         "A cache_limit that holds the dataset keeps later epochs warm; more prefetch_shards hides the fetches."
+    )
+
+
+def _engine_tip(engine: str, workers: int, cores: int) -> str | None:
+    if engine != "threads" or min(workers, cores) <= THREADS_SCALE_TO:
+        return None
+    return (
+        f"Worker processes: decode threads stop scaling past ~{THREADS_SCALE_TO} (the GIL; on 16 cores 14 worker "
+        "processes fed ~3x what 14 threads fed); try engine='processes' (`dlstore bench --engines "
+        "threads,processes` compares them here)."
     )
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from dlstore.errors import ConfigError
 from dlstore.world import World, available_cores
 
-__all__ = ["ENGINES", "START_METHODS", "LoaderConfig", "default_workers"]
+__all__ = ["ENGINES", "START_METHODS", "THREADS_SCALE_TO", "LoaderConfig", "default_workers"]
 
 # "threads": decode threads in the training process (no fork, no /dev/shm, no per-batch
 # hand-off); "processes": DataLoader worker processes. `LoaderConfig.engine="auto"` picks one
@@ -17,6 +17,8 @@ ENGINES = ("threads", "processes")
 # server when `engine="auto"` chose the processes (`resolve_auto`); "forkserver" and "spawn" start
 # them from a fresh interpreter, not from a copy of this process and its threads' locks.
 START_METHODS = (None, "fork", "forkserver", "spawn")
+# Decode threads past which they stopped scaling on a 16-core node (the GIL; `choose_engine`).
+THREADS_SCALE_TO = 4
 
 
 @dataclass(frozen=True)

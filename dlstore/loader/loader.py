@@ -19,7 +19,7 @@ import torch
 
 from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError, NoSpace
-from dlstore.loader.config import LoaderConfig, default_workers
+from dlstore.loader.config import THREADS_SCALE_TO, LoaderConfig, default_workers
 from dlstore.loader.prefetch import GpuPrefetcher
 from dlstore.loader.processes import ProcessEngine
 from dlstore.loader.slots import BatchSlots
@@ -225,10 +225,6 @@ class Loader:
         engine = type(self.engine)(dataset, self.cfg, self.slots)
         self.engine.close()
         self.dataset, self.engine = dataset, engine
-
-
-# Decode threads past which they stopped scaling on a 16-core node (`choose_engine`).
-THREADS_SCALE_TO = 4
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
