@@ -510,9 +510,10 @@ def _verdict_lines(report: BenchReport) -> list[str]:
     v = report.verdict
     if v is None:
         return []
+    engine = f", {v.engine}" if v.engine else ""
     lines = [
         "",
-        f"verdict (batch {v.batch_size}, {v.workers} workers{', ' + v.engine if v.engine else ''}): delivered {_fmt_rate(v.delivered_images_per_s)} "
+        f"verdict (batch {v.batch_size}, {v.workers} workers{engine}): delivered {_fmt_rate(v.delivered_images_per_s)} "
         f"/ demanded {_fmt_rate(v.demanded_images_per_s)} img/s = {v.ratio:.2f}; expected data stall "
         f"{v.stall_pct:.0f}% warm, {v.cold_stall_pct:.0f}% cold",
     ]

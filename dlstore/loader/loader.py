@@ -240,8 +240,9 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     pages once, and the `__main__` guard a fork server needs). On many cores the GIL holds threads back
     (16 cores, uint8 batches, `tools/bench_workers.py`: 0.89x the processes at 4 workers, 0.52x
     at 8, 0.36x at 14, since each image got cheaper for the processes; 0.33x at 14 in
-    `tools/bench_peers.py`), yet they stay the CPU default: a script that ran on threads must not fail for want of that guard because its
-    machine has more cores (`num_workers` defaults to the cores); ask for processes there. Processes need room in
+    `tools/bench_peers.py`), yet they stay the CPU default: a script that ran on threads must
+    not fail for want of that guard because its machine has more cores (`num_workers` defaults
+    to the cores); `resolve_auto` warns, and says to ask for processes. Processes need room in
     `/dev/shm` for the batches in flight (the ranks of a node together): without it, threads,
     with a warning, rather than a loader that fails: `/dev/shm` must be as large as the node's
     need, and hold this rank's in what is free."""
