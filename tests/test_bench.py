@@ -130,7 +130,7 @@ def test_bench_runs_each_worker_count_on_each_engine_asked_for(dataset_url, tmp_
 
 def test_cold_cache_table_shows_fetches_connections_and_first_batch():
     cold = LoaderRun(4, 100, 1.0, 0.5, 100.0, 1.0, first_batch_s=0.42, bytes_fetched=30_000_000, connections=24)
-    cold = dataclasses.replace(cold, fetch_mb_per_s=20.0)
+    cold = dataclasses.replace(cold, fetch_mb_per_s=20.0, engine="processes")
     report = BenchReport(
         config={"batches": 4, "transform": {"preset": "eval"}, "image_size": 32},
         environment={"device": "cpu", "device_name": "cpu", "cores": 2},
@@ -142,6 +142,7 @@ def test_cold_cache_table_shows_fetches_connections_and_first_batch():
     assert lines[1].split() == [
         "batch",
         "workers",
+        "engine",
         "fetched",
         "MB",
         "fetch",
@@ -151,7 +152,7 @@ def test_cold_cache_table_shows_fetches_connections_and_first_batch():
         "batch",
         "s",
     ]
-    assert lines[3].split() == ["16", "2", "30.0", "20.0", "24", "0.42"]
+    assert lines[3].split() == ["16", "2", "processes", "30.0", "20.0", "24", "0.42"]
 
 
 def _split(**ms: float) -> StageSplit:

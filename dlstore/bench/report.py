@@ -427,6 +427,7 @@ def _cold_lines(report: BenchReport) -> list[str]:
         [
             str(r.batch_size),
             str(r.workers),
+            r.cold.engine or "-",
             f"{r.cold.bytes_fetched / 1e6:,.1f}",
             _fmt_rate(r.cold.fetch_mb_per_s),
             str(r.cold.connections or "-"),
@@ -436,7 +437,7 @@ def _cold_lines(report: BenchReport) -> list[str]:
     ]
     if not rows:
         return []
-    headers = ["batch", "workers", "fetched MB", "fetch MB/s", "connections", "first batch s"]
+    headers = ["batch", "workers", "engine", "fetched MB", "fetch MB/s", "connections", "first batch s"]
     title = "cold cache (each pass from an empty cache; MB/s over the whole pass, start-up included)"
     return ["", title, *_table(headers, rows)]
 
