@@ -63,8 +63,19 @@ make_venv() {
     fi
 }
 
+need_free_gb() {  # fail before pip does, halfway through a 5 GB install, with the folder and the figure
+    local folder=$1 need=$2 free
+    free=$(df -Pk "$folder" | awk 'NR == 2 {print int($4 / 1048576)}')
+    if ((free < need)); then
+        echo "setup.sh: $TORCH_SPEC needs about $need GB free in $folder (5.6 GB in the venv on x86_64, a CUDA build);" \
+            "$free GB is free there. Free some space, or give PYTHON a python that imports torch" >&2
+        exit 1
+    fi
+}
+
 make_venv
 if ! "$VENV_PYTHON" -c "import torch, torchvision" >/dev/null 2>&1; then
+    need_free_gb "$(readlink -f .venv)" 7
     echo "setup.sh: pip install $TORCH_SPEC (a few GB, a few minutes)"
     # shellcheck disable=SC2086
     "$VENV_PYTHON" -m pip install --quiet $TORCH_SPEC
