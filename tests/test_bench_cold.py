@@ -81,7 +81,15 @@ def test_bench_fetch_cpu_reports_every_stage_and_leaks_no_secret(swift_server, t
     run = subprocess.run([*args, "--json", str(report)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
     result = json.loads(report.read_text())
-    stages = ["warm epoch", "GET", "GET + write", "GET + write + xxh3_128", "cache, 1 part", "cache, 8 parts"]
+    stages = [
+        "warm epoch",
+        "GET",
+        "GET + write",
+        "GET + write + xxh3_128",
+        "GET + splice",
+        "cache, 1 part",
+        "cache, 8 parts",
+    ]
     assert list(result["cpu_s"])[: len(stages)] == stages
     assert all(len(runs) == 1 and runs[0] >= 0 for runs in result["cpu_s"].values())
     assert result["cpu_s"]["warm epoch"][0] > 0 and result["bytes"] > 0

@@ -19,6 +19,9 @@ local Swift), one shard at a time, with `--rounds` interleaved rounds:
 * ``GET + write``: written into a file as well;
 * ``GET + write + <algorithm>``: hashed as well, with the manifest's algorithm: the least a
   checked download can cost;
+* ``GET + splice``: the body moved from the socket into a file by the kernel (``os.splice``
+  through a pipe, on a plain ``http.client`` GET): no byte passes through Python, so this is
+  about the least any client on this box spends receiving and writing the bytes;
 * ``cache, 1 part`` and ``cache, N parts``: `ShardCache.fetch` of every shard into an empty
   cache (one GET per shard; the default ranged parts): what the loader's downloads cost;
 * ``SHA-256 alone``, ``XXH3-128 alone``, ``CRC-32 alone``: hashing the shards' bytes from
@@ -35,9 +38,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import http.client
 import json
 import os
 import resource
+import select
 import shutil
 import statistics
 import sys
@@ -46,6 +51,7 @@ import time
 import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import bench_loader
 import bench_peers
@@ -89,6 +95,55 @@ def stream(store: Store, shards: list[dict], tmp: str, write: bool, hash_: bool)
         os.unlink(path)
 
 
+def splice_stream(config: StoreConfig, url: str, shards: list[dict], tmp: str) -> None:
+    """Every shard through one plain GET whose body the kernel moves into a file (socket →
+    pipe → file with `os.splice`); the first bytes, read with the headers, are written as they
+    are. Checked by size (the splice never sees the bytes to hash them)."""
+    import swiftclient
+
+    swift = config.swift
+    storage_url, token = swiftclient.get_auth(swift.auth_url, swift.user, swift.key.reveal() if swift.key else None)
+    parsed = urlsplit(storage_url)
+    container, _, prefix = url.removeprefix("swift://").partition("/")
+    fd, path = tempfile.mkstemp(dir=tmp)
+    pipe_out, pipe_in = os.pipe()
+    try:
+        for shard in shards:
+            connection = http.client.HTTPConnection(parsed.hostname, parsed.port, timeout=60)
+            try:
+                connection.request(
+                    "GET", f"{parsed.path}/{container}/{prefix}/{shard['name']}", headers={"X-Auth-Token": token}
+                )
+                response = connection.getresponse()
+                if response.status != 200:
+                    raise SystemExit(f"{shard['name']}: GET answered {response.status}")
+                size = int(response.getheader("content-length"))
+                head = response.fp.read1(size) if size else b""  # what the header read already buffered
+                os.pwrite(fd, head, 0)
+                position = len(head)
+                sock = connection.sock  # non-blocking under its timeout: wait for bytes, at most 60 s each time
+                while position < size:
+                    if not select.select([sock], [], [], 60)[0]:
+                        raise SystemExit(f"{shard['name']}: no bytes for 60 s at {position} of {size}")
+                    try:
+                        moved = os.splice(sock.fileno(), pipe_in, min(1 << 20, size - position))
+                    except BlockingIOError:
+                        continue
+                    if not moved:
+                        raise SystemExit(f"{shard['name']}: the body ended at {position} of {size} bytes")
+                    while moved:
+                        written = os.splice(pipe_out, fd, moved, offset_dst=position)
+                        position, moved = position + written, moved - written
+                if position != shard["size"]:
+                    raise SystemExit(f"{shard['name']}: {position} bytes, the manifest says {shard['size']}")
+            finally:
+                connection.close()
+    finally:
+        for descriptor in (fd, pipe_in, pipe_out):
+            os.close(descriptor)
+        os.unlink(path)
+
+
 def cache_fetch(store: Store, shards: list[dict], tmp: str, parts: int | None) -> None:
     """Every shard into an empty cache, one after another, as `ShardCache.fetch` does it."""
     cache_dir = tempfile.mkdtemp(prefix="cache-", dir=tmp)
@@ -127,6 +182,7 @@ def measure(url: str, env: Mapping[str, str], args: argparse.Namespace, tmp: str
         "GET": lambda: stream(store, shards, tmp, False, False),
         "GET + write": lambda: stream(store, shards, tmp, True, False),
         f"GET + write + {shards[0]['checksum'].partition(':')[0]}": lambda: stream(store, shards, tmp, True, True),
+        **({"GET + splice": lambda: splice_stream(config, url, shards, tmp)} if hasattr(os, "splice") else {}),
         "cache, 1 part": lambda: cache_fetch(store, shards, tmp, 1),
         f"cache, {CacheConfig.parts_in_flight} parts": lambda: cache_fetch(store, shards, tmp, None),
     }
