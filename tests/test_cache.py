@@ -44,8 +44,8 @@ from dlstore.cache.prefetch import _next_prefetch, advance_window
 from dlstore.cache.runtime import _Runtime
 from dlstore.checksums import checksum_of
 from dlstore.cli import main
-from dlstore.config import StoreConfig
-from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound
+from dlstore.config import RetryConfig, StoreConfig
+from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound, TransientError
 from dlstore.sample_index import SampleIndex, sample_digest
 from dlstore.shard_writer import TarShardWriter
 from dlstore.shards import read_sample_from_file
@@ -739,6 +739,55 @@ def test_corrupt_cached_copy_is_replaced(tmp_path, remote):
     assert store.downloads()[name] == 3
 
 
+def _recheck_counting_hashes(cache_config, store, spec, start, results) -> None:
+    """In a forked process: wait for the others, recheck `spec`, report (ok, whole-shard hashes)."""
+    import dlstore.cache.shard_cache as shard_cache
+
+    hashes, digest = [0], shard_cache._file_digest
+
+    def counting(path, algo):
+        hashes[0] += 1
+        return digest(path, algo)
+
+    shard_cache._file_digest = counting
+    try:
+        start.wait()
+        path = ShardCache(cache_config, store).fetch(*spec, recheck=True)
+        results.put((read(path) == read(os.path.join(store.root, spec[0])), hashes[0]))
+    except Exception as exc:
+        results.put((f"{type(exc).__name__}: {exc}", hashes[0]))
+
+
+def test_readers_rechecking_one_damaged_copy_at_once_replace_it_once_without_hashing_in_rounds(tmp_path, remote):
+    """Every reader of a damaged shard rechecks it at the same time. Each found it bad under
+    a shared lock; had it gone on to hash it again under a shared lock while waiting for the
+    exclusive one, each one's hash would refuse the others' exclusive lock, round after round
+    (4 processes on a 32 MB shard hashed it 10-20 times each, and 8 on 200 MB ran out of time
+    with an error blaming a download). Now each waits for the exclusive lock: one download,
+    and a few hashes each."""
+    store, specs, contents = remote([32 * 2**20], chunk_size=2**20)
+    cache_config = config(tmp_path, 10**9, wait_timeout_s=120)
+    path = ShardCache(cache_config, store).fetch(*specs[0])
+    gets = store.downloads()[specs[0][0]]  # one download: its ranged GETs
+    with open(path, "r+b") as file:
+        file.seek(12345)
+        file.write(b"\0" * 16)  # damaged in place: the same size, found by a recheck
+    start, results = FORK.Barrier(4), FORK.Queue()
+    workers = [
+        FORK.Process(target=_recheck_counting_hashes, args=(cache_config, store, specs[0], start, results))
+        for _ in range(4)
+    ]
+    for worker in workers:
+        worker.start()
+    outcomes = [results.get(timeout=300) for _ in workers]
+    for worker in workers:
+        worker.join(timeout=60)
+    assert [ok for ok, _ in outcomes] == [True] * 4, outcomes
+    assert max(hashes for _, hashes in outcomes) <= 3, outcomes  # SH, EX, and SH again after the swap
+    assert store.downloads()[specs[0][0]] == 2 * gets  # the first download, and one replacement for all four
+    assert read(path) == contents[specs[0][0]]
+
+
 def test_xxh3_checksums_are_verified_as_sha256_ones_are(tmp_path, remote):
     """The default of `dlstore convert`: a right XXH3-128 fetches, a wrong one is `CorruptShard`
     with nothing published, and a recheck of a cached copy damaged in place replaces it."""
@@ -1020,6 +1069,34 @@ def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, re
     assert store.downloads()["train/missing.tar"] == 1  # the prefetch's error, not a new attempt
     assert read(cache.fetch(*specs[0])) == contents[specs[0][0]]
     cache.close()
+
+
+def test_a_prefetch_error_is_not_raised_for_a_shard_the_cache_holds_after_all(tmp_path, remote):
+    """The prefetch of a shard failed (a blip), and meanwhile a reader (here another process's
+    cache) fetched it: the kept error would end a run that has already recovered, so a hold of
+    the cached shard takes it without raising."""
+    _, specs, contents = remote([1000, 1000])
+
+    class FailsOnce(LocalStore):
+        failed = False
+
+        def _read(self, key, start, end):
+            if key == specs[0][0] and not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise TransientError("connection reset by peer")
+            yield from super()._read(key, start, end)
+
+    no_retries = StoreConfig(retry=RetryConfig(max_attempts=1, deadline_s=1))
+    cache = ShardCache(config(tmp_path, 100_000, prefetch=2), FailsOnce(str(tmp_path / "remote"), no_retries))
+    cache.prefetch([specs[0], specs[1]])
+    wait_for(lambda: specs[1][0] in cached_names(tmp_path / "cache"))  # the thread went past the failure
+    assert specs[0][0] not in cached_names(tmp_path / "cache")
+    other = ShardCache(config(tmp_path, 100_000), LocalStore(str(tmp_path / "remote")))
+    other.fetch(*specs[0])  # another reader of the node fetched it
+    with cache.hold(*specs[0]) as path:
+        assert read(path) == contents[specs[0][0]]
+    cache.close()
+    other.close()
 
 
 def test_prefetch_of_a_corrupt_shard_is_raised_to_the_reader(tmp_path, remote):

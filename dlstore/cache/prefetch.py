@@ -92,10 +92,13 @@ def stop_prefetch(rt: _Runtime, timeout_s: float) -> None:
         thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
-def raise_prefetch_error(rt: _Runtime, name: str) -> None:
+def raise_prefetch_error(rt: _Runtime, name: str, moot: Callable[[], bool]) -> None:
+    """Raise the error the prefetch of `name` failed with, once, unless `moot()` (asked only
+    then): the shard is in the cache after all (a reader fetched it itself while the prefetch
+    failed), when that error would end a run that has already recovered."""
     with rt.lock:
         error = rt.errors.pop(name, None)
-    if error is not None:
+    if error is not None and not moot():
         raise error
 
 

@@ -185,7 +185,7 @@ class ShardCache:
         ...     index = read_index(path)
         """
         rt = self._runtime()
-        raise_prefetch_error(rt, name)
+        raise_prefetch_error(rt, name, moot=lambda: self.cached(name))
         protect = advance_window(rt, name, self.config.prefetch)
         fd = self._acquire(rt, ShardSpec(name, size, checksum, samples), recheck=recheck, protect=protect)
         path = self._dir.shard_path(self._stem(name))
@@ -480,13 +480,18 @@ class ShardCache:
         deadline = time.monotonic() + self.config.wait_timeout_s
         delay, waited, downloaded = _LOCK_POLL_S[0], 0.0, False
         wanted: int | None = None  # held while a reader waits for another process's download
+        # A recheck found this copy bad: wait for the exclusive lock to replace it, and do not
+        # hash it again under a shared one meanwhile. Every reader of a damaged shard rechecks
+        # it at once, and each one's shared lock (held for a whole hash) would refuse the
+        # others' exclusive one, round after round.
+        found_bad = False
         if epoch is None:
             epoch = self._epoch_of(rt, spec.name)
         try:
             while True:
                 seen = rt.releases
-                if _try_flock(fd, fcntl.LOCK_SH):
-                    state = self._cached_state(path, spec, recheck and not downloaded)
+                if found_bad or _try_flock(fd, fcntl.LOCK_SH):
+                    state = "bad" if found_bad else self._cached_state(path, spec, recheck and not downloaded)
                     if state == "ok":
                         self._touch(path)
                         if not downloaded and not prefetching:
@@ -495,7 +500,9 @@ class ShardCache:
                             self._count(rt, wait_time_s=waited)
                         self._flush(rt, force=downloaded)
                         return fd
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    if not found_bad:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
+                        found_bad = state == "bad" and recheck and not downloaded
                     if prefetching and state == "missing" and (downloaded or not still_ahead(rt, spec.name)):
                         # Evicted between this download and its shared lock (by a reader that has
                         # passed it, or for a sooner shard), or passed while this waited for its
@@ -504,6 +511,7 @@ class ShardCache:
                         rt.announce_release()
                         return PREFETCH_DROPPED
                     if _try_flock(fd, fcntl.LOCK_EX):
+                        found_bad = False
                         fetched = self._fetch_exclusively(
                             rt, spec, stem, path, recheck and not downloaded, protect, prefetching, priority, epoch
                         )
@@ -522,9 +530,14 @@ class ShardCache:
                 if wanted is None and not prefetching:
                     wanted = self._dir.mark_wanted(stem)
                 if time.monotonic() > deadline:
+                    holders = (
+                        "its copy failed a recheck, and other processes still hold it (reading or checking it)"
+                        if found_bad
+                        else "another process is still downloading or evicting it"
+                    )
                     raise TransientError(
                         f"waited {self.config.wait_timeout_s:.0f}s for shard {spec.name!r} in cache "
-                        f"{self.config.cache_dir}: another process is still downloading or evicting it"
+                        f"{self.config.cache_dir}: {holders}"
                     )
                 waited += rt.sleep_unless_released(seen, delay)
                 delay = min(delay * 2, _LOCK_POLL_S[1])
