@@ -30,7 +30,7 @@ from loader_support import NUM_CLASSES, damaged_below_jpeg, folder_with_a_jpeg_d
 from test_shards import MALICIOUS
 
 import dlstore
-from dlstore.cache import cache_report
+from dlstore.cache import CacheConfig, ShardCache, cache_report
 from dlstore.checksums import checksum_of
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, NoSpace
 from dlstore.manifest import Manifest, ShardInfo
@@ -240,6 +240,24 @@ def test_a_full_cache_disk_is_a_clear_error_and_leaves_nothing_partial(tmp_path)
         loader.dataset.cache.close()
         assert_cache_clean(disk / "cache2", store)
         assert cache_report(disk / "cache2").totals.evictions > 0
+
+
+def test_a_cache_set_up_on_a_full_disk_is_a_clear_error(tmp_path):
+    """The first use of a new cache directory writes its layout and counters: on a disk that is
+    already full that is `NoSpace` naming the directory, as a download that fills it is."""
+    if not can_mount():
+        pytest.skip("needs root to mount a small tmpfs (a file-size rlimit leaves room for small files)")
+    store = open_store(f"file://{tmp_path}/data")
+    store.put("shard-000000.tar", bytes(10_000))
+    disk = tmp_path / "small"
+    with small_disk(disk, 1 << 20):
+        with contextlib.suppress(OSError), open(disk / "filler", "wb", buffering=0) as filler:
+            while True:
+                filler.write(bytes(4096))
+        cache = ShardCache(CacheConfig(str(disk / "cache"), "10MB", prefetch=0), store)
+        with pytest.raises(NoSpace, match=f"no space in cache {disk / 'cache'}"):
+            cache.fetch("shard-000000.tar", 10_000)
+        cache.close()
 
 
 # -- case 5: malicious or broken tars, bad samples --------------------------------------------------

@@ -371,7 +371,16 @@ class ShardCache:
 
     def _start(self) -> None:
         """First use in this process: create the layout, remove dead downloads' temp files,
-        and bring the directory within this process's limit."""
+        and bring the directory within this process's limit. A full disk says so, naming the
+        cache directory, as it does when a download fills it."""
+        try:
+            self._set_up()
+        except OSError as exc:
+            if exc.errno in _NO_SPACE_ERRNOS:
+                raise NoSpace(f"no space in cache {self.config.cache_dir} to set it up: {exc.strerror}") from exc
+            raise
+
+    def _set_up(self) -> None:
         self._dir.create()
         with self._dir.locked():
             usage = self._dir.scan()
