@@ -495,6 +495,49 @@ def test_worker_processes_without_room_in_dev_shm_are_refused_at_once(tmp_path):
     assert "refused:" in done.stdout and "116 MB of /dev/shm" in done.stdout and "engine='threads'" in done.stdout
 
 
+_SHM_FILLED_RUN = """
+import contextlib, sys
+import dlstore
+from loader_support import write_dataset
+from dlstore.errors import NoSpace
+from dlstore.storage import open_store
+url = sys.argv[1]
+write_dataset(open_store(url), [40, 40, 40])
+ds = dlstore.Dataset(url, cache_dir=sys.argv[2], transform="train", image_size=64, batch_size=4,
+                     world=dlstore.World())
+options = dict(num_workers=2, device="cpu", dtype="uint8", engine="processes", start_method="fork")
+loader = dlstore.Loader(ds, **options)
+try:
+    for number, batch in enumerate(loader):  # 30 batches, 4 of them built ahead
+        if number == 0:  # the node's other ranks, NCCL or another job take the rest of /dev/shm
+            with contextlib.suppress(OSError), open("/dev/shm/filler", "ab", buffering=0) as filler:
+                while True:
+                    filler.write(bytes(1 << 12))
+    print("no error")
+except NoSpace as exc:
+    print("raised:", exc)
+loader.close()
+try:  # a new loader on the full /dev/shm (no batch slots, which would be refused when made)
+    list(dlstore.Loader(ds, shared_slots=False, **options))
+    print("no error")
+except NoSpace as exc:
+    print("raised at the start:", exc)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
+def test_a_worker_batch_that_finds_dev_shm_full_ends_the_epoch_with_that_error(tmp_path):
+    """The batch slots fit, then /dev/shm fills up: a worker's batch (its labels) cannot go
+    into it. That used to fail in the queue's feeder thread, which dropped the batch, and the
+    loop waited for it for ever (this run then timed out); now the loop gets the error."""
+    done = _run_with_64mb_dev_shm(tmp_path, _SHM_FILLED_RUN, timeout_s=120)
+    # (The worker's error comes with its traceback in the message, as the DataLoader re-raises it.)
+    first, _, second = done.stdout.partition("raised at the start:")
+    assert first.startswith("raised:") and "no error" not in done.stdout, done.stdout
+    assert "'labels'" in first and "/dev/shm" in first and "engine='threads'" in first, done.stdout
+    assert "/dev/shm is full" in second and "engine='threads'" in second, done.stdout
+
+
 def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, monkeypatch):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6])
@@ -876,13 +919,15 @@ def test_decode_marks_stay_per_process_without_shared_memory(local_dataset, tmp_
     def no_room(self):
         raise RuntimeError("unable to allocate shared memory")
 
-    monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)
     url, _ = local_dataset
     ds = _dataset(url, tmp_path, transform="train")
-    # No batch slots, which need shared memory too.
-    loader = dlstore.Loader(
-        ds, num_workers=2, device="cpu", dtype="uint8", engine="processes", start_method="fork", shared_slots=False
-    )
+    # No room for the marks when the loader is made (no batch slots: they would need it too);
+    # the workers' batches still go through /dev/shm, as they must.
+    with monkeypatch.context() as refused:
+        refused.setattr(torch.Tensor, "share_memory_", no_room)
+        loader = dlstore.Loader(
+            ds, num_workers=2, device="cpu", dtype="uint8", engine="processes", start_method="fork", shared_slots=False
+        )
     with loader:
         assert len({k for _, _, meta in loader for k in meta["keys"]}) == 23
         assert ds.samples._decodes_cleanly is None  # the workers kept their own

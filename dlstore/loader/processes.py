@@ -22,6 +22,7 @@ Anything else (a resumed epoch, another epoch, a pass left early) starts a fresh
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
@@ -35,6 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler
 
 from dlstore.dataset import Dataset
+from dlstore.errors import NoSpace
 from dlstore.loader.config import LoaderConfig
 from dlstore.loader.slots import BatchSlots
 from dlstore.sample_path import BatchRequest
@@ -124,7 +126,27 @@ class _BatchWriter(torch.utils.data.Dataset):
         if chunk is not None:
             worker = torch.utils.data.get_worker_info()
             batch["chunk"] = (chunk.start, chunk.count, worker.id if worker is not None else None)
+        if torch.utils.data.get_worker_info() is not None:
+            _into_shared_memory(batch)
         return batch
+
+
+def _into_shared_memory(batch: dict) -> None:
+    """Move the batch's tensors into /dev/shm here, in the worker, as its hand-off would.
+
+    Why: the hand-off does it in the queue's feeder thread, which only prints a failure and
+    drops the batch, and the loop then waits for that batch for ever (/dev/shm filled by the
+    node's other ranks, NCCL, another job). Raised here, the error reaches the loop."""
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor) and not value.is_shared():
+            try:
+                value.share_memory_()
+            except (RuntimeError, OSError) as exc:
+                raise NoSpace(
+                    f"a worker process cannot put its batch's {name!r} ({value.nbytes} bytes) into /dev/shm "
+                    f"({exc}): give /dev/shm more room (docker run --shm-size), or use engine='threads' "
+                    "(no /dev/shm)"
+                ) from None
 
 
 class _PlanSampler(Sampler):
@@ -215,7 +237,15 @@ class ProcessEngine:
             # The DataLoader's iterator is made here, in the caller's (main) thread, not at the
             # first batch, which device decode takes in its prefetch thread: torch watches its
             # workers with a SIGCHLD handler only when they start from the main thread.
-            items = self._with_chunks_joined(iter(self._dataloader))
+            try:
+                items = self._with_chunks_joined(iter(self._dataloader))
+            except OSError as exc:  # its queues' locks are POSIX semaphores, files in /dev/shm
+                if exc.errno != errno.ENOSPC:
+                    raise
+                raise NoSpace(
+                    f"cannot start the worker processes' queues: /dev/shm is full ({exc.strerror}): give it more "
+                    "room (docker run --shm-size), or use engine='threads' (no /dev/shm)"
+                ) from None
         return self._one_epoch(items, epoch, history)
 
     def _one_epoch(self, items: Iterator[dict], epoch: int, history: tuple) -> Iterator[dict]:
