@@ -538,6 +538,22 @@ def test_fsspec_http_is_readable(tmp_path, http_root):
         store.put("new.bin", b"read-only")
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_local_objects_get_the_permissions_the_umask_gives(tmp_path, umask):
+    """A dataset converted into a shared (NFS) folder is for the team to read: the objects
+    get what the umask allows, as files that any tool writes there, not a temp file's 0600."""
+    store = open_store(str(tmp_path / "store"))
+    old = os.umask(umask)
+    try:
+        store.put("train/shard-000000.tar", b"x" * 1000)
+        store.put("index.json", io.BytesIO(b"{}"))
+    finally:
+        os.umask(old)
+    for key in ("train/shard-000000.tar", "index.json"):
+        assert (tmp_path / "store" / key).stat().st_mode & 0o777 == 0o666 & ~umask
+    assert not [p for p in (tmp_path / "store").rglob(".dlstore-tmp-*")]
+
+
 # -- S3 error mapping, without a server (botocore's Stubber answers) ---------------------------------
 @pytest.fixture
 def stubbed_s3():

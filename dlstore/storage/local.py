@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
@@ -85,7 +85,7 @@ class LocalStore(Store):
         temp_path = None
         try:
             os.makedirs(directory, exist_ok=True)
-            fd, temp_path = tempfile.mkstemp(prefix=".dlstore-tmp-", dir=directory)
+            fd, temp_path = _new_temp_file(directory)
             with os.fdopen(fd, "wb") as out:
                 shutil.copyfileobj(stream, out, self.config.chunk_size)
             os.replace(temp_path, path)
@@ -110,3 +110,15 @@ class LocalStore(Store):
             os.unlink(self._path(key))
         except OSError as exc:
             raise _os_error(exc, f"{self.url}/{key}") from None
+
+
+def _new_temp_file(directory: str) -> tuple[int, str]:
+    """A new file in `directory` to write an object into before it is renamed into place,
+    with the permissions the umask gives (`tempfile.mkstemp`'s are 0600: a dataset written
+    to a shared NFS folder would be unreadable to the rest of the team)."""
+    while True:
+        path = os.path.join(directory, f".dlstore-tmp-{secrets.token_hex(8)}")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666), path
+        except FileExistsError:
+            continue
