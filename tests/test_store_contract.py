@@ -25,6 +25,7 @@ import pytest
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
 from dlstore.errors import ConfigError, DlstoreError, NotFound
 from dlstore.storage import Store, open_store
+from dlstore.storage.registry import split_object_url
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Fast retries: the suite never waits on a backoff meant for a real cluster.
@@ -536,6 +537,24 @@ def test_fsspec_http_is_readable(tmp_path, http_root):
         store.get_bytes("absent.bin")
     with pytest.raises(DlstoreError):
         store.put("new.bin", b"read-only")
+
+
+def test_a_url_a_slash_short_or_with_a_mistyped_scheme_is_refused_not_taken_for_a_folder(tmp_path, monkeypatch):
+    """`swift:/data/train` is a slash short of a store: taken as a path it wrote the dataset
+    into a folder named "swift:" in the working directory, and said nothing."""
+    monkeypatch.chdir(tmp_path)
+    for url, meant in [("swift:/data/train", "swift://data/train"), ("s3:bucket/x", "s3://bucket/x")]:
+        with pytest.raises(ConfigError, match=f"did you mean {meant}"):
+            open_store(url)
+    with pytest.raises(ConfigError, match="did you mean swift://"):
+        split_object_url("swift:/data/train/shard-000000.tar")
+    with pytest.raises(ConfigError, match=r"unknown storage scheme swfit:// .*did you mean swift://"):
+        open_store("swfit://data/train")
+    with pytest.raises(ConfigError, match=r"unknown storage scheme nosuch://.*s3://, swift://"):
+        open_store("nosuch://data")
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere
+    assert open_store("memory://x").url.startswith("memory://")  # fsspec's own schemes still work
+    assert open_store("data:2024").url == f"file://{tmp_path}/data:2024"  # a colon in a folder's name
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

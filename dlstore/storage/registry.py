@@ -3,6 +3,7 @@ need not be installed."""
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from urllib.parse import urlsplit
 
@@ -39,18 +40,50 @@ def open_store(url: str, config: StoreConfig | None = None) -> Store:
     'file:///tmp/shards'
     """
     if "://" not in url:
+        _refuse_a_mistyped_url(url)
         import os
 
         url = "file://" + os.path.abspath(url)
     scheme = urlsplit(url).scheme
     if not scheme:
         raise ConfigError(f"cannot tell the storage scheme of {url!r}")
+    if scheme not in known_backends:
+        _refuse_an_unknown_scheme(url, scheme)
     return _backend_class(scheme)(url, config or StoreConfig.from_env())
+
+
+# Schemes a path with no "://" must not start with: `swift:/data/train` is a slash short of a
+# store, not a folder named "swift:" in the working directory.
+_SCHEMES_NOT_PATHS = ("file", "s3", "swift", "gs", "gcs", "az", "abfs", "http", "https", "memory")
+
+
+def _refuse_a_mistyped_url(url: str) -> None:
+    scheme, colon, rest = url.partition(":")
+    if colon and scheme.lower() in _SCHEMES_NOT_PATHS:
+        raise ConfigError(f"{url!r} is not a storage URL (did you mean {scheme.lower()}://{rest.lstrip('/')}?)")
+
+
+def _refuse_an_unknown_scheme(url: str, scheme: str) -> None:
+    """A scheme that is neither ours nor one fsspec knows, with the nearest of ours: `swfit://`."""
+    try:
+        from fsspec.registry import known_implementations, registry
+    except ImportError:
+        return  # the fsspec backend says what to install
+    if scheme in known_implementations or scheme in registry:
+        return
+    near = difflib.get_close_matches(scheme, known_backends, n=1, cutoff=0.6)
+    hint = (
+        f" (did you mean {near[0]}://?)"
+        if near
+        else f"; dlstore's own are {', '.join(f'{k}://' for k in known_backends)}"
+    )
+    raise ConfigError(f"unknown storage scheme {scheme}:// in {url!r}{hint}")
 
 
 def split_object_url(url: str) -> tuple[str, str]:
     """`("s3://bucket/a", "b.tar")` from `"s3://bucket/a/b.tar"`: the parent URL and the key."""
     if "://" not in url:
+        _refuse_a_mistyped_url(url)
         import os
 
         url = "file://" + os.path.abspath(url)
