@@ -499,6 +499,8 @@ def test_ensure_container_creates_a_missing_container(swift_server, new_containe
 def test_checkpoints_into_a_container_that_does_not_exist(swift_server, new_container, scheme, tmp_path):
     store = open_store(f"{scheme}://{new_container}/run1", swift_store_config(swift_server))
     ckpts = CheckpointStore(store, tmp_dir=str(tmp_path))
+    assert ckpts.latest_key() is None  # `--resume auto` on a new container: a fresh start
+    ckpts.put_json("config.json", {"model": "resnet18"})  # what a run writes first
     key = ckpts.save({"weights": torch.arange(6)}, step=7)
     assert ckpts.latest_key() == key
     assert torch.equal(ckpts.load(key)["weights"], torch.arange(6))

@@ -101,11 +101,7 @@ class CheckpointStore:
         The state is serialised to a temporary file first (not to memory), and the store
         streams that file, in segments when it is large.
         """
-        if not self._container_ready:
-            # A run pointed at a new container (`swift://ckpt-run7/...`) makes it, as `convert`
-            # does, before its first checkpoint rather than failing at it.
-            self.store.ensure_container()
-            self._container_ready = True
+        self._make_container()
         key = checkpoint_key(step)
         state = {"format": CHECKPOINT_FORMAT, "step": step, **to_cpu(state)}
         started = time.monotonic()
@@ -130,10 +126,19 @@ class CheckpointStore:
         return key
 
     def put_json(self, name: str, value: Any) -> None:
+        self._make_container()
         self.store.put(name, json.dumps(value, indent=1).encode())
 
     def put_text(self, name: str, text: str) -> None:
+        self._make_container()
         self.store.put(name, text.encode())
+
+    def _make_container(self) -> None:
+        """A run pointed at a new container (`swift://ckpt-run7/...`) makes it, as `convert`
+        does, before it writes there (its config, its first checkpoint) rather than failing."""
+        if not self._container_ready:
+            self.store.ensure_container()
+            self._container_ready = True
 
     def prune(self, protect: str | None = None) -> list[str]:
         """Delete all but the newest `keep` checkpoints (never `protect`); returns what went."""
@@ -148,8 +153,11 @@ class CheckpointStore:
 
     # -- reading ------------------------------------------------------------------------
     def keys(self) -> list[str]:
-        """Checkpoint keys, oldest first."""
-        return sorted(info.key for info in self.store.list("ckpt-") if _NAME.match(info.key))
+        """Checkpoint keys, oldest first (none in a container not made yet)."""
+        try:
+            return sorted(info.key for info in self.store.list("ckpt-") if _NAME.match(info.key))
+        except NotFound:
+            return []
 
     def latest_key(self) -> str | None:
         """The published checkpoint (`latest`); failing that, the newest complete one listed."""
