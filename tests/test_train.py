@@ -7,6 +7,7 @@ as torchrun or srun would, so signals, exit codes and process groups are the rea
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -26,6 +27,7 @@ from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
 from dlstore.errors import ConfigError
+from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
 from dlstore.train import (
@@ -424,6 +426,33 @@ def test_a_batch_of_only_corrupt_samples_is_skipped_not_trained_on(tmp_path, cap
     assert all(r["loss"] == r["loss"] for r in records)  # not NaN
     _assert_finite_weights(tmp_path / "ckpt" / checkpoint_key(2))
     assert "no samples" in caplog.text
+
+
+def test_a_val_set_of_other_classes_is_refused_before_training(tmp_path):
+    """A val set converted from another dataset (or another class list) would be evaluated
+    against the wrong outputs: a crash after the first epoch, or a top-1 that means nothing."""
+    train_url, val_url = f"file://{tmp_path}/train", f"file://{tmp_path}/val"
+    write_dataset(open_store(train_url), [8])
+    write_dataset(open_store(val_url), [8])
+    val_store = open_store(val_url)
+    manifest = Manifest.load(val_store)
+    dataclasses.replace(manifest, classes=tuple(reversed(manifest.classes))).save(val_store)
+    cfg = TrainConfig(
+        DataConfig(train_url, cache_dir=str(tmp_path / "cache"), **EMPTY_BATCH_DATA),
+        val_url=val_url,
+        output_dir=str(tmp_path / "run"),
+        model="resnet18",
+        device="cpu",
+        amp="none",
+        epochs=1,
+        progress=False,
+        tensorboard=False,
+    )
+    with pytest.raises(ConfigError, match=r"other classes than the training set.*label 0 is 'class0' in training"):
+        main(cfg)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(
+        str(tmp_path / "run" / "metrics.jsonl")
+    )
 
 
 @pytest.mark.slow

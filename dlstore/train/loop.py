@@ -120,6 +120,7 @@ class Trainer:
             size = cfg.eval_image_size or cfg.image_size
             val = cfg.data.replace(url=self.val_url, transform="eval", image_size=size, shuffle=False, return_keys=True)
             self.val_set = self._dataset(val)
+            self._check_val_classes(self.val_set.manifest.classes)
             # Batch slots stay allocated (and on a GPU page-locked) for the loader's life; the
             # val loader, idle but for a few % of the run, hands its batches over without them.
             self.val_loader = self._loader(self.val_set, shared_slots=False)
@@ -129,6 +130,27 @@ class Trainer:
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
+
+    def _check_val_classes(self, val_classes: tuple[str, ...]) -> None:
+        """Refuse a val set whose labels mean other classes, before an epoch is spent: its
+        labels would index the model's outputs wrongly (past them: a crash in the first
+        evaluation; within them: a top-1 that means nothing)."""
+        if list(val_classes) == self.classes:
+            return
+        differ = next(
+            (i for i, (a, b) in enumerate(zip(self.classes, val_classes)) if a != b),
+            min(len(self.classes), len(val_classes)),
+        )
+        first = (
+            f"label {differ} is {self.classes[differ]!r} in training and {val_classes[differ]!r} in val"
+            if differ < min(len(self.classes), len(val_classes))
+            else "one list is longer"
+        )
+        raise ConfigError(
+            f"the val set {self.val_url} has other classes than the training set {self.cfg.data.url} "
+            f"({len(val_classes)} against {len(self.classes)}; {first}): convert both splits of one dataset, "
+            "or give --val-url the split that matches"
+        )
 
     def _build_model(self) -> None:
         """The model (DDP-wrapped, compiled as asked), the optimiser, its schedule and the loss."""
