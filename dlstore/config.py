@@ -25,6 +25,7 @@ __all__ = [
     "TransformConfig",
     "format_size",
     "parse_size",
+    "writable_dir",
 ]
 
 
@@ -320,6 +321,18 @@ class TransformConfig:
             raise ConfigError(f"transform preset must be 'train', 'eval' or 'none', not {self.preset!r}")
         if self.image_size < 1 or not 0 < self.crop_ratio <= 1:
             raise ConfigError("image_size must be positive and crop_ratio in (0, 1]")
+
+
+def writable_dir(path: str, flag: str) -> str:
+    """`path`, made if missing; a folder that cannot be made or written to is a ConfigError
+    naming it and `flag` (the option that chose it), before a run spends time on anything."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot use {path} ({flag}): {exc.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot use {path} ({flag}): not writable")
+    return path
 
 
 def default_cache_dir(env: Mapping[str, str] | None = None) -> str:

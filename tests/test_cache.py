@@ -23,6 +23,7 @@ import signal
 import tempfile
 import threading
 import time
+from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
@@ -722,6 +723,18 @@ def test_corrupt_remote_copy_raises_naming_the_shard(tmp_path, remote, damage):
         cache.fetch(name, size, checksum)
     assert cached_names(tmp_path / "cache") == set()
     assert os.listdir(tmp_path / "cache" / "tmp") == []
+
+
+def test_a_cache_directory_that_cannot_be_used_is_a_clear_error(tmp_path, remote):
+    """Under a file, or in /proc: a ConfigError naming the directory and the flag to change,
+    at the first fetch (it was a bare NotADirectoryError or FileNotFoundError traceback)."""
+    store, specs, _ = remote([1000])
+    (tmp_path / "a-file").write_bytes(b"")
+    for cache_dir in (tmp_path / "a-file" / "cache", Path("/proc/dlstore-cache")):
+        cache = ShardCache(CacheConfig(str(cache_dir), "1MB", prefetch=0), store)
+        with pytest.raises(ConfigError, match=f"cannot use {cache_dir} as the cache directory.*--cache-dir"):
+            cache.fetch(*specs[0])
+        cache.close()
 
 
 def test_corrupt_cached_copy_is_replaced(tmp_path, remote):

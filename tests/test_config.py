@@ -16,6 +16,7 @@ from dlstore.config import (
     SwiftConfig,
     TransformConfig,
     parse_size,
+    writable_dir,
 )
 from dlstore.errors import ConfigError
 
@@ -366,3 +367,13 @@ def test_the_node_connection_cap_reaches_the_cache_from_one_flag():
         DataConfig("file:///d/train", fetch_node_connections=-1)
     with pytest.raises(ConfigError):
         CacheConfig("/tmp/cache", "1GB", node_connections=-1)
+
+
+def test_writable_dir_makes_the_folder_or_names_it_and_the_flag(tmp_path):
+    made = tmp_path / "a" / "b"
+    assert writable_dir(str(made), "--output-dir") == str(made) and made.is_dir()
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"cannot use .*a-file/run \(--output-dir\): Not a directory"):
+        writable_dir(str(tmp_path / "a-file" / "run"), "--output-dir")
+    with pytest.raises(ConfigError, match=r"cannot use /proc/dlstore-run \(--tmp-dir\)"):
+        writable_dir("/proc/dlstore-run", "--tmp-dir")

@@ -13,6 +13,7 @@ from dlstore.bench.config import BenchConfig
 from dlstore.bench.measure import measure_demand, measure_loader, measure_stages, open_dataset
 from dlstore.bench.report import BenchReport, demand_for, verdict_for
 from dlstore.bench.scaling import measure_scaling
+from dlstore.config import writable_dir
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.train.step import resolve_device
@@ -30,7 +31,9 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         report.verdict.ratio  # loader img/s / the model's demand, e.g. 41.7
     """
     device = resolve_device(cfg.device)
-    cache_root = tempfile.mkdtemp(prefix="dlstore-bench-", dir=cfg.cache_dir or None)
+    cache_root = tempfile.mkdtemp(
+        prefix="dlstore-bench-", dir=writable_dir(cfg.cache_dir, "--cache-dir") if cfg.cache_dir else None
+    )
     try:
         cache_dir = os.path.join(cache_root, "cache")
         manifest = Manifest.load(open_store(cfg.url, cfg.data.store))

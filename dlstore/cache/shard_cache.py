@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
 import logging
@@ -49,6 +50,10 @@ log = logging.getLogger(__name__)
 # no room: a release in this process ends them early (`_Runtime.sleep_unless_released`).
 _LOCK_POLL_S = (0.001, 0.05)
 _ROOM_POLL_S = (0.005, 0.1)
+
+
+# What a cache directory that cannot be used at all fails with: read-only, not ours, a file.
+_UNUSABLE_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT, errno.EEXIST)
 
 
 class CacheFull(NoSpace):
@@ -378,6 +383,11 @@ class ShardCache:
         except OSError as exc:
             if exc.errno in _NO_SPACE_ERRNOS:
                 raise NoSpace(f"no space in cache {self.config.cache_dir} to set it up: {exc.strerror}") from exc
+            if exc.errno in _UNUSABLE_DIR_ERRNOS:
+                raise ConfigError(
+                    f"cannot use {self.config.cache_dir} as the cache directory: {exc.strerror} ({exc.filename}); "
+                    "give --cache-dir (or DLSTORE_CACHE_DIR) a writable folder on the node's local disk"
+                ) from None
             raise
 
     def _set_up(self) -> None:

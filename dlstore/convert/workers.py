@@ -37,6 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from dlstore.config import writable_dir
 from dlstore.convert.build import BuildContext, Built, Counters, ShardBuilder
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions
@@ -69,7 +70,9 @@ def build_shards(
     """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
     times a second. The first error (a worker's, or one `report` raises) stops the build and is
     raised here once every worker has ended."""
-    tmp_dir = tempfile.mkdtemp(prefix="dlstore-convert-", dir=options.tmp_dir)
+    tmp_dir = tempfile.mkdtemp(
+        prefix="dlstore-convert-", dir=writable_dir(options.tmp_dir, "--tmp-dir") if options.tmp_dir else None
+    )
     try:
         context = BuildContext(store, source, options, tmp_dir)
         if options.workers == 1 or len(todo) <= 1:

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from dlstore.config import DataConfig
+from dlstore.config import DataConfig, writable_dir
 from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError
 from dlstore.loader import Loader
@@ -88,6 +88,8 @@ class Trainer:
             log.warning("AMP %s on the CPU is slow on most CPUs; use --amp none there", self.amp_dtype)
         set_determinism(cfg.deterministic)
         seed_everything(cfg.data.seed)  # same seed on every rank: identical initial weights
+        if ctx.is_main:  # its config and metrics go there: refused now rather than after the model is built
+            writable_dir(cfg.output_dir, "--output-dir")
         self._build_data()
         self._build_model()
         self.ckpts = None
