@@ -10,13 +10,16 @@ sets `func`; the library does the work, this module only owns the terminal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from tqdm import tqdm
 
@@ -485,9 +488,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _ending_cleanly_on_sigterm() -> Iterator[None]:
+    """SIGTERM (`timeout`, `kill`, a batch system) ends a command as Ctrl-C does, through its
+    `finally` blocks: convert's workers stopped and its temp folder removed, half-written
+    objects deleted. By default it killed the process where it stood. `train` installs its own
+    handler over this one (a checkpoint first). The previous handler is back afterwards."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
+    with _ending_cleanly_on_sigterm():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except DlstoreError as exc:

@@ -432,6 +432,53 @@ def test_resume_after_the_process_is_killed(data, tmp_path):
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
+def test_sigterm_ends_a_convert_cleanly_and_a_resume_finishes_it(data, tmp_path):
+    """`timeout`, `kill` or a batch system's SIGTERM ends convert as Ctrl-C does: its workers
+    stopped, its temp folder (a partial shard, the source listing) removed, no semaphore left
+    for the resource tracker to warn about; exit status 128 + 15. It used to die where it stood."""
+    made = data["imagenet_tars"]
+    out, scratch = tmp_path / "out", tmp_path / "scratch"
+    scratch.mkdir()
+    args = ["convert", "imagenet", str(made.root), f"file://{out}", "--samples-per-shard", "1", "--workers", "2", "-q"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "dlstore", *args, "--tmp-dir", str(scratch)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None and not list(scratch.glob("dlstore-convert-*")):
+        time.sleep(0.002)
+    process.send_signal(signal.SIGTERM)  # the workers are starting or building
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, stderr.decode()[-2000:]
+    assert list(scratch.iterdir()) == [] and not (out / MANIFEST_NAME).exists()
+    assert b"leaked semaphore" not in stderr and b"Traceback" not in stderr, stderr.decode()[-2000:]
+    assert cli([*args, "--tmp-dir", str(scratch)]) == 0
+    convert("imagenet", made.root, f"file://{tmp_path}/ref", ConvertOptions(samples_per_shard=1))
+    assert files_of(out) == files_of(tmp_path / "ref")
+
+
+def test_ctrl_c_while_the_workers_start_ends_convert_quietly(data, tmp_path):
+    """Ctrl-C reaches the whole process group. Workers still importing (they ignore SIGINT
+    only once they run) printed a page of KeyboardInterrupt traceback each; they are now born
+    ignoring it, and only convert itself stops, with status 130 and its temp folder gone."""
+    made = data["imagenet_tars"]
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    command = [sys.executable, "-m", "dlstore", "convert", "imagenet", str(made.root), f"file://{tmp_path}/out"]
+    command += ["--samples-per-shard", "1", "--workers", "2", "-q", "--tmp-dir", str(scratch)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None and not list(scratch.glob("dlstore-convert-*")):
+        time.sleep(0.002)
+    time.sleep(0.3)  # the workers are importing
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr.decode()[-2000:]
+    assert b"KeyboardInterrupt" not in stderr and b"Traceback" not in stderr, stderr.decode()[-3000:]
+    assert list(scratch.iterdir()) == []
+
+
 def test_refuses_to_overwrite_another_dataset(data, tmp_path):
     made = data["mnist"]
     convert("mnist", made.root, f"file://{tmp_path}/d", OPTS)

@@ -24,6 +24,7 @@ worker that had died.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import multiprocessing
@@ -32,7 +33,8 @@ import pickle
 import shutil
 import signal
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -138,7 +140,8 @@ def _build_in_pool(
     )
     pending: set[Future] = set()
     try:
-        pending = {pool.submit(_build_in_worker, task) for task in todo}
+        with _workers_born_ignoring_sigint():
+            pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
         while pending:
             done, pending = wait(pending, timeout=_PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
             for future in done:
@@ -157,6 +160,22 @@ def _build_in_pool(
             ) from exc
         raise
     pool.shutdown(wait=True)
+
+
+@contextlib.contextmanager
+def _workers_born_ignoring_sigint() -> Iterator[None]:
+    """Workers started in this block ignore SIGINT from their first instruction: an ignored
+    signal stays ignored across exec. Ctrl-C reaches the whole process group, and a worker
+    still importing (before `_start_worker` ignores it) printed a page of KeyboardInterrupt
+    traceback each. This process ignores it for the few milliseconds of the starts only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _stop_pool(pool: ProcessPoolExecutor, pending: set[Future], pids: Any) -> None:
