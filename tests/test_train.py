@@ -455,6 +455,34 @@ def test_a_val_set_of_other_classes_is_refused_before_training(tmp_path):
     )
 
 
+def test_a_run_stopped_by_max_steps_mid_epoch_goes_on_when_resumed_with_more(tmp_path):
+    """`--max-steps 2` stops in the middle of epoch 0 (6 steps); resumed without it, the run
+    trains that epoch's other 4 batches, then epoch 1. It used to count the cut epoch as done
+    and the run as finished: 'nothing to do', whatever the new settings."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    cfg = TrainConfig(
+        DataConfig(url, cache_dir=str(tmp_path / "cache"), return_keys=True, **EMPTY_BATCH_DATA),
+        output_dir=str(tmp_path / "run"),
+        model="resnet18",
+        device="cpu",
+        amp="none",
+        epochs=2,
+        max_steps=2,
+        log_every=1,
+        checkpoint_url=f"file://{tmp_path}/ckpt",
+        progress=False,
+        tensorboard=False,
+        warmup_epochs=0,
+    )
+    assert main(cfg) == 0
+    assert main(dataclasses.replace(cfg, max_steps=2, resume="auto")) == 0  # the same settings: done
+    assert main(dataclasses.replace(cfg, max_steps=None, resume="auto")) == 0
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert [(r["epoch"], r["step"]) for r in records] == [(0, s) for s in range(1, 7)] + [(1, s) for s in range(7, 13)]
+    assert sum(r["samples"] for r in records) == 2 * 24  # every sample once in each epoch
+
+
 @pytest.mark.slow
 def test_two_ranks_skip_the_step_where_one_rank_has_an_empty_batch(tmp_path):
     """Rank 1's first batch is empty, rank 0's is not: both skip that step (a rank that skipped

@@ -236,7 +236,8 @@ class Trainer:
             if code is not None:
                 return code
             self._evaluate(epoch)
-            self.epoch = epoch + 1
+            if len(self.train_loader) == 0:  # all its batches taken: not an epoch cut short by --max-steps
+                self.epoch = epoch + 1
             if self._reached_max_steps():
                 break
             # An epoch boundary is a step boundary too: a signal that came during
@@ -544,7 +545,10 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
-        self.step, self.epoch, self.finished = state["step"], state["epoch"], state["finished"]
+        self.step, self.epoch = state["step"], state["epoch"]
+        # Finished by this run's settings, not the saved run's: one stopped by --max-steps, or
+        # resumed with more epochs, goes on (its epoch's rest first, when it stopped mid-epoch).
+        self.finished = self.epoch >= self.cfg.epochs or self._reached_max_steps()
         self.schedule.saved_step = self.step
         self._set_train_resolution(state["loader"]["epoch"])
         self.train_loader.load_state_dict(state["loader"], strict=not self.cfg.resume_any_data)

@@ -22,6 +22,7 @@ RESULT_SHAPING = (
     "image_size",
     "resize_min",
     "epochs",
+    "max_steps",  # the cosine schedule ends there
     "base_lr",
     "momentum",
     "weight_decay",
