@@ -43,7 +43,7 @@ from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_url
 from dlstore.train.config import config_from_args
 from dlstore.train.demand import precision_name
 from dlstore.train.dist import Rendezvous, first_slurm_host
-from dlstore.train.loop import EXIT_PREEMPTED, main
+from dlstore.train.loop import EXIT_PREEMPTED, Trainer, main
 from dlstore.train.step import amp_dtype_for
 from dlstore.world import World
 
@@ -481,6 +481,35 @@ def test_a_run_stopped_by_max_steps_mid_epoch_goes_on_when_resumed_with_more(tmp
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
     assert [(r["epoch"], r["step"]) for r in records] == [(0, s) for s in range(1, 7)] + [(1, s) for s in range(7, 13)]
     assert sum(r["samples"] for r in records) == 2 * 24  # every sample once in each epoch
+
+
+def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    cfg = TrainConfig(
+        DataConfig(url, cache_dir=str(tmp_path / "cache"), **EMPTY_BATCH_DATA),
+        output_dir=str(tmp_path / "run"),
+        model="resnet18",
+        device="cpu",
+        amp="none",
+        epochs=1,
+        checkpoint_url=f"file://{tmp_path}/ckpt",
+        checkpoint_every_steps=2,
+        progress=False,
+        tensorboard=False,
+    )
+    real_step = Trainer._train_step
+
+    def interrupted_at_step_3(self, *batch):
+        if self.step == 3:
+            raise KeyboardInterrupt
+        return real_step(self, *batch)
+
+    monkeypatch.setattr(Trainer, "_train_step", interrupted_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        main(cfg)
+    assert f"interrupted at step 3; the last checkpoint is step 2 in file://{tmp_path}/ckpt" in caplog.text
+    assert "--resume auto" in caplog.text
 
 
 @pytest.mark.slow

@@ -227,7 +227,22 @@ class Trainer:
             if self.finished:
                 log.info("the checkpoint at step %d is of a finished run: nothing to do", self.step)
                 return 0
-            return self._train()
+            try:
+                return self._train()
+            except KeyboardInterrupt:
+                self._say_where_to_go_on()
+                raise
+
+    def _say_where_to_go_on(self) -> None:
+        """After Ctrl-C (no checkpoint first: that is SIGTERM's or SIGUSR1's), what is kept."""
+        if not self.ctx.is_main:
+            return
+        saved = self.schedule.saved_step
+        if self.ckpts is not None and saved is not None:
+            kept = f"the last checkpoint is step {saved} in {self.ckpts.store.url}: rerun with --resume auto to go on"
+        else:
+            kept = "no checkpoint was written (--checkpoint-url, --checkpoint-every-steps)"
+        log.warning("interrupted at step %d; %s. SIGTERM or SIGUSR1 checkpoint before they stop a run", self.step, kept)
 
     def _train(self) -> int:
         for epoch in range(self.epoch, self.cfg.epochs):
