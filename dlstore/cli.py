@@ -359,8 +359,13 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="the main job on generated data in a local store: convert, verify, load, train")
     p.add_argument("--workdir", help="keep everything here (default: a temporary folder, removed afterwards)")
     p.add_argument("--store", help="store URL for the shards (default: file://WORKDIR/store)")
-    p.add_argument("--epochs", type=int, default=2)
-    p.add_argument("--no-train", action="store_true", help="stop after the loader")
+    p.add_argument("--epochs", type=int, default=2, help="epochs of the demo's training run (default 2)")
+    p.add_argument(
+        "--no-train",
+        action="store_true",
+        help="no training run: convert, verify and load, then the loader-vs-demand verdict (which still times"
+        " the model's own speed on synthetic data)",
+    )
     p.set_defaults(func=_cmd_demo)
 
 

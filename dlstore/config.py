@@ -511,10 +511,18 @@ class DataConfig:
 DATA_FLAGS: dict[str, tuple[Any, str]] = {
     "batch_size": (int, "images per rank per step; the global batch is this times the world size"),
     "workers": (int, "data-loading workers per rank (default: the node's cores divided among its ranks)"),
-    "cache_dir": (str, "node-local shard cache directory, shared by the ranks of a node (default: $DLSTORE_CACHE_DIR)"),
+    "cache_dir": (
+        str,
+        "node-local shard cache directory, shared by the ranks of a node (default: $DLSTORE_CACHE_DIR, else"
+        " ~/.cache/dlstore/shards)",
+    ),
     "cache_limit": (str, "shard cache size limit, e.g. 150GB"),
     "transform": (str, "augmentation preset: train (random resized crop + flip), eval (centre crop) or none"),
-    "image_size": (int, "image resolution (the final one under progressive resizing)"),
+    "image_size": (
+        int,
+        "image resolution, the final one under progressive resizing (default 224, ImageNet's; CIFAR's and MNIST's"
+        " own are 32 and 28)",
+    ),
     "decode_on": (str, "where JPEGs are decoded: worker (CPU) or device (nvJPEG on the GPU)"),
     "device_decoder": (
         str,

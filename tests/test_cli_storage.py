@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
+import re
+from pathlib import Path
+
 import pytest
 
-from dlstore.cli import main
+from dlstore.cli import build_parser, main
 from dlstore.errors import ConfigError
 from dlstore.storage import open_store, split_object_url
 from dlstore.world import World
@@ -61,3 +65,31 @@ def test_world_rejects_inconsistent_sizes():
         World(rank=0, world_size=6, local_world_size=4)
     with pytest.raises(ConfigError):
         World.from_env({"RANK": "9", "WORLD_SIZE": "4"})
+
+
+def test_every_flag_the_readme_shows_for_a_command_is_one_of_its_flags():
+    """The README's command list (it named `convert --image-format`, a flag that never existed)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme[readme.index("\ndlstore ls URL") : readme.index("\n```", readme.index("\ndlstore ls URL"))]
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    shown: dict[str, set[str]] = {}
+    command = ""
+    for line in block.splitlines():
+        words = line.split()
+        if words and words[0] == "dlstore":
+            command = words[1]
+            # `cache stats`: the flags belong to the sub-subcommand
+            if command == "cache":
+                command = f"cache {words[2]}"
+        if not command:
+            continue
+        shown.setdefault(command, set()).update(re.findall(r"\[(--[a-z][a-z-]*)", line))
+        shown[command].update(re.findall(r" (--[a-z][a-z-]*)[ \]]", line.split("  ")[0]))
+    for command, flags in shown.items():
+        sub = commands[command.split()[0]]
+        if " " in command:
+            sub = next(a for a in sub._actions if isinstance(a, argparse._SubParsersAction)).choices[command.split()[1]]
+        known = {option for action in sub._actions for option in action.option_strings}
+        assert flags <= known, (command, flags - known)
+    assert {"convert", "train", "bench", "cache stats"} <= set(shown) and "--format" in shown["convert"]
