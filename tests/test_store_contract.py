@@ -25,6 +25,7 @@ import pytest
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
 from dlstore.errors import ConfigError, DlstoreError, NotFound
 from dlstore.storage import Store, open_store
+from dlstore.storage.base import connection_failure
 from dlstore.storage.registry import split_object_url
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -571,6 +572,20 @@ def test_local_objects_get_the_permissions_the_umask_gives(tmp_path, umask):
     for key in ("train/shard-000000.tar", "index.json"):
         assert (tmp_path / "store" / key).stat().st_mode & 0o777 == 0o666 & ~umask
     assert not [p for p in (tmp_path / "store").rglob(".dlstore-tmp-*")]
+
+
+def test_a_failed_connection_is_named_by_host_port_and_reason_only():
+    """`ls` against a store that is down said only 'ConnectionError'; now where and why, and
+    nothing else of the request (no path, no query: a signed URL's signature)."""
+    import botocore.exceptions
+    import requests
+
+    with pytest.raises(requests.exceptions.ConnectionError) as refused:
+        requests.get("http://127.0.0.1:1/v1/AUTH_x/c/o?temp_url_sig=SECRET", timeout=5)
+    assert connection_failure(refused.value) == " (127.0.0.1:1: Connection refused)"
+    s3 = botocore.exceptions.EndpointConnectionError(endpoint_url="http://10.0.0.9:8080/b/k?X-Amz-Signature=SECRET")
+    assert connection_failure(s3) == " (10.0.0.9:8080)"
+    assert connection_failure(ValueError("nothing to go by")) == ""
 
 
 # -- S3 error mapping, without a server (botocore's Stubber answers) ---------------------------------

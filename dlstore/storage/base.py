@@ -32,6 +32,7 @@ import copy
 import dataclasses
 import io
 import os
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, NotFound, TransientError
 from dlstore.storage.retry import ProgressRetry, call_with_retry
 
-__all__ = ["ObjectInfo", "PutSource", "Store", "IterReader", "read_block", "remaining_size"]
+__all__ = ["ObjectInfo", "PutSource", "Store", "IterReader", "connection_failure", "read_block", "remaining_size"]
 
 PutSource = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", BinaryIO, Iterable[bytes]]
 
@@ -298,3 +299,23 @@ class Store(ABC):
     @abstractmethod
     def _ensure_container(self) -> None:
         """Make the container, bucket or root directory unless it exists; retry what is transient."""
+
+
+def connection_failure(exc: BaseException) -> str:
+    """Where a connection failed and why, for an error message: `" (127.0.0.1:1: Connection
+    refused)"`, or "" when the exception says neither. Only the host, the port and the system's
+    reason are taken from its text: never a path or a query (a signed URL's signature)."""
+    text = str(exc)
+    host = None
+    endpoint = (
+        getattr(exc, "kwargs", {}).get("endpoint_url") if isinstance(getattr(exc, "kwargs", None), dict) else None
+    )
+    if endpoint:
+        parts = urlsplit(endpoint)
+        host = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname
+    else:
+        found = re.search(r"host='([^'/@]+)', port=(\d+)", text)
+        host = f"{found[1]}:{found[2]}" if found else None
+    why = re.search(r"\[Errno -?\d+\] ([A-Za-z][A-Za-z ,.-]*[A-Za-z])", text)
+    detail = ": ".join(part for part in (host, why[1] if why else None) if part)
+    return f" ({detail})" if detail else ""

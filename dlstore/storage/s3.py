@@ -28,7 +28,7 @@ import urllib3.exceptions
 
 from dlstore.config import S3Config, StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store, read_block, remaining_size, split_bucket_url
+from dlstore.storage.base import ObjectInfo, Store, connection_failure, read_block, remaining_size, split_bucket_url
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["S3Store", "make_s3_client"]
@@ -168,7 +168,7 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if isinstance(exc, botocore.exceptions.SSLError):
         return DlstoreError(f"{what}: TLS failure (check AWS_CA_BUNDLE): {type(exc).__name__}")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
-        return TransientError(f"{what}: {type(exc).__name__}")
+        return TransientError(f"{what}: {type(exc).__name__}{connection_failure(exc)}")
     if isinstance(exc, botocore.exceptions.BotoCoreError):
         return DlstoreError(f"{what}: {type(exc).__name__}: {exc}")
     return DlstoreError(f"{what}: {type(exc).__name__}")

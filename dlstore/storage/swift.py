@@ -54,7 +54,15 @@ from swiftclient.exceptions import ClientException
 from dlstore.config import StoreConfig, SwiftConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
 from dlstore.logs import redact_storage_secrets
-from dlstore.storage.base import ObjectInfo, Store, check_key, read_block, remaining_size, split_bucket_url
+from dlstore.storage.base import (
+    ObjectInfo,
+    Store,
+    check_key,
+    connection_failure,
+    read_block,
+    remaining_size,
+    split_bucket_url,
+)
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["SwiftStore"]
@@ -159,7 +167,7 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if isinstance(exc, requests.exceptions.SSLError):
         return DlstoreError(f"{what}: TLS failure (check OS_CACERT / SWIFTCLIENT_INSECURE)")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
-        return TransientError(f"{what}: {type(exc).__name__}")
+        return TransientError(f"{what}: {type(exc).__name__}{connection_failure(exc)}")
     keystone = _map_keystone_error(exc, what)
     if keystone is not None:
         return keystone
