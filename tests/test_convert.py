@@ -482,7 +482,7 @@ def test_ctrl_c_while_the_workers_start_ends_convert_quietly(data, tmp_path):
 def test_refuses_to_overwrite_another_dataset(data, tmp_path):
     made = data["mnist"]
     convert("mnist", made.root, f"file://{tmp_path}/d", OPTS)
-    with pytest.raises(ConfigError, match="already holds a dataset"):
+    with pytest.raises(ConfigError, match=r"already holds a dataset .*\(seed: 0 there, 5 here\)"):
         convert("mnist", made.root, f"file://{tmp_path}/d", dataclasses.replace(OPTS, seed=5))
     assert Manifest.load(open_store(f"file://{tmp_path}/d")).created.seed == 0  # untouched
     summary = convert("mnist", made.root, f"file://{tmp_path}/d", dataclasses.replace(OPTS, seed=5, overwrite=True))

@@ -133,9 +133,20 @@ def _refusal(url: str, previous: CreationInfo | None, creation: CreationInfo) ->
             )
         return f"{url} already holds this dataset with its JPEGs checked: leave out --no-check-decode to keep it"
     return (
-        f"{url} already holds a dataset made from another source or with other options; "
-        "choose another URL or pass overwrite (--overwrite)"
+        f"{url} already holds a dataset made from another source or with other options"
+        f"{_differences(previous, creation)}; choose another URL or pass overwrite (--overwrite)"
     )
+
+
+def _differences(previous: CreationInfo | None, creation: CreationInfo) -> str:
+    """` (samples_per_shard: 64 there, 128 here; ...)`: what the refusal is about."""
+    if previous is None:
+        return " (its manifest cannot be read)"
+    there = {"source format": previous.source_format, **previous.options}
+    here = {"source format": creation.source_format, **creation.options}
+    changed = [f"{k}: {there.get(k)!r} there, {here.get(k)!r} here" for k in sorted(there.keys() | here.keys())
+               if there.get(k) != here.get(k)]  # fmt: skip
+    return f" ({'; '.join(changed)})" if changed else ""
 
 
 def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> tuple[bool, str | None]:
