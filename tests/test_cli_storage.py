@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,10 @@ def test_every_flag_the_readme_shows_for_a_command_is_one_of_its_flags():
         known = {option for action in sub._actions for option in action.option_strings}
         assert flags <= known, (command, flags - known)
     assert {"convert", "train", "bench", "cache stats"} <= set(shown) and "--format" in shown["convert"]
+
+
+def test_the_cli_starts_without_importing_torch():
+    """`dlstore ls`, `cp`, `cache stats` and `--help` need no torch: importing it took ~2 s of
+    every command (the parsers read the loader's settings, whose package imported the loader)."""
+    code = "import sys, dlstore.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

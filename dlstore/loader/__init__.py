@@ -7,9 +7,25 @@
 from __future__ import annotations
 
 from dlstore.loader.config import ENGINES, LoaderConfig, default_workers
-from dlstore.loader.loader import Loader, choose_engine, resolve_auto
-from dlstore.loader.prefetch import GpuPrefetcher
-from dlstore.loader.slots import BatchSlots
+
+# The rest pulls in torch: imported on first use, so that the settings (`dlstore.loader.config`,
+# which the CLI's parsers read) do not make `dlstore ls` wait ~2 s for it.
+_LAZY = {
+    "Loader": "dlstore.loader.loader",
+    "choose_engine": "dlstore.loader.loader",
+    "resolve_auto": "dlstore.loader.loader",
+    "GpuPrefetcher": "dlstore.loader.prefetch",
+    "BatchSlots": "dlstore.loader.slots",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dlstore.loader' has no attribute {name!r}")
+
 
 __all__ = [
     "ENGINES",
