@@ -236,6 +236,10 @@ def test_cache_limits(tmp_path):
     assert part.status == WARN and "70%" in part.summary and "--cache-limit" in part.fix
     # A limit beyond the free space is fine when the dataset (this node's share) fits.
     assert cache_check(cache, 10**18, manifest_of(10**6), num_nodes=1).status == OK
+    # A place that takes no files (root passes `access` there): said as such, not "lower the limit".
+    nowhere = cache_check("/proc/dlstore-cache", 10**9)
+    assert nowhere.status == FAIL and "cannot hold files" in nowhere.summary and "--cache-limit" not in nowhere.fix
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dlstore-doctor-")]  # its probe is gone
 
 
 def test_filesystem_type_from_the_mount_table(tmp_path):

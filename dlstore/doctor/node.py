@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 
 from dlstore.cache import STATS_FILE_BYTES, cache_report
@@ -57,13 +58,25 @@ def _cached_bytes(cache_dir: str) -> int:
         return 0
 
 
+def _write_refused(directory: str) -> str | None:
+    """Why a file cannot be made in `directory` (one is made and removed), or None."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".dlstore-doctor-"):
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+
+
 def cache_check(cache_dir: str, limit_bytes: int, manifest: Manifest | None = None, num_nodes: int = 1) -> Check:
     """The directory is usable, on local disk, and the disk has room for what the cache will hold:
     its limit, or this node's share of the dataset when that is smaller."""
     where = _existing_ancestor(cache_dir)
+    made = "" if where == cache_dir else f" (to be made in {where})"
     if not os.access(where, os.W_OK | os.X_OK):
-        made = "" if where == cache_dir else f" (to be made in {where})"
         return Check("cache", FAIL, f"{cache_dir}{made} is not writable by this user", _CACHE_FIX_DIR)
+    refused = _write_refused(where)
+    if refused:  # root passes `access` where the file system itself says no: /sys, a read-only mount
+        return Check("cache", FAIL, f"{cache_dir}{made} cannot hold files: {refused}", _CACHE_FIX_DIR)
     fstype = filesystem_type(where)
     free = shutil.disk_usage(where).free
     room = free + (_cached_bytes(cache_dir) if where == cache_dir else 0)
