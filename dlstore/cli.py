@@ -51,6 +51,9 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         print(f"{info.size:>14}  {info.key}" if args.long else info.key, flush=count % 1000 == 0)
     if args.long:
         print(f"{count} objects, {format_size(total)}", file=sys.stderr)
+    elif not count:  # an empty listing looks like a hang or a typo otherwise
+        under = f"{store.url} (keys starting {args.prefix!r})" if args.prefix else store.url
+        print(f"no objects under {under}", file=sys.stderr)
     return 0
 
 

@@ -43,6 +43,13 @@ def test_ls_with_prefix_streams_keys_in_order(tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["a/1", "a/10", "a/2", "ab"]
 
 
+def test_ls_of_nothing_says_so(tmp_path, capsys):
+    assert main(["ls", str(tmp_path / "missing")]) == 0
+    assert capsys.readouterr().err.strip() == f"no objects under file://{tmp_path}/missing"
+    assert main(["ls", str(tmp_path), "shard-"]) == 0
+    assert "(keys starting 'shard-')" in capsys.readouterr().err
+
+
 def test_split_object_url():
     assert split_object_url("s3://bucket/a/b.tar") == ("s3://bucket/a", "b.tar")
     assert split_object_url("file:///x/y") == ("file:///x", "y")
