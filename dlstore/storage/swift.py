@@ -406,12 +406,15 @@ class SwiftStore(Store):
         while True:
             # One page per request (the cluster's listing limit, 10,000 by default),
             # each retried on its own, resumed from the last name seen.
-            _, page = call_with_retry(
-                self.config.retry,
-                lambda m=marker: self._call(
-                    self.url, "get_container", self.container, marker=m, prefix=full_prefix or None
-                ),
-            )
+            try:
+                _, page = call_with_retry(
+                    self.config.retry,
+                    lambda m=marker: self._call(
+                        self.url, "get_container", self.container, marker=m, prefix=full_prefix or None
+                    ),
+                )
+            except NotFound as exc:  # a container listing answers 404 only when it is missing
+                raise NotFound(f"{exc}: container {self.container!r} does not exist") from None
             if not page:
                 return
             for item in page:
