@@ -105,13 +105,13 @@ class TrainConfig:
         if self.resize_min is not None and not 0 < self.resize_min <= self.image_size:
             raise ConfigError(f"resize_min must be in (0, image_size={self.image_size}], not {self.resize_min}")
         if self.resize_min is not None and self.resize_end_epoch < self.resize_start_epoch:
-            raise ConfigError("resize_end_epoch must not come before resize_start_epoch")
+            raise ConfigError("--resize-end-epoch must not come before --resize-start-epoch")
         if self.resume not in ("none", "auto") and "://" not in self.resume and not self.resume.endswith(".pt"):
             raise ConfigError(f"resume must be 'none', 'auto' or a checkpoint URL, not {self.resume!r}")
         if self.resume == "auto" and not self.checkpoint_url:
-            raise ConfigError("resume='auto' needs a checkpoint_url to look in")
+            raise ConfigError("--resume auto (resume='auto') needs --checkpoint-url (checkpoint_url) to look in")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError("max_steps must be at least 1")
+            raise ConfigError("--max-steps (max_steps) must be at least 1")
 
     @property
     def image_size(self) -> int:
