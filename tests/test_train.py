@@ -398,17 +398,9 @@ def _dataset_with_an_empty_batch(tmp_path: Path, world: World, sizes: list[int],
     return url
 
 
-def _assert_finite_weights(checkpoint: Path) -> None:
-    state = torch.load(checkpoint, weights_only=True, map_location="cpu")
-    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
-
-
-def test_a_batch_of_only_corrupt_samples_is_skipped_not_trained_on(tmp_path, caplog):
-    """Its samples all corrupt, a batch arrives empty: cross-entropy over nothing is NaN, and
-    so are BatchNorm's statistics of nothing. The step is skipped; the others train as usual."""
-    url = _dataset_with_an_empty_batch(tmp_path, World(0, 1, 1), [4, 4, 4], batch=1)
-    cfg = TrainConfig(
-        DataConfig(url, cache_dir=str(tmp_path / "cache"), **EMPTY_BATCH_DATA),
+def _cpu_run(tmp_path: Path, url: str, *, return_keys: bool = False, **changes) -> TrainConfig:
+    """A ResNet-18 run on the CPU over the small data of these tests, into tmp_path."""
+    settings = dict(
         output_dir=str(tmp_path / "run"),
         model="resnet18",
         device="cpu",
@@ -420,6 +412,20 @@ def test_a_batch_of_only_corrupt_samples_is_skipped_not_trained_on(tmp_path, cap
         tensorboard=False,
         warmup_epochs=0,
     )
+    data = DataConfig(url, cache_dir=str(tmp_path / "cache"), return_keys=return_keys, **EMPTY_BATCH_DATA)
+    return TrainConfig(data, **{**settings, **changes})
+
+
+def _assert_finite_weights(checkpoint: Path) -> None:
+    state = torch.load(checkpoint, weights_only=True, map_location="cpu")
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+
+
+def test_a_batch_of_only_corrupt_samples_is_skipped_not_trained_on(tmp_path, caplog):
+    """Its samples all corrupt, a batch arrives empty: cross-entropy over nothing is NaN, and
+    so are BatchNorm's statistics of nothing. The step is skipped; the others train as usual."""
+    url = _dataset_with_an_empty_batch(tmp_path, World(0, 1, 1), [4, 4, 4], batch=1)
+    cfg = _cpu_run(tmp_path, url)
     assert main(cfg) == 0
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
     assert [(r["step"], r["samples"]) for r in records] == [(1, 4), (2, 4)]
@@ -437,17 +443,7 @@ def test_a_val_set_of_other_classes_is_refused_before_training(tmp_path):
     val_store = open_store(val_url)
     manifest = Manifest.load(val_store)
     dataclasses.replace(manifest, classes=tuple(reversed(manifest.classes))).save(val_store)
-    cfg = TrainConfig(
-        DataConfig(train_url, cache_dir=str(tmp_path / "cache"), **EMPTY_BATCH_DATA),
-        val_url=val_url,
-        output_dir=str(tmp_path / "run"),
-        model="resnet18",
-        device="cpu",
-        amp="none",
-        epochs=1,
-        progress=False,
-        tensorboard=False,
-    )
+    cfg = _cpu_run(tmp_path, train_url, val_url=val_url)
     with pytest.raises(ConfigError, match=r"other classes than the training set.*label 0 is 'class0' in training"):
         main(cfg)
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or not read_metrics(
@@ -461,20 +457,7 @@ def test_a_run_stopped_by_max_steps_mid_epoch_goes_on_when_resumed_with_more(tmp
     and the run as finished: 'nothing to do', whatever the new settings."""
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [8, 8, 8])
-    cfg = TrainConfig(
-        DataConfig(url, cache_dir=str(tmp_path / "cache"), return_keys=True, **EMPTY_BATCH_DATA),
-        output_dir=str(tmp_path / "run"),
-        model="resnet18",
-        device="cpu",
-        amp="none",
-        epochs=2,
-        max_steps=2,
-        log_every=1,
-        checkpoint_url=f"file://{tmp_path}/ckpt",
-        progress=False,
-        tensorboard=False,
-        warmup_epochs=0,
-    )
+    cfg = _cpu_run(tmp_path, url, return_keys=True, epochs=2, max_steps=2)
     assert main(cfg) == 0
     assert main(dataclasses.replace(cfg, max_steps=2, resume="auto")) == 0  # the same settings: done
     assert main(dataclasses.replace(cfg, max_steps=None, resume="auto")) == 0
@@ -486,18 +469,7 @@ def test_a_run_stopped_by_max_steps_mid_epoch_goes_on_when_resumed_with_more(tmp
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [8, 8, 8])
-    cfg = TrainConfig(
-        DataConfig(url, cache_dir=str(tmp_path / "cache"), **EMPTY_BATCH_DATA),
-        output_dir=str(tmp_path / "run"),
-        model="resnet18",
-        device="cpu",
-        amp="none",
-        epochs=1,
-        checkpoint_url=f"file://{tmp_path}/ckpt",
-        checkpoint_every_steps=2,
-        progress=False,
-        tensorboard=False,
-    )
+    cfg = _cpu_run(tmp_path, url, checkpoint_every_steps=2)
     real_step = Trainer._train_step
 
     def interrupted_at_step_3(self, *batch):
