@@ -464,6 +464,38 @@ def test_a_run_stopped_by_max_steps_mid_epoch_goes_on_when_resumed_with_more(tmp
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
     assert [(r["epoch"], r["step"]) for r in records] == [(0, s) for s in range(1, 7)] + [(1, s) for s in range(7, 13)]
     assert sum(r["samples"] for r in records) == 2 * 24  # every sample once in each epoch
+    # The finished run, started again (a requeue, the same command): nothing to do, no epoch again.
+    assert main(dataclasses.replace(cfg, max_steps=None, resume="auto")) == 0
+    assert read_metrics(str(tmp_path / "run" / "metrics.jsonl")) == read_metrics(
+        str(tmp_path / "ckpt" / "metrics.jsonl")
+    )
+    assert len([r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]) == 12
+
+
+def test_sigterm_during_evaluation_then_resume_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+    """A stop at an epoch boundary (SIGTERM while the epoch is evaluated): the checkpoint must
+    place the run at the next epoch, where its loader already is. Once it said the epoch it had
+    finished, and the resumed run trained that epoch again."""
+    url, val_url = f"file://{tmp_path}/data", f"file://{tmp_path}/val"
+    write_dataset(open_store(url), [8, 8, 8])
+    write_dataset(open_store(val_url), [8])
+    whole = _cpu_run(tmp_path / "whole", url, val_url=val_url, epochs=2)
+    assert main(whole) == 0
+    cut = _cpu_run(tmp_path / "cut", url, val_url=val_url, epochs=2)
+    real_evaluate = Trainer._evaluate
+
+    def signalled_during_the_first(self, epoch):
+        if epoch == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled at the next step boundary: the epoch's end
+        return real_evaluate(self, epoch)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trainer, "_evaluate", signalled_during_the_first)
+        assert main(cut) == EXIT_PREEMPTED
+    assert main(dataclasses.replace(cut, resume="auto")) == 0
+    assert train_records(tmp_path / "cut" / "run" / "metrics.jsonl") == train_records(
+        tmp_path / "whole" / "run" / "metrics.jsonl"
+    )
 
 
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):

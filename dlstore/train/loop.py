@@ -251,7 +251,9 @@ class Trainer:
             if code is not None:
                 return code
             self._evaluate(epoch)
-            if len(self.train_loader) == 0:  # all its batches taken: not an epoch cut short by --max-steps
+            # All its batches taken (the loader then stands at the next epoch's start), not an
+            # epoch cut short by --max-steps (the loader stays in it).
+            if self.train_loader.state.epoch > epoch or len(self.train_loader) == 0:
                 self.epoch = epoch + 1
             if self._reached_max_steps():
                 break
