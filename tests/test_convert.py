@@ -159,6 +159,37 @@ def test_imagenet_folders_train(data, tmp_path):
     assert verify_dataset(f"file://{tmp_path}/train", deep=True).ok
 
 
+def test_listing_the_imagenet_train_tar_reads_headers_not_images(data, monkeypatch):
+    """The per-class tars inside the train tar are listed from their headers. The window the
+    listing reads them through had no `tell`, so it was read as a stream: every image's bytes,
+    the whole 147 GB tar before the first shard (and at every resume)."""
+    from dlstore.convert.imagenet import _FileWindow
+
+    read, real = [0], _FileWindow.read
+
+    def counting(self, n=-1):
+        data = real(self, n)
+        read[0] += len(data)
+        return data
+
+    monkeypatch.setattr(_FileWindow, "read", counting)
+    source = list_source("imagenet", data["imagenet_tars"].root / "ILSVRC2012_img_train.tar")
+    images = sum(item.size for item in source.items)
+    assert source.items and read[0] <= 1024 * len(source.items) < images, (read[0], images)  # headers only
+
+
+def test_a_window_seeks_as_a_file_does(tmp_path):
+    from dlstore.convert.imagenet import _FileWindow
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(range(100)))
+    with open(path, "rb") as file:
+        window = _FileWindow(file.fileno(), 10, 50)
+        assert window.seek(0, os.SEEK_END) == 50 and window.tell() == 50 and window.read(5) == b""
+        assert window.seek(-5, os.SEEK_END) == 45 and window.read() == bytes(range(55, 60))
+        assert window.seek(3) == 3 and window.seek(2, os.SEEK_CUR) == 5 and window.read(2) == bytes([15, 16])
+
+
 def test_imagenet_tars_give_the_same_shards_as_folders(data, tmp_path):
     for split in ("train", "val"):
         options = dataclasses.replace(OPTS, split=split)

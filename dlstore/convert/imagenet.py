@@ -137,8 +137,15 @@ class _FileWindow:
         self.pos += len(data)
         return data
 
+    def tell(self) -> int:
+        return self.pos
+
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        self.pos = min(self.size, offset + (self.pos if whence == os.SEEK_CUR else 0))
+        """Seek as a file does. Without `tell` and `SEEK_END`, the tar reader took this for a
+        stream and read every member's bytes to list them (the whole 147 GB train tar, at each
+        start), and found no truncated member: a window knows its end."""
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence]
+        self.pos = max(0, min(self.size, base + offset))
         return self.pos
 
 
