@@ -289,7 +289,8 @@ def _name_and_size(
     if pax is not None:
         raw_name = pax.get("path", raw_name)
         if "size" in pax:
-            if not pax["size"].isdigit():
+            # At most 20 digits (2**64): Python refuses to parse a number of more than 4,300.
+            if not pax["size"].isdigit() or len(pax["size"]) > 20:
                 raise CorruptShard(f"pax header before byte {offset}: size {pax['size'][:16]!r}")
             size = int(pax["size"])
     return _decode_name(raw_name, offset), size

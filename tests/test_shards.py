@@ -221,6 +221,7 @@ MALICIOUS = {
     "duplicate field": lambda: write_shard_raw([("a.jpg", b"1"), ("a.jpg", b"2")]),
     "bad pax record": lambda: pax_tar(b"99999 path=x\n"),
     "pax size not a number": lambda: pax_tar(_pax_record("size", "1x2")),
+    "pax size of 5,000 digits": lambda: pax_tar(_pax_record("size", "9" * 5000)),  # a ValueError past 4,300
     "pax unsafe path": lambda: pax_tar(_pax_record("path", "../up.jpg")),
     "header cut after a pax header": lambda: pax_tar(_pax_record("path", "a.jpg"))[:1024],
 }
