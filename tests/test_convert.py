@@ -510,6 +510,34 @@ def test_ctrl_c_while_the_workers_start_ends_convert_quietly(data, tmp_path):
     assert list(scratch.iterdir()) == []
 
 
+def test_an_mnist_file_holding_more_than_its_header_says_is_refused_without_inflating_it(tmp_path):
+    """A gzip bomb (a header for 10 images, then 256 MB of zeros: 256 KB on disk) is found out
+    after the bytes the header announces, not after all of it is inflated into memory."""
+    import gzip
+    import struct
+    import tracemalloc
+
+    from dlstore.convert.arrays import _read_idx
+
+    bomb = tmp_path / "train-images-idx3-ubyte.gz"
+    with gzip.open(bomb, "wb", compresslevel=1) as file:
+        file.write(struct.pack(">4I", 2051, 10, 28, 28) + bytes(10 * 28 * 28))
+        for _ in range(256):
+            file.write(bytes(2**20))
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=r"header says \(10, 28, 28\), but the file holds more data"):
+            _read_idx(str(bomb), 2051, 3)
+        assert tracemalloc.get_traced_memory()[1] < 16 * 2**20
+    finally:
+        tracemalloc.stop()
+    short = tmp_path / "short.gz"
+    with gzip.open(short, "wb") as file:
+        file.write(struct.pack(">4I", 2051, 10, 28, 28) + bytes(100))
+    with pytest.raises(FormatError, match="holds 100 bytes of data"):
+        _read_idx(str(short), 2051, 3)
+
+
 def test_refuses_to_overwrite_another_dataset(data, tmp_path):
     made = data["mnist"]
     convert("mnist", made.root, f"file://{tmp_path}/d", OPTS)

@@ -151,21 +151,33 @@ def cifar10_source(src: Path, options: ConvertOptions) -> Source:
 
 
 # MNIST -------------------------------------------------------------------------------------------
+# EMNIST, the largest MNIST-like set, holds ~0.7 GB of images.
+_IDX_MAX_BYTES = 4 * 2**30
+
+
 def _read_idx(path: str, magic: int, ndim: int) -> np.ndarray:
     """An idx array (MNIST's format), checked against its magic number and declared shape."""
     opener = gzip.open if path.endswith(".gz") else open
+    header = 4 + 4 * ndim
     try:
         with opener(path, "rb") as file:  # type: ignore[operator]
-            data = file.read()
-    except (OSError, EOFError) as exc:
+            head = file.read(header)
+            if len(head) < header or struct.unpack(">I", head[:4])[0] != magic:
+                what = "images" if ndim == 3 else "labels"
+                raise FormatError(f"{path}: not an idx file with magic {magic} (MNIST {what})")
+            shape = struct.unpack(f">{ndim}I", head[4:])
+            expected = int(np.prod(shape, dtype=np.int64))
+            if expected > _IDX_MAX_BYTES:
+                raise FormatError(f"{path}: header says {shape}, {expected} bytes: more than any MNIST-like set")
+            # No more than the header announces (and one byte to see there is more): a gzip
+            # bomb is not inflated into memory before it is found out.
+            data = file.read(expected + 1)
+    except (OSError, EOFError, gzip.BadGzipFile) as exc:
         raise FormatError(f"{path}: cannot read ({exc})") from None
-    header = 4 + 4 * ndim
-    if len(data) < header or struct.unpack(">I", data[:4])[0] != magic:
-        raise FormatError(f"{path}: not an idx file with magic {magic} (MNIST {'images' if ndim == 3 else 'labels'})")
-    shape = struct.unpack(f">{ndim}I", data[4:header])
-    if len(data) != header + int(np.prod(shape)):
-        raise FormatError(f"{path}: header says {shape}, but the file holds {len(data) - header} bytes of data")
-    return np.frombuffer(data, dtype=np.uint8, offset=header).reshape(shape)
+    if len(data) != expected:
+        held = f"{len(data)} bytes of data" if len(data) < expected else "more data than that"
+        raise FormatError(f"{path}: header says {shape}, but the file holds {held}")
+    return np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
 
 def _mnist_files(src: Path, prefix: str) -> tuple[str, str]:
