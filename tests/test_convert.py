@@ -538,6 +538,20 @@ def test_an_mnist_file_holding_more_than_its_header_says_is_refused_without_infl
         _read_idx(str(short), 2051, 3)
 
 
+def test_a_link_back_up_an_imagefolder_tree_is_walked_once(tmp_path):
+    """Links are followed (a class folder on another disk), but two links back up a class's
+    tree made the listing grow exponentially: it ran until killed. Each real folder is walked
+    once; the repeat is reported as skipped."""
+    made = make_imagefolder(tmp_path / "src", num_classes=2, per_class=3)
+    class_dir = made.root / sorted(p.name for p in made.root.iterdir())[0]
+    (class_dir / "sub").mkdir()
+    (class_dir / "sub" / "up").symlink_to("..")
+    (class_dir / "loop").symlink_to(".")
+    source = list_source("imagefolder", made.root)
+    assert len(source.items) == 6 and len({item.id for item in source.items}) == 6
+    assert sorted(s.reason for s in source.skipped).count("a link to a folder already walked") == 2
+
+
 def test_refuses_to_overwrite_another_dataset(data, tmp_path):
     made = data["mnist"]
     convert("mnist", made.root, f"file://{tmp_path}/d", OPTS)

@@ -110,7 +110,16 @@ def walk_class_dirs(root: Path, class_dirs: Sequence[str], skipped: list[Skipped
     extensions = image_extensions()
     items = []
     for label, name in enumerate(class_dirs):
+        seen: set[tuple[int, int]] = set()  # (device, inode) of the folders walked in this class
         for folder, dirs, files in os.walk(root / name, followlinks=True):
+            # Links are followed (a class folder may link to another disk), each real folder
+            # once: a link back up the tree walked it again and again, exponentially with two.
+            here = os.stat(folder)
+            if (here.st_dev, here.st_ino) in seen:
+                dirs[:] = []
+                skipped.append(SkippedInput(os.path.relpath(folder, root), "a link to a folder already walked"))
+                continue
+            seen.add((here.st_dev, here.st_ino))
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             rel_folder = os.path.relpath(folder, root)
             for file in sorted(files):
