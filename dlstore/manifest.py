@@ -69,6 +69,11 @@ _SHA256_ONLY_VERSION = 1
 _FIELD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*\Z")
 
 
+def is_field_name(name: str) -> bool:
+    """Whether a member extension can be one of a manifest's `fields`."""
+    return bool(_FIELD_RE.match(name))
+
+
 # -- the manifest ----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ShardInfo:
@@ -351,7 +356,7 @@ def _parse_manifest(raw: Any) -> Manifest:
         raise FormatError("shards: two shards (or indexes) share a name")
     fields = _str_list(raw["fields"], "fields")
     for name in fields:
-        if not _FIELD_RE.match(name):
+        if not is_field_name(name):
             raise FormatError(f"fields: {name[:40]!r} is not a member extension")
     classes = _str_list(raw["classes"], "classes")
     label_field = raw.get("label_field")

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import threading
 import time
 from collections import Counter
@@ -38,7 +39,7 @@ from dlstore.convert.arrays import ArrayReader
 from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBuilder
 from dlstore.convert.shard_plan import plan_tasks
 from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
-from dlstore.errors import ConfigError, CorruptSample, FormatError
+from dlstore.errors import ConfigError, CorruptSample, CorruptShard, FormatError
 from dlstore.manifest import MANIFEST_NAME, Manifest
 from dlstore.sample_index import SampleIndex, load_sample_index, sample_digest
 from dlstore.shards import iter_samples, read_sample
@@ -771,6 +772,36 @@ def test_index_shards_written_by_webdataset(tmp_path):
     assert manifest.format_version == 1 and verify_dataset(store, deep=True).ok
     store.put(manifest.shards[0].name, tars[0][:-1] + bytes([tars[0][-1] ^ 1]))  # in the record padding
     assert not verify_dataset(store).ok
+
+
+def test_index_leaves_out_member_extensions_a_manifest_cannot_name_and_names_a_bad_shard(tmp_path, caplog):
+    """Foreign shards with members like `000.café` or `000.meta data`: index said it wrote the
+    manifest, which then failed to load everywhere ('is not a member extension'). Such members
+    are left out of its fields, with a warning; a shard dlstore refuses is named in the error."""
+    import webdataset as wds
+
+    with wds.ShardWriter(str(tmp_path / "part-%04d.tar"), maxcount=10) as sink:
+        for i in range(3):
+            image = io.BytesIO()
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(image, "JPEG")
+            sink.write({"__key__": f"s{i}", "jpg": image.getvalue(), "cls": i, "café": b"x", "meta data": b"y"})
+    assert cli(["index", f"file://{tmp_path}", "-q"]) == 0
+    manifest = Manifest.load(open_store(f"file://{tmp_path}"))
+    assert manifest.fields == ("cls", "jpg") and manifest.total_samples == 3
+    assert "'café'" in caplog.text and "'meta data'" in caplog.text
+    with open(tmp_path / "part-0001.tar", "wb") as bad:
+        bad.write(write_shard_raw_with_name("../evil.jpg"))
+    with pytest.raises(CorruptShard, match=r"shard 'part-0001.tar' in file://.*unsafe name"):
+        index_dataset(f"file://{tmp_path}")
+
+
+def write_shard_raw_with_name(name: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        info = tarfile.TarInfo(name)
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    return buffer.getvalue()
 
 
 def test_index_refuses_a_place_without_shards(tmp_path):

@@ -15,8 +15,8 @@ from dlstore import __version__
 from dlstore.checksums import DEFAULT_ALGORITHM, PassingHashes
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
-from dlstore.errors import CorruptSample, FormatError, NotFound
-from dlstore.manifest import CreationInfo, Manifest, ShardInfo
+from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
+from dlstore.manifest import CreationInfo, Manifest, ShardInfo, is_field_name
 from dlstore.sample_index import SampleIndex, index_name
 from dlstore.shards import parse_label, scan_shard
 from dlstore.storage import Store, open_store
@@ -72,10 +72,20 @@ def index_dataset(
     labelled = top >= 0 and not any(r.unlabelled for r in results)
     if top >= 0 and not labelled:
         log.warning("%s: some samples have no %r member; the manifest is unlabelled", store.url, label_field)
+    fields = set().union(*(r.fields for r in results))
+    unnamed = sorted(f for f in fields if not is_field_name(f))
+    if unnamed:
+        # A manifest that named them would not load; the loader reads only its image and label
+        # members, so the others are left out, and said so.
+        log.warning(
+            "%s: member extensions %s are left out of the manifest's fields (letters, digits, '_', '.', '-' only)",
+            store.url,
+            ", ".join(repr(f[:40]) for f in unnamed[:5]),
+        )
     manifest = Manifest(
         shards=tuple(r.info for r in results),
         classes=tuple(str(i) for i in range(top + 1)) if labelled else (),
-        fields=tuple(sorted(set().union(*(r.fields for r in results)))),
+        fields=tuple(sorted(fields - set(unnamed))),
         label_field=label_field if labelled else None,
         created=CreationInfo(tool="dlstore index", tool_version=__version__, source_format="webdataset"),
     )
@@ -136,12 +146,15 @@ def _index_shard(
     before = PassingHashes(
         {c.partition(":")[0] for c in (checksum_before, old and old.checksum) if c} - {checksum_algorithm}
     )
-    index = scan_shard(  # hashes in `checksum_algorithm`
-        before.through(store.get(name)),
-        on_sample=lambda sample: found.add(name, sample, label_field),
-        sample_digests=True,
-        checksum_algorithm=checksum_algorithm,
-    )
+    try:
+        index = scan_shard(  # hashes in `checksum_algorithm`
+            before.through(store.get(name)),
+            on_sample=lambda sample: found.add(name, sample, label_field),
+            sample_digests=True,
+            checksum_algorithm=checksum_algorithm,
+        )
+    except CorruptShard as exc:  # among many shards: which one
+        raise CorruptShard(f"shard {name!r} in {store.url}: {exc}") from None
 
     def is_checksum(checksum: str | None) -> bool:
         if (checksum or "").partition(":")[0] == checksum_algorithm:
