@@ -42,7 +42,7 @@ from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, 
 from dlstore.errors import ConfigError, CorruptSample, CorruptShard, FormatError
 from dlstore.manifest import MANIFEST_NAME, Manifest
 from dlstore.sample_index import SampleIndex, load_sample_index, sample_digest
-from dlstore.shards import iter_samples, read_sample
+from dlstore.shards import IMAGE_FIELDS, image_field, iter_samples, read_sample
 from dlstore.storage import open_store
 
 SMALL = (48, 40)
@@ -551,6 +551,31 @@ def test_a_link_back_up_an_imagefolder_tree_is_walked_once(tmp_path):
     source = list_source("imagefolder", made.root)
     assert len(source.items) == 6 and len({item.id for item in source.items}) == 6
     assert sorted(s.reason for s in source.skipped).count("a link to a folder already walked") == 2
+
+
+def test_kept_formats_are_all_named_in_the_manifest_whatever_the_files_are_called(tmp_path):
+    """With --keep-format, a `.pgm` is stored as `ppm` (Pillow's name) and a PNG named `.jpg` as
+    `png`: the manifest named the inputs' extensions instead, and the loader, which reads the
+    image members the manifest names, skipped those samples as having no image."""
+    root = tmp_path / "src"
+    (root / "a").mkdir(parents=True)
+    Image.new("L", (16, 12), 90).save(root / "a" / "gray.pgm")
+    Image.new("RGB", (16, 12), (1, 2, 3)).save(root / "a" / "really-a-png.jpg", "PNG")
+    Image.new("RGB", (16, 12), (4, 5, 6)).save(root / "a" / "plain.bmp")
+    url = f"file://{tmp_path}/out"
+    summary = convert("imagefolder", root, url, dataclasses.replace(OPTS, keep_format=True))
+    store = open_store(url)
+    stored = [read_sample(store.get_range(s.name, span.offset, span.size)) for s in summary.manifest.shards
+              for span in (load_sample_index(store, s)[i] for i in range(s.samples))]  # fmt: skip
+    assert len(stored) == 3
+    named = [f for f in IMAGE_FIELDS if f in summary.manifest.fields]  # what the loader looks for (`SamplePath`)
+    assert all(image_field(sample, named) is not None for sample in stored), summary.manifest.fields
+    assert {"ppm", "png", "bmp"} <= {image_field(sample) for sample in stored}
+    assert verify_dataset(store, deep=True).ok
+    # A manifest that leaves one out (as the inputs' extensions did): the deep check says so.
+    dataclasses.replace(summary.manifest, fields=tuple(f for f in summary.manifest.fields if f != "ppm")).save(store)
+    report = verify_dataset(store, deep=True)
+    assert not report.ok and "no image among the manifest's fields" in " ".join(report.problems)
 
 
 def test_refuses_to_overwrite_another_dataset(data, tmp_path):

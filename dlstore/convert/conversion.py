@@ -17,6 +17,7 @@ from dlstore.checksums import DEFAULT_ALGORITHM
 from dlstore.config import StoreConfig
 from dlstore.convert.arrays import ArrayReader
 from dlstore.convert.build import Built, Counters, existing_shard
+from dlstore.convert.encode import stored_fields
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, ConvertProgress, ConvertSummary
 from dlstore.convert.shard_plan import ShardTask, plan_tasks
@@ -270,11 +271,10 @@ def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
     if isinstance(source.reader, ArrayReader):
         return fields | {"png" if options.image_format == "png" else "jpg"}
     if options.keep_format and not options.resize_max_side:
-        by_extension = {".jpeg": "jpg", ".jpg": "jpg", ".jpe": "jpg", ".tif": "tiff"}
-        for item in source.items:
-            ext = os.path.splitext(item.id)[1].lower()
-            fields.add(by_extension.get(ext, ext[1:]))
-        fields &= set(IMAGE_FIELDS) | {"cls", "json"}
+        # Every member a kept format can be stored as (`encode.stored_fields`), not the inputs'
+        # extensions: a `.pgm` is stored as `ppm` (Pillow's name for it), a PNG named `.jpg` as
+        # `png`, and the loader reads only the image members the manifest names.
+        fields |= stored_fields() & set(IMAGE_FIELDS)
     return fields | {"jpg"}
 
 

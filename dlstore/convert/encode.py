@@ -20,9 +20,14 @@ from dlstore.convert.options import ConvertOptions
 from dlstore.errors import CorruptSample
 from dlstore.transforms import check_decodes, jpeg_frame
 
-__all__ = ["encode_input", "jpeg_header"]
+__all__ = ["encode_input", "jpeg_header", "stored_fields"]
 
 _EXT_OF_FORMAT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "BMP": "bmp", "GIF": "gif", "TIFF": "tiff", "PPM": "ppm"}
+
+
+def stored_fields() -> set[str]:
+    """The members an input can be stored as: JPEG, or with `keep_format` a kept format's."""
+    return {"jpg", *_EXT_OF_FORMAT.values()}
 
 
 def _jpeg_bytes(image: Image.Image, quality: int) -> bytes:

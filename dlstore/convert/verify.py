@@ -19,7 +19,7 @@ from dlstore.config import StoreConfig
 from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from dlstore.sample_index import SampleIndex
-from dlstore.shards import image_field, parse_label, scan_shard
+from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, scan_shard
 from dlstore.storage import Store, open_store
 from dlstore.transforms import check_decodes
 
@@ -166,9 +166,12 @@ def _walk_shard(
 def _check_sample(sample: dict, manifest: Manifest) -> str | None:
     """What is wrong with one sample of a deep check, or None."""
     key = sample["__key__"]
-    field = image_field(sample)
+    # The image members the manifest names, as the loader reads them (`SamplePath`): an image
+    # under another name is one the loader skips.
+    field = image_field(sample, [f for f in IMAGE_FIELDS if f in manifest.fields])
     if field is None:
-        return f"sample {key!r} has no image ({', '.join(k for k in sample if k != '__key__')})"
+        members = ", ".join(k for k in sample if k != "__key__")
+        return f"sample {key!r} has no image among the manifest's fields ({members})"
     try:
         check_decodes(sample[field])  # as the loader's first decode of it: what it would skip
     except Exception as exc:  # any decoder failure means the sample is unusable
