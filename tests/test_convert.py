@@ -588,6 +588,23 @@ def test_refuses_to_overwrite_another_dataset(data, tmp_path):
     assert summary.manifest.created.seed == 5
 
 
+def test_a_dataset_converted_again_into_fewer_shards_leaves_none_of_the_old_ones(data, tmp_path, caplog):
+    """The shards (and indexes) the new dataset does not reuse are deleted: left behind,
+    `dlstore index` took them into its manifest (stale duplicates, other classes). Other
+    objects under the prefix are only named."""
+    made = data["mnist"]
+    url = f"file://{tmp_path}/d"
+    many = convert("mnist", made.root, url, dataclasses.replace(OPTS, samples_per_shard=4))
+    (tmp_path / "d" / "shard-notes.txt").write_text("mine")
+    few = convert("mnist", made.root, url, dataclasses.replace(OPTS, samples_per_shard=64, overwrite=True))
+    assert len(few.manifest.shards) < len(many.manifest.shards)
+    kept = {p.name for p in (tmp_path / "d").iterdir()}
+    expected = {s.name for s in few.manifest.shards} | {s.index for s in few.manifest.shards}
+    assert kept == expected | {MANIFEST_NAME, "shard-notes.txt"}
+    assert "shard-notes.txt" in caplog.text  # not ours to delete: named
+    assert index_dataset(url).total_samples == few.samples
+
+
 # -- verify ---------------------------------------------------------------------------------------
 def test_verify_catches_a_flipped_byte_and_a_missing_shard(data, tmp_path, capsys):
     made = data["cifar10"]

@@ -6,9 +6,11 @@ in place, so a half-finished dataset is never taken for a finished one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import re
 import time
 from collections.abc import Callable
 
@@ -76,7 +78,7 @@ def convert(
 
     results = [built[task.number] for task in tasks]
     manifest = _save_manifest(store, source, options, creation, results)
-    _warn_about_stale_objects(store, listed, tasks)
+    _remove_stale_shards(store, listed, tasks, options.prefix)
     skipped = [s for b in results for s in b.skipped] + source.skipped
     skipped_earlier = sum(len(tasks[b.number].positions) - b.info.samples for b in results if b.reused)
     return ConvertSummary(
@@ -278,13 +280,28 @@ def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
     return fields | {"jpg"}
 
 
-def _warn_about_stale_objects(store: Store, listed: dict[str, int], tasks: list[ShardTask]) -> None:
+def _remove_stale_shards(store: Store, listed: dict[str, int], tasks: list[ShardTask], prefix: str) -> None:
+    """Delete the shards (and their indexes) of the dataset this one replaced that it does not
+    reuse: e.g. shards 2-5 after a 6-shard dataset was converted again into 2. Left behind,
+    `dlstore index` took them into a manifest (stale duplicates, wrong classes), and they held
+    the store's space. Only objects named as this conversion names shards are deleted; anything
+    else under the prefix is named in a warning. The manifest is already the new one."""
     names = {task.name for task in tasks}
     stale = sorted(set(listed) - names - {index_name(n) for n in names} - {MANIFEST_NAME})
-    if stale:
+    ours = re.compile(re.escape(prefix) + r"-\d{6,}\.(tar|idx)\Z")
+    shards = [key for key in stale if ours.match(key)]
+    for key in shards:
+        with contextlib.suppress(NotFound):
+            store.delete(key)
+    if shards:
+        log.info("%s: removed %d object(s) of the dataset it held before, e.g. %s", store.url, len(shards), shards[0])
+    others = [key for key in stale if key not in set(shards)]
+    if others:
         log.warning(
             "%s holds %d object(s) under the shard prefix that this dataset does not use, e.g. %s",
             store.url,
-            len(stale),
-            stale[0],
+            len(others),
+            others[0],
         )
+
+
