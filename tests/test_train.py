@@ -26,7 +26,7 @@ from dlstore.cli import build_parser
 from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
-from dlstore.errors import ConfigError
+from dlstore.errors import ConfigError, FormatError
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
@@ -496,6 +496,25 @@ def test_sigterm_during_evaluation_then_resume_matches_an_uninterrupted_run(tmp_
     assert train_records(tmp_path / "cut" / "run" / "metrics.jsonl") == train_records(
         tmp_path / "whole" / "run" / "metrics.jsonl"
     )
+
+
+def test_resume_auto_goes_back_past_a_checkpoint_that_cannot_be_read(tmp_path, caplog):
+    """The newest checkpoint cut short (a damaged disk, a store without atomic puts): every
+    requeue failed on torch's own error, naming no file. Now it is named, and the one before
+    it is loaded; an explicit --resume of it says which file."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    cfg = _cpu_run(tmp_path, url, max_steps=4, checkpoint_every_steps=2)
+    assert main(cfg) == 0
+    newest = tmp_path / "ckpt" / checkpoint_key(4)
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])
+    assert main(dataclasses.replace(cfg, max_steps=6, resume="auto")) == 0
+    assert f"checkpoint file://{tmp_path}/ckpt/{checkpoint_key(4)} cannot be read" in caplog.text
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # on from step 2's checkpoint
+    newest.write_bytes(newest.read_bytes()[:1000])  # the resumed run wrote step 4 again: cut it once more
+    with pytest.raises(FormatError, match=f"checkpoint file://{newest} cannot be read"):
+        load_checkpoint_url(f"file://{newest}")
 
 
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):

@@ -303,5 +303,3 @@ def _remove_stale_shards(store: Store, listed: dict[str, int], tasks: list[Shard
             len(others),
             others[0],
         )
-
-

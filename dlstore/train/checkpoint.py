@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from dlstore.errors import ConfigError, NotFound
+from dlstore.errors import ConfigError, FormatError, NotFound
 from dlstore.storage import Store, open_object, open_store
 
 __all__ = ["CHECKPOINT_FORMAT", "CheckpointStore", "checkpoint_key", "load_checkpoint_url", "to_cpu"]
@@ -64,9 +64,14 @@ def to_cpu(value: Any) -> Any:
     return value
 
 
-def _load_bytes(data: bytes) -> dict:
+def _load_bytes(data: bytes, where: str) -> dict:
     # weights_only: a checkpoint must never be able to run code when it is read.
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's own, for a file cut short or damaged: say which file
+        raise FormatError(
+            f"checkpoint {where} cannot be read ({len(data)} bytes): {type(exc).__name__}: {exc}"
+        ) from None
     found = state.get("format") if isinstance(state, dict) else type(state).__name__
     if found != CHECKPOINT_FORMAT:
         raise ConfigError(f"not a dlstore training checkpoint (format {found!r}, expected {CHECKPOINT_FORMAT!r})")
@@ -178,10 +183,28 @@ class CheckpointStore:
         return None
 
     def load(self, key: str) -> dict:
-        return _load_bytes(self.store.get_bytes(key))
+        return _load_bytes(self.store.get_bytes(key), self.store.join(key))
+
+    def newest_loadable(self) -> tuple[str, dict] | None:
+        """The newest checkpoint that loads, and its state: `latest_key`'s, else the next older
+        one listed, each unreadable one (cut short, damaged) named in a warning. None when there
+        is no checkpoint; FormatError when none of them loads. A store error is raised as it is:
+        a dropped connection must not send a run back to an older checkpoint."""
+        first = self.latest_key()
+        if first is None:
+            return None
+        candidates = [first, *(key for key in reversed(self.keys()) if key < first)]
+        for key in candidates:
+            try:
+                return key, self.load(key)
+            except NotFound:
+                continue  # pruned meanwhile
+            except FormatError as exc:
+                log.warning("%s; trying the checkpoint before it", exc)
+        raise FormatError(f"none of the {len(candidates)} checkpoints under {self.store.url} can be read")
 
 
 def load_checkpoint_url(url: str) -> dict:
     """Load one checkpoint by its full URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`."""
     store, key = open_object(url)
-    return _load_bytes(store.get_bytes(key))
+    return _load_bytes(store.get_bytes(key), url)

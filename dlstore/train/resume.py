@@ -91,9 +91,11 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
             )
         return None
     if cfg.resume == "auto":
-        key = ctx.broadcast_object(ckpts.latest_key() if ctx.is_main else None)
+        # Rank 0 finds the newest checkpoint that loads (its state kept), the others load that one.
+        found = ckpts.newest_loadable() if ctx.is_main else None
+        key = ctx.broadcast_object(found[0] if found is not None else None)
         if key is None:
             log.info("no checkpoint under %s yet: starting fresh", cfg.checkpoint_url)
             return None
-        return ckpts.load(key), ckpts.store.join(key)
+        return (found[1] if found is not None else ckpts.load(key)), ckpts.store.join(key)
     return load_checkpoint_url(cfg.resume), cfg.resume
