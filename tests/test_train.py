@@ -517,6 +517,33 @@ def test_resume_auto_goes_back_past_a_checkpoint_that_cannot_be_read(tmp_path, c
         load_checkpoint_url(f"file://{newest}")
 
 
+def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_data_is(tmp_path, caplog):
+    """A checkpoint 2 ranks wrote at the end of epoch 0 (3 steps of 2 x 4 samples), resumed on
+    one rank (6 steps an epoch): its step 3 is mid-epoch 0 of this world's schedule, whose
+    learning rate then rose again and ended before the data did. It goes on from the data's
+    place: the learning rates are an uninterrupted one-rank run's, step for step."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    whole = _cpu_run(tmp_path / "whole", url, epochs=2, warmup_epochs=0.5)
+    assert main(whole) == 0
+    first = _cpu_run(tmp_path / "cut", url, epochs=2, warmup_epochs=0.5, max_steps=6)
+    assert main(first) == 0  # one rank: epoch 0 in 6 steps, the loader at epoch 1's start
+    ckpt = tmp_path / "cut" / "ckpt" / checkpoint_key(6)
+    state = torch.load(ckpt, weights_only=True)
+    # As 2 ranks would have saved it: 3 steps, their scheduler at step 3, one entry per rank.
+    state.update(step=3, world_size=2, ranks=state["ranks"] * 2, finished=False)
+    state["scheduler"]["last_epoch"] = state["scheduler"]["_step_count"] = 3
+    torch.save(state, tmp_path / "cut" / "ckpt" / checkpoint_key(3))
+    ckpt.unlink()
+    (tmp_path / "cut" / "ckpt" / "latest").unlink()
+    assert main(dataclasses.replace(first, max_steps=None, resume="auto")) == 0
+    resumed = [r["lr"] for r in read_metrics(str(tmp_path / "cut" / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    uninterrupted = [r["lr"] for r in read_metrics(str(tmp_path / "whole" / "run" / "metrics.jsonl"))
+                     if r["split"] == "train" and r["epoch"] == 1]  # fmt: skip
+    assert resumed[-6:] == pytest.approx(uninterrupted)
+    assert "resumed on 1: the learning-rate schedule goes on from step 6 of this world's 12" in caplog.text
+
+
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [8, 8, 8])

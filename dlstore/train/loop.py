@@ -570,6 +570,31 @@ class Trainer:
         self._set_train_resolution(state["loader"]["epoch"])
         self.train_loader.load_state_dict(state["loader"], strict=not self.cfg.resume_any_data)
         self._load_rank_state(state["ranks"])
+        if len(state["ranks"]) != self.ctx.world_size:
+            self._rebase_schedule(len(state["ranks"]))
+
+    def _rebase_schedule(self, saved_world: int) -> None:
+        """Resumed on another number of ranks: an epoch has another number of steps here, so
+        the saved step count is another point of this world's schedule. The learning rate goes
+        on from where the data is (the epoch and the batches of it left), and the schedule ends
+        with the data; the step count goes on as it was (the curves' x axis)."""
+        loader, spe = self.train_loader, self.steps_per_epoch
+        position = loader.state.epoch * spe + (spe - len(loader))
+        self.scheduler.last_epoch = position
+        factor = lr_factor(position, self.cfg, spe, self.total_steps)
+        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+            group["lr"] = base * factor
+        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        if self.ctx.is_main:
+            log.warning(
+                "checkpoint from %d ranks resumed on %d: the learning-rate schedule goes on from step %d of this "
+                "world's %d (the data's place), not from the saved step %d",
+                saved_world,
+                self.ctx.world_size,
+                position,
+                self.total_steps,
+                self.step,
+            )
 
     def _load_rank_state(self, ranks: list[dict]) -> None:
         """This rank's RNG streams and partial metrics window, when the world size is the same."""
