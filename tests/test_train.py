@@ -521,7 +521,7 @@ def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_
     """A checkpoint 2 ranks wrote at the end of epoch 0 (3 steps of 2 x 4 samples), resumed on
     one rank (6 steps an epoch): its step 3 is mid-epoch 0 of this world's schedule, whose
     learning rate then rose again and ended before the data did. It goes on from the data's
-    place: the learning rates are an uninterrupted one-rank run's, step for step."""
+    place, at this world's peak: the learning rates are an uninterrupted one-rank run's."""
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [8, 8, 8])
     whole = _cpu_run(tmp_path / "whole", url, epochs=2, warmup_epochs=0.5)
@@ -530,9 +530,13 @@ def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_
     assert main(first) == 0  # one rank: epoch 0 in 6 steps, the loader at epoch 1's start
     ckpt = tmp_path / "cut" / "ckpt" / checkpoint_key(6)
     state = torch.load(ckpt, weights_only=True)
-    # As 2 ranks would have saved it: 3 steps, their scheduler at step 3, one entry per rank.
+    # As 2 ranks would have saved it: 3 steps, their scheduler at step 3, one entry per rank,
+    # and twice the peak rate (the linear scaling rule for their global batch of 8).
     state.update(step=3, world_size=2, ranks=state["ranks"] * 2, finished=False)
     state["scheduler"]["last_epoch"] = state["scheduler"]["_step_count"] = 3
+    state["scheduler"]["base_lrs"] = [2 * lr for lr in state["scheduler"]["base_lrs"]]
+    for group in state["optimizer"]["param_groups"]:
+        group["lr"], group["initial_lr"] = 2 * group["lr"], 2 * group["initial_lr"]
     torch.save(state, tmp_path / "cut" / "ckpt" / checkpoint_key(3))
     ckpt.unlink()
     (tmp_path / "cut" / "ckpt" / "latest").unlink()

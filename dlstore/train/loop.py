@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -167,8 +168,7 @@ class Trainer:
             momentum=cfg.momentum,
             nesterov=cfg.nesterov and cfg.momentum > 0,
         )
-        spe, total = self.steps_per_epoch, self.total_steps
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg, spe, total))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor_of())
         # A GradScaler only matters for fp16; bf16 has float32's range.
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16 and self.cuda)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -573,27 +573,38 @@ class Trainer:
         if len(state["ranks"]) != self.ctx.world_size:
             self._rebase_schedule(len(state["ranks"]))
 
+    def _lr_factor_of(self) -> Callable[[int], float]:
+        """The schedule's factor of a scheduler step, for this world's epochs and steps."""
+        cfg, spe, total = self.cfg, self.steps_per_epoch, self.total_steps
+        return lambda step: lr_factor(step, cfg, spe, total)
+
     def _rebase_schedule(self, saved_world: int) -> None:
         """Resumed on another number of ranks: an epoch has another number of steps here, so
-        the saved step count is another point of this world's schedule. The learning rate goes
-        on from where the data is (the epoch and the batches of it left), and the schedule ends
-        with the data; the step count goes on as it was (the curves' x axis)."""
+        the saved step count is another point of this world's schedule. The schedule goes on
+        from where the data is (the epoch and the batches of it left), with this world's peak
+        (the linear scaling rule, for its global batch), and ends with the data, or at
+        --max-steps, which still counts the run's steps (the curves' x axis goes on as it was)."""
         loader, spe = self.train_loader, self.steps_per_epoch
         position = loader.state.epoch * spe + (spe - len(loader))
-        self.scheduler.last_epoch = position
-        factor = lr_factor(position, self.cfg, spe, self.total_steps)
-        for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
-            group["lr"] = base * factor
-        self.scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+        if self.cfg.max_steps is not None:
+            self.total_steps = min(self.cfg.epochs * spe, self.cfg.max_steps + position - self.step)
+        groups = self.optimizer.param_groups
+        self.scheduler.lr_lambdas = [self._lr_factor_of()] * len(groups)
+        self.scheduler.base_lrs = [self.peak_lr] * len(groups)
+        for group in groups:
+            group["initial_lr"] = self.peak_lr
+        self.scheduler.last_epoch = position - 1
+        self.scheduler.step()  # to `position`: the groups' rates set from it
         if self.ctx.is_main:
             log.warning(
                 "checkpoint from %d ranks resumed on %d: the learning-rate schedule goes on from step %d of this "
-                "world's %d (the data's place), not from the saved step %d",
+                "world's %d (the data's place), not from the saved step %d, with this world's peak rate %.4g",
                 saved_world,
                 self.ctx.world_size,
                 position,
                 self.total_steps,
                 self.step,
+                self.peak_lr,
             )
 
     def _load_rank_state(self, ranks: list[dict]) -> None:
