@@ -556,6 +556,7 @@ def test_a_url_a_slash_short_or_with_a_mistyped_scheme_is_refused_not_taken_for_
     assert list(tmp_path.iterdir()) == []  # nothing written anywhere
     assert open_store("memory://x").url.startswith("memory://")  # fsspec's own schemes still work
     assert open_store("data:2024").url == f"file://{tmp_path}/data:2024"  # a colon in a folder's name
+    assert open_store("file:/data/train").url == "file:///data/train"  # a file URI's short form
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])

@@ -40,10 +40,7 @@ def open_store(url: str, config: StoreConfig | None = None) -> Store:
     'file:///tmp/shards'
     """
     if "://" not in url:
-        _refuse_a_mistyped_url(url)
-        import os
-
-        url = "file://" + os.path.abspath(url)
+        url = _plain_path_or_file_url(url)
     scheme = urlsplit(url).scheme
     if not scheme:
         raise ConfigError(f"cannot tell the storage scheme of {url!r}")
@@ -57,10 +54,17 @@ def open_store(url: str, config: StoreConfig | None = None) -> Store:
 _SCHEMES_NOT_PATHS = ("file", "s3", "swift", "gs", "gcs", "az", "abfs", "http", "https", "memory")
 
 
-def _refuse_a_mistyped_url(url: str) -> None:
+def _plain_path_or_file_url(url: str) -> str:
+    """The `file://` URL of a path, or of `file:/abs` (a file URI's short form); a store URL a
+    slash short (`swift:/data`) is refused, naming the URL meant."""
+    import os
+
     scheme, colon, rest = url.partition(":")
+    if colon and scheme.lower() == "file" and rest.startswith("/"):
+        return "file://" + os.path.abspath(rest)
     if colon and scheme.lower() in _SCHEMES_NOT_PATHS:
         raise ConfigError(f"{url!r} is not a storage URL (did you mean {scheme.lower()}://{rest.lstrip('/')}?)")
+    return "file://" + os.path.abspath(url)
 
 
 def _refuse_an_unknown_scheme(url: str, scheme: str) -> None:
@@ -83,10 +87,7 @@ def _refuse_an_unknown_scheme(url: str, scheme: str) -> None:
 def split_object_url(url: str) -> tuple[str, str]:
     """`("s3://bucket/a", "b.tar")` from `"s3://bucket/a/b.tar"`: the parent URL and the key."""
     if "://" not in url:
-        _refuse_a_mistyped_url(url)
-        import os
-
-        url = "file://" + os.path.abspath(url)
+        url = _plain_path_or_file_url(url)
     scheme, rest = url.split("://", 1)
     rest = rest.rstrip("/")
     if scheme == "file":
