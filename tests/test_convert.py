@@ -603,6 +603,11 @@ def test_a_dataset_converted_again_into_fewer_shards_leaves_none_of_the_old_ones
     assert kept == expected | {MANIFEST_NAME, "shard-notes.txt"}
     assert "shard-notes.txt" in caplog.text  # not ours to delete: named
     assert index_dataset(url).total_samples == few.samples
+    # Shards no manifest there named (foreign ones, waiting for `dlstore index`) are only named.
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "shard-000050.tar").write_bytes(b"foreign")
+    convert("mnist", made.root, f"file://{tmp_path}/e", dataclasses.replace(OPTS, samples_per_shard=64))
+    assert (tmp_path / "e" / "shard-000050.tar").read_bytes() == b"foreign" and "shard-000050.tar" in caplog.text
 
 
 # -- verify ---------------------------------------------------------------------------------------

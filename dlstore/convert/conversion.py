@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 
@@ -64,7 +63,7 @@ def convert(
     source = list_source(fmt, src, options)
     tasks = plan_tasks(source, options)
     creation = _creation_info(source, options)
-    same, before = _check_destination(store, creation, options)
+    same, before, replaced = _check_destination(store, creation, options)
 
     listed = {info.key: info.size for info in store.list(options.prefix)}
     if same:  # another dataset overwritten passes on nothing
@@ -78,7 +77,7 @@ def convert(
 
     results = [built[task.number] for task in tasks]
     manifest = _save_manifest(store, source, options, creation, results)
-    _remove_stale_shards(store, listed, tasks, options.prefix)
+    _remove_stale_shards(store, listed, tasks, replaced)
     skipped = [s for b in results for s in b.skipped] + source.skipped
     skipped_earlier = sum(len(tasks[b.number].positions) - b.info.samples for b in results if b.reused)
     return ConvertSummary(
@@ -152,23 +151,27 @@ def _differences(previous: CreationInfo | None, creation: CreationInfo) -> str:
     return f" ({'; '.join(changed)})" if changed else ""
 
 
-def _check_destination(store: Store, creation: CreationInfo, options: ConvertOptions) -> tuple[bool, str | None]:
+def _check_destination(
+    store: Store, creation: CreationInfo, options: ConvertOptions
+) -> tuple[bool, str | None, frozenset[str]]:
     """Refuse to overwrite another dataset; remove the manifest before touching any shard.
-    Whether the destination holds this conversion (or nothing yet), and the checksum algorithm
-    of the dataset there when it is this conversion's."""
+    Whether the destination holds this conversion (or nothing yet), the checksum algorithm
+    of the dataset there when it is this conversion's, and the objects (shards, indexes) its
+    manifest named: the dataset this one replaces."""
     if not store.exists(MANIFEST_NAME):
-        return True, None
+        return True, None, frozenset()
     try:
         manifest = Manifest.load(store)
         previous: CreationInfo | None = manifest.created
         same = (manifest.created.source_format, manifest.created.options) == (creation.source_format, creation.options)
         algorithm = manifest.checksum_algorithm
+        objects = frozenset(name for shard in manifest.shards for name in (shard.name, shard.index))
     except FormatError:
-        previous, same, algorithm = None, False, None
+        previous, same, algorithm, objects = None, False, None, frozenset()
     if not same and not options.overwrite:
         raise ConfigError(_refusal(store.url, previous, creation))
     store.delete(MANIFEST_NAME)
-    return same, algorithm if same else None
+    return same, algorithm if same else None, objects
 
 
 def _with_checksum_algorithm(
@@ -267,8 +270,9 @@ def _save_manifest(
 
 
 def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
-    """The members a conversion writes: the image (`jpg`, or `png` for arrays stored as PNG, or
-    with `keep_format` whatever formats the inputs are in), `cls`, and `json` with metadata."""
+    """The members a conversion may write: the image (`jpg`, or `png` for arrays stored as PNG,
+    or with `keep_format` any format it keeps, whether or not an input is in it), `cls`, and
+    `json` with metadata."""
     fields = {"cls", "json"} if options.metadata else {"cls"}
     if isinstance(source.reader, ArrayReader):
         return fields | {"png" if options.image_format == "png" else "jpg"}
@@ -280,22 +284,23 @@ def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
     return fields | {"jpg"}
 
 
-def _remove_stale_shards(store: Store, listed: dict[str, int], tasks: list[ShardTask], prefix: str) -> None:
-    """Delete the shards (and their indexes) of the dataset this one replaced that it does not
-    reuse: e.g. shards 2-5 after a 6-shard dataset was converted again into 2. Left behind,
-    `dlstore index` took them into a manifest (stale duplicates, wrong classes), and they held
-    the store's space. Only objects named as this conversion names shards are deleted; anything
-    else under the prefix is named in a warning. The manifest is already the new one."""
+def _remove_stale_shards(
+    store: Store, listed: dict[str, int], tasks: list[ShardTask], replaced: frozenset[str]
+) -> None:
+    """Delete the shards (and their indexes) of the dataset this one replaced (`replaced`: what
+    its manifest named) that it does not reuse: e.g. shards 2-5 after a 6-shard dataset was
+    converted again into 2. Left behind, `dlstore index` took them into a manifest (stale
+    duplicates, wrong classes), and they held the store's space. Anything else under the shard
+    prefix (foreign shards, say) is only named in a warning. The manifest is already the new one."""
     names = {task.name for task in tasks}
     stale = sorted(set(listed) - names - {index_name(n) for n in names} - {MANIFEST_NAME})
-    ours = re.compile(re.escape(prefix) + r"-\d{6,}\.(tar|idx)\Z")
-    shards = [key for key in stale if ours.match(key)]
-    for key in shards:
+    old = [key for key in stale if key in replaced]
+    for key in old:
         with contextlib.suppress(NotFound):
             store.delete(key)
-    if shards:
-        log.info("%s: removed %d object(s) of the dataset it held before, e.g. %s", store.url, len(shards), shards[0])
-    others = [key for key in stale if key not in set(shards)]
+    if old:
+        log.info("%s: removed %d object(s) of the dataset it held before, e.g. %s", store.url, len(old), old[0])
+    others = [key for key in stale if key not in replaced]
     if others:
         log.warning(
             "%s holds %d object(s) under the shard prefix that this dataset does not use, e.g. %s",
