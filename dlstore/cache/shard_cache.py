@@ -56,6 +56,16 @@ _ROOM_POLL_S = (0.005, 0.1)
 _UNUSABLE_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT, errno.EEXIST)
 
 
+def _file_identity(path: str) -> tuple[int, int] | None:
+    """(inode, mtime in ns) of the file at `path`, None when there is none: a copy replaced by
+    a publish (a rename) has another."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
 class CacheFull(NoSpace):
     """The cache cannot make room within its limit: the other shards are held by readers or
     being downloaded, and none was released within `wait_timeout_s`."""
@@ -503,14 +513,19 @@ class ShardCache:
         # hash it again under a shared one meanwhile. Every reader of a damaged shard rechecks
         # it at once, and each one's shared lock (held for a whole hash) would refuse the
         # others' exclusive one, round after round.
-        found_bad = False
+        found_bad: tuple[int, int] | None = None  # (inode, mtime) of the copy found bad
         if epoch is None:
             epoch = self._epoch_of(rt, spec.name)
         try:
             while True:
                 seen = rt.releases
-                if found_bad or _try_flock(fd, fcntl.LOCK_SH):
-                    state = "bad" if found_bad else self._cached_state(path, spec, recheck and not downloaded)
+                if found_bad is not None and _file_identity(path) != found_bad:
+                    # Replaced by another process meanwhile: that copy was checked as it was fetched.
+                    found_bad, downloaded = None, True
+                if found_bad is not None or _try_flock(fd, fcntl.LOCK_SH):
+                    state = (
+                        "bad" if found_bad is not None else self._cached_state(path, spec, recheck and not downloaded)
+                    )
                     if state == "ok":
                         self._touch(path)
                         if not downloaded and not prefetching:
@@ -519,9 +534,10 @@ class ShardCache:
                             self._count(rt, wait_time_s=waited)
                         self._flush(rt, force=downloaded)
                         return fd
-                    if not found_bad:
+                    if found_bad is None:
                         fcntl.flock(fd, fcntl.LOCK_UN)
-                        found_bad = state == "bad" and recheck and not downloaded
+                        if state == "bad" and recheck and not downloaded:
+                            found_bad = _file_identity(path)
                     if prefetching and state == "missing" and (downloaded or not still_ahead(rt, spec.name)):
                         # Evicted between this download and its shared lock (by a reader that has
                         # passed it, or for a sooner shard), or passed while this waited for its
@@ -530,7 +546,7 @@ class ShardCache:
                         rt.announce_release()
                         return PREFETCH_DROPPED
                     if _try_flock(fd, fcntl.LOCK_EX):
-                        found_bad = False
+                        found_bad = None
                         fetched = self._fetch_exclusively(
                             rt, spec, stem, path, recheck and not downloaded, protect, prefetching, priority, epoch
                         )
@@ -551,7 +567,7 @@ class ShardCache:
                 if time.monotonic() > deadline:
                     holders = (
                         "its copy failed a recheck, and other processes still hold it (reading or checking it)"
-                        if found_bad
+                        if found_bad is not None
                         else "another process is still downloading or evicting it"
                     )
                     raise TransientError(
