@@ -26,7 +26,7 @@ from dlstore.cli import build_parser
 from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
-from dlstore.errors import ConfigError, FormatError
+from dlstore.errors import ConfigError, DlstoreError, FormatError
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
@@ -584,3 +584,20 @@ def test_two_ranks_skip_the_step_where_one_rank_has_an_empty_batch(tmp_path):
     _assert_finite_weights(tmp_path / "ckpt" / checkpoint_key(1))
     assert "no samples" in (tmp_path / "logs" / "rank1.log").read_text()
     assert "no samples" not in (tmp_path / "logs" / "rank0.log").read_text()
+
+
+def test_a_rank_learns_that_rank_0_found_no_checkpoint_to_resume_from(tmp_path):
+    """Rank 0 chooses the checkpoint; when it fails (none loads, the store is down) the other
+    ranks get its error from the broadcast instead of waiting there for the group's timeout."""
+    from dlstore.train.resume import find_resume_state
+
+    class OtherRank:  # what rank 1 sees: rank 0's broadcast
+        is_main = False
+
+        def broadcast_object(self, obj):
+            assert obj == (None, None)  # rank 1 sends nothing of its own
+            return None, "FormatError: none of the 2 checkpoints under file:///ckpt can be read"
+
+    cfg = TrainConfig(DataConfig("file:///data"), checkpoint_url=f"file://{tmp_path}", resume="auto")
+    with pytest.raises(DlstoreError, match="rank 0 found no checkpoint to resume from: FormatError: none of the 2"):
+        find_resume_state(cfg, CheckpointStore(f"file://{tmp_path}"), OtherRank())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
+from dlstore.errors import DlstoreError
 from dlstore.train.checkpoint import CheckpointStore, load_checkpoint_url
 from dlstore.train.config import TrainConfig
 from dlstore.train.dist import DistContext
@@ -91,9 +92,22 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
             )
         return None
     if cfg.resume == "auto":
-        # Rank 0 finds the newest checkpoint that loads (its state kept), the others load that one.
-        found = ckpts.newest_loadable() if ctx.is_main else None
-        key = ctx.broadcast_object(found[0] if found is not None else None)
+        # Rank 0 finds the newest checkpoint that loads (its state kept), the others load that
+        # one; its failure reaches them too, rather than leave them in the broadcast until the
+        # process group's timeout.
+        found, failure = None, None
+        if ctx.is_main:
+            try:
+                found = ckpts.newest_loadable()
+            except Exception as exc:
+                failure = exc
+        key, why = ctx.broadcast_object(
+            (found[0] if found is not None else None, f"{type(failure).__name__}: {failure}" if failure else None)
+        )
+        if failure is not None:
+            raise failure
+        if why is not None:
+            raise DlstoreError(f"rank 0 found no checkpoint to resume from: {why}")
         if key is None:
             log.info("no checkpoint under %s yet: starting fresh", cfg.checkpoint_url)
             return None
