@@ -25,9 +25,11 @@ import io
 import json
 import logging
 import os
+import pickle
 import re
 import tempfile
 import time
+import zipfile
 from typing import Any
 
 import torch
@@ -68,7 +70,10 @@ def _load_bytes(data: bytes, where: str) -> dict:
     # weights_only: a checkpoint must never be able to run code when it is read.
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # torch's own, for a file cut short or damaged: say which file
+    except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError) as exc:
+        if "Weights only load failed" in str(exc):  # whole, but holding what may run code: refused as such
+            raise ConfigError(f"checkpoint {where} holds objects a safe load refuses: {exc}") from None
+        # torch's own errors for a file cut short or damaged: say which file
         raise FormatError(
             f"checkpoint {where} cannot be read ({len(data)} bytes): {type(exc).__name__}: {exc}"
         ) from None
