@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlstore.errors import ConfigError
+from dlstore.errors import ConfigError, NoSpace
 
 __all__ = [
     "DataConfig",
@@ -329,7 +330,11 @@ def writable_dir(path: str, flag: str) -> str:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"cannot use {path} ({flag}): {exc.strerror}") from None
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(f"cannot make {path} ({flag}): {exc.strerror}") from None
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.ENOENT, errno.EEXIST):
+            raise ConfigError(f"cannot use {path} ({flag}): {exc.strerror}") from None
+        raise  # EIO, ESTALE, a timeout: the file system's trouble, not the setting's
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"cannot use {path} ({flag}): not writable")
     return path

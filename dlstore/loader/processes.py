@@ -123,10 +123,10 @@ class _BatchWriter(torch.utils.data.Dataset):
             start = chunk.start if chunk is not None else 0
             batch = self.dataset.build_batch(request, out=self.buffers[item.slot, start:])
             batch["images"], batch["slot"] = None, item.slot
+        worker = torch.utils.data.get_worker_info()
         if chunk is not None:
-            worker = torch.utils.data.get_worker_info()
             batch["chunk"] = (chunk.start, chunk.count, worker.id if worker is not None else None)
-        if torch.utils.data.get_worker_info() is not None:
+        if worker is not None:
             _into_shared_memory(batch)
         return batch
 
@@ -142,6 +142,8 @@ def _into_shared_memory(batch: dict) -> None:
             try:
                 value.share_memory_()
             except (RuntimeError, OSError) as exc:
+                if "No space" not in str(exc) and getattr(exc, "errno", None) != errno.ENOSPC:
+                    raise  # another trouble (too many open files, say): not for this advice
                 raise NoSpace(
                     f"a worker process cannot put its batch's {name!r} ({value.nbytes} bytes) into /dev/shm "
                     f"({exc}): give /dev/shm more room (docker run --shm-size), or use engine='threads' "
