@@ -88,17 +88,21 @@ def fetched_per_epoch(
     kind = dlstore.Dataset if plan_aware else LruDataset
     ds = kind(url, cache_dir=cache_dir, cache_limit=limit, world=World(0, 1, 1), **options)
     loader = dlstore.Loader(ds, num_workers=2, device="cpu")
-    fetched, hinted = [], False
+    hinted = False
     for epoch in range(epochs):
-        before = cache_report(cache_dir).totals.bytes_fetched if epoch else 0
         loader.set_epoch(epoch)
         for _ in loader:
             pass
         ds.cache.flush_stats()
-        fetched.append(cache_report(cache_dir).totals.bytes_fetched - before)
         hinted = hinted or _has_hints(cache_dir)
     loader.close()
     ds.cache.close()
+    # Each epoch's bytes as the cache counts them (`dlstore cache stats`: under the epoch they
+    # were fetched for), not the bytes between two epochs' starts: the loader builds the next
+    # epoch's first batches, and the prefetch fetches for them, before this one ends, and after
+    # the last epoch for one that is never read.
+    epochs_seen = cache_report(cache_dir).epochs
+    fetched = [epochs_seen[epoch].bytes_fetched if epoch in epochs_seen else 0 for epoch in range(epochs)]
     return PolicyRun(fetched, dataset_bytes, hinted)
 
 
