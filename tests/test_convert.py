@@ -480,6 +480,7 @@ def test_sigterm_ends_a_convert_cleanly_and_a_resume_finishes_it(data, tmp_path)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None and not list(scratch.glob("dlstore-convert-*")):
         time.sleep(0.002)
+    assert process.poll() is None, "the conversion ended before the signal: nothing was tested"
     process.send_signal(signal.SIGTERM)  # the workers are starting or building
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM, stderr.decode()[-2000:]
@@ -494,16 +495,17 @@ def test_ctrl_c_while_the_workers_start_ends_convert_quietly(data, tmp_path):
     """Ctrl-C reaches the whole process group. Workers still importing (they ignore SIGINT
     only once they run) printed a page of KeyboardInterrupt traceback each; they are now born
     ignoring it, and only convert itself stops, with status 130 and its temp folder gone."""
-    made = data["imagenet_tars"]
+    made = make_imagefolder(tmp_path / "src", num_classes=4, per_class=60, image_size=(16, 16), formats=("jpg",))
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    command = [sys.executable, "-m", "dlstore", "convert", "imagenet", str(made.root), f"file://{tmp_path}/out"]
+    command = [sys.executable, "-m", "dlstore", "convert", "imagefolder", str(made.root), f"file://{tmp_path}/out"]
     command += ["--samples-per-shard", "1", "--workers", "2", "-q", "--tmp-dir", str(scratch)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None and not list(scratch.glob("dlstore-convert-*")):
         time.sleep(0.002)
-    time.sleep(0.3)  # the workers are importing
+    time.sleep(0.3)  # the workers are importing (240 shards: they are far from done)
+    assert process.poll() is None, "the conversion ended before the signal: nothing was tested"
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr.decode()[-2000:]

@@ -30,6 +30,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import secrets
 import shutil
 import signal
 import tempfile
@@ -72,17 +73,24 @@ def build_shards(
     """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
     times a second. The first error (a worker's, or one `report` raises) stops the build and is
     raised here once every worker has ended."""
-    tmp_dir = tempfile.mkdtemp(
-        prefix="dlstore-convert-", dir=writable_dir(options.tmp_dir, "--tmp-dir") if options.tmp_dir else None
-    )
+    base = writable_dir(options.tmp_dir, "--tmp-dir") if options.tmp_dir else tempfile.gettempdir()
+    # Named before it is made, and made inside the `try`: a SIGTERM or Ctrl-C that lands between
+    # the two (the CLI turns SIGTERM into SystemExit) still finds the `finally` that removes it.
+    tmp_dir: str | None = os.path.join(base, f"dlstore-convert-{secrets.token_hex(6)}")
     try:
+        try:
+            os.mkdir(tmp_dir, 0o700)
+        except FileExistsError:  # another's (48 random bits alike): not ours to remove
+            tmp_dir = None
+            raise
         context = BuildContext(store, source, options, tmp_dir)
         if options.workers == 1 or len(todo) <= 1:
             _build_in_process(context, todo, built, report)
         else:
             _build_in_pool(context, todo, built, report)
     finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _build_in_process(
