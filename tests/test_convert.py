@@ -443,7 +443,8 @@ def test_resume_after_the_process_is_killed(data, tmp_path):
     made = data["imagenet_tars"]
     out = tmp_path / "out"
     command = [sys.executable, "-m", "dlstore", "convert", "imagenet", str(made.root), f"file://{out}"]
-    command += ["--samples-per-shard", "1", "--workers", "1", "-q"]
+    # Its own temp dir: a SIGKILL leaves the conversion's temp folder behind, as it must.
+    command += ["--samples-per-shard", "1", "--workers", "1", "-q", "--tmp-dir", str(tmp_path / "scratch")]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None:
