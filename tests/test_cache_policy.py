@@ -15,7 +15,7 @@ import random
 import signal
 import time
 
-from bench_cache_policy import fetched_per_epoch, node_fetched_per_epoch, write_bench_dataset
+from bench_cache_policy import fetched_per_epoch, node_fetched_per_epoch, offline_optimum, write_bench_dataset
 
 import dlstore
 from dlstore.cache import STATS_FILE_BYTES, CacheConfig, ShardCache, _CacheDir, cache_report
@@ -316,10 +316,26 @@ def test_a_cache_smaller_than_the_data_fetches_fewer_shards_ahead(tmp_path):
 def test_the_issues_layout_at_half_the_cache_fetches_half_of_it_per_epoch(tmp_path):
     """Issue 12's layout: one rank, 24 shards, the cache at half of them (windows of 4): the
     window in use and 4 shards ahead took 8 of the cache's 12, and later epochs fetched
-    0.62-0.67 of the dataset (0.8-0.96 over the local Swift); with one shard ahead, about half."""
+    0.62-0.67 of the dataset (0.8-0.96 over the local Swift); with one shard ahead, about half.
+    Single epochs vary with timing by a shard or two (0.50-0.58: 12-14 misses of 24, where
+    Belady's rule with the true future, holding the same windows, also misses 12-14), so the
+    mean is taken over five."""
     url = write_bench_dataset(str(tmp_path / "data"), shards=24, samples=32)
-    run = fetched_per_epoch(url, str(tmp_path / "cache"), 0.5, epochs=4)
+    run = fetched_per_epoch(url, str(tmp_path / "cache"), 0.5, epochs=6)
     shares = [round(share, 3) for share in run.shares]
     print(f"fraction of the dataset fetched per epoch: {shares}")
     assert run.hinted and run.fetched[0] == run.dataset_bytes
     assert sum(shares[1:]) / len(shares[1:]) <= 0.55 and all(share <= 0.6 for share in shares[1:]), shares
+
+
+def test_the_offline_optimum_misses_what_does_not_fit_and_no_more(tmp_path):
+    """The bench's floor (Belady with the true future): everything once when it all fits; at
+    least (1 - f) of the data per later epoch when it does not, as no policy can do better,
+    and no more than LRU-like refetching of nearly all of it."""
+    url = write_bench_dataset(str(tmp_path / "data"), shards=24, samples=32)
+    ds = dlstore.Dataset(url, cache_dir=str(tmp_path / "c"), world=World(0, 1, 1), batch_size=8, seed=0)
+    assert offline_optimum(ds, 3, capacity=24, ahead=1) == [24, 0, 0]
+    misses = offline_optimum(ds, 4, capacity=12, ahead=1)
+    assert misses[0] == 24 and all(12 <= m <= 16 for m in misses[1:]), misses
+    assert sum(offline_optimum(ds, 4, capacity=18, ahead=1)[1:]) < sum(misses[1:])
+    ds.cache.close()

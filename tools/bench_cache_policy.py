@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import bisect
 import multiprocessing
 import os
 import statistics
@@ -45,6 +46,8 @@ from dlstore.manifest import Manifest  # noqa: E402
 from dlstore.plan import PlanConfig, RankPlan, node_ranges  # noqa: E402
 from dlstore.storage import open_store  # noqa: E402
 from dlstore.world import World  # noqa: E402
+
+_OPTIONS = dict(transform="eval", image_size=8, batch_size=8, seed=0, prefetch_shards=4)
 
 
 class LruDataset(dlstore.Dataset):
@@ -81,8 +84,7 @@ def fetched_per_epoch(
     """Read `epochs` epochs on one rank with the cache limit at `fraction` of the dataset
     (plus the stats file, which the limit counts too). `settings` go to the `Dataset`
     (e.g. shuffle_window)."""
-    options = dict(transform="eval", image_size=8, batch_size=8, seed=0, prefetch_shards=4)
-    options.update(settings)
+    options = {**_OPTIONS, **settings}
     dataset_bytes = sum(s.size for s in Manifest.load(open_store(url)).shards)
     limit = int(fraction * dataset_bytes) + STATS_FILE_BYTES
     kind = dlstore.Dataset if plan_aware else LruDataset
@@ -153,8 +155,7 @@ def node_fetched_per_epoch(
     cache whose limit is `fraction` of the node's share, reading `epochs` epochs in step.
     The other nodes' ranks are not run: a plan is a pure function, so node 0 reads the same
     either way. Bytes fetched per epoch are the cache's per-epoch counters."""
-    options = dict(transform="eval", image_size=8, batch_size=8, seed=0, prefetch_shards=4)
-    options.update(settings)
+    options = {**_OPTIONS, **settings}
     share = node_share_bytes(url, World(0, nodes * ranks_per_node, ranks_per_node), **options)
     limit = int(fraction * share) + STATS_FILE_BYTES
     kind = dlstore.Dataset if plan_aware else LruDataset
@@ -174,6 +175,53 @@ def node_fetched_per_epoch(
     counted = cache_report(cache_dir).epochs
     fetched = [counted[e].bytes_fetched if e in counted else 0 for e in range(epochs)]
     return PolicyRun(fetched, share, bool(hinted.value))
+
+
+def offline_optimum(ds: dlstore.Dataset, epochs: int, capacity: int, ahead: int, in_flight: int = 2) -> list[int]:
+    """Misses per epoch of Belady's rule with the true future, on the plan `ds` reads: the
+    floor for a cache of `capacity` shards, one rank. Modelled as the loader reads: each batch's
+    shards and those of the `in_flight` batches built after it are held (never evicted), the
+    `ahead` shards needed next after them are fetched ahead, and fetching ahead never evicts a
+    shard needed no later. A miss counts under the epoch that needs the shard."""
+    batches: list[tuple[int, set[int]]] = []
+    for epoch in range(epochs):
+        plan = ds.plan(epoch)
+        for j in range(plan.num_batches):
+            batches.append((epoch, set(plan.shards[j * plan.batch_size : (j + 1) * plan.batch_size].tolist())))
+    uses: dict[int, list[int]] = {}
+    for i, (_, shards) in enumerate(batches):
+        for shard in shards:
+            uses.setdefault(shard, []).append(i)
+
+    def next_use(shard: int, i: int) -> int:
+        later = uses[shard][bisect.bisect_left(uses[shard], i) :]
+        return later[0] if later else len(batches)
+
+    cache: set[int] = set()
+    misses = [0] * epochs
+    for i in range(len(batches)):
+        held = set().union(*(shards for _, shards in batches[i : i + 1 + in_flight]))
+        coming: list[int] = []
+        for _, shards in batches[i + 1 + in_flight :]:
+            coming += sorted(s for s in shards if s not in held and s not in coming)
+            if len(coming) >= ahead:
+                break
+        wanted = sorted(held, key=lambda s: next_use(s, i)) + coming[:ahead]
+        for k, shard in enumerate(wanted):
+            if shard in cache:
+                continue
+            if len(cache) >= capacity:
+                pinned = held | set(wanted[: k + 1])
+                victims = [s for s in cache if s not in pinned]
+                if not victims:
+                    continue
+                victim = max(victims, key=lambda s: next_use(s, i))
+                if shard not in held and next_use(victim, i) <= next_use(shard, i):
+                    continue
+                cache.remove(victim)
+            cache.add(shard)
+            misses[batches[min(next_use(shard, i), len(batches) - 1)][0]] += 1
+    return misses
 
 
 def _has_hints(cache_dir: str) -> bool:
@@ -196,6 +244,17 @@ def _one_rank_table(url: str, root: str, args: argparse.Namespace) -> None:
                 f"f={fraction:.2f} {name:10s} per epoch: {' '.join(f'{s:.2f}' for s in run.shares)}"
                 f"  (epochs 1+: mean {sum(later) / len(later):.2f}; ideal {1 - fraction:.2f}{unhinted})"
             )
+        sizes = [s.size for s in Manifest.load(open_store(url)).shards]
+        limit, capacity = int(fraction * sum(sizes)), int(fraction * sum(sizes)) // max(sizes)
+        options = {**_OPTIONS, **settings}
+        ds = dlstore.Dataset(url, cache_dir=f"{root}/plans", cache_limit=limit, world=World(0, 1, 1), **options)
+        misses = offline_optimum(ds, args.epochs, capacity, ds.prefetch_ahead if args.prefetch_shards else 0)
+        shares = [m / len(sizes) for m in misses]
+        later = shares[1:] or shares
+        print(
+            f"f={fraction:.2f} {'offline':10s} per epoch: {' '.join(f'{s:.2f}' for s in shares)}"
+            f"  (epochs 1+: mean {sum(later) / len(later):.2f}; Belady with the true future, {capacity} shards)"
+        )
 
 
 def _node_table(url: str, root: str, args: argparse.Namespace) -> None:
