@@ -455,15 +455,19 @@ def test_a_run_stopped_by_max_steps_mid_epoch_goes_on_when_resumed_with_more(tmp
     """`--max-steps 2` stops in the middle of epoch 0 (6 steps); resumed without it, the run
     trains that epoch's other 4 batches, then epoch 1. It used to count the cut epoch as done
     and the run as finished: 'nothing to do', whatever the new settings."""
-    url = f"file://{tmp_path}/data"
+    url, val_url = f"file://{tmp_path}/data", f"file://{tmp_path}/val"
     write_dataset(open_store(url), [8, 8, 8])
-    cfg = _cpu_run(tmp_path, url, return_keys=True, epochs=2, max_steps=2)
+    write_dataset(open_store(val_url), [8])
+    cfg = _cpu_run(tmp_path, url, return_keys=True, epochs=2, max_steps=2, val_url=val_url)
     assert main(cfg) == 0
     assert main(dataclasses.replace(cfg, max_steps=2, resume="auto")) == 0  # the same settings: done
     assert main(dataclasses.replace(cfg, max_steps=None, resume="auto")) == 0
     records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
     assert [(r["epoch"], r["step"]) for r in records] == [(0, s) for s in range(1, 7)] + [(1, s) for s in range(7, 13)]
     assert sum(r["samples"] for r in records) == 2 * 24  # every sample once in each epoch
+    # The cut epoch was scored at the cut and again when finished: the records say which is its.
+    val = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "val"]
+    assert [(r["epoch"], r["step"], r["epoch_done"]) for r in val] == [(0, 2, False), (0, 6, True), (1, 12, True)]
     # The finished run, started again (a requeue, the same command): nothing to do, no epoch again.
     assert main(dataclasses.replace(cfg, max_steps=None, resume="auto")) == 0
     assert read_metrics(str(tmp_path / "run" / "metrics.jsonl")) == read_metrics(
@@ -484,10 +488,10 @@ def test_sigterm_during_evaluation_then_resume_matches_an_uninterrupted_run(tmp_
     cut = _cpu_run(tmp_path / "cut", url, val_url=val_url, epochs=2)
     real_evaluate = Trainer._evaluate
 
-    def signalled_during_the_first(self, epoch):
+    def signalled_during_the_first(self, epoch, *args):
         if epoch == 0:
             os.kill(os.getpid(), signal.SIGTERM)  # handled at the next step boundary: the epoch's end
-        return real_evaluate(self, epoch)
+        return real_evaluate(self, epoch, *args)
 
     with monkeypatch.context() as patched:
         patched.setattr(Trainer, "_evaluate", signalled_during_the_first)

@@ -250,10 +250,11 @@ class Trainer:
             code = self._train_epoch(epoch)
             if code is not None:
                 return code
-            self._evaluate(epoch)
             # All its batches taken (the loader then stands at the next epoch's start), not an
             # epoch cut short by --max-steps (the loader stays in it).
-            if self.train_loader.state.epoch > epoch or len(self.train_loader) == 0:
+            done = self.train_loader.state.epoch > epoch or len(self.train_loader) == 0
+            self._evaluate(epoch, done)
+            if done:
                 self.epoch = epoch + 1
             if self._reached_max_steps():
                 break
@@ -413,9 +414,11 @@ class Trainer:
             )
         self.window.reset()
 
-    def _evaluate(self, epoch: int) -> dict | None:
+    def _evaluate(self, epoch: int, epoch_done: bool = True) -> dict | None:
         """Loss, top-1 and top-5 over the whole val split. Every rank runs the same number of
-        batches (the plan pads short ranks); padded samples are masked out of the sums."""
+        batches (the plan pads short ranks); padded samples are masked out of the sums.
+        `epoch_done` is False for an epoch cut by --max-steps: a resume that finishes it scores
+        it again, and the record says which of the two is the epoch's."""
         if self.val_loader is None:
             return None
         self.val_loader.set_epoch(epoch)
@@ -429,6 +432,7 @@ class Trainer:
             "split": "val",
             "step": self.step,
             "epoch": epoch,
+            "epoch_done": epoch_done,
             **scores,
             "image_size": self.val_set.cfg.transform.image_size,
             "elapsed_s": time.monotonic() - self._started,

@@ -22,6 +22,7 @@ CSV_COLUMNS = (
     "split",
     "step",
     "epoch",
+    "epoch_done",
     "loss",
     "top1",
     "top5",
