@@ -697,7 +697,7 @@ def loader_main(argv: list[str]) -> int:
         }
         sizes = [p.stat().st_size for p in data.store_dir.glob("*.tar")]
         if args.peers:  # webdataset's faster decoder on these images, as bench_peers picks it
-            args.wds_decode, _ = bench_peers.fastest_wds_decode(data, args)
+            args.wds_decode = bench_peers.fastest_decodes(data, args)["webdataset"][0]
         rounds = loader_rounds(urls, env, args, tmp)
     report = {
         "images": args.images,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The streaming loader's numbers, on generated ImageNet-like shards (~100 KB JPEGs, ~400x350).
 
-Four ratios, each measured in rounds that alternate the runs being compared (the machine
+Three ratios, each measured in rounds that alternate the runs being compared (the machine
 may be shared, so a ratio taken within one round is the trustworthy figure; the spread over
 rounds is reported with the median):
 
@@ -14,10 +14,8 @@ rounds is reported with the median):
     tensors, torch's default) to show what the loader's batch slots save.
 (b) cold (every shard streamed from a local Swift server into an empty cache) / warm,
     over whole epochs of the same loader. Goal >= 0.9.
-(c) dlstore's default pipeline / the `webdataset` package's recommended one on the same
-    shard files: ``wds.WebDataset(urls).decode("pil").to_tuple("jpg", "cls")`` with
-    torchvision's RandomResizedCrop + RandomHorizontalFlip + ToTensor, in a DataLoader with
-    the same workers and batch size. Goal >= 1.3.
+(c) against WebDataset and a folder DataLoader: `tools/bench_peers.py` (each peer's fastest
+    decoder, uint8 out, the same shards).
 (d) RSS growth over 5 epochs, summed over the main process and its workers. Goal < 5%.
 
 Example::
@@ -57,7 +55,7 @@ from dlstore.sample_path import SamplePath  # noqa: E402
 from dlstore.world import World  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-GOALS = {"a": 0.95, "b": 0.9, "c": 1.3, "d": 0.05}
+GOALS = {"a": 0.95, "b": 0.9, "d": 0.05}
 _SAMPLES: tuple = ()  # (sample path, samples) the "ceiling" processes decode (inherited by fork)
 
 
@@ -207,28 +205,6 @@ def dlstore_warm_rate(url: str, cache_dir: str, args, dtype: str, shared_slots: 
     _, batches = dlstore_loader(url, cache_dir, args, dtype, shared_slots=shared_slots)
     epochs_rate(batches, range(0, 1))  # warm-up: workers started, cache filled, indexes read
     return epochs_rate(batches, range(1, 1 + args.epochs))
-
-
-def webdataset_rate(store_dir: Path, args) -> Rate:
-    import webdataset as wds
-    from torchvision import transforms
-
-    urls = sorted(str(p) for p in store_dir.glob("*.tar"))
-    augment = transforms.Compose(
-        [transforms.RandomResizedCrop(args.image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor()]
-    )
-    dataset = (
-        wds.WebDataset(urls, shardshuffle=False)
-        .decode("pil")
-        .to_tuple("jpg", "cls")
-        .map_tuple(augment, lambda label: label)
-    )
-    # Persistent workers: the start-up of fresh workers each epoch is not charged to webdataset.
-    loader = torch.utils.data.DataLoader(
-        dataset, batch_size=args.batch_size, num_workers=args.workers, persistent_workers=args.workers > 0
-    )
-    epochs_rate(lambda _: iter(loader), range(0, 1))
-    return epochs_rate(lambda _: iter(loader), range(1, 1 + args.epochs))
 
 
 def swift_cold_warm(url: str, cache_root: Path, args, store_config: StoreConfig) -> tuple[Rate, Rate]:
@@ -391,7 +367,6 @@ def measure_round(path, samples, url: str, store_dir: Path, cache_dir: str, args
         "dlstore_uint8": dlstore_warm_rate(url, cache_dir, args, "uint8"),
         "dlstore_float32_no_slots": dlstore_warm_rate(url, cache_dir, args, "float32", shared_slots=False),
         "dlstore_float32": dlstore_warm_rate(url, cache_dir, args, "float32"),
-        "webdataset": webdataset_rate(store_dir, args),
     }
     if swift:
         measured["swift_cold"], measured["swift_warm"] = swift_cold_warm(swift[0], store_dir.parents[1], args, swift[1])
@@ -481,9 +456,6 @@ def report(results: dict, rounds: list[dict[str, Rate]], rss: dict, cores: int, 
         "a_control": ratio("ceiling", "single_core", cores),
         "a_uint8_vs_control": ratio("dlstore_uint8", "ceiling"),
         "a_uint8_vs_control_cpu": cpu_ratio("dlstore_uint8", "ceiling"),
-        "c": ratio("dlstore_float32", "webdataset"),
-        "c_uint8": ratio("dlstore_uint8", "webdataset"),
-        "c_cpu": cpu_ratio("dlstore_float32", "webdataset"),
     }
     if "swift_cold" in rate:
         ratios["b"] = ratio("swift_cold", "swift_warm")
@@ -511,9 +483,6 @@ def report(results: dict, rounds: list[dict[str, Rate]], rss: dict, cores: int, 
         ("    warm uint8 / that control", "a_uint8_vs_control", ""),
         ("    the same in CPU time per image", "a_uint8_vs_control_cpu", ""),
         ("(b) cold from Swift / warm", "b", "goal >= 0.9"),
-        ("(c) dlstore default (float32) / webdataset", "c", "goal >= 1.3"),
-        ("    dlstore uint8 / webdataset", "c_uint8", ""),
-        ("    webdataset CPU per image / dlstore's", "c_cpu", ""),
     ]
     for label, key, goal in lines:
         if key in ratios:

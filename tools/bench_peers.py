@@ -14,20 +14,27 @@ a ratio taken within one round is the trustworthy figure, the spread over rounds
   (DataLoader worker processes). A dlstore without `engine=` runs the process engine only.
 * webdataset: the `webdataset` package's usual pipeline on the very shard files:
   ``WebDataset(urls, shardshuffle=n, nodesplitter=split_by_node, workersplitter=split_by_worker)
-  .shuffle(1000).decode(D).to_tuple("jpg", "cls").map_tuple(augment).batched(B)`` in a
-  `WebLoader(batch_size=None)` with persistent workers, where D is whichever of its image
-  decoders ("pil", "torchrgb8") runs the pipeline faster here, measured before the rounds.
-* folder: `torchvision.datasets.ImageFolder` over the JPEGs the shards were made from, in a
-  `DataLoader(shuffle=True)` with persistent workers.
+  .shuffle(1000).decode(D).to_tuple("jpg", "cls").map_tuple(augment).batched(B,
+  collation_fn=default_collate)`` in a `WebLoader(batch_size=None)` with persistent workers.
+* folder: `torchvision.datasets.ImageFolder(loader=L)` over the JPEGs the shards were made
+  from, in a `DataLoader(shuffle=True)` with persistent workers.
+* D and L, each peer's decoder, is whichever runs it faster here (measured before the rounds,
+  in one process with torch on one thread, as in a worker): Pillow (webdataset's "pil",
+  ImageFolder's default loader; the crop and resize then run in Pillow) or torchvision's
+  libjpeg-turbo decode into a uint8 tensor (`torchvision.io.decode_jpeg`, `decode_image`;
+  the crop and resize then run in torch's SIMD kernel, as dlstore's do).
+* The shards are a multiple of the workers: WebDataset deals whole shards to its workers.
 * dlstore_threads_whole_decode (`--whole-decode-too`): the thread engine with every JPEG
   decoded whole, what dlstore did before its crop-only decode (`dlstore/_jpeg_region.c`).
 
 Both peers augment with torchvision transforms v2 (RandomResizedCrop(size, antialias=True),
 RandomHorizontalFlip, uint8 tensors out), with the same workers and batch size as dlstore.
 Every loader run: a fresh loader, 1 warm-up epoch, then the timed epochs; the caches (dlstore's
-shard cache and the page cache) are warm before the first round. Per loader: img/s over the
-timed epochs, CPU ms per image (the process and its workers), time to the first batch (from
-`iter()` on the fresh loader), and the pause between epochs (the last batch of epoch k to the
+shard cache and the page cache) are warm before the first round; the loaders' order rotates
+from round to round. Per loader: img/s over the timed epochs (the pauses between them
+included, and within epochs: first batch to last, which a long epoch approaches), CPU ms
+per image (the process and its workers), time to the first batch (from `iter()` on the
+fresh loader), and the pause between epochs (the last batch of epoch k to the
 first of epoch k+1). Last, in a fresh process each (so that nothing of this script is counted),
 dlstore's peak RSS during an epoch, summed over the process and its children (psutil), with
 `--rss-workers` threads and worker processes, and their PSS (shared pages counted once).
@@ -64,14 +71,18 @@ import psutil
 import torch
 import torchvision
 import webdataset as wds
+from torchvision.io import ImageReadMode
 from torchvision.transforms import v2
 
 from dlstore.convert.encode import jpeg_header
 from dlstore.loader import LoaderConfig
 
 ENGINES = ("threads", "processes")
-WDS_DECODES = ("pil", "torchrgb8")  # webdataset's decoders to uint8 RGB; the faster one runs
+# Each peer's JPEG decoders to uint8 RGB; the faster one here runs: Pillow (then the crop and
+# resize in Pillow), or torchvision's libjpeg-turbo decode (then torch's SIMD resize of uint8).
+PEER_DECODES = ("pil", "torchvision")
 WDS_SHUFFLE = 1000  # the sample shuffle buffer of webdataset's own examples
+RGB = ImageReadMode.RGB
 QUICK = {"images": 200, "rounds": 2, "epochs": 1, "batch_size": 32, "rss_workers": 2, "single_core_samples": 100,
          "time_limit": 900}  # fmt: skip
 
@@ -172,6 +183,16 @@ def dlstore_whole_decode_candidate(data: Data, args) -> Candidate:
     return Candidate(candidate.batches, close)
 
 
+def decode_rgb(data: bytes) -> torch.Tensor:
+    """torchvision's JPEG decode of `data` into a uint8 RGB CHW tensor."""
+    return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=RGB)
+
+
+def read_rgb(path: str) -> torch.Tensor:
+    """An ImageFolder loader: the file decoded by torchvision into a uint8 RGB CHW tensor."""
+    return torchvision.io.decode_image(path, mode=RGB)
+
+
 def peer_augment(image_size: int, from_pil: bool) -> v2.Compose:
     """torchvision's RandomResizedCrop + flip, uint8 CHW tensors out (on a PIL image the crop
     and resize run in Pillow, then it becomes a tensor)."""
@@ -180,6 +201,10 @@ def peer_augment(image_size: int, from_pil: bool) -> v2.Compose:
 
 
 def webdataset_pipeline(urls: list[str], decode: str, args) -> wds.WebDataset:
+    """The pipeline of webdataset's examples; batches collated by torch's `default_collate`,
+    which in a worker writes them straight into shared memory (its own collation makes a batch
+    that is copied there when sent)."""
+    decoder = "pil" if decode == "pil" else wds.handle_extension("jpg", decode_rgb)
     return (
         wds.WebDataset(
             urls,
@@ -188,10 +213,10 @@ def webdataset_pipeline(urls: list[str], decode: str, args) -> wds.WebDataset:
             workersplitter=wds.split_by_worker,
         )
         .shuffle(WDS_SHUFFLE)
-        .decode(decode)
+        .decode(decoder)
         .to_tuple("jpg", "cls")
         .map_tuple(peer_augment(args.image_size, from_pil=decode == "pil"))
-        .batched(args.batch_size)
+        .batched(args.batch_size, collation_fn=torch.utils.data.default_collate)
     )
 
 
@@ -218,8 +243,16 @@ def webdataset_candidate(data: Data, args, decode: str) -> Candidate:
     return _persistent(loader)
 
 
-def folder_candidate(data: Data, args) -> Candidate:
-    dataset = torchvision.datasets.ImageFolder(str(data.folder), transform=peer_augment(args.image_size, True))
+def folder_dataset(data: Data, args, decode: str) -> torchvision.datasets.ImageFolder:
+    if decode == "pil":  # ImageFolder's default loader
+        return torchvision.datasets.ImageFolder(str(data.folder), transform=peer_augment(args.image_size, True))
+    return torchvision.datasets.ImageFolder(
+        str(data.folder), transform=peer_augment(args.image_size, False), loader=read_rgb
+    )
+
+
+def folder_candidate(data: Data, args, decode: str) -> Candidate:
+    dataset = folder_dataset(data, args, decode)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=args.batch_size,
@@ -231,17 +264,36 @@ def folder_candidate(data: Data, args) -> Candidate:
     return _persistent(loader)
 
 
-def fastest_wds_decode(data: Data, args, tries: int = 2) -> tuple[str, dict[str, float]]:
-    """The decoder of `WDS_DECODES` with which webdataset's pipeline runs fastest in one
-    process over the first shard (best of `tries`, alternating), and each one's img/s."""
+def fastest_decodes(data: Data, args, tries: int = 2) -> dict[str, tuple[str, dict[str, float]]]:
+    """Per peer, the decoder of `PEER_DECODES` with which it runs fastest in one process, as
+    in one of its workers (torch on one thread, as DataLoader sets it there): webdataset's
+    pipeline over the first shard, the folder dataset over as many of its images (best of
+    `tries`, alternating); and each decoder's img/s."""
     urls = sorted(str(p) for p in data.store_dir.glob("*.tar"))[:1]
-    best = dict.fromkeys(WDS_DECODES, 0.0)
-    for decode in itertools.chain.from_iterable(itertools.repeat(WDS_DECODES, tries)):
-        started, images = time.perf_counter(), 0
-        for batch in webdataset_pipeline(urls, decode, args):
-            images += batch[0].shape[0]
-        best[decode] = max(best[decode], images / (time.perf_counter() - started))
-    return max(best, key=best.get), best
+    first_shard = sum(1 for _ in wds.WebDataset(urls, shardshuffle=False))
+    folders = {decode: folder_dataset(data, args, decode) for decode in PEER_DECODES}
+    order = np.random.default_rng(0).permutation(len(folders["pil"]))[:first_shard].tolist()
+
+    def webdataset_images(decode: str) -> int:
+        return sum(batch[0].shape[0] for batch in webdataset_pipeline(urls, decode, args))
+
+    def folder_images(decode: str) -> int:
+        return sum(1 for i in order if folders[decode][i] is not None)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        picks = {}
+        for peer, run in (("webdataset", webdataset_images), ("folder", folder_images)):
+            best = dict.fromkeys(PEER_DECODES, 0.0)
+            for decode in itertools.chain.from_iterable(itertools.repeat(PEER_DECODES, tries)):
+                started = time.perf_counter()
+                images = run(decode)
+                best[decode] = max(best[decode], images / (time.perf_counter() - started))
+            picks[peer] = (max(best, key=best.get), best)
+        return picks
+    finally:
+        torch.set_num_threads(threads)
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -250,10 +302,12 @@ class EpochMarks(NamedTuple):
     first: float  # ... when the first batch came
     last: float  # ... when the last batch came
     images: int
+    first_images: int  # in the first batch
 
 
 class RunTimes(NamedTuple):
     images_per_s: float  # over the timed epochs, the pauses between them included
+    within_epochs_images_per_s: float  # first batch to last of each timed epoch: the pauses left out
     cpu_ms_per_image: float  # CPU time of the process and its workers, per image
     setup_s: float  # building the loader object
     first_batch_s: float  # iter() on the fresh loader to its first batch (warm caches)
@@ -263,14 +317,15 @@ class RunTimes(NamedTuple):
 def epoch_marks(batches: Callable[[int], Iterator], epoch: int) -> EpochMarks:
     begun = time.perf_counter()
     first = last = 0.0
-    images = 0
+    images = first_images = 0
     for batch in batches(epoch):
         last = time.perf_counter()
         first = first or last
         images += batch[0].shape[0]
+        first_images = first_images or images
     if not images:
         raise SystemExit(f"epoch {epoch} delivered no images")
-    return EpochMarks(begun, first, last, images)
+    return EpochMarks(begun, first, last, images, first_images)
 
 
 def time_run(make: Callable[[], Candidate], epochs: int) -> RunTimes:
@@ -286,8 +341,10 @@ def time_run(make: Callable[[], Candidate], epochs: int) -> RunTimes:
     finally:
         candidate.close()
     images = sum(m.images for m in marks[1:])
+    within = sum(m.images - m.first_images for m in marks[1:]) / max(sum(m.last - m.first for m in marks[1:]), 1e-9)
     return RunTimes(
         images_per_s=images / (marks[-1].last - marks[1].begun),
+        within_epochs_images_per_s=within,
         cpu_ms_per_image=1000.0 * cpu_s / images,
         setup_s=setup_s,
         first_batch_s=marks[0].first - marks[0].begun,
@@ -295,26 +352,33 @@ def time_run(make: Callable[[], Candidate], epochs: int) -> RunTimes:
     )
 
 
-def loader_makers(data: Data, args, engines: list[str], wds_decode: str) -> dict[str, Callable[[], Candidate]]:
-    """The runs of a round, in the order they run."""
+def loader_makers(data: Data, args, engines: list[str], decodes: dict[str, str]) -> dict[str, Callable[[], Candidate]]:
+    """The runs of a round (`measure_round` rotates their order from round to round)."""
     makers: dict[str, Callable[[], Candidate]] = {
         f"dlstore_{engine}": (lambda engine=engine: dlstore_candidate(data, args, engine)) for engine in engines
     }
     if args.whole_decode_too and "threads" in engines:
         makers["dlstore_threads_whole_decode"] = lambda: dlstore_whole_decode_candidate(data, args)
-    makers["webdataset"] = lambda: webdataset_candidate(data, args, wds_decode)
-    makers["folder"] = lambda: folder_candidate(data, args)
+    makers["webdataset"] = lambda: webdataset_candidate(data, args, decodes["webdataset"])
+    makers["folder"] = lambda: folder_candidate(data, args, decodes["folder"])
     return makers
 
 
-def measure_round(makers: dict[str, Callable[[], Candidate]], path, samples, args) -> dict[str, RunTimes]:
+def measure_round(
+    makers: dict[str, Callable[[], Candidate]], path, samples, args, number: int = 0
+) -> dict[str, RunTimes]:
+    """The two references, then the loaders, their order rotated by `number` (a drift of the
+    box during a round then falls on a different loader each round)."""
     single = bench_loader.single_core_rate(path, samples)
-    measured = {"single_core": RunTimes(single.images_per_s, single.cpu_ms_per_image, 0.0, 0.0, [])}
+    rate = single.images_per_s
+    measured = {"single_core": RunTimes(rate, rate, single.cpu_ms_per_image, 0.0, 0.0, [])}
     parallel = bench_loader.ceiling_rate(path, samples, len(os.sched_getaffinity(0)))
-    measured["parallel_processes"] = RunTimes(parallel.images_per_s, parallel.cpu_ms_per_image, 0.0, 0.0, [])
-    for name, make in makers.items():
-        measured[name] = time_run(make, args.epochs)
-    return measured
+    rate = parallel.images_per_s
+    measured["parallel_processes"] = RunTimes(rate, rate, parallel.cpu_ms_per_image, 0.0, 0.0, [])
+    names = list(makers)
+    names = names[number % len(names) :] + names[: number % len(names)]
+    timed = {name: time_run(makers[name], args.epochs) for name in names}
+    return {**measured, **{name: timed[name] for name in makers}}
 
 
 # -- resident memory -------------------------------------------------------------------------------
@@ -394,6 +458,7 @@ def summarize(rounds: list[dict[str, RunTimes]], cores: int) -> tuple[dict, dict
     loaders = {
         name: {
             "images_per_s": spread([r[name].images_per_s for r in rounds]),
+            "within_epochs_images_per_s": spread([r[name].within_epochs_images_per_s for r in rounds]),
             "cpu_ms_per_image": spread([r[name].cpu_ms_per_image for r in rounds]),
             "setup_s": spread([r[name].setup_s for r in rounds]),
             "first_batch_s": spread([r[name].first_batch_s for r in rounds]),
@@ -408,6 +473,9 @@ def summarize(rounds: list[dict[str, RunTimes]], cores: int) -> tuple[dict, dict
         for peer, scale in (("webdataset", 1), ("folder", 1), ("single_core", cores), ("parallel_processes", 1)):
             values = [r[name].images_per_s / (r[peer].images_per_s * scale) for r in rounds]
             ratios[f"{name} / {'cores x single_core' if scale != 1 else peer}"] = spread(values)
+        for peer in ("webdataset", "folder"):
+            values = [r[name].within_epochs_images_per_s / r[peer].within_epochs_images_per_s for r in rounds]
+            ratios[f"{name} / {peer}, within epochs"] = spread(values)
     ratios["parallel_processes / cores x single_core"] = spread(
         [r["parallel_processes"].images_per_s / (r["single_core"].images_per_s * cores) for r in rounds]
     )
@@ -416,7 +484,8 @@ def summarize(rounds: list[dict[str, RunTimes]], cores: int) -> tuple[dict, dict
 
 def print_report(results: dict, cores: int) -> None:
     show, spreads = bench_loader.show, results["loaders"]
-    rows = [("img/s", "images_per_s", "{:.0f}"), ("CPU ms/img", "cpu_ms_per_image", "{:.2f}"),
+    rows = [("img/s", "images_per_s", "{:.0f}"), ("img/s within epochs", "within_epochs_images_per_s", "{:.0f}"),
+            ("CPU ms/img", "cpu_ms_per_image", "{:.2f}"),
             ("first batch s", "first_batch_s", "{:.2f}"), ("epoch pause s", "epoch_pause_s", "{:.3f}"),
             ("setup s", "setup_s", "{:.3f}")]  # fmt: skip
     print(f"\nper loader, median [min .. max] over {results['settings']['rounds']} rounds")
@@ -443,7 +512,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=5000, help="JPEGs generated (10 classes)")
     parser.add_argument(
-        "--shards", type=int, help="default: 8, or one per worker (WebDataset needs a shard for each worker)"
+        "--shards",
+        type=int,
+        help="a multiple of --workers (WebDataset deals whole shards to its workers); default: the first from 8",
     )
     parser.add_argument("--rounds", type=int, default=3, help="rounds of interleaved runs")
     parser.add_argument("--epochs", type=int, default=3, help="timed epochs per run, after 1 warm-up epoch")
@@ -467,9 +538,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.set_defaults(**QUICK)  # what the command line gives explicitly still wins
     args = parser.parse_args(argv)
     if args.shards is None:
-        args.shards = max(8, args.workers, args.rss_workers)
+        args.shards = -(-max(8, args.rss_workers) // args.workers) * args.workers
     if min(args.rounds, args.epochs, args.workers, args.batch_size, args.shards, args.rss_workers) < 1:
         parser.error("--rounds, --epochs, --workers, --batch-size, --shards and --rss-workers must be at least 1")
+    if args.shards % args.workers:
+        parser.error(
+            f"--shards {args.shards}: not a multiple of --workers {args.workers}, so some WebDataset workers "
+            "would get a shard more than others and the epoch would wait for them"
+        )
     if args.images < 10 * args.shards:
         parser.error("--images: at least 10 per shard")
     return args
@@ -483,16 +559,20 @@ def run_benchmark(args, workdir: Path, deadline: float) -> dict:
     path, samples = bench_loader.read_all_samples(data.url, data.cache_dir, args.image_size, args.single_core_samples)
     warm_caches(path, data)
     described = describe_data(path, samples)
-    wds_decode, wds_decode_rates = fastest_wds_decode(data, args)
+    picks = fastest_decodes(data, args)
+    decodes = {peer: pick[0] for peer, pick in picks.items()}
+    tried = "; ".join(
+        f"{peer} decodes with {pick[0]!r} ({', '.join(f'{k} {v:.0f} img/s' for k, v in pick[1].items())} in one process)"
+        for peer, pick in picks.items()
+    )
     print(f"{described['samples']:,} samples in {described['shards']} shards, mean JPEG "
           f"{described['mean_jpeg_bytes'] / 1e3:.0f} KB at {described['mean_width']:.0f}x{described['mean_height']:.0f}, "
           f"ready in {time.perf_counter() - started:.0f} s; batch {args.batch_size}, {args.workers} workers, "
-          f"{cores} cores; webdataset decodes with {wds_decode!r} "
-          f"({', '.join(f'{k} {v:.0f} img/s' for k, v in wds_decode_rates.items())} in one process)", flush=True)  # fmt: skip
-    makers = loader_makers(data, args, engines, wds_decode)
+          f"{cores} cores; {tried}", flush=True)  # fmt: skip
+    makers = loader_makers(data, args, engines, decodes)
     rounds = []
     for number in range(args.rounds):
-        rounds.append(measure_round(makers, path, samples, args))
+        rounds.append(measure_round(makers, path, samples, args, number))
         rates = ", ".join(f"{k} {v.images_per_s:.0f}" for k, v in rounds[-1].items())
         print(f"round {number + 1}: img/s {rates}", flush=True)
     del path, samples
@@ -509,7 +589,9 @@ def run_benchmark(args, workdir: Path, deadline: float) -> dict:
         "settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir", "rss_child")},
         "data": described,
         "thread_engine": "threads" in engines,
-        "webdataset_decode": {"chosen": wds_decode, "one_process_images_per_s": wds_decode_rates},
+        "peer_decodes": {
+            peer: {"chosen": pick[0], "one_process_images_per_s": pick[1]} for peer, pick in picks.items()
+        },
         "rounds": [{name: run._asdict() for name, run in r.items()} for r in rounds],
         "loaders": loaders,
         "ratios": ratios,
