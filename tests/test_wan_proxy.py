@@ -107,6 +107,32 @@ def test_each_connection_is_capped_at_the_rate(http_port):
         assert took >= (len(BLOB) - wan.burst) / rate * 0.9  # no faster than the cap, per connection
 
 
+def test_all_connections_together_are_capped_at_the_link_rate(http_port):
+    """With a link cap, 4 connections share it: the 4 bodies together take at least their
+    bytes over the link's rate, where each connection alone is uncapped."""
+    link = 2_000_000
+    with WanProxy(http_port, link_rate=link) as wan:
+        bodies = {}
+
+        def fetch(index: int) -> None:
+            conn = http.client.HTTPConnection("127.0.0.1", wan.port, timeout=30)
+            conn.request("GET", "/blob")
+            bodies[index] = conn.getresponse().read()
+            conn.close()
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=fetch, args=(i,)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        took = time.monotonic() - started
+        assert wan.most_open == 4
+    assert list(bodies.values()) == [BLOB] * 4
+    burst = max(16 * 1024, link * 0.02)
+    assert took >= (4 * len(BLOB) - burst) / link * 0.9  # no faster than the link, all together
+
+
 def test_the_proxy_ends_after_its_lifetime(http_port):
     wan = WanProxy(http_port, lifetime_s=0.2).start()
     try:

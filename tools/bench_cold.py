@@ -495,12 +495,17 @@ def loader_rounds(urls: dict[str, str], env: Mapping[str, str], args: argparse.N
         settings: dict[str, tuple[StoreConfig, WanProxyProcess | None]] = {"loopback": (direct, None)}
         envs: dict[str, Mapping[str, str]] = {"loopback": env}
         for rate_text in rates:
+            link = parse_size(args.link_rate) if args.link_rate else None
             wan = WanProxyProcess(
-                swift_port_of(env), rate=parse_size(rate_text), delay_s=args.delay_ms / 1000, lifetime_s=3600
+                swift_port_of(env),
+                rate=parse_size(rate_text),
+                link_rate=link,
+                delay_s=args.delay_ms / 1000,
+                lifetime_s=3600,
             )
             stack.enter_context(wan)
             args.wan_pids.append(wan.pid)
-            name = f"{rate_text}/s+{args.delay_ms:g}ms"
+            name = f"{rate_text}/s+{args.delay_ms:g}ms" + (f", link {args.link_rate}/s" if link else "")
             envs[name] = proxied(env, wan)
             settings[name] = (StoreConfig.from_env(envs[name]), wan)
         container, prefix = urlsplit(url).netloc, urlsplit(url).path.strip("/") + "/"
@@ -645,6 +650,10 @@ def loader_main(argv: list[str]) -> int:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--rounds", type=int, default=3, help="rounds (default 3)")
     parser.add_argument("--rates", default="10MB,40MB,200MB", help="per-connection rates of the emulator")
+    parser.add_argument(
+        "--link-rate",
+        help="the emulator's cap on all connections together, e.g. 80MB (default: none, per connection only)",
+    )
     parser.add_argument("--delay-ms", type=float, default=5.0, help="emulator delay per request (default 5)")
     parser.add_argument(
         "--fetch",

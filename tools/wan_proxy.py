@@ -6,6 +6,9 @@ capped download rate and delays every HTTP request, as a store across a network 
 * **Rate**: the server-to-client bytes of each connection pass a token bucket of `rate`
   bytes per second (a burst of `burst` bytes, by default 20 ms' worth): one connection
   never goes faster, several connections each get the full rate, as with a per-flow cap.
+* **Link**: optionally (`link_rate`), all connections' server-to-client bytes together pass one
+  more token bucket, as where the link (not each flow) is the limit: many connections then
+  share its rate instead of each getting `rate`.
 * **Delay**: each HTTP request (each one on a keep-alive connection: the proxy follows
   the request framing, Content-Length or chunked, from client to server) is held
   `delay_s` before it is forwarded, so every request costs a round trip. Bytes that do
@@ -117,7 +120,8 @@ async def _relay_chunked(reader: asyncio.StreamReader, writer: asyncio.StreamWri
 
 class WanProxy(LoopThreadServer):
     """Forward 127.0.0.1:`port` to `target_host:target_port` with a per-connection download
-    `rate` (bytes/s; None: no cap) and `delay_s` per request; see the module docstring."""
+    `rate` (bytes/s; None: no cap), all connections together at most `link_rate`, and
+    `delay_s` per request; see the module docstring."""
 
     stream_limit = _HEAD_LIMIT
 
@@ -129,15 +133,20 @@ class WanProxy(LoopThreadServer):
         rate: float | None = None,
         delay_s: float = 0.0,
         burst: float | None = None,
+        link_rate: float | None = None,
         lifetime_s: float = 600.0,
     ) -> None:
         super().__init__()
-        if rate is not None and rate <= 0:
-            raise ValueError(f"rate must be positive bytes per second, not {rate}")
+        for name, value in (("rate", rate), ("link_rate", link_rate)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive bytes per second, not {value}")
         self.target = (target_host, target_port)
         self.rate = rate
         self.delay_s = delay_s
         self.burst = burst if burst is not None else max(16 * 1024, (rate or 0) * 0.02)
+        self.link_rate = link_rate
+        # One bucket for every connection: used only in the proxy's event loop (one thread).
+        self._link = _TokenBucket(link_rate, max(16 * 1024, link_rate * 0.02)) if link_rate else None
         self.lifetime_s = lifetime_s
         self.expired = threading.Event()
         self.connections = 0
@@ -250,12 +259,16 @@ class WanProxy(LoopThreadServer):
                 await _relay_exact(client_r, server_w, length)
 
     async def _pump_responses(self, server_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        """Server to client, through this connection's token bucket."""
+        """Server to client, through this connection's token bucket and the link's."""
         bucket = _TokenBucket(self.rate, self.burst) if self.rate else None
         block = int(min(_MAX_BLOCK, max(self.burst, 4096)))
+        if self._link is not None:
+            block = int(min(block, max(self._link.burst, 4096)))
         while data := await server_r.read(block):
             if bucket is not None:
                 await bucket.take(len(data))
+            if self._link is not None:
+                await self._link.take(len(data))
             with self._lock:  # counted before the client can see the bytes
                 self.bytes_down += len(data)
             client_w.write(data)
@@ -356,17 +369,25 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="HOST:PORT of the server, e.g. 127.0.0.1:8080")
     parser.add_argument("--rate", default=None, help="download cap per connection, bytes/s: 40MB, 5MiB (default: none)")
+    parser.add_argument("--link-rate", default=None, help="download cap of all connections together (default: none)")
     parser.add_argument("--delay-ms", type=float, default=5.0, help="delay per HTTP request (default 5)")
     parser.add_argument("--lifetime", type=float, default=600.0, help="seconds before the proxy stops (default 600)")
     args = parser.parse_args(argv)
     host, _, port = args.target.rpartition(":")
     rate = parse_size(args.rate) if args.rate else None
+    link_rate = parse_size(args.link_rate) if args.link_rate else None
     proxy = WanProxy(
-        int(port), target_host=host or "127.0.0.1", rate=rate, delay_s=args.delay_ms / 1000, lifetime_s=args.lifetime
+        int(port),
+        target_host=host or "127.0.0.1",
+        rate=rate,
+        link_rate=link_rate,
+        delay_s=args.delay_ms / 1000,
+        lifetime_s=args.lifetime,
     )
     with proxy:
         print(
             f"{proxy.url} -> {args.target}: {args.rate or 'unlimited'}/s per connection, "
+            f"{args.link_rate or 'unlimited'}/s for all, "
             f"{args.delay_ms:g} ms per request, for {args.lifetime:g} s",
             flush=True,
         )
