@@ -22,9 +22,13 @@ Variants (the first is the reference):
                scaled image, then as pillow
 * dct+cv2      the same scaled decode, then as cv2 (the mapped box rounded)
 * dct8+cv2     any k/8 scale (7/8, 3/4, ...; not SIMD in libjpeg-turbo), then as cv2
-* dlstore      `dlstore.transforms.transform_image` as it is now (after issue 11: dct, then
-               cv2 for a whole-pixel box and Pillow for a fractional one; a whole-pixel box's
-               rows and columns decoded alone by dlstore._jpeg_region where it is built)
+* dct+torch    the same scaled decode, then torch's antialiased bilinear resize of uint8
+               (torchvision's RandomResizedCrop(antialias=True); SIMD on x86 with AVX2) of
+               the rounded box, flip: against dct+cv2, what torch's resize saves
+* dlstore      `dlstore.transforms.transform_image` as it is now: dct, then torch's resize
+               (where it has its SIMD kernel; else cv2) for a whole-pixel box and Pillow for a
+               fractional one; a whole-pixel box's rows and columns decoded alone by
+               dlstore._jpeg_region where it is built
 * dlstore-known  the same for a JPEG known to decode (the loader's from a sample's second
                epoch on): the rows below the box are not read at all
 * dlstore-whole  the same with every JPEG decoded whole (dlstore._jpeg_region left out):
@@ -154,6 +158,12 @@ def dct8_cv2(data, cfg, rng):
     return _cv2_resize(pixels, box, cfg.image_size, flip)
 
 
+def dct_torch(data, cfg, rng):
+    pixels, box, flip = _scaled_decode(data, cfg, rng, (1, 2, 4))
+    box = tuple(float(round(v)) for v in box)
+    return transforms_module._resize_with_torch(pixels, box, flip, cfg.image_size)
+
+
 def dlstore_split(data, cfg, rng):
     return resize_crop(decode_for_crop(data, cfg, rng), cfg)
 
@@ -184,6 +194,7 @@ def variants() -> dict[str, Variant]:
     if cv2 is not None:
         found["dct+cv2"] = dct_cv2
         found["dct8+cv2"] = dct8_cv2
+    found["dct+torch"] = dct_torch
     found["dlstore"] = transform_image
     if transforms_module._jpeg_region is not None:
         found["dlstore-known"] = dlstore_known

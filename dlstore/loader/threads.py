@@ -23,7 +23,9 @@ its row of the batch's buffer. The first batch is therefore built by every threa
 
 Why our own pool and not a pipeline library: the same work built on SPDL (`PipelineBuilder`, a
 threaded pipe per sample) and on `torchdata.nodes` (`ParallelMapper` threads, `Batcher`,
-`Prefetcher`) costs ~19% and ~5% more CPU per image (their per-sample hand-offs), and neither
+`Prefetcher`), each as its docs build an image pipeline (per sample; a stage per batch chunk,
+as this engine does, was not tried), cost ~19% and ~5% more CPU per image in a run of
+`tools/bench_engines.py` on the 2-core VM (their per-sample hand-offs), and neither
 gives what this engine needs from it: SPDL drops a sample whose stage raises (or, when told to
 stop, raises its own `PipelineFailure`), neither resumes from our plan's (epoch, history), and
 torchdata has no `close()`. `tools/bench_engines.py` measures the three on the same shards.
