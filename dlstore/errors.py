@@ -15,6 +15,7 @@ __all__ = [
     "FormatError",
     "NoSpace",
     "NotFound",
+    "ObjectChanged",
     "TransientError",
 ]
 
@@ -36,6 +37,11 @@ class TransientError(DlstoreError):
 
     Raised to the caller only once the retry policy's attempts or deadline are spent.
     """
+
+
+class ObjectChanged(DlstoreError):
+    """The object was replaced while it was read (a resumed read found another version, or
+    fewer bytes): what was read so far is not one object's. Not retried."""
 
 
 class CorruptShard(DlstoreError):

@@ -4,7 +4,9 @@ every request, and expected misses (a checkpoint that does not exist yet) stay s
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import pkgutil
 import re
 
 __all__ = ["STORAGE_SECRETS", "THIRD_PARTY", "configure_logging", "redact_storage_secrets"]
@@ -49,10 +51,21 @@ STORAGE_SECRETS: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = (
         ),
     ),
     (
-        ("botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession"),
-        re.compile(r"""(?i)(x-amz-security-token['"]?\s*[:=]\s*b?['"]?)[^'"\s&,}]+"""),
+        # Every botocore module's logger: botocore.parsers, for one, logs an error's body, which
+        # echoes the canonical request (a wrong signature's), token included.
+        ("botocore", "botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession"),
+        re.compile(r"""(?i)(x-amz-security-token['"]?\s*[:=]\s*b?['"]?)[^'"\s&,}<]+"""),
     ),
 )
+
+
+def _package_loggers(package: str) -> list[str]:
+    """The logger names of `package`'s modules (`logging.getLogger(__name__)` in each), found
+    without importing it: a filter must be on the very logger a record is made on."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return [f"{package}.{m.name}" for m in pkgutil.iter_modules(spec.submodule_search_locations)]
 
 
 class _RedactSecrets(logging.Filter):
@@ -75,7 +88,8 @@ def redact_storage_secrets() -> None:
     `dlstore.storage` is imported, before any client exists (an SDK call made before the first
     store, e.g. a user's own swiftclient Connection, is covered too). Idempotent."""
     for loggers, pattern in STORAGE_SECRETS:
-        for name in loggers:
+        names = dict.fromkeys([*loggers, *(n for p in loggers if "." not in p for n in _package_loggers(p))])
+        for name in names:
             logger = logging.getLogger(name)
             if not any(isinstance(f, _RedactSecrets) and f.pattern is pattern for f in logger.filters):
                 logger.addFilter(_RedactSecrets(pattern))

@@ -46,7 +46,7 @@ from wan_proxy import WanProxy
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.errors import CorruptShard, TransientError
+from dlstore.errors import CorruptShard, ObjectChanged, TransientError
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -137,6 +137,60 @@ def test_each_fault_is_retried_and_the_bytes_are_exact(swift_server, swift_conta
         assert store.get_range("obj", 1000, 5000) == OBJECT[1000:6000]
         assert took < 30  # no hang (a stall is given up after the read timeout)
     report(f"fault {kind} ({api})", detected_and_recovered_s=f"{took:.2f}")
+
+
+def test_a_server_that_ignores_range_still_gives_the_bytes_asked_for(swift_server, swift_container):
+    """A server (or a proxy before it) that answers a ranged GET with the whole object (200):
+    the bytes before the range are skipped, never taken for it; after a cut, too. It used to
+    return the object from byte 0, and a resumed read repeated its first part. (Swift's API
+    only: S3 signs the Range header, so the proxy cannot drop it; tests/test_s3_client.py
+    has a server that ignores it.)"""
+    with FaultProxy(server_port(swift_server)) as proxy:
+        env = proxied_env(swift_server, proxy, "swift")
+        store = open_store(f"swift://{swift_container}/whole", config_for(env, PATIENT_READS))
+        store.put("obj", OBJECT)
+        proxy.add_rule("ignore_range", method="GET", path=r"/whole/obj(\?|$)")
+        assert store.get_range("obj", 1000, 5000) == OBJECT[1000:6000]
+        assert proxy.injected_kinds() == {"ignore_range": 1}
+        proxy.add_rule("short_body", method="GET", path=r"/whole/obj(\?|$)")
+        proxy.add_rule("ignore_range", method="GET", path=r"/whole/obj(\?|$)")
+        assert store.get_bytes("obj") == OBJECT  # the resume got the whole object again
+        assert proxy.injected_kinds() == {"ignore_range": 2, "short_body": 1}
+
+
+@pytest.mark.parametrize("replacement", ["as long", "shorter"])
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_an_object_replaced_between_a_cut_and_its_resume_is_an_error(swift_server, swift_container, api, replacement):
+    """The object is overwritten while its read is cut: the resume asks for the version read
+    so far (If-Match), and its loss is an `ObjectChanged`. It used to return the old bytes
+    up to the cut and the new ones after it (or, shorter, the old ones cut off), silently."""
+    other = b"B" * (len(OBJECT) if replacement == "as long" else 1000)
+    with FaultProxy(server_port(swift_server)) as proxy:
+        env = proxied_env(swift_server, proxy, api)
+        store = open_store(f"{api}://{swift_container}/swap", config_for(env, PATIENT_READS))
+        store.put("obj", OBJECT)
+        proxy.add_rule("short_body", method="GET", path=r"/swap/obj(\?|$)", then=lambda: store.put("obj", other))
+        with pytest.raises(ObjectChanged, match="replaced while it was read"):
+            store.get_bytes("obj")
+        assert store.get_bytes("obj") == other  # a fresh read takes the new version whole
+
+
+def test_a_large_object_read_resumes_on_the_same_version(swift_server, swift_container):
+    """A Swift SLO (segments and a manifest) cut mid-body resumes with If-Match on the
+    manifest's ETag, which Swift answers for the large object: the bytes are exact."""
+    with FaultProxy(server_port(swift_server)) as proxy:
+        env = proxied_env(swift_server, proxy, "swift")
+        config = config_for(env, PATIENT_READS)
+        config = dataclasses.replace(config, swift=dataclasses.replace(config.swift, segment_size=1 << 20))
+        store = open_store(f"swift://{swift_container}/slo", config)
+        data = random.Random(5).randbytes(3 * (1 << 20) + 123)
+        store.put("big", data)
+        proxy.add_rule("reset_body", method="GET", path=r"/slo/big(\?|$)")
+        assert store.get_bytes("big") == data
+        assert proxy.injected_kinds() == {"reset_body": 1}
+        proxy.add_rule("short_body", method="GET", path=r"/slo/big(\?|$)", then=lambda: store.put("big", data[::-1]))
+        with pytest.raises(ObjectChanged):
+            store.get_bytes("big")
 
 
 # -- the cache's parallel parts under each fault (issue 12) --------------------------------------

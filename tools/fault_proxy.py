@@ -15,6 +15,13 @@ Faults (the `kind` of a rule or of a rate):
   then a clean close (FIN): the client sees a body shorter than announced.
 * ``"stall"``: the response is held back `stall_s` seconds before its first byte.
 * ``"stall_body"``: the head and half the body, then `stall_s` seconds of silence, then the rest.
+* ``"ignore_range"`` (by rule only): the request goes on without its Range header, as to a
+  server that ignores it: the whole object comes back (200). Swift's API only: S3 clients
+  sign the Range header, so the server then refuses the request.
+
+A rule's `then` (a function of no arguments) runs, in a thread, when its fault happens: for
+a body fault once the half body is sent and before the cut, so a test can e.g. replace the
+object between a cut and its resume.
 
 How a request is chosen:
 
@@ -47,6 +54,7 @@ import random
 import re
 import ssl
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
@@ -57,6 +65,8 @@ __all__ = ["ALL_FAULTS", "STATUS_FAULTS", "FaultProxy", "Injection", "Rule"]
 STATUS_FAULTS = ("500", "503", "429", "408")
 BODY_FAULTS = ("reset_body", "short_body", "stall_body")
 ALL_FAULTS = (*STATUS_FAULTS, "reset", "reset_body", "short_body", "stall", "stall_body")
+RULE_ONLY = ("ignore_range",)  # not a failure: never drawn by `set_rate`
+_RANGE_LINE = re.compile(rb"\r\nrange:[^\r]*", re.IGNORECASE)
 _REASONS = {
     400: "Bad Request",
     401: "Unauthorized",
@@ -80,6 +90,7 @@ class Rule:
     times: int | None = 1
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
+    then: Callable[[], object] | None = None
 
     def matches(self, method: str, target: str) -> bool:
         if self.times is not None and self.times <= 0:
@@ -213,13 +224,14 @@ class FaultProxy(LoopThreadServer):
         times: int | None = 1,
         body: bytes = b"",
         headers: dict[str, str] | None = None,
+        then: Callable[[], object] | None = None,
     ) -> Rule:
         """Fault the next `times` requests that match; `kind` is a fault name or any HTTP
-        status (answered with `body` and `headers`)."""
+        status (answered with `body` and `headers`); `then` runs when the fault happens."""
         kind = str(kind)
-        if kind not in ALL_FAULTS and not kind.isdigit():
-            raise ValueError(f"unknown fault {kind!r}; choose from {ALL_FAULTS} or an HTTP status")
-        rule = Rule(kind, method, path, times, body, tuple((headers or {}).items()))
+        if kind not in ALL_FAULTS + RULE_ONLY and not kind.isdigit():
+            raise ValueError(f"unknown fault {kind!r}; choose from {ALL_FAULTS + RULE_ONLY} or an HTTP status")
+        rule = Rule(kind, method, path, times, body, tuple((headers or {}).items()), then)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -341,8 +353,14 @@ class FaultProxy(LoopThreadServer):
                     close_writer(client_w, rst=True)
                     return
                 if fault is not None and fault.kind.isdigit():
+                    if fault.then is not None:
+                        await asyncio.to_thread(fault.then)
                     await self._answer(req, fault, client_r, client_w)
                     return
+                if fault is not None and fault.kind == "ignore_range":
+                    req.head = _RANGE_LINE.sub(b"", req.head)
+                    if fault.then is not None:
+                        await asyncio.to_thread(fault.then)
                 if upstream is None:
                     try:
                         upstream = await asyncio.open_connection(*self.target, limit=_LIMIT)
@@ -435,6 +453,8 @@ class FaultProxy(LoopThreadServer):
             return not close
         if "chunked" in headers.get("transfer-encoding", "").lower():
             if kind in BODY_FAULTS:
+                if fault is not None and fault.then is not None:
+                    await asyncio.to_thread(fault.then)
                 close_writer(client_w, rst=kind == "reset_body")
                 return False
             await _copy_chunked(server_r, client_w)
@@ -448,6 +468,8 @@ class FaultProxy(LoopThreadServer):
         if kind in BODY_FAULTS:
             half = length // 2
             await _copy_exact(server_r, client_w, half)
+            if fault is not None and fault.then is not None:
+                await asyncio.to_thread(fault.then)
             if kind == "stall_body":
                 await asyncio.sleep(self.stall_s)
                 await _copy_exact(server_r, client_w, length - half)

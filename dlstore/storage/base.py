@@ -40,7 +40,7 @@ from typing import BinaryIO, Union
 from urllib.parse import urlsplit
 
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.errors import ConfigError, NotFound, TransientError
+from dlstore.errors import ConfigError, DlstoreError, NotFound, ObjectChanged, TransientError
 from dlstore.storage.retry import ProgressRetry, call_with_retry
 
 __all__ = ["ObjectInfo", "PutSource", "Store", "IterReader", "connection_failure", "read_block", "remaining_size"]
@@ -122,6 +122,32 @@ def remaining_size(stream: BinaryIO) -> int | None:
         return None
 
 
+_CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)")
+
+
+def answered_range(
+    what: str, start: int, end: int | None, status: int, content_range: str | None, content_length: int | None
+) -> tuple[int, int | None]:
+    """For the answer (HTTP `status`) to a GET of bytes `[start, end)` (no Range header sent
+    when `start` is 0 and `end` None): (bytes of its body to skip before byte `start`, the
+    object's size if the answer tells it). A server may ignore the Range header and send the
+    whole object (200): its first `start` bytes are then skipped, never taken for the range's.
+    An answer of another range than the one asked for is an error.
+
+    >>> answered_range("x", 10, 20, 206, "bytes 10-19/100", 10), answered_range("x", 10, 20, 200, None, 100)
+    ((0, 100), (10, 100))
+    """
+    ranged = bool(start or end is not None)
+    if status != 206:
+        return (start if ranged else 0), content_length
+    if content_range is None:  # a 206 that does not say which bytes: taken as asked for
+        return 0, None
+    found = _CONTENT_RANGE.match(content_range)
+    if found is None or int(found[1]) != start:
+        raise DlstoreError(f"{what}: asked for bytes {start}-, the server answered {content_range!r}")
+    return 0, None if found[3] == "*" else int(found[3])
+
+
 def split_bucket_url(url: str, scheme: str, what: str) -> tuple[str, str, str]:
     """`(bucket, prefix, canonical URL)` of `scheme://bucket/prefix`; `what` names the bucket
     in the error ("bucket", "container")."""
@@ -138,6 +164,16 @@ def check_key(key: str) -> str:
     if any(part in (".", "..") for part in key.split("/")):
         raise ConfigError(f"invalid object key {key!r}: '.' and '..' are not allowed")
     return key
+
+
+@dataclass
+class ReadPin:
+    """What the first answer of one streamed read said about the object (its ETag, sent as
+    If-Match when the read resumes, and its size), so that a resumed read cannot splice two
+    versions of an object that was replaced in between."""
+
+    etag: str | None = None
+    size: int | None = None
 
 
 class Store(ABC):
@@ -194,17 +230,30 @@ class Store(ABC):
         # The budget restarts after every attempt that moved bytes (`ProgressRetry`): one
         # budget for a whole stream would kill a healthy but slow download of a large object.
         retry = ProgressRetry(self.config.retry)
+        # A resume must read the version the first answer came from (`ReadPin`).
+        pin = ReadPin()
         while end is None or position < end:
             reached = position
             try:
                 # `_read` compares what arrived with the length the server announced, so
                 # ending before `end` here means the object ended first, not a short read.
-                for chunk in self._read(key, position, end):
+                chunks = self._read(key, position, end, pin) if self.reads_versions else self._read(key, position, end)
+                for chunk in chunks:
+                    if end is not None and position + len(chunk) > end:  # never past `end`
+                        chunk = chunk[: end - position]
                     position += len(chunk)
-                    yield chunk
-                return
+                    if chunk:
+                        yield chunk
+                    if end is not None and position >= end:
+                        return
             except TransientError as exc:
                 retry.failed(exc, progressed=position > reached)
+                continue
+            if pin.size is not None and position < min(pin.size, end or pin.size):
+                raise ObjectChanged(
+                    f"{self.join(key)}: a resumed read ended at byte {position} of the {pin.size} the object had"
+                )
+            return
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Exactly `length` bytes from offset `start` (fewer only if the object ends first)."""
@@ -286,7 +335,13 @@ class Store(ABC):
     @abstractmethod
     def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
         """Stream `[start, end)`. Raise `TransientError` if the body ends before the length
-        the server announced (a short read)."""
+        the server announced (a short read). A backend that can tell versions apart sets
+        `reads_versions` and takes a fourth argument, a `ReadPin`: it fills it from its first
+        answer and, on the later calls of one read (resumes), asks for that version only,
+        raising `ObjectChanged` when another one is there now."""
+
+    #: Whether `_read` takes a `ReadPin` (see there).
+    reads_versions: bool = False
 
     @abstractmethod
     def _write(self, key: str, stream: BinaryIO) -> None:

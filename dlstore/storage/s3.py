@@ -27,8 +27,17 @@ import botocore.exceptions
 import urllib3.exceptions
 
 from dlstore.config import S3Config, StoreConfig
-from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store, connection_failure, read_block, remaining_size, split_bucket_url
+from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, ObjectChanged, TransientError
+from dlstore.storage.base import (
+    ObjectInfo,
+    ReadPin,
+    Store,
+    answered_range,
+    connection_failure,
+    read_block,
+    remaining_size,
+    split_bucket_url,
+)
 from dlstore.storage.retry import call_with_retry
 
 __all__ = ["S3Store", "make_s3_client"]
@@ -259,22 +268,38 @@ class S3Store(Store):
         )
 
     # -- reading ----------------------------------------------------------------------
-    def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+    reads_versions = True
+
+    def _read(self, key: str, start: int, end: int | None, pin: ReadPin | None = None) -> Iterator[bytes]:
         what = self.join(key)
         kwargs: dict[str, Any] = {"Key": self._name(key)}
         if start or end is not None:
             kwargs["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if pin is not None and pin.etag:
+            kwargs["IfMatch"] = pin.etag  # a resume: the version read so far, or 412
         try:
             response = self.client.get_object(Bucket=self.bucket, **kwargs)
         except botocore.exceptions.ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
             # 416: the range starts at or past the end (or the object is empty): no bytes.
-            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+            if code == "InvalidRange":
                 return
+            if code == "PreconditionFailed" and "IfMatch" in kwargs:
+                raise ObjectChanged(f"{what}: the object was replaced while it was read") from None
             raise _map_error(exc, what) from None
         except Exception as exc:
             raise _map_error(exc, what) from None
         body = response["Body"]
         expected = response.get("ContentLength")
+        try:
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 200)
+            skip, size = answered_range(what, start, end, status, response.get("ContentRange"), expected)
+        except DlstoreError:
+            body.close()
+            raise
+        if pin is not None:
+            pin.etag = pin.etag or response.get("ETag")
+            pin.size = pin.size if pin.size is not None else size
         received = 0
         chunk_size = self.config.chunk_size
         try:
@@ -284,6 +309,11 @@ class S3Store(Store):
                 if not chunk:
                     break
                 received += len(chunk)
+                if skip:  # the whole object came: its bytes before `start` are not the range's
+                    taken = min(skip, len(chunk))
+                    chunk, skip = chunk[taken:], skip - taken
+                    if not chunk:
+                        continue
                 yield chunk
         except Exception as exc:
             raise _map_error(exc, what) from None

@@ -52,11 +52,13 @@ import urllib3.exceptions
 from swiftclient.exceptions import ClientException
 
 from dlstore.config import StoreConfig, SwiftConfig
-from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
+from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, ObjectChanged, TransientError
 from dlstore.logs import redact_storage_secrets
 from dlstore.storage.base import (
     ObjectInfo,
+    ReadPin,
     Store,
+    answered_range,
     check_key,
     connection_failure,
     read_block,
@@ -96,6 +98,10 @@ os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 class _RangeNotSatisfiable(DlstoreError):
     """HTTP 416: the range starts at or past the end of the object."""
+
+
+class _PreconditionFailed(DlstoreError):
+    """HTTP 412: an If-Match named another version than the object's."""
 
 
 class _Forbidden(AuthError):
@@ -157,6 +163,8 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
             return NotFound(text)
         if status == 416:
             return _RangeNotSatisfiable(text)
+        if status == 412:
+            return _PreconditionFailed(text)
         if status == 403:
             return _Forbidden(text)
         if status == 401:
@@ -438,11 +446,16 @@ class SwiftStore(Store):
         )
 
     # -- reading ---------------------------------------------------------------------------
-    def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
+    reads_versions = True
+
+    def _read(self, key: str, start: int, end: int | None, pin: ReadPin | None = None) -> Iterator[bytes]:
         what = self.join(key)
-        headers = None
+        headers = {}
         if start or end is not None:
-            headers = {"Range": f"bytes={start}-{'' if end is None else end - 1}"}
+            headers["Range"] = f"bytes={start}-{'' if end is None else end - 1}"
+        if pin is not None and pin.etag:
+            headers["If-Match"] = pin.etag  # a resume: the version read so far, or 412
+        answer: dict[str, Any] = {}
         try:
             response_headers, body = self._call(
                 what,
@@ -450,16 +463,33 @@ class SwiftStore(Store):
                 self.container,
                 self._name(key),
                 resp_chunk_size=self.config.chunk_size,
-                headers=headers,
+                headers=headers or None,
+                response_dict=answer,
             )
         except _RangeNotSatisfiable:  # the range starts at or past the end: no bytes
             return
+        except _PreconditionFailed:
+            raise ObjectChanged(f"{what}: the object was replaced while it was read") from None
         expected = int(response_headers["content-length"]) if "content-length" in response_headers else None
+        try:
+            status = int(answer.get("status") or (206 if "content-range" in response_headers else 200))
+            skip, size = answered_range(what, start, end, status, response_headers.get("content-range"), expected)
+        except DlstoreError:
+            body.close()
+            raise
+        if pin is not None:
+            pin.etag = pin.etag or response_headers.get("etag")
+            pin.size = pin.size if pin.size is not None else size
         received = 0
         try:
             # The body hands back urllib3's bytes as they come: no copies, no hashing here.
             for chunk in body:
                 received += len(chunk)
+                if skip:  # the whole object came: its bytes before `start` are not the range's
+                    taken = min(skip, len(chunk))
+                    chunk, skip = chunk[taken:], skip - taken
+                    if not chunk:
+                        continue
                 yield chunk
         except Exception as exc:
             raise _map_error(exc, what) from None
