@@ -393,6 +393,76 @@ def test_an_iterator_kept_past_close_ends_without_a_hang(local_dataset, tmp_path
         loader.close()
 
 
+SLOW_SHARD_S = 12.0
+
+
+@pytest.mark.parametrize("loop_in", ["main", "another"])
+@pytest.mark.parametrize("engine", ["threads", "processes"])
+def test_close_ends_a_pass_waiting_for_a_slow_download(local_dataset, tmp_path, monkeypatch, engine, loop_in):
+    """close(), from another thread, while the pass waits for a batch whose shard takes
+    `SLOW_SHARD_S` to download: the pass ends with "closed during this pass" long before the
+    download would, in whichever thread it runs. With worker processes it used to wait
+    forever (the DataLoader's own shutdown, called under its wait, left it watching no
+    worker); with threads, close() and the pass waited for the download. An iterator kept past
+    close() says the same, not "a loader bug", and the loader iterates again after it."""
+    url, _ = local_dataset
+    from dlstore.storage.local import LocalStore
+
+    read = LocalStore._read
+
+    def slow_read(self, key, start, end):
+        if key.endswith(".tar"):
+            time.sleep(SLOW_SHARD_S)
+        yield from read(self, key, start, end)
+
+    monkeypatch.setattr(LocalStore, "_read", slow_read)
+    ds = _dataset(url, tmp_path, first_batch_direct=False, prefetch_shards=0)
+    loader = dlstore.Loader(ds, num_workers=2, device="cpu", engine=engine)
+    outcome: list[BaseException | None] = []
+    ended = []
+
+    def loop() -> None:
+        try:
+            for _ in loader:
+                pass
+            outcome.append(None)
+        except RuntimeError as exc:
+            outcome.append(exc)
+        ended.append(time.monotonic())
+
+    closing = []
+
+    def close() -> None:
+        closing.append(time.monotonic())
+        loader.close()
+
+    if loop_in == "main":
+        closer = threading.Timer(1.0, close)
+        closer.start()
+        loop()
+        closer.join()
+    else:
+        thread = threading.Thread(target=loop, daemon=True)
+        thread.start()
+        time.sleep(1.0)
+        close()
+        thread.join(timeout=60)
+        assert not thread.is_alive(), "the pass still waits after close()"
+    assert len(outcome) == 1 and outcome[0] is not None and "closed during this pass" in str(outcome[0]), outcome
+    took = ended[0] - closing[0]
+    print(f"{engine}, loop in the {loop_in} thread: the pass ended {took:.2f} s after close()")
+    assert took < SLOW_SHARD_S * 0.75, took  # not after the download (5 s: torch's worker check)
+    monkeypatch.setattr(LocalStore, "_read", read)
+    kept = iter(loader)
+    next(kept)
+    loader.close()
+    with pytest.raises(RuntimeError, match="closed during this pass"):
+        list(kept)
+    loader.set_epoch(1)
+    assert len(_epoch(loader)) == 23
+    loader.close()
+
+
 def test_close_while_a_pass_in_another_thread_starts_the_next_epoch(local_dataset, tmp_path):
     """Device decode runs the thread engine's pass in the prefetcher's thread. A close() while
     that thread starts the next epoch's batches (held at its first submit here) must leave no

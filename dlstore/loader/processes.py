@@ -209,6 +209,9 @@ class ProcessEngine:
         # end: (that pass's (epoch, history), the DataLoader's batches).
         self._follow_on: tuple[tuple, Iterator[dict]] | None = None
         self._closes = 0  # close() calls: a pass that ends after one keeps nothing for the next
+        # A pass waiting in the DataLoader (`_waiting`), and close() in another thread: `_guard`.
+        self._guard = threading.Lock()
+        self._waiting = 0
         self._dataloader = DataLoader(
             _BatchWriter(dataset, slots),
             sampler=self.sampler,
@@ -255,17 +258,38 @@ class ProcessEngine:
         epoch's, when this one is fresh) is kept for the pass that follows."""
         closes, count = self._closes, self.dataset.plan(epoch, history).num_batches
         for index in range(count):
+            with self._guard:
+                self._check_open(closes)
+                self._waiting += 1
             try:
                 batch = next(items)
             except StopIteration:
+                self._check_open(closes)
                 raise RuntimeError(
                     f"epoch {epoch} ended after {index} batches, short of its plan (a loader bug)"
                 ) from None
+            except RuntimeError:  # the workers ended by a close() in another thread: say that
+                self._check_open(closes)
+                raise
+            finally:
+                with self._guard:
+                    self._waiting -= 1
             if index == 0:
                 self.dataset.first_batch_delivered()
             yield batch
         if not history and count and self._dataloader.num_workers > 0 and closes == self._closes:
             self._follow_on = ((epoch + 1, ()), items)
+
+    def _check_open(self, closes: int) -> None:
+        """Raise if `close()` was called since the pass that saw `closes` began; the workers a
+        close() from another thread ended are cleaned up here, in the pass's thread."""
+        if self._closes == closes:
+            return
+        iterator = getattr(self._dataloader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+        self._dataloader._iterator = None
+        raise RuntimeError("the loader was closed during this pass: iterate it again to go on")
 
     def _with_chunks_joined(self, items: Iterator[dict]) -> Iterator[dict]:
         for batch in items:
@@ -302,9 +326,19 @@ class ProcessEngine:
         return batch
 
     def close(self) -> None:
-        self._closes += 1
-        self._follow_on = None
+        """Stop the workers. A pass waiting for a batch in another thread cannot be woken by
+        the DataLoader's own shutdown (it then waits for workers it no longer watches,
+        forever), so its workers are ended instead: the pass sees them die, and raises."""
+        with self._guard:
+            self._closes += 1
+            self._follow_on = None
+            waiting = self._waiting > 0
         iterator = getattr(self._dataloader, "_iterator", None)
+        if waiting and iterator is not None:
+            for worker in getattr(iterator, "_workers", []):
+                if worker.is_alive():
+                    worker.terminate()
+            return
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
         self._dataloader._iterator = None

@@ -53,6 +53,9 @@ __all__ = ["ThreadEngine"]
 
 log = logging.getLogger(__name__)
 
+# How long close() waits for chunks already running (a batch's decode takes well under it).
+_CLOSE_GRACE_S = 1.0
+
 
 @dataclass
 class _Row:
@@ -89,7 +92,14 @@ class ThreadEngine:
         self._ahead: tuple[tuple, deque[_Job], int] | None = None
         self._pool: futures.ThreadPoolExecutor | None = None  # made at the first batch, again after close()
         self._closes = 0  # close() calls so far: a pass begun before one does not go on
-        # close() against a pass running in another thread: `_closes`, `_ahead`, `_pool`.
+        # Done at each close(): wakes a pass waiting for a batch in another thread.
+        self._closed = futures.Future()
+        # Chunks still running when close() stopped waiting for them (a shard still downloading):
+        # they write into buffers a new pass must not take before they are done.
+        self._stale: list[futures.Future] = []
+        self._live: set[futures.Future] = set()  # chunks submitted and not yet done
+        # close() against a pass running in another thread: `_closes`, `_closed`, `_ahead`,
+        # `_pool`, `_stale`.
         self._guard = threading.Lock()
 
     @staticmethod
@@ -108,7 +118,7 @@ class ThreadEngine:
         after a `close()` it starts nothing more and raises at its next batch."""
         plan = self.dataset.plan(epoch, history)
         with self._guard:
-            closes = self._closes
+            closes, closed = self._closes, self._closed
             ahead, self._ahead = self._ahead, None
         pending, submitted = self._started_for(ahead, epoch, history)
         try:
@@ -123,9 +133,9 @@ class ThreadEngine:
                     self._start_next_epoch(epoch + 1, self.lookahead + 1 - len(pending), closes)
                 job = pending.popleft()
                 try:
-                    batch = self._finish(job)
+                    batch = self._finish(job, closed)
                 except BaseException as exc:
-                    self._abandon(deque([job]))  # its slot is free again
+                    self._abandon(deque([job]), wait=self._closes == closes)  # its slot is free again
                     if isinstance(exc, futures.CancelledError):
                         self._check_open(closes)  # cancelled by close(): say so
                     raise
@@ -133,7 +143,7 @@ class ThreadEngine:
                     self.dataset.first_batch_delivered()
                 yield batch
         finally:
-            self._abandon(pending)
+            self._abandon(pending, wait=self._closes == closes)
 
     def _check_open(self, closes: int) -> None:
         """Raise if `close()` was called since the pass that saw `closes` began."""
@@ -176,6 +186,9 @@ class ThreadEngine:
         """Start building `request`'s batch: its chunks queued on the pool (made here the first
         time, and again after a `close()`), unless the loader was closed since `closes`."""
         self._check_open(closes)
+        with self._guard:
+            stale, self._stale = self._stale, []
+        futures.wait(stale)  # chunks a close() left running: done before their buffers are reused
         n = len(request.ids)
         images, slot = None, None
         if self.path.cfg.decode_on != "device":
@@ -198,7 +211,14 @@ class ThreadEngine:
                 for lo, hi in zip(bounds[:-1], bounds[1:])
                 if hi > lo
             ]
+            self._live.update(chunks)
+        for chunk in chunks:
+            chunk.add_done_callback(self._forget)
         return _Job(request, images, slot, chunks)
+
+    def _forget(self, chunk: futures.Future) -> None:
+        with self._guard:
+            self._live.discard(chunk)
 
     def _chunk(self, request: BatchRequest, lo: int, hi: int, images: torch.Tensor | None) -> list[_Row | None]:
         """Samples `lo:hi` of the batch: read, decode, augment, each into its row."""
@@ -224,8 +244,17 @@ class ThreadEngine:
             rows.append(row)
         return rows
 
-    def _finish(self, job: _Job) -> dict:
-        """The batch dict of a job whose chunks are done (a chunk's error is raised here)."""
+    def _finish(self, job: _Job, closed: futures.Future) -> dict:
+        """The batch dict of a job once its chunks are done (a chunk's error is raised here);
+        a close() meanwhile (`closed`) ends the wait at once, even in another thread."""
+        waiting = set(job.chunks)
+        while waiting:
+            done, waiting = futures.wait(waiting | {closed}, return_when=futures.FIRST_COMPLETED)
+            if closed.done():
+                raise RuntimeError("the loader was closed during this pass: iterate it again to go on")
+            if any(chunk.exception() is not None for chunk in done if not chunk.cancelled()):
+                break
+            waiting.discard(closed)
         rows = [row for chunk in job.chunks for row in chunk.result()]
         kept = [i for i, row in enumerate(rows) if row is not None]
         real = [rows[i] for i in kept]
@@ -247,25 +276,39 @@ class ThreadEngine:
         self.dataset.corrupt_samples += batch["corrupt"]
         return batch
 
-    def _abandon(self, pending: deque[_Job]) -> None:
+    def _abandon(self, pending: deque[_Job], wait: bool = True) -> None:
         """Cancel queued chunks, wait for running ones (they write into slots), free their slots
-        (only theirs: jobs started for the next epoch keep their own).
+        (only theirs: jobs started for the next epoch keep their own). Not `wait`ing (after a
+        close(), which gave them `_CLOSE_GRACE_S`), running chunks (a download) are left to end
+        on their own, and the next pass waits for them first.
 
         Only the chunks that could not be cancelled are waited for: a cancelled future counts as
         done for `futures.wait` only once a pool thread has taken it off the queue, and after
         `close()` (the pool shut down, its queue dropped) none ever will."""
         started = [chunk for job in pending for chunk in job.chunks if not chunk.cancel()]
-        futures.wait(started)
+        _, running = futures.wait(started, timeout=None if wait else 0)
+        if running:
+            with self._guard:
+                self._stale += running
         for job in pending:
             if job.slot is not None:
                 self.slots.release(job.slot)
 
     def close(self) -> None:
+        """Stop the decode threads: at once for a pass waiting in another thread, and within
+        `_CLOSE_GRACE_S` here (a chunk waiting for a shard's download is left to end alone)."""
         with self._guard:
             self._closes += 1
+            closed, self._closed = self._closed, futures.Future()
             ahead, self._ahead = self._ahead, None
             pool, self._pool = self._pool, None
+        closed.set_result(None)
         if ahead is not None:
-            self._abandon(ahead[1])
+            self._abandon(ahead[1], wait=False)
+        with self._guard:
+            live = list(self._live)
+        _, running = futures.wait([c for c in live if not c.cancel()], timeout=_CLOSE_GRACE_S)
+        with self._guard:
+            self._stale += running
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.shutdown(wait=not running, cancel_futures=True)
