@@ -75,8 +75,12 @@ def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
     return np.random.Generator(np.random.Philox(key=_sample_key(seed, epoch, sample_id)))
 
 
-def _sample_key(seed: int, epoch: int, sample_id: int) -> list[int]:
-    return [seed & 0xFFFFFFFFFFFFFFFF, (epoch << 40) ^ sample_id]
+def _sample_key(seed: int, epoch: int, sample_id: int) -> np.ndarray:
+    """Philox's 128-bit key, as two uint64 words made from the ints themselves: a list went
+    through float64 past 2**63, so every negative seed drew the same crops (and seeds past
+    2**63 did in blocks of 2,048). Seeds in [0, 2**63) keep their draws."""
+    mask = 0xFFFFFFFFFFFFFFFF
+    return np.array([seed & mask, ((epoch << 40) ^ sample_id) & mask], dtype=np.uint64)
 
 
 class SampleRngs:
@@ -96,8 +100,7 @@ class SampleRngs:
         # A fresh Philox's state: counter and buffer zeroed, the buffer used up.
         generator.bit_generator.state = {
             "bit_generator": "Philox",
-            # As `Philox(key=...)` reads a list (through float64 past 2**63: its draws, kept).
-            "state": {"counter": _ZERO_WORDS, "key": np.asarray(_sample_key(seed, epoch, sample_id)).astype(np.uint64)},
+            "state": {"counter": _ZERO_WORDS, "key": _sample_key(seed, epoch, sample_id)},
             "buffer": _ZERO_WORDS,
             "buffer_pos": 4,
             "has_uint32": 0,

@@ -153,6 +153,18 @@ def test_the_re_keyed_generators_draw_what_fresh_ones_draw_in_every_thread():
     assert pickle.loads(pickle.dumps(rngs))(*keys[4]).random() == sample_rng(*keys[4]).random()
 
 
+def test_every_seed_draws_its_own_augmentations():
+    """Negative seeds, and seeds past 2**63 next to each other, used to draw the very same
+    crops (their key went through float64); seeds below 2**63 keep the draws they had."""
+    seeds = [-1, -2, -3, -(2**62), 2**63, 2**63 + 1, 2**64 - 1, 0, 1]
+    draws = [tuple(_draws(sample_rng(seed, 0, 7))) for seed in seeds]
+    assert len(set(draws)) == len(seeds) - 1  # -1 and 2**64 - 1 are one 64-bit key
+    assert draws[0] == draws[seeds.index(2**64 - 1)]
+    before = np.random.Generator(np.random.Philox(key=[12345, (3 << 40) ^ 99]))  # the list form of old
+    assert _draws(sample_rng(12345, 3, 99)) == _draws(before)
+    assert SampleRngs()(-2, 0, 7).random() == sample_rng(-2, 0, 7).random()
+
+
 def test_bad_transform_config_is_a_config_error():
     with pytest.raises(ConfigError):
         TransformConfig("random")
