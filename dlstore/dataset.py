@@ -363,12 +363,10 @@ class Dataset(torch.utils.data.Dataset):
     def build_batch(
         self, request: BatchRequest, out: torch.Tensor | None = None, clock: StageClock | None = None
     ) -> dict:
-        """`SamplePath.build_batch`, counting the corrupt samples skipped in this process's
-        `corrupt_samples` (the loader adds a worker's count to the main process's)."""
+        """`SamplePath.build_batch` for this dataset's cache epoch; `batch["corrupt"]` says how
+        many samples were skipped (a `Loader` adds them to `corrupt_samples` as it delivers)."""
         self.cache.set_epoch(request.epoch)  # a worker process knows its epoch from the request
-        batch = self.samples.build_batch(request, out, clock)
-        self.corrupt_samples += batch["corrupt"]
-        return batch
+        return self.samples.build_batch(request, out, clock)
 
     def with_transform(self, transform: TransformConfig) -> Dataset:
         """The same data with another transform (e.g. a progressive-resizing step)."""

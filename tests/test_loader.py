@@ -660,6 +660,35 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, engine):
     assert ds.corrupt_samples == 1
 
 
+@pytest.mark.parametrize("decode_on", ["worker", "device"])
+def test_corrupt_samples_are_counted_as_delivered_across_a_stop_and_resume(tmp_path, engine, decode_on):
+    """An epoch stopped after 2 batches and resumed from its state counts the corrupt samples
+    of the whole epoch once. Device decode's prefetch thread builds batches ahead: they were
+    counted as built, so the stopped run counted some that its resumed half counted again."""
+    url = f"file://{tmp_path}/data"
+    corrupt = frozenset(f"s{i:06d}" for i in range(0, 46, 3))
+    write_dataset(open_store(url), [5, 9, 2, 7, 11, 3, 1, 8], corrupt_keys=corrupt)
+
+    def loader_of(name: str):
+        ds = _dataset(url, tmp_path / name, decode_on=decode_on, batch_size=4)
+        return ds, dlstore.Loader(ds, num_workers=2, device="cpu", engine=engine, dtype="uint8")
+
+    whole, loader = loader_of("whole")
+    list(loader)
+    assert whole.corrupt_samples == len(corrupt)
+    first, loader = loader_of("first")
+    for step, _ in enumerate(loader):
+        time.sleep(0.2)  # a training step: room for the batches built ahead
+        if step == 1:
+            break
+    state = loader.state_dict()
+    loader.close()
+    second, loader = loader_of("second")
+    loader.load_state_dict(state)
+    list(loader)
+    assert first.corrupt_samples + second.corrupt_samples == len(corrupt)
+
+
 @pytest.mark.parametrize("on_corrupt", ["skip", "raise"])
 def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_path, on_corrupt, caplog, engine):
     """Its header reads (the worker plans its crop), its body does not decode: the loader

@@ -104,7 +104,9 @@ class Loader:
             ) from None
 
     def set_epoch(self, epoch: int) -> None:
-        """Start `epoch` from its beginning, unless a loaded state resumes this very epoch."""
+        """Go on to `epoch`: from its beginning, unless the loader stands in this very epoch
+        (a loaded state's, or one a loop left early), which then goes on where it stands:
+        what a resumed training loop's `set_epoch` at each epoch's start needs."""
         if epoch != self.state.epoch:
             self.state = EpochState(epoch=epoch, history=())
             self._leave_saved_order()
@@ -125,10 +127,9 @@ class Loader:
         )
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
-            if self.engine.counts_in_workers:
-                # Skipped samples were counted in a worker's copy of the dataset; count them here.
-                self.dataset.corrupt_samples += batch.get("corrupt", 0)
-            self.dataset.corrupt_samples += batch.get("undecodable", 0)
+            # Counted as delivered, not as built: batches built ahead (by workers, or by device
+            # decode's prefetch thread) of a pass that is left early are never delivered.
+            self.dataset.corrupt_samples += batch.get("corrupt", 0) + batch.get("undecodable", 0)
             if self.dataset.cfg.return_keys:
                 yield batch["images"], batch["labels"], {"keys": batch["keys"], "padding": batch["padding"]}
             else:

@@ -190,9 +190,6 @@ class _PlanSampler(Sampler):
 class ProcessEngine:
     """Batches of an epoch from DataLoader worker processes, in plan order."""
 
-    # Skipped samples are counted in a worker's copy of the dataset: the loader adds them up.
-    counts_in_workers = True
-
     def __init__(self, dataset: Dataset, cfg: LoaderConfig, slots: BatchSlots | None) -> None:
         workers = cfg.num_workers
         if workers > 0 and cfg.start_method == "forkserver":
@@ -204,7 +201,6 @@ class ProcessEngine:
         # Chunks of the first batch: one per worker (the DataLoader hands its items to the
         # workers in turn, so consecutive ones go to different workers).
         self.sampler = _PlanSampler(dataset, slots, chunks=workers)
-        self.counts_in_workers = workers > 0
         # The batches already requested for the pass that follows the last one, if it ran to its
         # end: (that pass's (epoch, history), the DataLoader's batches).
         self._follow_on: tuple[tuple, Iterator[dict]] | None = None

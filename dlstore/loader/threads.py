@@ -79,8 +79,6 @@ class _Job:
 class ThreadEngine:
     """Batches of an epoch from a pool of decode threads, in plan order."""
 
-    counts_in_workers = False  # skipped samples are counted in this process's dataset
-
     def __init__(self, dataset: Dataset, cfg: LoaderConfig, slots: BatchSlots | None) -> None:
         self.dataset = dataset
         self.path = dataset.samples
@@ -273,7 +271,6 @@ class ThreadEngine:
         if job.slot is not None:
             batch["images"], batch["slot"] = None, job.slot  # the prefetcher reads the slot
         batch["corrupt"] = len(rows) - len(kept)
-        self.dataset.corrupt_samples += batch["corrupt"]
         return batch
 
     def _abandon(self, pending: deque[_Job], wait: bool = True) -> None:
