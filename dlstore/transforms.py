@@ -686,7 +686,8 @@ def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int, out: np
     A whole-pixel box (the train preset's at the stored scale) goes to torch's antialiased
     bilinear resize of uint8 images where its SIMD kernel runs (x86 with AVX2: the crop is
     then exactly torchvision's `resized_crop(..., antialias=True)`, within a level of Pillow's
-    resample of the same box, at ~3x the speed of OpenCV's INTER_AREA here), else to OpenCV;
+    resample of the same box, at 2.2-3.1x the speed of OpenCV's INTER_AREA here, `tools/bench_transform.py
+    --resize-only`), else to OpenCV;
     a fractional box (the eval preset's centre box, a box mapped into a scaled decode) goes to
     Pillow, which resamples it exactly: rounded, it would move the crop by up to half an
     output pixel."""

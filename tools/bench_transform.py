@@ -274,6 +274,27 @@ def measure(found: dict[str, Variant], jpegs, cfg, rounds: int, seconds: float, 
     return out
 
 
+def resize_only(jpegs: list[bytes], cfg: TransformConfig, rounds: int, clock) -> dict:
+    """The resize of a whole-pixel train crop alone, torch's SIMD kernel against OpenCV's,
+    on the same decoded images and boxes, into the same output: ms per image per round (one
+    warm-up pass first: torch's first call sets itself up)."""
+    images = [simplejpeg.decode_jpeg(data, colorspace="RGB") for data in jpegs]
+    plans = [crop_plan(im.shape[1], im.shape[0], cfg, sample_rng(0, 0, i)) for i, im in enumerate(images)]
+    boxes = [tuple(float(round(v)) for v in box) for box, _ in plans]
+    out = np.empty((cfg.image_size, cfg.image_size, 3), np.uint8)
+    resizers = {"torch": transforms_module._resize_with_torch, "opencv": transforms_module._resize_with_opencv}
+    times: dict[str, list[float]] = {name: [] for name in resizers}
+    for round_ in range(rounds + 1):
+        for name, resize in resizers.items():
+            started = clock()
+            for image, box in zip(images, boxes):
+                resize(image, box, False, cfg.image_size, out)
+            if round_:  # round 0 warms up
+                times[name].append((clock() - started) / len(images) * 1e3)
+    ratios = [o / t for o, t in zip(times["opencv"], times["torch"])]
+    return {"ms_per_image": times, "opencv_over_torch": ratios}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=300)
@@ -288,18 +309,34 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="only these (pillow, the reference, always)")
+    parser.add_argument(
+        "--resize-only", action="store_true", help="instead: the train crop's resize alone, torch's against OpenCV's"
+    )
     args = parser.parse_args(argv)
     if args.core >= 0:
         os.sched_setaffinity(0, {args.core})
     cfg = TransformConfig(args.preset, image_size=args.image_size)
     jpegs = make_jpegs(args.images, tuple(args.source_size), args.quality, args.smooth)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.resize_only:
+        if cv2 is None:
+            parser.error("--resize-only needs OpenCV")
+        result = resize_only(jpegs, cfg, args.rounds, clock)
+        for name, values in result["ms_per_image"].items():
+            print(
+                f"{name:7s} resize ms/img: median {statistics.median(values):.3f} [{min(values):.3f}..{max(values):.3f}]"
+            )
+        ratios = result["opencv_over_torch"]
+        print(
+            f"opencv / torch, per round: median {statistics.median(ratios):.2f} [{min(ratios):.2f}..{max(ratios):.2f}]"
+        )
+        return result
     found = variants()
     if args.variants:
         unknown = set(args.variants) - set(found)
         if unknown:
             parser.error(f"unknown variants {sorted(unknown)}; there are {list(found)}")
         found = {name: v for name, v in found.items() if name == "pillow" or name in args.variants}
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},

@@ -236,7 +236,8 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     decode call and every kernel launch hands it over: on an H100 node (16 cores, 14 workers,
     ResNet-50 bf16) threads fed 1,045-1,828 img/s where worker processes fed 3,445 (a switch
     interval of 0.5 ms instead of 5 gave the threads 1,251). On the CPU (no loop in between)
-    threads are as fast or faster on a few cores (2 cores: 1.14x the processes) and spare what
+    threads are as fast on a few cores (2 cores, `tools/bench_peers.py`: 0.97-1.02x the processes
+    in one run, 0.87x in one on a busier box) and spare what
     processes cost (/dev/shm, a fork, 5x the resident memory at 8 of each, 1.8x counting shared
     pages once, and the `__main__` guard a fork server needs). On many cores the GIL holds threads back
     (16 cores, uint8 batches, `tools/bench_workers.py`: 0.89x the processes at 4 workers, 0.52x
