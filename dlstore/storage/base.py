@@ -175,6 +175,17 @@ class ReadPin:
     etag: str | None = None
     size: int | None = None
 
+    def note(self, etag: str | None, size: int | None) -> None:
+        """What an answer says; only the first answer's is kept."""
+        self.etag = self.etag or etag
+        self.size = self.size if self.size is not None else size
+
+
+def skip_prefix(chunk: bytes, skip: int) -> tuple[bytes, int]:
+    """`chunk` without the first `skip` bytes of what is left to skip, and what is left then."""
+    taken = min(skip, len(chunk))
+    return chunk[taken:], skip - taken
+
 
 class Store(ABC):
     """A bucket/container (or directory) with a key prefix. See the module docstring for the

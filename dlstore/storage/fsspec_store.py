@@ -27,9 +27,25 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if isinstance(exc, DlstoreError):
         return exc
     if isinstance(exc, FileNotFoundError):
+        # fsspec's HTTP `info` turns every failed HEAD/GET (503, 401, ...) into
+        # FileNotFoundError; the answer's status, kept in the chain, says what it was.
+        cause = _http_cause(exc)
+        if cause is not None and _response_status(cause) != 404:
+            return _map_error(cause, what)
         return NotFound(f"{what}: not found")
     if isinstance(exc, PermissionError):
         return AuthError(f"{what}: permission denied")
+    status = _response_status(exc)
+    if status is not None:
+        # Status and reason only: the exception's text holds the URL, maybe with a signed query.
+        text = f"{what}: HTTP {status} {getattr(exc, 'message', '') or ''}".rstrip()
+        if status == 404:
+            return NotFound(text)
+        if status in (401, 403):
+            return AuthError(text)
+        if status in (408, 429) or status >= 500:
+            return TransientError(text)
+        return DlstoreError(text)
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return TransientError(f"{what}: {type(exc).__name__}")
     if isinstance(exc, NotImplementedError):
@@ -38,6 +54,27 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if transient and isinstance(exc, transient):
         return TransientError(f"{what}: {type(exc).__name__}")
     return DlstoreError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _response_status(exc: BaseException | None) -> int | None:
+    """The HTTP status of an aiohttp `ClientResponseError` (fsspec's http, gcs, abfs), else None."""
+    try:
+        from aiohttp import ClientResponseError
+    except ImportError:
+        return None
+    return exc.status if isinstance(exc, ClientResponseError) and isinstance(exc.status, int) else None
+
+
+def _http_cause(exc: BaseException) -> BaseException | None:
+    """The first HTTP error answer in the cause/context chain of `exc`, if any."""
+    seen: set[int] = set()
+    cause = exc.__cause__ or exc.__context__
+    while cause is not None and id(cause) not in seen:
+        if _response_status(cause) is not None:
+            return cause
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _transient_client_errors() -> tuple[type[BaseException], ...]:

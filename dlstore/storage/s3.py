@@ -36,6 +36,7 @@ from dlstore.storage.base import (
     connection_failure,
     read_block,
     remaining_size,
+    skip_prefix,
     split_bucket_url,
 )
 from dlstore.storage.retry import call_with_retry
@@ -298,8 +299,7 @@ class S3Store(Store):
             body.close()
             raise
         if pin is not None:
-            pin.etag = pin.etag or response.get("ETag")
-            pin.size = pin.size if pin.size is not None else size
+            pin.note(response.get("ETag"), size)
         received = 0
         chunk_size = self.config.chunk_size
         try:
@@ -310,8 +310,7 @@ class S3Store(Store):
                     break
                 received += len(chunk)
                 if skip:  # the whole object came: its bytes before `start` are not the range's
-                    taken = min(skip, len(chunk))
-                    chunk, skip = chunk[taken:], skip - taken
+                    chunk, skip = skip_prefix(chunk, skip)
                     if not chunk:
                         continue
                 yield chunk

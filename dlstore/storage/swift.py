@@ -20,7 +20,9 @@ Who retries what:
 
 Objects of `segment_size` bytes or more go as static large objects (SLO): segments
 in `<container>_segments` (made when missing), each buffered in memory and retried on
-its own, then the manifest. `ensure_container()` makes the container itself, as
+its own, then the manifest. A manifest lists at most 1,000 segments: segments are made
+larger up front when the size is known, and grow as the upload goes when it is not (a
+stream). `ensure_container()` makes the container itself, as
 `swift upload` does; a plain put into a missing container is `NotFound`.
 
 Credentials never reach messages or logs: errors are built from the URL and the HTTP
@@ -63,6 +65,7 @@ from dlstore.storage.base import (
     connection_failure,
     read_block,
     remaining_size,
+    skip_prefix,
     split_bucket_url,
 )
 from dlstore.storage.retry import call_with_retry
@@ -72,7 +75,10 @@ __all__ = ["SwiftStore"]
 log = logging.getLogger(__name__)
 
 _V1 = ("1", "1.0")
+# Swift's defaults: an SLO manifest lists at most 1,000 segments (max_manifest_segments), and
+# one segment, an object itself, holds at most 5 GiB (max_file_size).
 _MAX_SEGMENTS = 1000
+_MAX_SEGMENT_SIZE = 5 * 2**30
 _TRANSIENT_STATUS = {408, 429, 498, 499}
 _TRANSIENT_EXCEPTIONS = (
     requests.exceptions.ConnectionError,
@@ -478,16 +484,14 @@ class SwiftStore(Store):
             body.close()
             raise
         if pin is not None:
-            pin.etag = pin.etag or response_headers.get("etag")
-            pin.size = pin.size if pin.size is not None else size
+            pin.note(response_headers.get("etag"), size)
         received = 0
         try:
             # The body hands back urllib3's bytes as they come: no copies, no hashing here.
             for chunk in body:
                 received += len(chunk)
                 if skip:  # the whole object came: its bytes before `start` are not the range's
-                    taken = min(skip, len(chunk))
-                    chunk, skip = chunk[taken:], skip - taken
+                    chunk, skip = skip_prefix(chunk, skip)
                     if not chunk:
                         continue
                 yield chunk
@@ -554,9 +558,16 @@ class SwiftStore(Store):
         what = self.join(key)
         name = self._name(key)
         size = remaining_size(stream)
-        # An SLO manifest holds at most 1,000 segments (Swift's default max_manifest_segments):
-        # when the size is known, grow the segment size to fit.
-        segment_size = max(self.config.swift.segment_size, 1, -(-(size or 0) // _MAX_SEGMENTS))
+        # An SLO manifest holds at most `_MAX_SEGMENTS` segments: when the size is known, the
+        # segments are made large enough to fit up front; when not, `_put_slo` grows them.
+        configured = max(self.config.swift.segment_size, 1)
+        segment_size = max(configured, -(-(size or 0) // _MAX_SEGMENTS))
+        if segment_size > max(configured, _MAX_SEGMENT_SIZE):
+            # Refused before anything is uploaded, not by a 413 once it all is.
+            raise ConfigError(
+                f"{what}: {size} bytes are more than one static large object holds "
+                f"({_MAX_SEGMENTS} segments of at most {_MAX_SEGMENT_SIZE} bytes)"
+            )
         old_segments = call_with_retry(self.config.retry, lambda: self._segments_of(key))
         if size is not None and size < segment_size:
             # Small and seekable: stream it in one PUT (base.put retries from the start).
@@ -568,14 +579,17 @@ class SwiftStore(Store):
             if len(first) < segment_size:
                 call_with_retry(self.config.retry, lambda: self._put_bytes(what, self.container, name, first))
             else:
-                self._put_slo(key, first, stream, segment_size)
+                self._put_slo(key, first, stream, segment_size, grow=size is None)
         self._delete_segments(what, old_segments)
 
     def _put_bytes(self, what: str, container: str, name: str, data: bytes, **kwargs: Any) -> str:
         # A file object, not bytes: swiftclient treats bytes as not replayable.
         return self._call(what, "put_object", container, name, io.BytesIO(data), content_length=len(data), **kwargs)
 
-    def _put_slo(self, key: str, first: bytes, stream: BinaryIO, segment_size: int) -> None:
+    def _put_slo(self, key: str, first: bytes, stream: BinaryIO, segment_size: int, grow: bool) -> None:
+        """Segments of `segment_size` bytes (`first` is the first one), each retried on its own,
+        then the manifest. When the stream's length is unknown (`grow`), the segments grow as
+        it goes (`_grown_segment_size`) so that the manifest's segment limit is not reached."""
         what = self.join(key)
         retry = self.config.retry
         self._ensure_segment_container()
@@ -584,7 +598,14 @@ class SwiftStore(Store):
         manifest: list[dict[str, Any]] = []
         try:
             data = first
+            size = segment_size
             while data:
+                if len(manifest) >= _MAX_SEGMENTS:  # before the 413 of a manifest too long
+                    raise ConfigError(
+                        f"{what}: the stream is longer than {_MAX_SEGMENTS} segments of up to {size} bytes, "
+                        "the most one static large object holds; give a larger segment size "
+                        "(DLSTORE_SEGMENT_SIZE) or the size of the source"
+                    )
                 segment = f"{segment_prefix}{len(manifest):08d}"
                 etag = call_with_retry(
                     retry, lambda d=data, s=segment: self._put_bytes(what, self.segment_container, s, d)
@@ -592,9 +613,11 @@ class SwiftStore(Store):
                 manifest.append(
                     {"path": f"/{self.segment_container}/{segment}", "etag": etag.strip('"'), "size_bytes": len(data)}
                 )
-                if len(data) < segment_size:
+                if len(data) < size:
                     break
-                data = read_block(stream, segment_size)
+                if grow:
+                    size = _grown_segment_size(segment_size, len(manifest))
+                data = read_block(stream, size)
             body = json.dumps(manifest)
             call_with_retry(
                 retry,
@@ -671,6 +694,19 @@ class SwiftStore(Store):
         is_slo = headers.get("x-static-large-object", "").lower() == "true"
         query = "multipart-manifest=delete" if is_slo else None
         self._call(what, "delete_object", self.container, self._name(key), query_string=query)
+
+
+def _grown_segment_size(segment_size: int, index: int) -> int:
+    """The size of segment `index` of an upload of unknown length: the size asked for, doubled
+    after each tenth of `_MAX_SEGMENTS` (at most Swift's largest object). A stream that fits
+    keeps the size asked for; 1,000 segments hold ~100,000 of it (2.2 TiB at 64 MiB, where the
+    5 GiB cap binds); a segment, buffered in memory, stays near 1% of what came before it.
+
+    >>> [_grown_segment_size(1, i) for i in (0, 99, 100, 200, 999)]
+    [1, 1, 2, 4, 512]
+    """
+    step = max(1, _MAX_SEGMENTS // 10)
+    return min(max(segment_size, _MAX_SEGMENT_SIZE), segment_size * 2 ** (index // step))
 
 
 def _listing_time(text: str | None) -> float | None:

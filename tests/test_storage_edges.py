@@ -1,0 +1,223 @@
+"""Storage edges that once went wrong: HTTP error answers through fsspec's `http://` (typed and
+retried, not all `NotFound`), and Swift puts of unknown size past the SLO segment limit."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from dlstore.config import RetryConfig, StoreConfig
+from dlstore.errors import AuthError, ConfigError, NotFound, ObjectChanged, TransientError
+from dlstore.storage import open_store
+from dlstore.storage import swift as swift_module
+from dlstore.storage.transfer import copy_object
+
+try:  # tests/ as a package
+    from .test_store_contract import payload, swift_store_config
+except ImportError:  # tests/ on sys.path (pytest's default "prepend" import mode)
+    from test_store_contract import payload, swift_store_config
+
+FAST_RETRY = RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.05, deadline_s=5)
+BODY = (bytes(range(256)) * 20)[:5000]
+
+
+# -- fsspec http:// -----------------------------------------------------------------------------------
+@contextmanager
+def http_server(head_status: int = 200, get_failures: int = 0, get_status: int = 503) -> Iterator[dict]:
+    """A server of one 5000-byte object at any path: HEAD answers `head_status` (the object's
+    size when 200), GET answers `get_status` for its first `get_failures` requests (and for all
+    of them when HEAD does not answer 200), then the bytes. Yields its URL and request counts."""
+    state = {"gets": 0, "heads": 0}
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def _fail(self, status: int) -> None:
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_HEAD(self) -> None:
+            state["heads"] += 1
+            if head_status != 200:
+                return self._fail(head_status)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(BODY)))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            state["gets"] += 1
+            if head_status != 200:
+                return self._fail(head_status)
+            if state["gets"] <= get_failures:
+                return self._fail(get_status)
+            start, end = 0, len(BODY)
+            wanted = self.headers.get("Range")
+            if wanted:
+                first, _, last = wanted.removeprefix("bytes=").partition("-")
+                start, end = int(first), min(int(last) + 1 if last else len(BODY), len(BODY))
+            self.send_response(206 if wanted else 200)
+            if wanted:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(BODY)}")
+            self.send_header("Content-Length", str(end - start))
+            self.send_header("Accept-Ranges", "bytes")
+            self.end_headers()
+            self.wfile.write(BODY[start:end])
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield {"url": f"http://127.0.0.1:{server.server_address[1]}/data", "state": state}
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_http_get_answering_503_is_retried():
+    """Two 503s to GET then the bytes: a transient failure, retried, not an untyped error."""
+    with http_server(get_failures=2) as server:
+        store = open_store(server["url"], StoreConfig(retry=FAST_RETRY))
+        assert store.get_bytes("obj.bin") == BODY
+        assert server["state"]["gets"] >= 3
+
+
+def test_http_get_answering_503_for_good_is_a_transient_error():
+    with http_server(get_failures=10**6) as server:
+        store = open_store(server["url"], StoreConfig(retry=RetryConfig(max_attempts=2, initial_backoff_s=0.01)))
+        with pytest.raises(TransientError, match="HTTP 503"):
+            store.get_bytes("obj.bin")
+
+
+@pytest.mark.parametrize(
+    ("status", "error"), [(503, TransientError), (401, AuthError), (403, AuthError), (404, NotFound)]
+)
+def test_http_error_answers_keep_their_kind(status, error):
+    """fsspec reports any failed HEAD as FileNotFoundError: only a 404 may become NotFound."""
+    retry = RetryConfig(max_attempts=2, initial_backoff_s=0.01, max_backoff_s=0.05, deadline_s=5)
+    with http_server(head_status=status) as server:
+        store = open_store(server["url"], StoreConfig(retry=retry))
+        with pytest.raises(error) as stat_error:
+            store.stat("obj.bin")
+        with pytest.raises(error) as get_error:
+            store.get_bytes("obj.bin")
+        assert type(stat_error.value) is error and type(get_error.value) is error
+        if status == 404:
+            assert not store.exists("obj.bin")
+        else:
+            assert f"HTTP {status}" in str(get_error.value)
+            with pytest.raises(error):  # a server that fails is not a missing object
+                store.exists("obj.bin")
+
+
+# -- Swift: puts of unknown size ----------------------------------------------------------------------
+def _pieces(data: bytes, size: int) -> Iterator[bytes]:
+    for start in range(0, len(data), size):
+        yield data[start : start + size]
+
+
+def _manifest(conn, container: str, name: str) -> list[dict]:
+    headers, body = conn.get_object(container, name, query_string="multipart-manifest=get")
+    assert headers.get("x-static-large-object") == "True"
+    return json.loads(body)
+
+
+SEGMENT = 2**20  # Swift's smallest SLO segment in older releases (min_segment_size)
+
+
+def test_swift_streamed_put_past_the_segment_limit(swift_server, swift_container, monkeypatch):
+    """An iterator (size unknown) of more than max-segments x segment_size bytes: the segments
+    grow as it goes, so the manifest stays within the limit; overwrite and delete clean up."""
+    monkeypatch.setattr(swift_module, "_MAX_SEGMENTS", 4)
+    config = swift_store_config(swift_server, segment_size=SEGMENT)
+    store = open_store(f"swift://{swift_container}/edge", config)
+    data = payload(6 * SEGMENT + 12345, seed=21)  # six full segments of the configured size, and more
+    store.put("obj", _pieces(data, 256 * 1024))
+    assert store.get_bytes("obj") == data
+
+    conn = swift_server.swift_connection()
+    manifest = _manifest(conn, swift_container, "edge/obj")
+    assert len(manifest) <= 4
+    sizes = [entry["bytes"] for entry in manifest]
+    assert sum(sizes) == len(data) and all(size >= SEGMENT for size in sizes[:-1])
+
+    def segments() -> list[str]:
+        return [item["name"] for item in conn.get_container(f"{swift_container}_segments", prefix="edge/obj/")[1]]
+
+    assert len(segments()) == len(manifest)
+    smaller = payload(3 * SEGMENT + 5, seed=22)
+    store.put("obj", _pieces(smaller, 256 * 1024))  # an overwrite drops the old segments
+    assert store.get_bytes("obj") == smaller
+    assert len(segments()) == len(_manifest(conn, swift_container, "edge/obj"))
+    store.delete("obj")
+    assert not store.exists("obj")
+    assert segments() == []
+
+
+def test_swift_put_too_large_for_any_manifest_fails_clearly(swift_server, swift_container, monkeypatch):
+    """A stream larger than max-segments of the largest segment: a ConfigError saying so, and no
+    object or segment left behind."""
+    monkeypatch.setattr(swift_module, "_MAX_SEGMENTS", 2)
+    monkeypatch.setattr(swift_module, "_MAX_SEGMENT_SIZE", SEGMENT, raising=False)
+    config = swift_store_config(swift_server, segment_size=SEGMENT)
+    store = open_store(f"swift://{swift_container}/edge", config)
+    data = payload(2 * SEGMENT + 1, seed=23)
+    with pytest.raises(ConfigError, match="segments"):
+        store.put("streamed", _pieces(data, 256 * 1024))
+    with pytest.raises(ConfigError, match="segments"):
+        store.put("sized", data)  # size known: refused before any upload
+    assert not store.exists("streamed") and not store.exists("sized")
+    conn = swift_server.swift_connection()
+    assert conn.get_container(f"{swift_container}_segments")[1] == []
+
+
+def test_copy_object_to_swift_uses_the_source_size(swift_server, swift_container, monkeypatch, tmp_path):
+    """`dlstore cp` knows the source's size: the segments are sized for it up front (even,
+    within the limit) instead of growing as for a stream of unknown length."""
+    monkeypatch.setattr(swift_module, "_MAX_SEGMENTS", 4)
+    data = payload(6 * SEGMENT + 7, seed=24)
+    source = open_store(f"file://{tmp_path}/src", StoreConfig(retry=FAST_RETRY))
+    source.put("big.bin", data)
+    config = swift_store_config(swift_server, segment_size=SEGMENT)
+    progress: list[int] = []
+    with monkeypatch.context() as env:
+        for name, value in swift_server.swift_env().items():
+            env.setenv(name, value)
+        env.setenv("DLSTORE_SEGMENT_SIZE", str(SEGMENT))
+        dst_store, dst_key = copy_object(source, "big.bin", f"swift://{swift_container}/copy/", progress.append)
+    assert dst_key == "big.bin" and sum(progress) == len(data)
+    store = open_store(f"swift://{swift_container}/copy", config)
+    assert store.get_bytes("big.bin") == data
+    sizes = [entry["bytes"] for entry in _manifest(swift_server.swift_connection(), swift_container, "copy/big.bin")]
+    assert len(sizes) == 4 and len(set(sizes[:-1])) == 1 and sizes[0] == -(-len(data) // 4)
+
+
+def test_a_copied_source_reads_as_a_file_that_can_start_again(tmp_path):
+    """The copy's source, given to a put as a sized file: a put that starts again (a seek back)
+    reads the same bytes anew, progress counts each byte once, a changed source is refused."""
+    from dlstore.storage.transfer import _SourceReader  # here: the module's other tests run without it
+
+    data = payload(300_000, seed=25)
+    store = open_store(f"file://{tmp_path}/src", StoreConfig(retry=FAST_RETRY))
+    store.put("a.bin", data)
+    progress: list[int] = []
+    reader = _SourceReader(store, "a.bin", len(data), progress.append)
+    assert reader.read(1000) == data[:1000]
+    assert reader.seek(0, 2) == len(data) and reader.seek(1000) == 1000  # a size probe reads nothing
+    assert reader.read(2000) == data[1000:3000]
+    reader.seek(0)
+    assert reader.readall() == data and reader.read(10) == b""
+    assert sum(progress) == len(data)
+    store.put("a.bin", data + b"more")
+    with pytest.raises(ObjectChanged):
+        _SourceReader(store, "a.bin", len(data), None).readall()
+    store.put("a.bin", data[:-1])
+    with pytest.raises(ObjectChanged):
+        _SourceReader(store, "a.bin", len(data), None).readall()
