@@ -353,7 +353,7 @@ def test_metrics_files_are_rebuilt_from_the_checkpoint_records(tmp_path):
         (4, 0.2),
     ]
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert rows[0].startswith("split,step,epoch,loss") and len(rows) == 5
+    assert rows[0].startswith("split,step,epoch,epoch_done,loss") and len(rows) == 5
 
 
 def test_measure_training_rate_times_the_training_step_on_cpu():

@@ -186,7 +186,14 @@ class ThreadEngine:
         self._check_open(closes)
         with self._guard:
             stale, self._stale = self._stale, []
-        futures.wait(stale)  # chunks a close() left running: done before their buffers are reused
+        while stale:  # chunks a close() left running: done before their buffers are reused
+            try:
+                self._check_open(closes)  # a close() meanwhile: this pass waits for nothing
+            except BaseException:
+                with self._guard:
+                    self._stale += stale
+                raise
+            stale = list(futures.wait(stale, timeout=0.1).not_done)
         n = len(request.ids)
         images, slot = None, None
         if self.path.cfg.decode_on != "device":
