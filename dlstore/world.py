@@ -7,6 +7,7 @@ trainer joins the process group with it and the bench runs its scaling rounds wi
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -17,9 +18,25 @@ from dlstore.errors import ConfigError
 
 __all__ = ["LAUNCHERS", "World", "available_cores"]
 
+log = logging.getLogger(__name__)
+
 # How the process was started: torchrun (TORCHELASTIC_RUN_ID set), plain RANK/WORLD_SIZE
 # variables ("env"), Slurm's srun, a process group made by the caller, or a single process.
 LAUNCHERS = ("torchrun", "env", "slurm", "torch.distributed", "none")
+
+
+def _tasks_per_node(layout: str) -> int:
+    """The tasks on every node from Slurm's list ("4(x2)", "4,4", "4"); an uneven layout
+    ("2,1") is refused: each node's ranks share its cache and one share of the data."""
+    counts = set()
+    for part in layout.split(","):
+        count, _, _repeat = part.partition("(")
+        counts.add(int(count))
+    if len(counts) != 1:
+        raise ConfigError(
+            f"the tasks per node differ ({layout}): dlstore needs as many on every node (srun --ntasks-per-node)"
+        )
+    return counts.pop()
 
 
 def _int(name: str, value: object, minimum: int) -> int:
@@ -85,8 +102,8 @@ class World:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> World:
         """torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`), else Slurm's
-        (`SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_NTASKS_PER_NODE`), else an initialised
-        torch.distributed group, else a single process.
+        (`World.from_slurm`), else an initialised torch.distributed group, else a single
+        process.
 
         >>> World.from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}).node
         0
@@ -98,13 +115,42 @@ class World:
                 launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
                 return cls(int(env["RANK"]), size, int(env.get("LOCAL_WORLD_SIZE", size)), launcher)
             if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-                size = int(env["SLURM_NTASKS"])
-                # "4(x2)" when every node runs 4 tasks; absent when srun was given only -n.
-                per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or str(size)
-                return cls(int(env["SLURM_PROCID"]), size, int(per_node), "slurm")
+                return cls.from_slurm(env)
         except ValueError as exc:
             raise ConfigError(f"cannot read the distributed world from the environment: {exc}") from None
         return cls._from_process_group(env)
+
+    @classmethod
+    def from_slurm(cls, env: Mapping[str, str]) -> World:
+        """This task of an srun step: its size and tasks per node are the step's
+        (`SLURM_STEP_NUM_TASKS`, `SLURM_STEP_TASKS_PER_NODE`), not the job's, which an
+        `srun -n 1` in a larger job does not have. A batch script itself (a job's variables
+        but no step's: no srun) is one process, whatever `SLURM_NTASKS` says: it took rank 0
+        of them, and training waited for ranks that never came.
+
+        >>> World.from_slurm({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
+        ...                   "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "1"}).node
+        1
+        """
+        if "SLURM_STEP_NUM_TASKS" not in env and "SLURM_JOB_ID" in env:
+            tasks = int(env["SLURM_NTASKS"])
+            if tasks > 1:
+                log.warning(
+                    "a Slurm job of %d tasks, but this is its batch script, not an srun step: one process; "
+                    "launch with srun to run them all",
+                    tasks,
+                )
+            return cls()
+        size = int(env.get("SLURM_STEP_NUM_TASKS") or env["SLURM_NTASKS"])
+        layout = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE") or str(size)
+        world = cls(int(env["SLURM_PROCID"]), size, _tasks_per_node(layout), "slurm")
+        local = env.get("SLURM_LOCALID")
+        if local not in (None, "") and int(local) != world.local_rank:
+            raise ConfigError(
+                f"SLURM_LOCALID={local}, but rank {world.rank} is local rank {world.local_rank} when ranks are "
+                "numbered node by node: srun --distribution=block (the default) numbers them so"
+            )
+        return world
 
     @classmethod
     def _from_process_group(cls, env: Mapping[str, str]) -> World:

@@ -69,6 +69,40 @@ def test_world_from_env(env, expected):
     assert World.from_env(env) == expected
 
 
+SRUN_STEP = {  # what srun -N2 -n4 gives its fourth task (no --ntasks-per-node: no SLURM_NTASKS_PER_NODE)
+    "SLURM_JOB_ID": "7",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_NNODES": "2",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_NUM_TASKS": "4",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+}
+
+
+def test_a_slurm_step_is_read_from_its_own_variables():
+    """The step's tasks per node, not the job's (absent without --ntasks-per-node: every task
+    was taken for node 0's, and each node fetched the whole dataset); an `srun -n 1` in a job of
+    2 tasks per node is one process (it was refused); a batch script itself, with its job's
+    variables but no step's, is one process (it was rank 0 of the job's tasks, and training
+    waited 30 minutes for the others); uneven layouts and another task numbering are refused."""
+    world = World.from_env(SRUN_STEP)
+    assert (world.rank, world.world_size, world.node, world.local_rank, world.num_nodes) == (3, 4, 1, 1, 2)
+    job_of_two = {"SLURM_NTASKS_PER_NODE": "2", "SLURM_NNODES": "1", "SLURM_JOB_ID": "8"}
+    one = {**job_of_two, "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0"}
+    assert World.from_env({**one, "SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1"}) == World(0, 1, 1)
+    batch_script = {**job_of_two, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    assert World.from_env(batch_script) == World()
+    with pytest.raises(ConfigError, match="tasks per node differ"):
+        World.from_env(
+            {**SRUN_STEP, "SLURM_STEP_NUM_TASKS": "3", "SLURM_PROCID": "2", "SLURM_STEP_TASKS_PER_NODE": "2,1"}
+        )
+    with pytest.raises(ConfigError, match="distribution=block"):
+        World.from_env({**SRUN_STEP, "SLURM_LOCALID": "0"})
+
+
 def test_world_rejects_inconsistent_sizes():
     with pytest.raises(ConfigError):
         World(rank=0, world_size=6, local_world_size=4)

@@ -49,8 +49,8 @@ def _launcher_problems(env: Mapping[str, str], world: World) -> list[tuple[str, 
     problems = []
     if world.launcher == "slurm":
         local_name, local = "SLURM_LOCALID", _int(env, "SLURM_LOCALID")
-        nodes = _int(env, "SLURM_NNODES")
-        if nodes and nodes > 1 and not env.get("SLURM_NTASKS_PER_NODE"):
+        nodes = _int(env, "SLURM_STEP_NUM_NODES") or _int(env, "SLURM_NNODES")
+        if nodes and nodes > 1 and not (env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_NTASKS_PER_NODE")):
             problems.append(
                 (FAIL, f"{nodes} nodes but SLURM_NTASKS_PER_NODE is not set", "srun --ntasks-per-node=GPUS_PER_NODE")
             )
