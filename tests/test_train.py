@@ -552,6 +552,33 @@ def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_
     assert "resumed on 1: the learning-rate schedule goes on from step 6 of this world's 12" in caplog.text
 
 
+def test_a_checkpoint_of_another_world_size_keeps_its_partial_metrics_window(tmp_path):
+    """A checkpoint at step 2 of a 4-step log window, as 2 ranks would have saved it (each rank
+    half the window's sums), resumed on one rank: the step-4 record counts the samples of all 4
+    steps, as an uninterrupted run's does. The saved windows were dropped: steps 1-2 were in no
+    record."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    whole = _cpu_run(tmp_path / "whole", url, log_every=4, max_steps=4)
+    assert main(whole) == 0
+    first = _cpu_run(tmp_path / "cut", url, log_every=4, max_steps=3, checkpoint_every_steps=2)
+    assert main(first) == 0
+    (tmp_path / "cut" / "ckpt" / checkpoint_key(3)).unlink()  # as if stopped between steps 2 and 3
+    (tmp_path / "cut" / "ckpt" / "latest").unlink()
+    ckpt = tmp_path / "cut" / "ckpt" / checkpoint_key(2)
+    state = torch.load(ckpt, weights_only=True)
+    rank = state["ranks"][0]
+    assert rank["window"]["samples"] == 8 and rank["window"]["steps"] == 2
+    half = {**rank["window"], "loss_sum": rank["window"]["loss_sum"] / 2, "correct": rank["window"]["correct"] / 2}
+    half["samples"] = 4
+    state.update(world_size=2, ranks=[{**rank, "window": half}, {**rank, "window": dict(half)}])
+    torch.save(state, ckpt)
+    assert main(dataclasses.replace(first, max_steps=4, resume="auto")) == 0
+    train = [r for r in read_metrics(str(tmp_path / "cut" / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    expected = [r for r in read_metrics(str(tmp_path / "whole" / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert [(r["step"], r["samples"]) for r in train] == [(r["step"], r["samples"]) for r in expected] == [(4, 16)]
+
+
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [8, 8, 8])

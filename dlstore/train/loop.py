@@ -612,14 +612,18 @@ class Trainer:
             )
 
     def _load_rank_state(self, ranks: list[dict]) -> None:
-        """This rank's RNG streams and partial metrics window, when the world size is the same."""
+        """This rank's RNG streams and partial metrics window, when the world size is the same;
+        with another, the windows' sums merged (the steps before the checkpoint in the next
+        log line, as in an uninterrupted run: they were missing from the curves) and the RNG
+        streams reseeded."""
         if len(ranks) == self.ctx.world_size:
             mine = ranks[self.ctx.rank]
             set_rng_state(mine["rng"], self.device)
             self.window.load(mine["window"])
             return
         # Another world size: the data position carries over exactly (the plan re-deals it),
-        # but per-rank RNG streams and partial metric windows cannot.
+        # the windows' sums add up, but per-rank RNG streams cannot carry over.
+        self.window.load_merged([rank["window"] for rank in ranks], first=self.ctx.is_main)
         log.warning("checkpoint from %d ranks resumed on %d: RNG streams are reseeded", len(ranks), self.ctx.world_size)
         seed_everything(self.cfg.data.seed + 1_000_003 * self.step + self.ctx.rank)
 
