@@ -20,8 +20,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch_ranks(args: list[str], world: int, log_dir: Path, env: dict[str, str]) -> list[subprocess.Popen]:
-    """`dlstore train ARGS` as `world` processes on this node; each logs to `log_dir/rankN.log`."""
+def launch_ranks(
+    args: list[str], world: int, log_dir: Path, env: dict[str, str], rank_args: dict[int, list[str]] | None = None
+) -> list[subprocess.Popen]:
+    """`dlstore train ARGS` as `world` processes on this node (rank N with `rank_args[N]` after
+    them, if given); each logs to `log_dir/rankN.log`."""
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     procs = []
@@ -34,7 +37,7 @@ def launch_ranks(args: list[str], world: int, log_dir: Path, env: dict[str, str]
         with open(log_dir / f"rank{rank}.log", "ab") as log:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "dlstore", "train", *args],
+                    [sys.executable, "-m", "dlstore", "train", *args, *(rank_args or {}).get(rank, [])],
                     cwd=REPO,
                     env=rank_env,
                     stdout=log,

@@ -326,7 +326,8 @@ def test_launch_env_from_torchrun_and_slurm():
     assert (torchrun.master_addr, torchrun.master_port, torchrun.launcher) == ("n1", 1234, "torchrun")
     slurm = Rendezvous.from_env(
         {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "2(x2)",
-         "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242"}
+         "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_TASKS": "4",
+         "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
     )  # fmt: skip
     assert (slurm.world.rank, slurm.world.world_size, slurm.world.local_world_size) == (3, 4, 2)
     assert (slurm.local_rank, slurm.master_addr, slurm.launcher) == (1, "gpu07", "slurm")
@@ -577,6 +578,28 @@ def test_a_checkpoint_of_another_world_size_keeps_its_partial_metrics_window(tmp
     train = [r for r in read_metrics(str(tmp_path / "cut" / "run" / "metrics.jsonl")) if r["split"] == "train"]
     expected = [r for r in read_metrics(str(tmp_path / "whole" / "run" / "metrics.jsonl")) if r["split"] == "train"]
     assert [(r["step"], r["samples"]) for r in train] == [(r["step"], r["samples"]) for r in expected] == [(4, 16)]
+
+
+@pytest.mark.parametrize("other", [["--batch-size", "4"], ["--seed", "1"]])
+def test_ranks_launched_with_other_settings_all_stop_at_once_saying_which(tmp_path, other):
+    """Rank 1 with another batch size made both ranks hang until the collective timeout (30
+    minutes by default); with another seed, some samples were read twice an epoch and others
+    never, silently. Every rank now stops before training, and rank 1 names the setting."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    args = [
+        *(url, "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--epochs", "1"),
+        *("--workers", "0", "--device", "cpu", "--amp", "none", "--no-progress", "--no-tensorboard"),
+        *("--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out")),
+        *("--dist-timeout-minutes", "2"),
+    ]
+    log_dir = tmp_path / "logs"
+    codes = wait_all(launch_ranks(args, 2, log_dir, child_env(), rank_args={1: other}), log_dir, timeout=100)
+    assert all(code != 0 for code in codes), logs(log_dir)
+    name = other[0].removeprefix("--").replace("-", "_")
+    rank1 = (log_dir / "rank1.log").read_text()
+    assert f"rank 1 runs with other settings than rank 0: {name}=" in rank1, logs(log_dir)
+    assert "1 rank(s) run with other settings than rank 0" in (log_dir / "rank0.log").read_text(), logs(log_dir)
 
 
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):

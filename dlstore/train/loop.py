@@ -40,7 +40,13 @@ from dlstore.train.config import TrainConfig, image_size_for_epoch
 from dlstore.train.dist import DistContext, setup_distributed
 from dlstore.train.evaluate import score, sibling_val_url
 from dlstore.train.metrics import MetricsLog
-from dlstore.train.resume import CheckpointSchedule, changed_settings, find_resume_state, flat_settings
+from dlstore.train.resume import (
+    RESULT_SHAPING,
+    CheckpointSchedule,
+    changed_settings,
+    find_resume_state,
+    flat_settings,
+)
 from dlstore.train.seeding import rng_state, seed_everything, set_determinism, set_rng_state
 from dlstore.train.signals import EXIT_PREEMPTED, StopSignals
 from dlstore.train.step import amp_dtype_for, build_model, lr_factor, param_groups, training_step
@@ -49,6 +55,9 @@ from dlstore.train.window import StepWindow
 __all__ = ["EXIT_PREEMPTED", "Trainer", "main"]
 
 log = logging.getLogger(__name__)
+
+# Beside the result-shaping settings, those that decide which samples each rank reads.
+_SAME_DATA_SETTINGS = ("url", "val_url", "shuffle", "shuffle_window", "drop_last", "window_ramp", "transform")
 
 
 def main(config: TrainConfig) -> int:
@@ -91,6 +100,7 @@ class Trainer:
         seed_everything(cfg.data.seed)  # same seed on every rank: identical initial weights
         if ctx.is_main:  # its config and metrics go there: refused now rather than after the model is built
             writable_dir(cfg.output_dir, "--output-dir")
+        self._check_same_settings()
         self._build_data()
         self._build_model()
         self.ckpts = None
@@ -105,6 +115,28 @@ class Trainer:
         self.epoch = 0
         self.finished = False
         self._started = time.monotonic()
+
+    def _check_same_settings(self) -> None:
+        """Every rank runs with rank 0's data and result settings, or every rank stops here
+        with an error (the ranks that differ name the settings). Different batch sizes made
+        the job hang until the collective timeout (30 minutes by default), different seeds or
+        shuffles read some samples twice an epoch and others never, silently."""
+        if self.ctx.world_size == 1:
+            return
+        flat = flat_settings(self.cfg.to_dict())
+        mine = {name: flat.get(name) for name in (*RESULT_SHAPING, *_SAME_DATA_SETTINGS)}
+        first = self.ctx.broadcast_object(mine)
+        differ = [name for name in mine if mine[name] != first.get(name)]
+        count = torch.full((), float(bool(differ)), dtype=torch.float64, device=self.device)
+        ranks = int(self.ctx.all_reduce_sum(count).item())
+        if differ:
+            settings = ", ".join(f"{name}={mine[name]!r} (rank 0: {first.get(name)!r})" for name in differ)
+            raise ConfigError(f"rank {self.ctx.rank} runs with other settings than rank 0: {settings}")
+        if ranks:
+            raise ConfigError(
+                f"{ranks} rank(s) run with other settings than rank 0 (each names them): launch every rank "
+                "with the same command line"
+            )
 
     # -- construction -------------------------------------------------------------------
     def _build_data(self) -> None:
