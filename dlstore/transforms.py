@@ -578,6 +578,12 @@ def resize_crop(source: CropSource, cfg: TransformConfig, out: np.ndarray | None
         pixels = _resize(source.pixels, source.box, source.flip, cfg.image_size, out)
     if out is None or pixels is out:
         return pixels
+    if pixels.shape != out.shape:  # only "none" keeps a size of its own
+        raise ConfigError(
+            f"transform 'none' keeps images as stored, and this one is {pixels.shape[1]}x{pixels.shape[0]} where "
+            f"the batch holds {out.shape[1]}x{out.shape[0]}: store the images at the image size, or use another "
+            "transform"
+        )
     out[...] = pixels
     return out
 

@@ -650,6 +650,18 @@ def test_batches_built_ahead_across_an_epoch_boundary_are_the_next_epochs(local_
     assert loader.engine._ahead is None
 
 
+def test_transform_none_on_images_of_another_size_says_so(tmp_path, engine):
+    """Images stored at another size than the batch's, with the "none" transform (keep them as
+    they are): a ConfigError saying what to do, not numpy's broadcast error."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [4, 4])
+    ds = _dataset(url, tmp_path, transform="none", image_size=8)
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine=engine, dtype="uint8")
+    with pytest.raises(ConfigError, match="transform 'none' keeps images as stored"):
+        list(loader)
+    loader.close()
+
+
 def test_corrupt_samples_are_skipped_and_counted(tmp_path, engine):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000003"}))
