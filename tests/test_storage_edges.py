@@ -1,5 +1,6 @@
 """Storage edges that once went wrong: HTTP error answers through fsspec's `http://` (typed and
-retried, not all `NotFound`), and Swift puts of unknown size past the SLO segment limit."""
+retried, not all `NotFound`), Swift puts of unknown size past the SLO segment limit, and host
+names that do not exist (not retried)."""
 
 from __future__ import annotations
 
@@ -221,3 +222,91 @@ def test_a_copied_source_reads_as_a_file_that_can_start_again(tmp_path):
     store.put("a.bin", data[:-1])
     with pytest.raises(ObjectChanged):
         _SourceReader(store, "a.bin", len(data), None).readall()
+
+
+# -- a host name that does not exist --------------------------------------------------------------------
+NO_SUCH_HOST = "no-such-host.invalid"
+UNKNOWN_HOST_STORES = {
+    "swift tempauth": ("swift://c/p", dict(auth_url=f"http://{NO_SUCH_HOST}:8080/auth/v1.0", user="a:b")),
+    "swift keystone": ("swift://c/p", dict(auth_url=f"http://{NO_SUCH_HOST}:5000/v3", auth_version="3", user="u")),
+    "swift storage url": ("swift://c/p", dict(storage_url=f"http://{NO_SUCH_HOST}:8080/v1/AUTH_x")),
+    "s3": ("s3://b/p", None),
+    "http": (f"http://{NO_SUCH_HOST}:8080/x", None),
+}
+
+
+def unknown_host_store(kind: str, retry: RetryConfig):
+    from dlstore.config import S3Config, Secret, SwiftConfig
+
+    url, swift = UNKNOWN_HOST_STORES[kind]
+    if swift is not None:
+        secrets = dict(key=Secret("k"), project_name="p", user_domain_name="Default", project_domain_name="Default")
+        if "storage_url" in swift:
+            secrets = dict(auth_token=Secret("t"))
+        return open_store(url, StoreConfig(retry=retry, swift=SwiftConfig(**swift, **secrets)))
+    s3 = S3Config(endpoint_url=f"http://{NO_SUCH_HOST}:8080", access_key_id="a", secret_access_key=Secret("b"))
+    return open_store(url, StoreConfig(retry=retry, s3=s3))
+
+
+@pytest.fixture
+def resolver(monkeypatch):
+    """The system resolver, except for `NO_SUCH_HOST`, which gets the answer set in the returned
+    dict (NXDOMAIN by default): the test must not hang on whatever DNS the machine has."""
+    import socket
+
+    answer = {"errno": socket.EAI_NONAME, "asked": 0}
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host == NO_SUCH_HOST:
+            answer["asked"] += 1
+            raise socket.gaierror(answer["errno"], "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return answer
+
+
+def read_something(store, url: str) -> None:
+    if url.startswith("http"):
+        store.get_bytes("x")
+    else:
+        list(store.list(""))
+
+
+@pytest.mark.parametrize("kind", sorted(UNKNOWN_HOST_STORES))
+def test_a_host_name_that_does_not_exist_is_a_config_error_at_once(resolver, kind):
+    """A typo in an endpoint's host name is not retried: it was, until the deadline (two minutes
+    of warnings by default), as if the store were down."""
+    store = unknown_host_store(kind, RetryConfig(initial_backoff_s=0.5, max_backoff_s=1, deadline_s=30))
+    with pytest.raises(ConfigError, match="no such host") as caught:
+        read_something(store, UNKNOWN_HOST_STORES[kind][0])
+    assert resolver["asked"] <= 3, resolver  # urllib3/aiohttp may ask for each address family; no retry
+    assert NO_SUCH_HOST in str(caught.value)  # the error names the host to check
+
+
+@pytest.mark.parametrize("kind", ["swift tempauth", "s3", "http"])
+def test_a_resolver_that_cannot_answer_now_is_retried(resolver, kind):
+    """EAI_AGAIN (no DNS server reachable, for now) may pass: it is retried, then a TransientError."""
+    import socket
+
+    resolver["errno"] = socket.EAI_AGAIN
+    store = unknown_host_store(kind, FAST_RETRY.__class__(initial_backoff_s=0.01, max_backoff_s=0.05, deadline_s=1))
+    with pytest.raises(TransientError):
+        read_something(store, UNKNOWN_HOST_STORES[kind][0])
+    assert resolver["asked"] >= 2
+
+
+def test_an_http_server_that_is_down_is_retried_not_not_found():
+    """fsspec's http turns a failed HEAD into FileNotFoundError whatever the cause: a server
+    down (connection refused) was `NotFound`, which is never retried."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once the socket is closed
+    store = open_store(f"http://127.0.0.1:{port}/x", StoreConfig(retry=FAST_RETRY.__class__(deadline_s=0.5)))
+    with pytest.raises(TransientError, match="ClientConnectorError|ConnectionError"):
+        store.get_bytes("y")
+    with http_server(head_status=404) as server, pytest.raises(NotFound):
+        open_store(server["url"], StoreConfig(retry=FAST_RETRY)).get_bytes("y")

@@ -17,7 +17,8 @@ Contract (every backend passes `tests/test_store_contract.py` unchanged):
   must not make a container); writers that make a dataset call `ensure_container()`
   first, which creates it, as `swift upload` and `rclone copy` do.
 * Errors are `NotFound`, `AuthError`, `TransientError` (retried here, with jittered
-  backoff and a deadline, then raised), `NoSpace`, or `DlstoreError`.
+  backoff and a deadline, then raised), `NoSpace`, `ConfigError` (a host name that does not
+  exist: not retried), or `DlstoreError`.
 * Credentials never appear in logs, errors or reprs.
 * Stores pickle: clients are made lazily and dropped in `__getstate__`, so a store
   crosses into DataLoader workers and forked processes safely.
@@ -33,6 +34,7 @@ import dataclasses
 import io
 import os
 import re
+import socket
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -43,7 +45,16 @@ from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, DlstoreError, NotFound, ObjectChanged, TransientError
 from dlstore.storage.retry import ProgressRetry, call_with_retry
 
-__all__ = ["ObjectInfo", "PutSource", "Store", "IterReader", "connection_failure", "read_block", "remaining_size"]
+__all__ = [
+    "ObjectInfo",
+    "PutSource",
+    "Store",
+    "IterReader",
+    "connection_failure",
+    "read_block",
+    "remaining_size",
+    "unknown_host",
+]
 
 PutSource = Union[bytes, bytearray, memoryview, str, "os.PathLike[str]", BinaryIO, Iterable[bytes]]
 
@@ -385,3 +396,32 @@ def connection_failure(exc: BaseException) -> str:
     why = re.search(r"\[Errno -?\d+\] ([A-Za-z][A-Za-z ,.-]*[A-Za-z])", text)
     detail = ": ".join(part for part in (host, why[1] if why else None) if part)
     return f" ({detail})" if detail else ""
+
+
+#: getaddrinfo's answers that a name does not exist (NXDOMAIN, or no address for it), as
+#: against EAI_AGAIN, a resolver that could not be asked (which passes, and is retried).
+_NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
+
+
+def unknown_host(exc: BaseException) -> bool:
+    """Whether `exc` (or an error in its chain) says the store's host name does not exist: a
+    typo in an endpoint, which no retry mends. Retried until the deadline, it cost a user two
+    minutes of warnings before the error."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, socket.gaierror) and error.errno in _NO_SUCH_NAME:
+            return True
+        # urllib3's MaxRetryError keeps its cause in `reason`, aiohttp's connector errors in `os_error`.
+        pending += [
+            error.__cause__,
+            error.__context__,
+            getattr(error, "reason", None),
+            getattr(error, "os_error", None),
+        ]
+        pending = [e for e in pending if e is None or isinstance(e, BaseException)]
+    return False

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from dlstore.config import StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store, read_chunks
+from dlstore.storage.base import ObjectInfo, Store, read_chunks, unknown_host
 
 __all__ = ["FsspecStore"]
 
@@ -26,12 +26,17 @@ _TEMP_PREFIX = ".dlstore-tmp-"
 def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if isinstance(exc, DlstoreError):
         return exc
+    if unknown_host(exc):
+        return ConfigError(f"{what}: the URL's host name does not resolve (no such host); check the URL")
     if isinstance(exc, FileNotFoundError):
         # fsspec's HTTP `info` turns every failed HEAD/GET (503, 401, ...) into
         # FileNotFoundError; the answer's status, kept in the chain, says what it was.
+        # So does a failed connection (a server down, a resolver that cannot answer): retried.
         cause = _http_cause(exc)
         if cause is not None and _response_status(cause) != 404:
             return _map_error(cause, what)
+        if cause is None and (failure := _connection_cause(exc)) is not None:
+            return TransientError(f"{what}: {type(failure).__name__}")
         return NotFound(f"{what}: not found")
     if isinstance(exc, PermissionError):
         return AuthError(f"{what}: permission denied")
@@ -65,16 +70,25 @@ def _response_status(exc: BaseException | None) -> int | None:
     return exc.status if isinstance(exc, ClientResponseError) and isinstance(exc.status, int) else None
 
 
-def _http_cause(exc: BaseException) -> BaseException | None:
-    """The first HTTP error answer in the cause/context chain of `exc`, if any."""
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """The errors of the cause/context chain of `exc`, `exc` excluded."""
     seen: set[int] = set()
     cause = exc.__cause__ or exc.__context__
     while cause is not None and id(cause) not in seen:
-        if _response_status(cause) is not None:
-            return cause
+        yield cause
         seen.add(id(cause))
         cause = cause.__cause__ or cause.__context__
-    return None
+
+
+def _http_cause(exc: BaseException) -> BaseException | None:
+    """The first HTTP error answer in the cause/context chain of `exc`, if any."""
+    return next((cause for cause in _causes(exc) if _response_status(cause) is not None), None)
+
+
+def _connection_cause(exc: BaseException) -> BaseException | None:
+    """The first failed connection in the cause/context chain of `exc`, if any."""
+    transient = (ConnectionError, TimeoutError, *_transient_client_errors())
+    return next((cause for cause in _causes(exc) if isinstance(cause, transient)), None)
 
 
 def _transient_client_errors() -> tuple[type[BaseException], ...]:

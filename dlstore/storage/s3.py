@@ -38,6 +38,7 @@ from dlstore.storage.base import (
     remaining_size,
     skip_prefix,
     split_bucket_url,
+    unknown_host,
 )
 from dlstore.storage.retry import call_with_retry
 
@@ -177,6 +178,8 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
         return AuthError(f"{what}: no usable S3 credentials ({type(exc).__name__})")
     if isinstance(exc, botocore.exceptions.SSLError):
         return DlstoreError(f"{what}: TLS failure (check AWS_CA_BUNDLE): {type(exc).__name__}")
+    if unknown_host(exc):
+        return ConfigError(f"{what}: no such host{connection_failure(exc)}; check the endpoint URL")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
         return TransientError(f"{what}: {type(exc).__name__}{connection_failure(exc)}")
     if isinstance(exc, botocore.exceptions.BotoCoreError):

@@ -67,6 +67,7 @@ from dlstore.storage.base import (
     remaining_size,
     skip_prefix,
     split_bucket_url,
+    unknown_host,
 )
 from dlstore.storage.retry import call_with_retry
 
@@ -180,6 +181,8 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
         return DlstoreError(text)
     if isinstance(exc, requests.exceptions.SSLError):
         return DlstoreError(f"{what}: TLS failure (check OS_CACERT / SWIFTCLIENT_INSECURE)")
+    if unknown_host(exc):
+        return ConfigError(f"{what}: no such host{connection_failure(exc)}; check the auth URL or storage URL")
     if isinstance(exc, _TRANSIENT_EXCEPTIONS):
         return TransientError(f"{what}: {type(exc).__name__}{connection_failure(exc)}")
     keystone = _map_keystone_error(exc, what)
