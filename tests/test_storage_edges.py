@@ -15,6 +15,7 @@ import pytest
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import AuthError, ConfigError, NotFound, ObjectChanged, TransientError
 from dlstore.storage import open_store
+from dlstore.storage import s3 as s3_module
 from dlstore.storage import swift as swift_module
 from dlstore.storage.transfer import copy_object
 
@@ -177,6 +178,53 @@ def test_swift_put_too_large_for_any_manifest_fails_clearly(swift_server, swift_
     assert not store.exists("streamed") and not store.exists("sized")
     conn = swift_server.swift_connection()
     assert conn.get_container(f"{swift_container}_segments")[1] == []
+
+
+# -- S3: multipart uploads within the server's part limit ----------------------------------------------
+def test_s3_part_limit_is_within_the_servers(swift_server):
+    """Swift's S3 API takes at most `max_upload_part_num` parts (1,000 by default; AWS 10,000):
+    with 10,000 assumed, an upload past 1,000 parts (64 GB at the default part size) failed at
+    part 1,001, after all that was sent."""
+    import urllib.request
+
+    with urllib.request.urlopen(swift_server.s3_endpoint.rstrip("/") + "/info", timeout=10) as answer:
+        limits = json.load(answer)["s3api"]
+    assert limits["max_upload_part_num"] >= s3_module._MAX_PARTS, limits
+
+
+def _parts_of(swift_server, bucket: str, key: str) -> int:
+    etag = swift_server.s3_client().head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+    return int(etag.rsplit("-", 1)[1]) if "-" in etag else 1
+
+
+def test_s3_streamed_put_past_the_part_limit(swift_server, s3_bucket, monkeypatch):
+    """An iterator (size unknown) of more than max-parts x part size: the parts grow as it goes,
+    so the upload stays within the limit; a sized put makes its parts large enough up front."""
+    monkeypatch.setattr(s3_module, "_MAX_PARTS", 3)
+    part = 5 * 2**20  # S3's smallest part
+    store = open_store(f"s3://{s3_bucket}/edge", swift_store_config(swift_server, part_size=part))
+    data = payload(4 * part + 4321, seed=25)  # four full parts of the configured size, and more
+    store.put("streamed", _pieces(data, 256 * 1024))
+    assert store.get_bytes("streamed") == data
+    assert _parts_of(swift_server, s3_bucket, "edge/streamed") <= 3
+    store.put("sized", data)
+    assert store.get_bytes("sized") == data and _parts_of(swift_server, s3_bucket, "edge/sized") == 3
+
+
+def test_s3_put_too_large_for_any_upload_fails_clearly(swift_server, s3_bucket, monkeypatch):
+    """More than max-parts of the largest part: a ConfigError saying so, and no object or
+    unfinished upload left behind."""
+    monkeypatch.setattr(s3_module, "_MAX_PARTS", 2)
+    monkeypatch.setattr(s3_module, "_MAX_PART", 5 * 2**20)
+    part = 5 * 2**20
+    store = open_store(f"s3://{s3_bucket}/edge", swift_store_config(swift_server, part_size=part))
+    data = payload(2 * part + 1, seed=26)
+    with pytest.raises(ConfigError, match="parts"):
+        store.put("streamed", _pieces(data, 256 * 1024))
+    with pytest.raises(ConfigError, match="parts"):
+        store.put("sized", data)  # size known: refused before any upload
+    assert not store.exists("streamed") and not store.exists("sized")
+    assert swift_server.s3_client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
 
 
 def test_copy_object_to_swift_uses_the_source_size(swift_server, swift_container, monkeypatch, tmp_path):

@@ -425,3 +425,17 @@ def unknown_host(exc: BaseException) -> bool:
         ]
         pending = [e for e in pending if e is None or isinstance(e, BaseException)]
     return False
+
+
+def grown_part_size(part_size: int, index: int, max_parts: int, max_size: int) -> int:
+    """The size of part `index` of an upload of unknown length (an SLO's segments, an S3
+    multipart upload's parts), for a store that takes at most `max_parts` parts of at most
+    `max_size` bytes: the size asked for, doubled after each tenth of `max_parts`. A stream
+    that fits keeps the size asked for; 1,000 parts hold ~100,000 of it (2.2 TiB at 64 MiB,
+    where a 5 GiB cap binds); a part, buffered in memory, stays near 1% of what came before it.
+
+    >>> [grown_part_size(1, i, 1000, 2**30) for i in (0, 99, 100, 200, 999)]
+    [1, 1, 2, 4, 512]
+    """
+    step = max(1, max_parts // 10)
+    return min(max(part_size, max_size), part_size * 2 ** (index // step))

@@ -34,6 +34,7 @@ from dlstore.storage.base import (
     Store,
     answered_range,
     connection_failure,
+    grown_part_size,
     read_block,
     remaining_size,
     skip_prefix,
@@ -83,8 +84,11 @@ _TRANSIENT_EXCEPTIONS = (
     ConnectionError,
     TimeoutError,
 )
+# Multipart uploads: parts of at least 5 MiB (but the last) and at most 5 GiB; at most 1,000 of
+# them, Swift s3api's default (`max_upload_part_num`), where AWS, Ceph and MinIO take 10,000.
 _MIN_PART = 5 * 2**20
-_MAX_PARTS = 10_000
+_MAX_PART = 5 * 2**30
+_MAX_PARTS = 1000
 # boto3 sessions are not thread-safe to create clients from; one lock for all stores.
 _client_creation_lock = threading.Lock()
 
@@ -397,16 +401,26 @@ class S3Store(Store):
             # Small and seekable: stream it in one PUT (the caller retries from the start).
             self._call(what, "put_object", Key=self._name(key), Body=stream, ContentLength=size)
             return
+        # Parts large enough for `_MAX_PARTS` of them to hold the object when its size is
+        # known; when not, `_multipart` grows them as it goes.
+        configured = max(cfg.multipart_chunk_size, _MIN_PART)
+        part_size = max(configured, -(-(size or 0) // _MAX_PARTS))
+        if part_size > max(configured, _MAX_PART):
+            # Refused before anything is uploaded, not at part 1,001.
+            raise ConfigError(
+                f"{what}: {size} bytes are more than one multipart upload holds "
+                f"({_MAX_PARTS} parts of at most {_MAX_PART} bytes)"
+            )
         first = read_block(stream, threshold)
         if len(first) < threshold:
             call_with_retry(self.config.retry, lambda: self._call(what, "put_object", Key=self._name(key), Body=first))
             return
-        # S3 wants parts of at least 5 MiB (but the last) and at most 10,000 of them; when
-        # the size is known, grow the part size to fit.
-        part_size = max(cfg.multipart_chunk_size, _MIN_PART, -(-(size or 0) // _MAX_PARTS))
-        self._multipart(key, first, stream, part_size)
+        self._multipart(key, first, stream, part_size, grow=size is None)
 
-    def _multipart(self, key: str, first: bytes, stream: BinaryIO, part_size: int) -> None:
+    def _multipart(self, key: str, first: bytes, stream: BinaryIO, first_size: int, grow: bool) -> None:
+        """Parts of `first_size` bytes, from `first` (what was read to decide on a multipart
+        upload) and then the stream; when the stream's length is unknown (`grow`), the parts
+        grow as it goes (`grown_part_size`) so that `_MAX_PARTS` is not reached."""
         what = self.join(key)
         name = self._name(key)
         retry = self.config.retry
@@ -416,7 +430,7 @@ class S3Store(Store):
         try:
             pending = memoryview(first)
             while True:
-                # Parts come from what was read to decide on multipart, then from the stream.
+                part_size = grown_part_size(first_size, len(parts), _MAX_PARTS, _MAX_PART) if grow else first_size
                 if len(pending) >= part_size:
                     data, pending = bytes(pending[:part_size]), pending[part_size:]
                 else:
@@ -424,6 +438,12 @@ class S3Store(Store):
                     pending = memoryview(b"")
                 if not data and parts:
                     break
+                if len(parts) >= _MAX_PARTS:  # before the server's refusal of part 1,001
+                    raise ConfigError(
+                        f"{what}: the stream is longer than {_MAX_PARTS} parts of up to {part_size} bytes, the most "
+                        "one multipart upload holds here; give a larger part size (DLSTORE_SEGMENT_SIZE) or the "
+                        "size of the source"
+                    )
                 number = len(parts) + 1
                 response = call_with_retry(
                     retry,

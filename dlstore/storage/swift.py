@@ -63,6 +63,7 @@ from dlstore.storage.base import (
     answered_range,
     check_key,
     connection_failure,
+    grown_part_size,
     read_block,
     remaining_size,
     skip_prefix,
@@ -592,7 +593,7 @@ class SwiftStore(Store):
     def _put_slo(self, key: str, first: bytes, stream: BinaryIO, segment_size: int, grow: bool) -> None:
         """Segments of `segment_size` bytes (`first` is the first one), each retried on its own,
         then the manifest. When the stream's length is unknown (`grow`), the segments grow as
-        it goes (`_grown_segment_size`) so that the manifest's segment limit is not reached."""
+        it goes (`grown_part_size`) so that the manifest's segment limit is not reached."""
         what = self.join(key)
         retry = self.config.retry
         self._ensure_segment_container()
@@ -619,7 +620,7 @@ class SwiftStore(Store):
                 if len(data) < size:
                     break
                 if grow:
-                    size = _grown_segment_size(segment_size, len(manifest))
+                    size = grown_part_size(segment_size, len(manifest), _MAX_SEGMENTS, _MAX_SEGMENT_SIZE)
                 data = read_block(stream, size)
             body = json.dumps(manifest)
             call_with_retry(
@@ -697,19 +698,6 @@ class SwiftStore(Store):
         is_slo = headers.get("x-static-large-object", "").lower() == "true"
         query = "multipart-manifest=delete" if is_slo else None
         self._call(what, "delete_object", self.container, self._name(key), query_string=query)
-
-
-def _grown_segment_size(segment_size: int, index: int) -> int:
-    """The size of segment `index` of an upload of unknown length: the size asked for, doubled
-    after each tenth of `_MAX_SEGMENTS` (at most Swift's largest object). A stream that fits
-    keeps the size asked for; 1,000 segments hold ~100,000 of it (2.2 TiB at 64 MiB, where the
-    5 GiB cap binds); a segment, buffered in memory, stays near 1% of what came before it.
-
-    >>> [_grown_segment_size(1, i) for i in (0, 99, 100, 200, 999)]
-    [1, 1, 2, 4, 512]
-    """
-    step = max(1, _MAX_SEGMENTS // 10)
-    return min(max(segment_size, _MAX_SEGMENT_SIZE), segment_size * 2 ** (index // step))
 
 
 def _listing_time(text: str | None) -> float | None:
