@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from dlstore.config import DEVICE_DECODERS, TransformConfig
-from dlstore.errors import ConfigError, CorruptSample
+from dlstore.errors import ConfigError, CorruptSample, DlstoreError
 
 try:  # libjpeg-turbo through simplejpeg: ~1.2x Pillow's JPEG decode here
     import simplejpeg
@@ -181,14 +181,25 @@ def device_jpeg(data: bytes) -> tuple[bytes, int, int]:
     progressive JPEGs, greyscale or YCbCr; the rare other image (ImageNet has a few CMYK
     JPEGs and a PNG named .JPEG; arithmetic-coded, lossless and 12-bit JPEGs exist) is
     decoded and re-encoded here, on the worker's CPU, as the CPU path would read it.
-    `CorruptSample` when it is no image."""
+    `CorruptSample` when it is no image, or a JPEG cut short."""
     frame = jpeg_frame(data)
     if frame is not None and _device_decodes(*frame):
+        if not _ends_after_its_last_scan(data):
+            # nvJPEG's hardware decoder may decode what is there and say nothing.
+            raise CorruptSample(f"truncated JPEG ({len(data)} bytes): no end-of-image marker after its last scan")
         return data, frame[2], frame[3]
     image = decode_image(data)
     out = io.BytesIO()
     image.save(out, "JPEG", quality=95)
     return out.getvalue(), image.width, image.height
+
+
+def _ends_after_its_last_scan(data: bytes) -> bool:
+    """Whether the JPEG's last start-of-scan marker is followed by an end-of-image marker: not
+    so in a file cut short. (Scan data never holds FF D9: an FF there is followed by 00 or a
+    restart marker. An EXIF thumbnail's own scan and end come before the image's scans.)"""
+    last_scan = data.rfind(b"\xff\xda")
+    return last_scan >= 0 and data.find(b"\xff\xd9", last_scan + 2) >= 0
 
 
 # Start-of-frame markers (0xC4, 0xC8 and 0xCC, in their range, are other segments).
@@ -339,6 +350,8 @@ class NvImageCodecJpegDecoder:
         sources = [self.codec.CodeStream(part.numpy()) for part in encoded]
         decoded = self.decoder.decode(sources, params=self.params, cuda_stream=stream.cuda_stream)
         bad = [i for i, image in enumerate(decoded) if image is None]
+        for i in bad:
+            _check_the_data_is_bad(encoded[i], f"nvImageCodec on {self.device}")
         images = [image for image in decoded if image is not None]
         # The images are ready on the stream they name; ours waits for it (no host wait).
         for other in {image.cuda_stream for image in images} - {0, stream.cuda_stream}:
@@ -379,6 +392,24 @@ def device_jpeg_decoder(name: str, device) -> DeviceJpegDecoder:
         raise ConfigError(f"device_decoder='nvimgcodec' cannot decode on {device}: {exc}") from exc
 
 
+def _check_the_data_is_bad(encoded, decoder: str, error: BaseException | None = None) -> None:
+    """Raise unless the JPEG (a uint8 tensor) that `decoder` refused is bad data, which the CPU
+    cannot decode either. Why: a decoder that fails whatever it is given (a torchvision built
+    without nvJPEG, nvJPEG failing to start, the device out of memory) looked like corrupt
+    data, every sample was skipped as such, and a run went through its epochs training on
+    nothing. The worker reads only a JPEG's headers (`device_jpeg`), so this is rare, and
+    decoding one image on the CPU here costs little."""
+    try:
+        decode_image(encoded.numpy().tobytes())
+    except CorruptSample:
+        return
+    why = f": {error}" if error is not None else ""
+    raise DlstoreError(
+        f"{decoder} cannot decode a JPEG that decodes on the CPU{why}; decode on the CPU "
+        "(decode_on='worker') if the device decoder does not work here"
+    ) from error
+
+
 def _decode_all(encoded: list, device, first: int = 0) -> tuple[list, list[int]]:
     """The images of `encoded` that decode, and the positions (counted from `first`) of those
     that do not. A batched decode gives nothing when one JPEG fails; halving the batch until
@@ -387,8 +418,9 @@ def _decode_all(encoded: list, device, first: int = 0) -> tuple[list, list[int]]
         return [], []
     try:
         return _decode_jpegs(encoded, device), []
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError) as exc:
         if len(encoded) == 1:
+            _check_the_data_is_bad(encoded[0], f"torchvision's nvJPEG decoder on {device}", exc)
             return [], [first]
     half = len(encoded) // 2
     head, bad_head = _decode_all(encoded[:half], device, first)

@@ -27,7 +27,7 @@ import dlstore
 from dlstore.cache import cache_report
 from dlstore.cache.marks import NodeMarks
 from dlstore.config import StoreConfig
-from dlstore.errors import ConfigError, CorruptSample
+from dlstore.errors import ConfigError, CorruptSample, DlstoreError
 from dlstore.loader import LoaderConfig, choose_engine, resolve_auto
 from dlstore.manifest import Manifest
 from dlstore.sample_path import BatchRequest
@@ -703,10 +703,10 @@ def test_corrupt_samples_are_counted_as_delivered_across_a_stop_and_resume(tmp_p
 
 @pytest.mark.parametrize("on_corrupt", ["skip", "raise"])
 def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_path, on_corrupt, caplog, engine):
-    """Its header reads (the worker plans its crop), its body does not decode: the loader
+    """Its headers read (the worker plans its crop), its body does not decode: the loader
     drops it from its batch, with its label and key, or raises."""
     url = f"file://{tmp_path}/data"
-    keys = write_dataset(open_store(url), [6, 6], truncated_keys=frozenset({"s000003"}))
+    keys = write_dataset(open_store(url), [6, 6], damaged_keys=frozenset({"s000003"}))
     ds = _dataset(url, tmp_path, transform="train", decode_on="device", on_corrupt=on_corrupt)
     loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine=engine, dtype="uint8")
     if on_corrupt == "raise":
@@ -721,6 +721,38 @@ def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_pa
     )
     assert ds.corrupt_samples == 1
     assert "skipping 1 sample(s) whose JPEG does not decode on cpu" in caplog.text  # not in the worker
+
+
+def test_a_jpeg_cut_short_is_found_by_the_worker_when_decoding_on_the_device(tmp_path, engine, caplog):
+    """Its frame header reads, but it has no end: the worker says so before it reaches the
+    device, whose hardware decoder may decode what is there without an error."""
+    url = f"file://{tmp_path}/data"
+    keys = write_dataset(open_store(url), [6, 6], truncated_keys=frozenset({"s000004"}))
+    ds = _dataset(url, tmp_path, transform="train", decode_on="device")
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine=engine, dtype="uint8")
+    delivered = [k for _, _, meta in loader for k in meta["keys"]]
+    assert sorted(delivered) == sorted(set(keys) - {"s000004"}) and ds.corrupt_samples == 1
+    assert "does not decode on cpu" not in caplog.text  # not left to the device's decoder
+
+
+def test_a_device_decoder_that_fails_on_good_jpegs_ends_the_run(tmp_path, monkeypatch, engine):
+    """A decoder that fails whatever it is given (no nvJPEG in this torchvision, nvJPEG that
+    cannot start, the device out of memory) is an error, not every sample skipped as corrupt:
+    that ran a whole training through its epochs on empty batches."""
+    import torchvision.io
+
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [6, 6])
+
+    def no_nvjpeg(*args, **kwargs):
+        raise RuntimeError("torchvision not compiled with nvJPEG support")
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", no_nvjpeg)
+    ds = _dataset(url, tmp_path, transform="train", decode_on="device")
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine=engine, dtype="uint8")
+    with pytest.raises(DlstoreError, match="cannot decode a JPEG that decodes on the CPU: torchvision not compiled"):
+        list(loader)
+    assert ds.corrupt_samples == 0
 
 
 def test_a_worker_error_is_raised_in_the_training_loop_without_hanging(tmp_path, engine):

@@ -189,6 +189,30 @@ def test_device_jpeg_passes_rgb_jpegs_and_reencodes_what_nvjpeg_cannot_read():
         device_jpeg(b"\xff\xd8 not a jpeg")
 
 
+def test_device_jpeg_refuses_a_jpeg_cut_short_even_with_a_whole_thumbnail():
+    """The worker reads only a JPEG's headers for the device; a file cut short must not reach
+    nvJPEG's hardware decoder, which may decode what is there without an error. An EXIF
+    thumbnail (a whole JPEG of its own, before the image's scans) must not hide the cut."""
+    whole = _jpeg()
+    thumbnail = _jpeg(16, 12)
+    exif = Image.Exif()
+    exif[0x010E] = "picture"  # ImageDescription
+    with_thumbnail = io.BytesIO()
+    Image.open(io.BytesIO(whole)).save(with_thumbnail, "JPEG", exif=exif.tobytes())
+    data = with_thumbnail.getvalue()
+    app1 = data.index(b"\xff\xe1")
+    length = int.from_bytes(data[app1 + 2 : app1 + 4], "big")
+    body = data[app1 + 4 : app1 + 2 + length] + thumbnail  # the thumbnail inside APP1
+    data = data[:app1] + b"\xff\xe1" + (len(body) + 2).to_bytes(2, "big") + body + data[app1 + 2 + length :]
+    assert data.count(b"\xff\xd9") == 2 and decode_image(data).size == (120, 90)
+    for jpeg in (whole, data):
+        assert device_jpeg(jpeg) == (jpeg, 120, 90)
+        cut = jpeg[: jpeg.rindex(b"\xff\xda") + 200]
+        with pytest.raises(CorruptSample, match="truncated JPEG"):
+            device_jpeg(cut)
+    assert device_jpeg(whole + b"\x00" * 10)[1:] == (120, 90)  # padding after the end is no cut
+
+
 def test_decode_on_device_leaves_out_jpegs_that_do_not_decode():
     import torch
 

@@ -65,10 +65,13 @@ def write_dataset(
     corrupt_keys: frozenset[str] = frozenset(),
     truncated_keys: frozenset[str] = frozenset(),
     checksum_algorithm: str = "xxh3_128",
+    damaged_keys: frozenset[str] = frozenset(),
 ) -> list[str]:
     """Shards of the given sample counts; returns every key. Keys are unique across shards.
     `corrupt_keys` get bytes that are no JPEG; `truncated_keys` a JPEG whose header is whole
-    but whose last bytes are cut off. The manifest's checksums are in `checksum_algorithm`."""
+    but whose last bytes are cut off; `damaged_keys` a whole JPEG, frame header and end marker
+    in place, whose Huffman table is bogus (only a decode finds it). The manifest's checksums
+    are in `checksum_algorithm`."""
     shards, keys, serial = [], [], 0
     for number, count in enumerate(sizes):
         buffer = io.BytesIO()
@@ -79,6 +82,9 @@ def write_dataset(
             jpeg = b"\xff\xd8 not a jpeg" if key in corrupt_keys else tiny_jpeg(label, serial)
             if key in truncated_keys:
                 jpeg = jpeg[: jpeg.index(b"\xff\xda") + 20]  # a few bytes into the scan
+            if key in damaged_keys:
+                table = jpeg.index(b"\xff\xc4")
+                jpeg = jpeg[: table + 5] + b"\xff" * 16 + jpeg[table + 21 :]  # the table's code counts
             writer.write(key, {"cls": str(label).encode(), "jpg": jpeg})
             keys.append(key)
             serial += 1
