@@ -27,7 +27,7 @@ import dlstore
 from dlstore.cache import cache_report
 from dlstore.cache.marks import NodeMarks
 from dlstore.config import StoreConfig
-from dlstore.errors import ConfigError, CorruptSample, DlstoreError
+from dlstore.errors import ConfigError, CorruptSample, DlstoreError, NoSpace
 from dlstore.loader import LoaderConfig, choose_engine, resolve_auto
 from dlstore.manifest import Manifest
 from dlstore.sample_path import BatchRequest
@@ -606,6 +606,62 @@ def test_a_worker_batch_that_finds_dev_shm_full_ends_the_epoch_with_that_error(t
     assert first.startswith("raised:") and "no error" not in done.stdout, done.stdout
     assert "'labels'" in first and "/dev/shm" in first and "engine='threads'" in first, done.stdout
     assert "/dev/shm is full" in second and "engine='threads'" in second, done.stdout
+
+
+def test_a_device_decode_batch_goes_into_dev_shm_in_the_worker_jpeg_bytes_included(monkeypatch):
+    """`decode_on="device"` batches carry their JPEG bytes in a tuple (`encoded`): left to the
+    queue's feeder thread, a /dev/shm without room for them dropped the batch and the loop
+    waited for ever; in the worker, the error names them."""
+    from dlstore.loader.processes import _into_shared_memory
+    from dlstore.sample_path import join_encoded
+
+    def device_batch() -> dict:
+        encoded, boxes = join_encoded([(b"\xff\xd8" + bytes(5000), (0.0, 0.0, 9.0, 9.0, 0.0))] * 2)
+        return {"images": torch.empty((0, 8, 8, 3), dtype=torch.uint8), "labels": torch.tensor([1, 2]),
+                "padding": torch.zeros(2, dtype=torch.bool), "encoded": encoded, "boxes": boxes}  # fmt: skip
+
+    batch = device_batch()
+    _into_shared_memory(batch)
+    assert batch["encoded"][0].nbytes > 10_000 and batch["encoded"][0].is_shared()
+    assert batch["labels"].is_shared() and batch["boxes"].is_shared()
+
+    real = torch.Tensor.share_memory_
+
+    def room_for_small_ones(self):
+        if self.nbytes > 4096:
+            raise RuntimeError("unable to allocate shared memory(shm) ... No space left on device (28)")
+        return real(self)
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", room_for_small_ones)
+    with pytest.raises(NoSpace, match="'encoded'.*/dev/shm"):
+        _into_shared_memory(device_batch())
+
+
+def test_leaving_a_device_decode_loop_early_takes_no_more_batches():
+    """Once the loop has left (max_steps, a signal), the thread preparing batches takes no more
+    from the engine: taking one builds it, or waits out a store's retries, for nobody."""
+    from dlstore.loader import GpuPrefetcher, LoaderConfig
+
+    taken = []
+
+    def batches():
+        for number in range(100):
+            if number >= 3:
+                time.sleep(1.0)  # a slow build: a shard still downloading
+            taken.append(number)
+            yield {"images": torch.zeros((2, 4, 4, 3), dtype=torch.uint8), "labels": torch.arange(2),
+                   "padding": torch.zeros(2, dtype=torch.bool)}  # fmt: skip
+
+    prefetcher = GpuPrefetcher(
+        batches(), LoaderConfig(device="cpu", device_lookahead=1), torch.device("cpu"), background=True
+    )
+    loop = iter(prefetcher)
+    next(loop)
+    waited = time.monotonic()
+    while len(taken) < 3 and time.monotonic() - waited < 30:  # the next batch ready, one more waiting for room
+        time.sleep(0.01)
+    loop.close()
+    assert taken == [0, 1, 2], taken
 
 
 def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, monkeypatch):

@@ -187,11 +187,15 @@ class GpuPrefetcher:
             try:
                 if self.cuda:
                     torch.cuda.set_device(self.device)
-                for batch in self.batches:
-                    if stop.is_set():
+                # The stop is looked at before each batch is taken: taking one builds it (or
+                # waits for a store's retries), which a loop that has left need not wait for.
+                while not stop.is_set():
+                    try:
+                        batch = next(self.batches)
+                    except StopIteration:
+                        put(_END)
                         return
                     put(self._prepare(batch))
-                put(_END)
             except BaseException as exc:  # handed to the consumer, raised there
                 put(_Failure(exc))
 

@@ -137,8 +137,8 @@ def _into_shared_memory(batch: dict) -> None:
     Why: the hand-off does it in the queue's feeder thread, which only prints a failure and
     drops the batch, and the loop then waits for that batch for ever (/dev/shm filled by the
     node's other ranks, NCCL, another job). Raised here, the error reaches the loop."""
-    for name, value in batch.items():
-        if isinstance(value, torch.Tensor) and not value.is_shared():
+    for name, value in _tensors(batch):
+        if not value.is_shared():
             try:
                 value.share_memory_()
             except (RuntimeError, OSError) as exc:
@@ -149,6 +149,16 @@ def _into_shared_memory(batch: dict) -> None:
                     f"({exc}): give /dev/shm more room (docker run --shm-size), or use engine='threads' "
                     "(no /dev/shm)"
                 ) from None
+
+
+def _tensors(batch: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The batch's tensors, with their names: those in tuples and lists too (the JPEG bytes of
+    `decode_on="device"`, the largest part of its batch, are `encoded`'s first element)."""
+    for name, value in batch.items():
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        for part in values:
+            if isinstance(part, torch.Tensor):
+                yield name, part
 
 
 class _PlanSampler(Sampler):
