@@ -413,16 +413,24 @@ class SamplePath:
     def image(self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None, out=None):
         """One sample through decode and augment: its uint8 HWC array (in `out` when given) or,
         with `decode_on="device"`, its JPEG and crop row; and its label. `CorruptSample` if bad."""
-        if self.cfg.decode_on == "device":
-            return self.plan_on_device(sample, epoch, sample_id)
+        on_device = self.cfg.decode_on == "device"
+
+        def first_step(sample: dict):
+            if on_device:
+                return self.plan_on_device(sample, epoch, sample_id)
+            return self.decode(sample, epoch, sample_id, clock)
+
         try:
-            source, label = self.decode(sample, epoch, sample_id, clock)
+            done = first_step(sample)
         except CorruptSample:
             # Once more from a rechecked cached copy of the shard: the damage may be the cache's.
             shard, offset = (int(a[0]) for a in locate([sample_id], self.shard_sizes))
             if not self._recheck(shard, self.cache_spec(shard, np.array([offset]))):
                 raise
-            source, label = self.decode(self.read(np.array([sample_id]))[0], epoch, sample_id, clock)
+            done = first_step(self.read(np.array([sample_id]))[0])
+        if on_device:
+            return done
+        source, label = done
         return self.augment(source, clock, out), label
 
     # -- the whole path ----------------------------------------------------------------------

@@ -302,6 +302,10 @@ class TorchvisionJpegDecoder:
         import torch
 
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # torchvision keeps one nvJPEG decoder and makes another (leaking the first) for a
+            # device spelled otherwise: "cuda" and "cuda:0" are two.
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     def decode(self, encoded: list) -> tuple[list, list[int]]:
         """(3, h, w) uint8 images of the JPEGs (uint8 tensors) that decode, and the positions of

@@ -242,3 +242,18 @@ def test_bench_config_rejects_nonsense():
         BenchConfig("file:///x", procs=())
     with pytest.raises(ConfigError):
         BenchConfig(DataConfig("file:///x", transform="none"))
+
+
+def test_more_scaling_processes_than_gpus_are_refused_before_any_measurement(dataset_url, monkeypatch):
+    """Each process of the scaling rows has a GPU of its own on CUDA: the rest ran on the CPU
+    (gloo) under a table naming NCCL, compared with the GPU's rate."""
+    import torch
+
+    from dlstore.bench.scaling import check_procs_fit
+
+    cfg = BenchConfig(dataset_url, procs=(1, 2, 4))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="--procs 4 needs 4 GPUs, one per process; this node has 2"):
+        check_procs_fit(cfg, torch.device("cuda", 0))
+    check_procs_fit(dataclasses.replace(cfg, procs=(1, 2)), torch.device("cuda", 0))
+    check_procs_fit(cfg, torch.device("cpu"))  # CPU processes: as many as asked

@@ -6,6 +6,7 @@ Each compares the GPU path with the CPU path that the rest of the suite tests.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import io
 
@@ -274,3 +275,8 @@ def test_training_on_cuda_checkpoints_and_resumes(local_url, tmp_path):
     assert all(r["loss"] == r["loss"] and r["img_per_s"] > 0 for r in again)  # not NaN
     state = torch.load(ckpt_dir / "ckpt-000000006.pt", weights_only=True, map_location="cpu")
     assert state["step"] == 6
+
+    # Resumed under fp16 (a GradScaler) from the bf16 run, which saved no scaler state: the
+    # scaler starts afresh (loading the empty state raised, after the model had been loaded).
+    assert main(dataclasses.replace(cfg, amp="fp16", max_steps=8, epochs=20)) == 0
+    assert torch.load(ckpt_dir / "ckpt-000000008.pt", weights_only=True, map_location="cpu")["scaler"]

@@ -137,8 +137,12 @@ def test_a_corrupt_shard_in_the_store_is_a_clear_corrupt_shard(tmp_path, workers
     assert_cache_clean(tmp_path / "cache", store)  # the bad copy was never published
 
 
-@pytest.mark.parametrize("where", ["tar header", "jpeg bytes"])
-def test_a_corrupt_shard_in_the_cache_is_found_and_replaced(tmp_path, where):
+@pytest.mark.parametrize(
+    ("where", "decode_on"), [("tar header", "worker"), ("jpeg bytes", "worker"), ("jpeg bytes", "device")]
+)
+def test_a_corrupt_shard_in_the_cache_is_found_and_replaced(tmp_path, where, decode_on):
+    """(With `decode_on="device"` the worker reads only the JPEG's headers: a damaged one there
+    skipped the sample in every epoch, and the cached copy was never checked.)"""
     url = f"file://{tmp_path}/data"
     store = open_store(url)
     keys = write_dataset(store, [5, 5, 5])
@@ -150,7 +154,7 @@ def test_a_corrupt_shard_in_the_cache_is_found_and_replaced(tmp_path, where):
     shard = "shard-000001.tar"
     index = read_shard_index(tmp_path / "data" / shard)
     (path,) = [p for p in (cache_dir / "shards").iterdir() if p.name.endswith(shard)]
-    original = path.read_bytes()
+    original, before = path.read_bytes(), path.stat()
     span = index[2]
     if where == "tar header":
         path.write_bytes(flip(original, span.offset + 100))  # the mode field of sample 2's first header
@@ -158,14 +162,16 @@ def test_a_corrupt_shard_in_the_cache_is_found_and_replaced(tmp_path, where):
         # Sample 2 is .cls (header, one data block) then .jpg (header, data): wreck the JPEG's markers.
         at = span.offset + 3 * 512 + 2
         path.write_bytes(original[:at] + b"\0" * 64 + original[at + 64 :])
+    if decode_on == "device":  # damaged where nothing but the decode notices (not the file's times)
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
-    ds = dataset(url, cache_dir, shuffle=False)
+    ds = dataset(url, cache_dir, shuffle=False, decode_on=decode_on)
     again = delivered(dlstore.Loader(ds, num_workers=1, device="cpu"))
     assert sorted(again) == sorted(keys), "a sample was lost to the damaged cache copy"
     assert path.read_bytes() == original  # replaced by a good copy from the store
     assert cache_report(cache_dir).totals.corrupt_replaced == 1
     assert ds.corrupt_samples == 0
-    report(f"case 3 (cache, {where})", lost=0, repeated=0, replaced=1)
+    report(f"case 3 (cache, {where}, decoded on the {decode_on})", lost=0, repeated=0, replaced=1)
 
 
 # -- case 4: the cache disk full -------------------------------------------------------------------

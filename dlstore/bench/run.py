@@ -12,7 +12,7 @@ import torch
 from dlstore.bench.config import BenchConfig
 from dlstore.bench.measure import measure_demand, measure_loader, measure_stages, open_dataset
 from dlstore.bench.report import BenchReport, demand_for, verdict_for
-from dlstore.bench.scaling import measure_scaling
+from dlstore.bench.scaling import check_procs_fit, measure_scaling
 from dlstore.config import writable_dir
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
@@ -31,6 +31,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
         report.verdict.ratio  # loader img/s / the model's demand, e.g. 41.7
     """
     device = resolve_device(cfg.device)
+    check_procs_fit(cfg, device)  # before anything is measured
     cache_root = tempfile.mkdtemp(
         prefix="dlstore-bench-", dir=writable_dir(cfg.cache_dir, "--cache-dir") if cfg.cache_dir else None
     )

@@ -19,15 +19,27 @@ import torch.distributed as dist
 from dlstore.bench.config import BenchConfig
 from dlstore.bench.measure import image_dtype, open_dataset, time_loader
 from dlstore.bench.report import ScalingRow
-from dlstore.errors import DlstoreError
+from dlstore.errors import ConfigError, DlstoreError
 from dlstore.world import World
 
-__all__ = ["measure_scaling", "scaling_rank"]
+__all__ = ["check_procs_fit", "measure_scaling", "scaling_rank"]
 
 log = logging.getLogger(__name__)
 
 # The package folder's parent: what the ranks put on their path (dlstore/bench/scaling.py -> .).
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def check_procs_fit(cfg: BenchConfig, device: torch.device) -> None:
+    """On CUDA each process of the scaling rows has a GPU of its own, as a rank in training has:
+    `ConfigError` for more processes than GPUs. Those rows ran on the CPU over gloo, under a
+    table that named the first row's NCCL and compared them with the GPU's rate."""
+    most = max(cfg.procs)
+    if device.type == "cuda" and most > (gpus := torch.cuda.device_count()):
+        raise ConfigError(
+            f"--procs {most} needs {most} GPUs, one per process; this node has {gpus}. "
+            "Give at most that many, or --device cpu to measure CPU processes"
+        )
 
 
 def measure_scaling(cfg: BenchConfig, device: torch.device, cache_root: str, limit: str | int) -> list[ScalingRow]:
@@ -37,7 +49,7 @@ def measure_scaling(cfg: BenchConfig, device: torch.device, cache_root: str, lim
     rows: list[ScalingRow] = []
     base: tuple[int, float] | None = None
     for procs in cfg.procs:
-        use_nccl = device.type == "cuda" and torch.cuda.device_count() >= procs
+        use_nccl = device.type == "cuda"  # a GPU each (`check_procs_fit`)
         backend = "nccl" if use_nccl else "gloo"
         out_dir = tempfile.mkdtemp(prefix=f"procs{procs}-", dir=cache_root)
         spec = {

@@ -597,7 +597,8 @@ class Trainer:
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
+        if state["scaler"]:  # empty from a run without fp16: an fp16 scaler then starts afresh
+            self.scaler.load_state_dict(state["scaler"])
         self.step, self.epoch = state["step"], state["epoch"]
         # Finished by this run's settings, not the saved run's: one stopped by --max-steps, or
         # resumed with more epochs, goes on (its epoch's rest first, when it stopped mid-epoch).
