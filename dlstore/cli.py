@@ -493,7 +493,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in SUBCOMMANDS:
         add(sub)
+    _verbose_after_the_subcommand_too(sub)
     return parser
+
+
+def _verbose_after_the_subcommand_too(sub: argparse._SubParsersAction) -> None:
+    """`dlstore ls -v URL` as well as `dlstore -v ls URL`: `-v` after a subcommand was an
+    "unrecognized arguments" error. (Absent there, it leaves the count given before.)"""
+    for command in sub.choices.values():
+        command.add_argument(
+            "-v", "--verbose", action="count", default=argparse.SUPPRESS, help="more log output (-vv for debug)"
+        )
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _verbose_after_the_subcommand_too(action)
 
 
 @contextlib.contextmanager

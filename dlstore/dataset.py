@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dlstore.cache import CacheConfig, SampleRange, ShardCache
-from dlstore.config import DataConfig, StoreConfig, TransformConfig
+from dlstore.config import DataConfig, StoreConfig, TransformConfig, format_size
 from dlstore.errors import ConfigError, DlstoreError
 from dlstore.manifest import Manifest
 from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
@@ -97,6 +97,7 @@ class Dataset(torch.utils.data.Dataset):
         )
         self.cache = ShardCache(cache_cfg, self.store)
         self.cache.check_fits(max((s.size for s in self.manifest.shards), default=0))
+        self._warn_of_refetches()
         self.samples = SamplePath(self.cfg, self.manifest, self.cache, self.store.url)
         if not self.samples.image_fields:
             fields = list(self.manifest.fields)
@@ -324,6 +325,31 @@ class Dataset(torch.utils.data.Dataset):
         evicted a shard (a cache still filling keeps everything: nothing a deeper prefetch could
         displace, and a slow link's readers wait less), `prefetch_ahead` from then on."""
         return self.prefetch_ahead if self.cache.stats.evictions else self.cfg.prefetch_shards
+
+    def _warn_of_refetches(self) -> None:
+        """Say at the start when this node's share of the data outgrows a cache that has no room
+        for two shuffle windows and the prefetch (`_holds_two_windows`): the batches being built
+        then need more shards at once than it holds, and they are fetched several times an
+        epoch (9 shards of 5 MB, a 22 MB cache, window 4: 3.3-4x the data per epoch, silently)."""
+        sizes = [s.size for s in self.manifest.shards]
+        if not sizes or sum(sizes) / self.world.num_nodes <= self.cfg.cache_limit or self._holds_two_windows():
+            return
+        largest = max(sizes)
+        held = self.cfg.cache_limit // largest
+        window = max(1, (held - self.prefetch_ahead) // 2)
+        need = (2 * self.cfg.shuffle_window + self.prefetch_ahead) * largest
+        log.warning(
+            "cache_limit %s holds %d of this dataset's shards (up to %s each), fewer than two shuffle windows of %d "
+            "and the %d fetched ahead: shards will be fetched several times an epoch. Give cache_limit at least %s, "
+            "or shuffle_window=%d",
+            format_size(self.cfg.cache_limit),
+            held,
+            format_size(largest),
+            self.cfg.shuffle_window,
+            self.prefetch_ahead,
+            format_size(need),
+            window,
+        )
 
     def _holds_two_windows(self) -> bool:
         """Whether the cache has room for two shuffle windows (the one read, the next coming

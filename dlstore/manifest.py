@@ -49,7 +49,7 @@ from typing import Any
 
 from dlstore.checksums import ALGORITHMS, checksum_of, is_checksum
 from dlstore.config import format_size
-from dlstore.errors import ConfigError, FormatError
+from dlstore.errors import ConfigError, FormatError, NotFound
 from dlstore.sample_index import SampleIndex
 
 __all__ = [
@@ -214,7 +214,15 @@ class Manifest:
     @classmethod
     def load(cls, store, key: str = MANIFEST_NAME) -> Manifest:
         """Read the manifest at the root of `store` (`NotFound` if there is none)."""
-        return cls.from_json(store.get_bytes(key))
+        try:
+            data = store.get_bytes(key)
+        except NotFound as exc:
+            # The store's 404 alone ("index.json: HTTP 404") did not say what was missing, or why.
+            raise NotFound(
+                f"no dlstore dataset at {store.url}: {exc}. Check the URL, or write the dataset there first "
+                "(`dlstore convert`, or `dlstore index` for WebDataset shards)"
+            ) from None
+        return cls.from_json(data)
 
     def save(self, store, key: str = MANIFEST_NAME) -> None:
         """Write the manifest; converters call this last, once every shard is in place."""

@@ -339,3 +339,23 @@ def test_the_offline_optimum_misses_what_does_not_fit_and_no_more(tmp_path):
     assert misses[0] == 24 and all(12 <= m <= 16 for m in misses[1:]), misses
     assert sum(offline_optimum(ds, 4, capacity=18, ahead=1)[1:]) < sum(misses[1:])
     ds.cache.close()
+
+
+def test_a_cache_without_room_for_two_shuffle_windows_is_warned_of_and_the_advice_works(tmp_path, caplog):
+    """Such a cache fetched several times the data per epoch, silently: the batches being built
+    need more shards at once than it holds. The warning says so, and the shuffle window it
+    advises fetches the data about once per epoch again."""
+    import re
+
+    url = write_bench_dataset(str(tmp_path / "data"), shards=9, samples=32)
+    with caplog.at_level("WARNING", logger="dlstore.dataset"):
+        crowded = fetched_per_epoch(url, str(tmp_path / "crowded"), 0.45, epochs=3, batch_size=32, shuffle_window=4)
+    advised = re.search(r"fetched several times an epoch\. .* or shuffle_window=(\d+)", caplog.text)
+    assert advised, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dlstore.dataset"):
+        window = int(advised[1])
+        roomy = fetched_per_epoch(url, str(tmp_path / "roomy"), 0.45, epochs=3, batch_size=32, shuffle_window=window)
+    assert "fetched several times" not in caplog.text
+    print("per epoch after the first: window 4", crowded.shares[1:], f"window {window}", roomy.shares[1:])
+    assert min(crowded.shares[1:]) > 1.5 and max(roomy.shares[1:]) <= 1.05

@@ -143,3 +143,14 @@ def test_the_cli_starts_without_importing_torch():
     every command (the parsers read the loader's settings, whose package imported the loader)."""
     code = "import sys, dlstore.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
+
+
+def test_verbose_goes_before_or_after_the_subcommand():
+    """`dlstore ls -v URL` was an "unrecognized arguments" error; only `dlstore -v ls URL` worked."""
+    from dlstore.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["ls", "-v", "x"]).verbose == 1
+    assert parser.parse_args(["-vv", "ls", "x"]).verbose == 2
+    assert parser.parse_args(["ls", "x"]).verbose == 0
+    assert parser.parse_args(["cache", "stats", "-vv", "d"]).verbose == 2

@@ -556,6 +556,23 @@ def test_a_link_back_up_an_imagefolder_tree_is_walked_once(tmp_path):
     assert sorted(s.reason for s in source.skipped).count("a link to a folder already walked") == 2
 
 
+def test_an_imagefolder_root_of_splits_without_split_is_refused(tmp_path):
+    """`train/<class>` and `val/<class>` under the root, no --split: converted, the splits became
+    the dataset's two classes, every image labelled "train" or "val", silently. A class that
+    is only named like a split (images right in it) is still a class."""
+    root = tmp_path / "src"
+    for split in ("train", "val"):
+        make_imagefolder(root / split, num_classes=2, per_class=2)
+    with pytest.raises(ConfigError, match=r"split folders \(train, val\).*--split train"):
+        list_source("imagefolder", root)
+    assert len(list_source("imagefolder", root, ConvertOptions(split="val")).items) == 4
+    plain = tmp_path / "plain"
+    for name in ("test", "cat"):
+        (plain / name).mkdir(parents=True)
+        Image.new("RGB", (8, 8)).save(plain / name / "0.jpg")
+    assert list_source("imagefolder", plain).classes == ["cat", "test"]
+
+
 def test_kept_formats_are_all_named_in_the_manifest_whatever_the_files_are_called(tmp_path):
     """With --keep-format, a `.pgm` is stored as `ppm` (Pillow's name) and a PNG named `.jpg` as
     `png`: the manifest named the inputs' extensions instead, and the loader, which reads the

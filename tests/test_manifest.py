@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dlstore.checksums import PassingHashes, checksum_of
-from dlstore.errors import ConfigError, FormatError
+from dlstore.errors import ConfigError, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, ShardInfo, describe_dataset
 from dlstore.sample_index import SampleIndex, digest_field, index_name, load_sample_index, sample_digest
 from dlstore.storage import open_store
@@ -407,3 +407,10 @@ def test_passing_hashes_hand_the_chunks_on_and_match_checksums_of_exactly_those_
         assert not hashes.matches(checksum_of(data[:-1], algorithm))
     assert not hashes.matches(None) and not hashes.matches("") and not hashes.matches("md5:" + "0" * 32)
     assert not PassingHashes(["sha256"]).matches(checksum_of(b"", "xxh3_128"))
+
+
+def test_no_dataset_at_a_url_says_so_and_what_to_do(tmp_path):
+    """A URL with no dataset (a typo, or data not converted yet): the store's bare 404 for
+    index.json was all `dlstore train` said."""
+    with pytest.raises(NotFound, match=r"no dlstore dataset at file://.*/nope: .*index\.json.*dlstore convert"):
+        Manifest.load(open_store(f"file://{tmp_path}/nope"))

@@ -19,6 +19,8 @@ from dlstore.errors import ConfigError, FormatError
 __all__ = ["FORMATS", "list_source"]
 
 FORMATS = ("imagenet", "imagefolder", "cifar10", "mnist")
+#: Folder names that an ImageFolder tree's splits go by.
+_SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing"})
 
 
 def list_source(fmt: str, src: str | os.PathLike[str], options: ConvertOptions = ConvertOptions()) -> Source:
@@ -54,6 +56,13 @@ def imagefolder_source(src: Path, options: ConvertOptions) -> Source:
     classes = subdirs(root)
     if not classes:
         raise FormatError(f"{root}: expected class sub-folders (<class>/<image>), found {describe_found(root)}")
+    splits = [name for name in classes if name.lower() in _SPLIT_NAMES and subdirs(root / name)]
+    if splits and not options.split:
+        # Converted as they were, the splits became the classes: every image labelled "train" or "val".
+        raise ConfigError(
+            f"{root} holds split folders ({', '.join(splits)}) of class folders, not class folders: "
+            f"give --split {splits[0]} (and convert each split on its own)"
+        )
     skipped: list[SkippedInput] = []
     items = walk_class_dirs(root, classes, skipped)
     reencode = not options.keep_format and any(not item.id.lower().endswith((".jpg", ".jpeg")) for item in items)
