@@ -706,6 +706,28 @@ def test_batches_built_ahead_across_an_epoch_boundary_are_the_next_epochs(local_
     assert loader.engine._ahead is None
 
 
+def test_nothing_is_built_or_fetched_after_the_runs_last_epoch(local_dataset, tmp_path, engine):
+    """With `epochs` given, the loader does not run on into the epoch after the last (its first
+    batches built, their shards fetched: half a dataset in a small cache, for nothing); an
+    epoch past it still loads, only without a head start."""
+    url, _ = local_dataset
+    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=2, device="cpu", engine=engine, epochs=2)
+
+    def read(epoch):
+        loader.set_epoch(epoch)
+        return [k for _, _, meta in loader for k in meta["keys"]]
+
+    first = read(0)
+    ahead = "_ahead" if engine == "threads" else "_follow_on"
+    assert getattr(loader.engine, ahead) is not None  # epoch 1, started ahead
+    read(1)
+    assert getattr(loader.engine, ahead) is None
+    assert sorted(read(2)) == sorted(first)
+    loader.close()
+    with pytest.raises(ConfigError, match="epochs must be at least 1"):
+        dlstore.Loader(_dataset(url, tmp_path), device="cpu", epochs=0)
+
+
 def test_transform_none_on_images_of_another_size_says_so(tmp_path, engine):
     """Images stored at another size than the batch's, with the "none" transform (keep them as
     they are): a ConfigError saying what to do, not numpy's broadcast error."""

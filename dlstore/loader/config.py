@@ -47,6 +47,10 @@ class LoaderConfig:
     # Batches are written into a ring of buffers allocated once (see `BatchSlots`); False hands
     # each batch over as a fresh tensor (torch's default, more page faults).
     shared_slots: bool = True
+    # The epochs the run reads (0 to epochs - 1), when known: no batch is built, and no shard
+    # fetched, for the epoch after the last (near an epoch's end the loader runs on into the
+    # next one). None: no end known; an epoch past it still loads, only without a head start.
+    epochs: int | None = None
 
     def __post_init__(self) -> None:
         if self.engine not in ("auto", *ENGINES):
@@ -55,6 +59,12 @@ class LoaderConfig:
             raise ConfigError(f"start_method must be one of {START_METHODS}, not {self.start_method!r}")
         if self.num_workers < 0 or self.prefetch_factor < 1 or self.device_lookahead < 0:
             raise ConfigError("num_workers and device_lookahead must not be negative, prefetch_factor at least 1")
+        if self.epochs is not None and self.epochs < 1:
+            raise ConfigError(f"epochs must be at least 1 (or None: no end known), not {self.epochs}")
+
+    def reads(self, epoch: int) -> bool:
+        """Whether the run reads `epoch` (as far as `epochs` tells)."""
+        return self.epochs is None or epoch < self.epochs
 
     @property
     def lookahead(self) -> int:

@@ -166,8 +166,11 @@ class _PlanSampler(Sampler):
     when it is a fresh one, the epochs after it (see the module docstring); the pass's first
     batch as its chunks, one per worker. Batches take the ring's slots in turn."""
 
-    def __init__(self, dataset: Dataset, slots: BatchSlots | None = None, chunks: int = 1) -> None:
+    def __init__(
+        self, dataset: Dataset, slots: BatchSlots | None = None, chunks: int = 1, reads=lambda epoch: True
+    ) -> None:
         self.dataset = dataset
+        self.reads = reads  # whether the run reads an epoch (`LoaderConfig.reads`)
         self.slots = slots
         self.chunks = chunks  # of the first batch
         self.epoch = 0
@@ -194,6 +197,8 @@ class _PlanSampler(Sampler):
                 self.dataset.prefetch_after(plan, index)
             if history or plan.num_batches == 0:  # a resumed epoch: the next pass is not known here
                 return
+            if not self.reads(epoch + 1):  # the run's last epoch: nothing built or fetched past it
+                return
             epoch += 1
 
 
@@ -210,7 +215,7 @@ class ProcessEngine:
             dataset.samples.share_decode_marks()
         # Chunks of the first batch: one per worker (the DataLoader hands its items to the
         # workers in turn, so consecutive ones go to different workers).
-        self.sampler = _PlanSampler(dataset, slots, chunks=workers)
+        self.sampler = _PlanSampler(dataset, slots, chunks=workers, reads=cfg.reads)
         # The batches already requested for the pass that follows the last one, if it ran to its
         # end: (that pass's (epoch, history), the DataLoader's batches).
         self._follow_on: tuple[tuple, Iterator[dict]] | None = None
@@ -284,7 +289,8 @@ class ProcessEngine:
                 self.dataset.first_batch_delivered()
             yield batch
         if not history and count and self._dataloader.num_workers > 0 and closes == self._closes:
-            self._follow_on = ((epoch + 1, ()), items)
+            if self.sampler.reads(epoch + 1):
+                self._follow_on = ((epoch + 1, ()), items)
 
     def _check_open(self, closes: int) -> None:
         """Raise if `close()` was called since the pass that saw `closes` began; the workers a

@@ -85,6 +85,7 @@ class ThreadEngine:
         self.threads = max(1, cfg.num_workers)
         self.lookahead = max(1, cfg.lookahead)
         self.slots = slots
+        self.reads = cfg.reads  # whether the run reads an epoch: none is started ahead past its last
         self.handed = HandedBuffers(keep=self.lookahead + 2)
         # Jobs started for the next epoch: ((epoch, history), jobs, batches submitted).
         self._ahead: tuple[tuple, deque[_Job], int] | None = None
@@ -127,7 +128,7 @@ class ThreadEngine:
                     pending.append(self._submit(request, closes))
                     self.dataset.prefetch_after(plan, submitted)
                     submitted += 1
-                if submitted == plan.num_batches and not history:
+                if submitted == plan.num_batches and not history and self.reads(epoch + 1):
                     self._start_next_epoch(epoch + 1, self.lookahead + 1 - len(pending), closes)
                 job = pending.popleft()
                 try:

@@ -223,6 +223,7 @@ class Trainer:
             dtype=dtype,
             channels_last=self.cfg.channels_last,
             shared_slots=shared_slots,
+            epochs=self.cfg.epochs,  # nothing fetched for an epoch after the run's last
         )
         log.info("%s: engine %s, %d workers", dataset.cfg.url, loader.cfg.engine, loader.cfg.num_workers)
         return loader
