@@ -288,9 +288,9 @@ class ProcessEngine:
             if index == 0:
                 self.dataset.first_batch_delivered()
             yield batch
-        if not history and count and self._dataloader.num_workers > 0 and closes == self._closes:
-            if self.sampler.reads(epoch + 1):
-                self._follow_on = ((epoch + 1, ()), items)
+        started_ahead = count and self._dataloader.num_workers > 0 and self.sampler.reads(epoch + 1)
+        if not history and started_ahead and closes == self._closes:
+            self._follow_on = ((epoch + 1, ()), items)
 
     def _check_open(self, closes: int) -> None:
         """Raise if `close()` was called since the pass that saw `closes` began; the workers a
