@@ -176,6 +176,15 @@ class RetryConfig:
         return cls(**kwargs)
 
 
+def _secrets_wrapped(config: object, *names: str) -> None:
+    """Wrap each named field given as a plain `str` in a `Secret`: a plain string showed itself
+    in the config's repr, and failed at the first request with an AttributeError."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, str):
+            object.__setattr__(config, name, Secret(value))
+
+
 @dataclass(frozen=True)
 class S3Config:
     """Where and how to reach an S3 endpoint. Fields left None fall back to boto3's own chain
@@ -197,6 +206,9 @@ class S3Config:
     # Keys per list request. Swift's s3api asks the cluster for one more than this, so a
     # cluster with a lowered `container_listing_limit` (L) needs at most L - 1 here.
     list_page_size: int = 1000
+
+    def __post_init__(self) -> None:
+        _secrets_wrapped(self, "secret_access_key", "session_token")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> S3Config:
@@ -247,6 +259,9 @@ class SwiftConfig:
     insecure: bool = False
     segment_size: int = 64 * 2**20
     segment_container_suffix: str = "_segments"
+
+    def __post_init__(self) -> None:
+        _secrets_wrapped(self, "key", "application_credential_secret", "auth_token")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SwiftConfig:

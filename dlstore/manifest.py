@@ -225,8 +225,12 @@ class Manifest:
         return cls.from_json(data)
 
     def save(self, store, key: str = MANIFEST_NAME) -> None:
-        """Write the manifest; converters call this last, once every shard is in place."""
-        store.put(key, self.to_json())
+        """Write the manifest; converters call this last, once every shard is in place. One
+        that its reader would refuse (duplicate class names, say) is a `FormatError` here: it
+        was written, and every later command on the dataset failed."""
+        text = self.to_json()
+        type(self).from_json(text)  # the reader's checks
+        store.put(key, text)
 
 
 def _reject_constant(name: str) -> None:

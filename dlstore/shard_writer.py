@@ -142,6 +142,14 @@ def _header_template() -> bytes:
 _TEMPLATE = _header_template()
 
 
+def is_dlstore_header(header: bytes) -> bool:
+    """Whether a tar header block has the fields every header this writer makes has (mode,
+    owner, mtime 0, no user or group names): a shard of ours, as against another tool's."""
+    # mode, uid and gid; mtime; magic, version, user and group names
+    fields = ((100, 124), (136, 148), (257, 329))
+    return len(header) == BLOCK and all(header[a:b] == _TEMPLATE[a:b] for a, b in fields)
+
+
 def _header(name: bytes, size: int, typeflag: bytes) -> bytes:
     header = bytearray(_TEMPLATE)
     header[0 : len(name)] = name

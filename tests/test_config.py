@@ -237,6 +237,23 @@ def test_secret_hidden_in_config_reprs():
         assert SECRET_TEXT not in text
 
 
+def test_secrets_given_as_plain_strings_are_wrapped():
+    """`SwiftConfig(auth_token="t")`, as the Swift store's own docstring shows it: the token was
+    in the config's repr, and the first request failed with an AttributeError."""
+    store = StoreConfig(
+        s3=S3Config(secret_access_key=SECRET_TEXT, session_token=SECRET_TEXT),
+        swift=SwiftConfig(key=SECRET_TEXT, application_credential_secret=SECRET_TEXT, auth_token=SECRET_TEXT),
+    )
+    assert SECRET_TEXT not in repr(store)
+    assert store.swift.auth_token.reveal() == store.s3.session_token.reveal() == SECRET_TEXT
+
+
+def test_a_live_swift_token_is_not_in_the_stores_state_reprs():
+    from dlstore.storage.swift import _Token
+
+    assert SECRET_TEXT not in repr(_Token("http://127.0.0.1/v1/AUTH_x", SECRET_TEXT, proven=True))
+
+
 def test_secret_equality_truthiness_and_pickle():
     assert Secret("a") == Secret("a")
     assert Secret("a") != Secret("b")

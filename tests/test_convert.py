@@ -556,6 +556,53 @@ def test_a_link_back_up_an_imagefolder_tree_is_walked_once(tmp_path):
     assert sorted(s.reason for s in source.skipped).count("a link to a folder already walked") == 2
 
 
+def test_convert_does_not_overwrite_another_tools_shards_without_overwrite(tmp_path):
+    """WebDataset tars waiting for `dlstore index` (no index.json yet) under the shard names a
+    conversion writes: they were replaced without a word. Refused before anything is written;
+    --overwrite replaces them; an interrupted conversion's own shards are still reused."""
+    made = make_imagefolder(tmp_path / "src", num_classes=2, per_class=3)
+    dest = tmp_path / "out"
+    dest.mkdir()
+    with tarfile.open(dest / "shard-000000.tar", "w") as tar:  # as WebDataset's TarWriter makes them
+        member = tarfile.TarInfo("s000000.jpg")
+        member.size, member.mode, member.mtime, member.uname = 8, 0o444, 1_700_000_000, "bigdata"
+        tar.addfile(member, io.BytesIO(b"not ours"))
+    foreign = (dest / "shard-000000.tar").read_bytes()
+    url = f"file://{dest}"
+    with pytest.raises(ConfigError, match=r"holds shard-000000\.tar that no dlstore dataset.*--overwrite"):
+        convert("imagefolder", made.root, url, OPTS)
+    assert (dest / "shard-000000.tar").read_bytes() == foreign and not (dest / "index.json").exists()
+    summary = convert("imagefolder", made.root, url, dataclasses.replace(OPTS, overwrite=True))
+    assert summary.shards_written == 1 and (dest / "shard-000000.tar").read_bytes() != foreign
+    (dest / "index.json").unlink()  # as a conversion cut short before its manifest leaves it
+    assert convert("imagefolder", made.root, url, OPTS).shards_reused == 1
+
+
+def test_imagefolder_skips_what_is_no_regular_image_file_or_leaves_its_class(tmp_path):
+    """A pipe named .jpg blocked the listing for ever, a link to /dev/zero read until memory ran
+    out, a link to nothing and a name that is not UTF-8 ended the run with a traceback, and a
+    link up the tree took every other class's images in again under this class's label. Each
+    is skipped, with its reason; the real images are all there, each once, rightly labelled."""
+    made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=2)
+    already = [s.reason for s in list_source("imagefolder", made.root).skipped]  # what it holds itself
+    first = made.root / sorted(p.name for p in made.root.iterdir())[0]
+    os.mkfifo(first / "pipe.jpg")
+    (first / "zero.jpg").symlink_to("/dev/zero")
+    (first / "gone.jpg").symlink_to(first / "nowhere.jpg")
+    (first / "up").symlink_to("..")
+    os.symlink(first / "0.jpg", os.path.join(os.fsencode(first), b"caf\xe9.jpg"))
+    source = list_source("imagefolder", made.root)
+    assert len(source.items) == 6 and [item.label for item in source.items] == [0, 0, 1, 1, 2, 2]
+    reasons = sorted(s.reason for s in source.skipped)
+    assert reasons == sorted([
+        "not a regular file (a pipe, a device)", "not a regular file (a pipe, a device)", "a link to nothing",
+        "a link out of its class folder", "a name that is not UTF-8", *already,
+    ]), reasons  # fmt: skip
+    (made.root / os.fsdecode(b"caf\xe9")).mkdir()
+    with pytest.raises(FormatError, match="not named in UTF-8"):
+        list_source("imagefolder", made.root)
+
+
 def test_an_imagefolder_root_of_splits_without_split_is_refused(tmp_path):
     """`train/<class>` and `val/<class>` under the root, no --split: converted, the splits became
     the dataset's two classes, every image labelled "train" or "val", silently. A class that

@@ -414,3 +414,14 @@ def test_no_dataset_at_a_url_says_so_and_what_to_do(tmp_path):
     index.json was all `dlstore train` said."""
     with pytest.raises(NotFound, match=r"no dlstore dataset at file://.*/nope: .*index\.json.*dlstore convert"):
         Manifest.load(open_store(f"file://{tmp_path}/nope"))
+
+
+def test_a_manifest_its_reader_would_refuse_is_not_written(tmp_path):
+    """CIFAR meta with ten classes named alike converted, and its manifest was written: every
+    later `ls`, `verify` and conversion then failed on it."""
+    store = open_store(f"file://{tmp_path}/d")
+    shard = ShardInfo(name="shard-000000.tar", size=1024, samples=1, checksum=checksum_of(b"x", "xxh3_128"))
+    bad = Manifest(shards=(shard,), classes=("cat", "cat"), fields=("cls", "jpg"), label_field="cls")
+    with pytest.raises(FormatError, match="duplicates"):
+        bad.save(store)
+    assert not store.exists(MANIFEST_NAME)

@@ -27,6 +27,7 @@ from dlstore.convert.workers import build_shards
 from dlstore.errors import ConfigError, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest
 from dlstore.sample_index import SampleIndex, index_name
+from dlstore.shard_writer import is_dlstore_header
 from dlstore.shards import IMAGE_FIELDS
 from dlstore.storage import Store, open_store
 from dlstore.transforms import can_check_decodes
@@ -72,6 +73,8 @@ def convert(
         options = dataclasses.replace(options, checksum_algorithm=DEFAULT_ALGORITHM)
     built = _kept_shards(store, tasks, listed, options)
     todo = [task for task in tasks if task.number not in built]
+    if not options.overwrite:
+        _refuse_to_overwrite_foreign_objects(store, todo, listed, replaced)
     report = _ProgressReport(progress, len(source.items), tasks, built)
     build_shards(store, source, options, todo, built, report)
 
@@ -282,6 +285,39 @@ def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
         # `png`, and the loader reads only the image members the manifest names.
         fields |= stored_fields() & set(IMAGE_FIELDS)
     return fields | {"jpg"}
+
+
+def _refuse_to_overwrite_foreign_objects(
+    store: Store, todo: list[ShardTask], listed: dict[str, int], replaced: frozenset[str]
+) -> None:
+    """`ConfigError` before anything is written when a shard about to be written would replace
+    an object that neither the dataset there (its manifest) nor an earlier run of a conversion
+    (a dlstore sample index beside it) accounts for: another tool's shards, say WebDataset tars
+    waiting for `dlstore index`, were overwritten without a word."""
+    foreign = [task.name for task in todo if task.name in listed and task.name not in replaced]
+    foreign = [name for name in foreign if not _written_by_dlstore(store, name, listed)]
+    if foreign:
+        raise ConfigError(
+            f"{store.url} holds {foreign[0]}"
+            + (f" and {len(foreign) - 1} more shard name(s)" if len(foreign) > 1 else "")
+            + " that no dlstore dataset there accounts for (another tool's shards? `dlstore index` makes a dataset of "
+            "them): convert into another URL, or give --overwrite to replace them"
+        )
+
+
+def _written_by_dlstore(store: Store, name: str, listed: dict[str, int]) -> bool:
+    """Whether shard `name` is an earlier conversion's: a dlstore sample index is beside it, or
+    (a run cut between the two, or its index damaged) its first tar header is as dlstore
+    writes them (`shard_writer`: mtime 0, no user or group names), which other tools' are not."""
+    if index_name(name) in listed:
+        with contextlib.suppress(NotFound, FormatError):
+            SampleIndex.from_bytes(store.get_bytes(index_name(name)))
+            return True
+    try:
+        first = store.get_range(name, 0, 512)
+    except NotFound:
+        return False
+    return len(first) == 512 and is_dlstore_header(first)
 
 
 def _remove_stale_shards(

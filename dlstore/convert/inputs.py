@@ -8,6 +8,7 @@ Readers are pickled into worker processes, so they open nothing until their firs
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,10 +107,17 @@ def image_extensions() -> set[str]:
 
 
 def walk_class_dirs(root: Path, class_dirs: Sequence[str], skipped: list[SkippedInput]) -> list[SourceItem]:
-    """Every image file under each class folder (recursively, like torchvision's ImageFolder)."""
+    """Every image file under each class folder (recursively, like torchvision's ImageFolder).
+    Skipped, each with its reason: a folder walked already or reached by a link out of its
+    class (into another class's folder, or up the tree: those images took this class's label),
+    and files that are not regular (a pipe blocked the run, a link to /dev/zero filled memory),
+    links to nothing, and names that are not UTF-8 (they ended the run with a traceback)."""
     extensions = image_extensions()
+    top = os.path.realpath(root)
+    classes = {name: os.path.realpath(root / name) for name in class_dirs}
     items = []
     for label, name in enumerate(class_dirs):
+        others = [real for other, real in classes.items() if other != name]
         seen: set[tuple[int, int]] = set()  # (device, inode) of the folders walked in this class
         for folder, dirs, files in os.walk(root / name, followlinks=True):
             # Links are followed (a class folder may link to another disk), each real folder
@@ -120,6 +128,11 @@ def walk_class_dirs(root: Path, class_dirs: Sequence[str], skipped: list[Skipped
                 skipped.append(SkippedInput(os.path.relpath(folder, root), "a link to a folder already walked"))
                 continue
             seen.add((here.st_dev, here.st_ino))
+            real = os.path.realpath(folder)
+            if folder != str(root / name) and (_within(top, real) or any(_within(real, o) for o in others)):
+                dirs[:] = []
+                skipped.append(SkippedInput(os.path.relpath(folder, root), "a link out of its class folder"))
+                continue
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             rel_folder = os.path.relpath(folder, root)
             for file in sorted(files):
@@ -129,8 +142,34 @@ def walk_class_dirs(root: Path, class_dirs: Sequence[str], skipped: list[Skipped
                 if os.path.splitext(file)[1].lower() not in extensions:
                     skipped.append(SkippedInput(rel, "not an image file extension"))
                     continue
-                items.append(SourceItem(rel, label, os.path.getsize(os.path.join(folder, file))))
+                why, size = _regular_file(os.path.join(folder, file), rel)
+                if why is not None:
+                    skipped.append(SkippedInput(rel.encode("utf-8", "backslashreplace").decode(), why))
+                    continue
+                items.append(SourceItem(rel, label, size))
     return items
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether real path `path` is `folder` or inside it."""
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def _regular_file(path: str, rel: str) -> tuple[str | None, int]:
+    """(why it is skipped, or None; its size)."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a name that is not UTF-8", 0
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return "a link to nothing", 0
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror})", 0
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file (a pipe, a device)", 0
+    return None, info.st_size
 
 
 def subdirs(path: Path) -> list[str]:

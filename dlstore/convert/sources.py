@@ -56,6 +56,11 @@ def imagefolder_source(src: Path, options: ConvertOptions) -> Source:
     classes = subdirs(root)
     if not classes:
         raise FormatError(f"{root}: expected class sub-folders (<class>/<image>), found {describe_found(root)}")
+    for name in classes:
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise FormatError(f"{root}: class folder {name!r} is not named in UTF-8; rename it") from None
     splits = [name for name in classes if name.lower() in _SPLIT_NAMES and subdirs(root / name)]
     if splits and not options.split:
         # Converted as they were, the splits became the classes: every image labelled "train" or "val".

@@ -44,7 +44,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, BinaryIO
 
@@ -220,7 +220,7 @@ def _map_keystone_error(exc: BaseException, what: str) -> DlstoreError | None:
 @dataclass
 class _Token:
     storage_url: str
-    token: str
+    token: str = field(repr=False)  # the live credential: never in a repr
     # A token from the identity service that has never worked is not "expired" on a 401:
     # it was refused, or lost by the server before its first use. One more login tells.
     proven: bool
