@@ -56,6 +56,20 @@ STORAGE_SECRETS: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = (
         ("botocore", "botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession"),
         re.compile(r"""(?i)(x-amz-security-token['"]?\s*[:=]\s*b?['"]?)[^'"\s&,}<]+"""),
     ),
+    (
+        # fsspec logs the URLs it opens at DEBUG: a password in one, a presigned URL's signature.
+        # (`dlstore.storage.base.redact_url` does the same for dlstore's own messages.)
+        ("fsspec", "fsspec.http"),
+        re.compile(
+            r"""(?ix)
+            ( ://[^/\s:@'"]+:                                  # a URL's user, before its password
+            | [?&](?:[^=&\s'"]*(?:signature|token|credential|password|secret|key|sig)
+                  |x-amz-[^=&\s'"]*|x-goog-[^=&\s'"]*)=      # a query's credential
+            )
+            [^@&\s'"]+                                        # the value
+            """
+        ),
+    ),
 )
 
 

@@ -358,3 +358,21 @@ def test_an_http_server_that_is_down_is_retried_not_not_found():
         store.get_bytes("y")
     with http_server(head_status=404) as server, pytest.raises(NotFound):
         open_store(server["url"], StoreConfig(retry=FAST_RETRY)).get_bytes("y")
+
+
+def test_credentials_in_an_fsspec_url_are_in_no_message_log_or_repr(caplog):
+    """A password in an http URL, or a presigned URL's signature and token, were printed whole
+    in errors, retry warnings and the store's repr."""
+    import socket
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    secrets = ("URLPASS_h7", "SIG_9f2", "TOKEN_77")
+    url = f"http://alice:{secrets[0]}@127.0.0.1:{port}/data?X-Amz-Signature={secrets[1]}&X-Amz-Security-Token={secrets[2]}"
+    store = open_store(url, StoreConfig(retry=RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.02, deadline_s=0.3)))
+    with caplog.at_level("DEBUG"), pytest.raises(TransientError) as caught:
+        store.get_bytes("y")
+    said = " ".join([str(caught.value), repr(store), store.url, caplog.text])
+    assert not [secret for secret in secrets if secret in said], said
+    assert "alice:***@127.0.0.1" in str(caught.value)

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 
 from dlstore.config import StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store, read_chunks, unknown_host
+from dlstore.storage.base import ObjectInfo, Store, read_chunks, redact_url, redact_urls_in, unknown_host
 
 __all__ = ["FsspecStore"]
 
@@ -58,7 +58,7 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     transient = _transient_client_errors()
     if transient and isinstance(exc, transient):
         return TransientError(f"{what}: {type(exc).__name__}")
-    return DlstoreError(f"{what}: {type(exc).__name__}: {exc}")
+    return DlstoreError(f"{what}: {type(exc).__name__}: {redact_urls_in(str(exc))}")
 
 
 def _response_status(exc: BaseException | None) -> int | None:
@@ -115,10 +115,14 @@ class FsspecStore(Store):
             raise ConfigError("fsspec URLs need fsspec: pip install fsspec") from exc
         super().__init__(url, config)
         self.scheme = url.split("://", 1)[0]
+        # The URL as given opens the file system; `url`, in every message, log line and repr,
+        # hides what it holds of credentials (a password in it, a signed query's signature).
+        self._opens = self.url
+        self.url = redact_url(self.url)
         try:
-            fs, root = fsspec.core.url_to_fs(self.url)
+            fs, root = fsspec.core.url_to_fs(self._opens)
         except (ImportError, ValueError) as exc:
-            raise ConfigError(f"cannot open {self.url!r} with fsspec: {exc}") from None
+            raise ConfigError(f"cannot open {self.url!r} with fsspec: {type(exc).__name__}") from None
         self.root = root.rstrip("/")
         # `_client*` attributes are dropped when pickled and made again on first use.
         self._client_fs = fs
@@ -129,7 +133,7 @@ class FsspecStore(Store):
         if fs is None:
             import fsspec
 
-            fs, _ = fsspec.core.url_to_fs(self.url)
+            fs, _ = fsspec.core.url_to_fs(self._opens)
             self._client_fs = fs
         return fs
 
