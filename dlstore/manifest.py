@@ -311,6 +311,10 @@ _CREATED = {"tool", "tool_version", "source_format", "source", "split", "seed", 
 def _parse_shard(value: Any, where: str, algorithm: str) -> ShardInfo:
     raw = _require_object(value, where, _SHARD_REQUIRED, _SHARD_OPTIONAL)
     index = raw.get("index")
+    samples, size = _int(raw["samples"], f"{where}.samples"), _int(raw["size"], f"{where}.size")
+    if samples > size // 512:  # a sample is a tar member at least: a 512-byte header
+        # (A count of 10**9 went on to a plan of 7 GiB; 2**61 to numpy's "array is too big".)
+        raise FormatError(f"{where}.samples: {samples} samples do not fit in a shard of {size} bytes")
     return ShardInfo(
         name=_key(raw["name"], f"{where}.name"),
         size=_int(raw["size"], f"{where}.size"),

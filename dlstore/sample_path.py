@@ -249,6 +249,12 @@ class SamplePath:
                 pass
         try:
             index = self.cache.sample_index(path, info.checksum)  # outside the lock: file reads
+            if len(index) != info.samples:
+                # Fewer: an IndexError deep in a read; more: samples dropped without a word.
+                raise CorruptShard(
+                    f"shard {info.name!r} of {self.store_url} holds {len(index)} samples; its manifest says "
+                    f"{info.samples} (a manifest of other shards: convert or index the data again)"
+                )
             with self._lock:
                 self._indexes[info.name] = index
                 while len(self._indexes) > 64:

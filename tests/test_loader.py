@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import errno
 import json
 import logging
@@ -27,7 +28,7 @@ import dlstore
 from dlstore.cache import cache_report
 from dlstore.cache.marks import NodeMarks
 from dlstore.config import StoreConfig
-from dlstore.errors import ConfigError, CorruptSample, DlstoreError, NoSpace
+from dlstore.errors import ConfigError, CorruptSample, CorruptShard, DlstoreError, NoSpace
 from dlstore.loader import LoaderConfig, choose_engine, resolve_auto
 from dlstore.manifest import Manifest
 from dlstore.sample_path import BatchRequest
@@ -726,6 +727,21 @@ def test_nothing_is_built_or_fetched_after_the_runs_last_epoch(local_dataset, tm
     loader.close()
     with pytest.raises(ConfigError, match="epochs must be at least 1"):
         dlstore.Loader(_dataset(url, tmp_path), device="cpu", epochs=0)
+
+
+@pytest.mark.parametrize("said", [4, 8])
+def test_a_manifest_whose_sample_counts_are_not_the_shards_is_a_corrupt_shard(tmp_path, said):
+    """The shard's bytes pass its checksum, but the manifest counts other samples: fewer gave
+    samples dropped without a word, more an IndexError deep in a read."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [6, 6])
+    store = open_store(url)
+    manifest = Manifest.load(store)
+    first = dataclasses.replace(manifest.shards[0], samples=said)
+    dataclasses.replace(manifest, shards=(first, manifest.shards[1])).save(store)
+    loader = dlstore.Loader(_dataset(url, tmp_path, shuffle=False), num_workers=1, device="cpu")
+    with pytest.raises(CorruptShard, match=f"shard-000000.tar.* holds 6 samples; its manifest says {said}"):
+        list(loader)
 
 
 def test_transform_none_on_images_of_another_size_says_so(tmp_path, engine):

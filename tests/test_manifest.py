@@ -425,3 +425,18 @@ def test_a_manifest_its_reader_would_refuse_is_not_written(tmp_path):
     with pytest.raises(FormatError, match="duplicates"):
         bad.save(store)
     assert not store.exists(MANIFEST_NAME)
+
+
+def test_a_shard_said_to_hold_more_samples_than_its_bytes_can_is_refused():
+    """A count of 10**9 samples for a small shard went on to a 7 GiB plan; 2**61 to numpy's
+    "array is too big". Every sample takes a 512-byte tar header at least."""
+    shard = ShardInfo(name="shard-000000.tar", size=10240, samples=20, checksum=checksum_of(b"x", "xxh3_128"))
+    text = Manifest(shards=(shard,), classes=("a",), fields=("cls", "jpg"), label_field="cls").to_json().decode()
+    Manifest.from_json(text)
+    for count in (21, 10**9, 2**61):
+        with pytest.raises(FormatError, match=r"shards\[0\]\.samples: .* do not fit in a shard of 10240 bytes"):
+            Manifest.from_json(
+                text.replace('"samples": 20', f'"samples": {count}').replace(
+                    '"total_samples": 20', f'"total_samples": {count}'
+                )
+            )
