@@ -110,10 +110,23 @@ def parse_label(sample: Mapping[str, object], num_classes: int, field: str = "cl
     try:
         label = int(bytes(raw).decode("ascii").strip())  # type: ignore[arg-type]
     except (UnicodeDecodeError, ValueError, TypeError):
-        raise CorruptSample(f"sample {key!r} has a non-integer label {raw!r}") from None
+        raise CorruptSample(f"sample {key!r} has a non-integer label {shown(raw)}") from None
     if label < 0 or (num_classes and label >= num_classes):
-        raise CorruptSample(f"sample {key!r} has label {label}, not one of {num_classes} classes")
+        raise CorruptSample(f"sample {key!r} has label {shown(str(label))}, not one of {num_classes} classes")
     return label
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """`repr(value)` for a message, cut to `limit` characters or bytes: a 20 MB label member
+    was quoted whole, in an error line and in every epoch's skip warning.
+
+    >>> shown(b"7" * 100, limit=4)
+    "b'7777'... (100 bytes)"
+    """
+    if isinstance(value, (bytes, bytearray, memoryview, str)) and len(value) > limit:
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return f"{value[:limit]!r}... ({len(value):,} {unit})"
+    return repr(value)
 
 
 def shard_name(prefix: str, index: int) -> str:

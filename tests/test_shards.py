@@ -317,3 +317,14 @@ def test_header_checksums_are_summed_exactly():
         bad = data[:148] + b"%06o\0 " % wrong + data[156:]
         with pytest.raises(CorruptShard, match="bad checksum"):
             list(iter_members(bad))
+
+
+def test_a_huge_label_is_quoted_cut_short_in_its_error():
+    """A 20 MB .cls member was quoted whole in the error (and in every epoch's skip warning)."""
+    from dlstore.errors import CorruptSample
+    from dlstore.shards import parse_label
+
+    for raw in (b"x" * 20_000_000, b"7" * 20_000_000):
+        with pytest.raises(CorruptSample) as caught:
+            parse_label({"__key__": "s1", "cls": raw}, 10)
+        assert len(str(caught.value)) < 200 and "20,000,000" in str(caught.value)

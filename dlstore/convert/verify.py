@@ -19,7 +19,7 @@ from dlstore.config import StoreConfig
 from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, Manifest, ShardInfo
 from dlstore.sample_index import SampleIndex
-from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, scan_shard
+from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, scan_shard, shown
 from dlstore.storage import Store, open_store
 from dlstore.transforms import check_decodes
 
@@ -182,7 +182,7 @@ def _check_sample(sample: dict, manifest: Manifest) -> str | None:
         except CorruptSample:
             raw = sample.get(manifest.label_field)
             allowed = f"an integer in [0, {manifest.num_classes})" if manifest.num_classes else "a non-negative integer"
-            return f"sample {key!r}: label {raw!r} is not {allowed}"
+            return f"sample {key!r}: label {shown(raw)} is not {allowed}"
     if "json" in sample:
         try:
             json.loads(sample["json"])
