@@ -37,7 +37,15 @@ from dlstore.manifest import Manifest
 from dlstore.plan import locate
 from dlstore.sample_index import SampleIndex, load_sample_index
 from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
-from dlstore.transforms import CropSource, SampleRngs, crop_plan, decode_for_crop, device_jpeg, resize_crop
+from dlstore.transforms import (
+    CropSource,
+    SampleRngs,
+    check_kept_size,
+    crop_plan,
+    decode_for_crop,
+    device_jpeg,
+    resize_crop,
+)
 
 __all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "direct_shards", "join_encoded"]
 
@@ -390,6 +398,8 @@ class SamplePath:
         """The sample's pixels with its crop drawn (its own random generator), decoded at the
         smallest scale the crop allows, and its label; `CorruptSample` when either is bad."""
         data, label = self.image_bytes(sample), self.label(sample)
+        if self.cfg.transform.preset == "none":
+            check_kept_size(data, self.cfg.transform.image_size)
         rng = self._rngs(self.cfg.seed, epoch, sample_id)
         decodes_cleanly = self._decodes_cleanly
         if decodes_cleanly is None:  # two threads may both make one: a few marks lost, no more

@@ -615,13 +615,27 @@ def resize_crop(source: CropSource, cfg: TransformConfig, out: np.ndarray | None
     if out is None or pixels is out:
         return pixels
     if pixels.shape != out.shape:  # only "none" keeps a size of its own
-        raise ConfigError(
-            f"transform 'none' keeps images as stored, and this one is {pixels.shape[1]}x{pixels.shape[0]} where "
-            f"the batch holds {out.shape[1]}x{out.shape[0]}: store the images at the image size, or use another "
-            "transform"
-        )
+        raise _kept_size_error(pixels.shape[1], pixels.shape[0], out.shape[1], out.shape[0])
     out[...] = pixels
     return out
+
+
+def check_kept_size(data: bytes, size: int) -> None:
+    """For the "none" preset into batches of `size` x `size`: a JPEG stored at another size is
+    a `ConfigError` from its header, before it is decoded (a 600-byte JPEG whose header says
+    30000x30000 was decoded first, 3 GB). Other formats are compared once decoded."""
+    if data[:2] != _JPEG_MAGIC or simplejpeg is None:
+        return
+    height, width = _jpeg_size(data)
+    if (width, height) != (size, size):
+        raise _kept_size_error(width, height, size, size)
+
+
+def _kept_size_error(width: int, height: int, batch_width: int, batch_height: int) -> ConfigError:
+    return ConfigError(
+        f"transform 'none' keeps images as stored, and this one is {width}x{height} where the batch holds "
+        f"{batch_width}x{batch_height}: store the images at the image size, or use another transform"
+    )
 
 
 def augment_image(

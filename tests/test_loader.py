@@ -756,6 +756,20 @@ def test_transform_none_on_images_of_another_size_says_so(tmp_path, engine):
     loader.close()
 
 
+def test_transform_none_compares_a_jpegs_size_before_decoding_it(tmp_path, monkeypatch):
+    """From its header: a 600-byte JPEG said to be 30000x30000 was decoded first (3 GB)."""
+    import dlstore.transforms
+
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [4, 4])
+    ds = _dataset(url, tmp_path, transform="none", image_size=8)
+    monkeypatch.setattr(dlstore.transforms, "_decode_jpeg", lambda *a: pytest.fail("decoded before the size check"))
+    loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine="threads", dtype="uint8")
+    with pytest.raises(ConfigError, match="16x16 where the batch holds 8x8"):
+        list(loader)
+    loader.close()
+
+
 def test_corrupt_samples_are_skipped_and_counted(tmp_path, engine):
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6], corrupt_keys=frozenset({"s000003"}))

@@ -890,3 +890,16 @@ def test_without_torchs_resize_opencv_resizes_near_pillow(monkeypatch):
     if torch_resizes:
         assert not all(np.array_equal(a, b) for a, b in zip(default, opencv))  # another resizer ran
         assert np.mean([np.abs(d - r).mean() for d, r in zip(default, references)]) < 1
+
+
+def test_transform_none_refuses_a_jpeg_of_another_size_from_its_header_before_decoding():
+    """A 600-byte JPEG whose header says 30000x30000 was decoded (3 GB, twice) before the size
+    was compared; the header tells it."""
+    import dlstore.transforms as transforms
+
+    data = bytearray(_jpeg(16, 16))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5 : sof + 9] = (30000).to_bytes(2, "big") * 2  # height, width
+    with pytest.raises(ConfigError, match="30000x30000 where the batch holds 16x16"):
+        transforms.check_kept_size(bytes(data), 16)
+    transforms.check_kept_size(_jpeg(16, 16), 16)
