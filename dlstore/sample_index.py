@@ -67,6 +67,7 @@ __all__ = [
     "digest_field",
     "index_name",
     "load_sample_index",
+    "read_index_bytes",
     "sample_digest",
 ]
 
@@ -302,12 +303,26 @@ class SampleIndex:
         return index
 
 
+def read_index_bytes(store, shard: ShardInfo) -> bytes:
+    """The stored sample index of `shard`, read no further than an index of its samples can be
+    long (or the manifest's `index_size`, if more): `FormatError` for a longer object. An
+    index object of 1.5 GB was read whole into memory before any check."""
+    assert shard.index is not None
+    most = max(shard.index_size or 0, SampleIndex.file_size(shard.samples, 3))
+    data = b"".join(store.get(shard.index, 0, most + 1))
+    if len(data) > most:
+        raise FormatError(
+            f"sample index {shard.index!r} is longer than an index of {shard.samples} samples ({most} bytes)"
+        )
+    return data
+
+
 def load_sample_index(store, shard: ShardInfo) -> SampleIndex:
     """Fetch the sample index of one shard of a manifest, and check it against the manifest
     (its checksum when the manifest has one, and the shard's size, samples and checksum)."""
     if shard.index is None:
         raise FormatError(f"shard {shard.name!r} has no sample index in the manifest")
-    data = store.get_bytes(shard.index)
+    data = read_index_bytes(store, shard)
     if shard.index_checksum is not None:
         # The sample digests are only as trustworthy as the index: check it against the manifest.
         actual = checksum_of(data, parse_checksum(shard.index_checksum)[0])

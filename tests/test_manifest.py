@@ -440,3 +440,26 @@ def test_a_shard_said_to_hold_more_samples_than_its_bytes_can_is_refused():
                     '"total_samples": 20', f'"total_samples": {count}'
                 )
             )
+
+
+def test_a_sample_index_object_longer_than_its_samples_allow_is_not_read_whole(tmp_path, monkeypatch):
+    """A manifest naming a 1.5 GB object as a shard's index had it read into memory whole."""
+    from dlstore.sample_index import read_index_bytes
+
+    store = open_store(f"file://{tmp_path}/d")
+    store.put("shard-000000.idx", b"")
+    shard = ShardInfo("shard-000000.tar", 10240, 3, checksum_of(b"x", "xxh3_128"), "shard-000000.idx")
+    with open(tmp_path / "d" / "shard-000000.idx", "wb") as big:
+        big.truncate(2**30)  # sparse: no disk taken
+    read: list[int] = []
+    real_get = type(store).get
+
+    def counting(self, key, start=0, end=None):
+        for chunk in real_get(self, key, start, end):
+            read.append(len(chunk))
+            yield chunk
+
+    monkeypatch.setattr(type(store), "get", counting)
+    with pytest.raises(FormatError, match="longer than an index of 3 samples"):
+        read_index_bytes(store, shard)
+    assert 0 < sum(read) <= SampleIndex.file_size(3, 3) + 1

@@ -18,7 +18,7 @@ from dlstore.checksums import checksum_of, new_hasher
 from dlstore.config import StoreConfig
 from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, Manifest, ShardInfo
-from dlstore.sample_index import SampleIndex
+from dlstore.sample_index import SampleIndex, read_index_bytes
 from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, scan_shard, shown
 from dlstore.storage import Store, open_store
 from dlstore.transforms import check_decodes
@@ -109,7 +109,7 @@ def _check_stored_index(store: Store, manifest: Manifest, shard: ShardInfo, prob
     if not shard.index:
         return None
     try:
-        index_bytes = store.get_bytes(shard.index)
+        index_bytes = read_index_bytes(store, shard)
         if shard.index_checksum and checksum_of(index_bytes, manifest.checksum_algorithm) != shard.index_checksum:
             problems.append(f"{shard.index}: checksum differs from the manifest")
         stored_index = SampleIndex.from_bytes(index_bytes)
