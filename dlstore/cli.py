@@ -29,7 +29,7 @@ from dlstore.config import DataConfig, format_size, parse_size
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
 from dlstore.errors import DlstoreError
-from dlstore.logs import configure_logging
+from dlstore.logs import configure_logging, printable
 from dlstore.manifest import MANIFEST_NAME, describe_dataset
 from dlstore.storage import open_object, open_store
 from dlstore.storage.transfer import copy_object
@@ -48,7 +48,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     for info in store.list(args.prefix or ""):
         count += 1
         total += info.size
-        print(f"{info.size:>14}  {info.key}" if args.long else info.key, flush=count % 1000 == 0)
+        key = printable(info.key)
+        print(f"{info.size:>14}  {key}" if args.long else key, flush=count % 1000 == 0)
     if args.long:
         print(f"{count} objects, {format_size(total)}", file=sys.stderr)
     elif not count:  # an empty listing looks like a hang or a typo otherwise
@@ -260,7 +261,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
         report = verify_dataset(args.url, deep=args.deep, workers=args.workers, progress=on_progress)
     for problem in report.problems:
-        print(problem)
+        print(printable(problem))  # names from the manifest and the tars: one line each, no escapes
     what = "every sample decoded, labels and counts checked" if report.deep else "sizes and checksums"
     if report.ok:
         print(f"OK: {report.shards} shards, {report.samples:,} samples, {format_size(report.bytes)} ({what})")

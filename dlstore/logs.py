@@ -107,3 +107,14 @@ def redact_storage_secrets() -> None:
             logger = logging.getLogger(name)
             if not any(isinstance(f, _RedactSecrets) and f.pattern is pattern for f in logger.filters):
                 logger.addFilter(_RedactSecrets(pattern))
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (escape sequences, carriage returns, line breaks)
+    written as escapes, for a terminal: names from a manifest or a tar are anyone's, and a
+    shard named with "\\r\\n" and ESC[8m printed a forged "OK" line in `dlstore verify`.
+
+    >>> printable("shard\\r\\n\\x1b[2Jok")
+    'shard\\\\r\\\\n\\\\x1b[2Jok'
+    """
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)

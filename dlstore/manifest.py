@@ -50,6 +50,7 @@ from typing import Any
 from dlstore.checksums import ALGORITHMS, checksum_of, is_checksum
 from dlstore.config import format_size
 from dlstore.errors import ConfigError, FormatError, NotFound
+from dlstore.logs import printable
 from dlstore.sample_index import SampleIndex
 
 __all__ = [
@@ -448,4 +449,5 @@ def describe_dataset(store) -> str:
     )
     if c.options:
         lines.append(f"  options  {_describe_options(c.options)}")
-    return "\n".join(lines)
+    # Every line as a terminal shows it: the manifest's names and source are anyone's.
+    return "\n".join(printable(line) for line in lines)

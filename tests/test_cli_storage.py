@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import subprocess
 import sys
@@ -154,3 +155,25 @@ def test_verbose_goes_before_or_after_the_subcommand():
     assert parser.parse_args(["-vv", "ls", "x"]).verbose == 2
     assert parser.parse_args(["ls", "x"]).verbose == 0
     assert parser.parse_args(["cache", "stats", "-vv", "d"]).verbose == 2
+
+
+def test_names_from_a_manifest_cannot_drive_the_terminal(tmp_path, capsys):
+    """Class names, the source and shard names are anyone's: printed raw by `ls` and `verify`,
+    ESC[2J cleared the screen and a shard named with CR LF forged an "OK" line in verify."""
+    from loader_support import write_dataset
+
+    from dlstore.cli import main
+    from dlstore.manifest import Manifest
+
+    url = f"file://{tmp_path}/data"
+    store = open_store(url)
+    write_dataset(store, [3])
+    manifest = Manifest.load(store)
+    forged = "x\r\nOK: 2 shards, 36 samples\x1b[8m"
+    shards = (dataclasses.replace(manifest.shards[0], name=forged),)
+    dataclasses.replace(manifest, shards=shards, classes=("\x1b[2Jcat", *manifest.classes[1:])).save(store)
+    assert main(["ls", url]) == 0
+    assert main(["verify", url]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\r" not in out and not any(line.startswith("OK") for line in out.splitlines())
+    assert "\\x1b[2Jcat" in out and "x\\r\\nOK" in out
