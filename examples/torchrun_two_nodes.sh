@@ -7,7 +7,10 @@
 # On a lease's end, send SIGUSR1 (or SIGTERM) to torchrun: it forwards the signal to every
 # worker, the workers checkpoint together at the next step and exit with code 75, and the
 # same command later resumes where they stopped (--resume auto). --shutdown-timeout is how
-# long torchrun waits for that checkpoint before it kills the workers.
+# long torchrun waits for that checkpoint before it kills the workers. torchrun itself then
+# exits 1 (its own SignalException), not 75: a wrapper that requeues tells a stop for a signal
+# from a failure by the workers' log line "stopped at step N for SIGUSR1", or by the signal it
+# sent, not by torchrun's exit code. (Under srun, each rank's 75 is the step's exit code.)
 set -euo pipefail
 : "${HEAD:?set HEAD to the address of the first node}"
 source "${OPENRC:-$HOME/openrc.sh}"   # OS_* (Keystone) or ST_* (tempauth) credentials
