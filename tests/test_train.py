@@ -655,3 +655,20 @@ def test_a_rank_learns_that_rank_0_found_no_checkpoint_to_resume_from(tmp_path):
     cfg = TrainConfig(DataConfig("file:///data"), checkpoint_url=f"file://{tmp_path}", resume="auto")
     with pytest.raises(DlstoreError, match="rank 0 found no checkpoint to resume from: FormatError: none of the 2"):
         find_resume_state(cfg, CheckpointStore(f"file://{tmp_path}"), OtherRank())
+
+
+def test_ranks_sharing_one_gpu_under_torchrun_are_refused_with_what_to_do(monkeypatch):
+    """torchrun --nproc-per-node 2 on a one-GPU node put every rank on cuda:0, and NCCL failed
+    later with "Duplicate GPU detected"; srun --gpus-per-task=1 shows each task one GPU of its own."""
+    from dlstore.train.dist import _pick_device
+    from dlstore.world import World
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    two = dict(rank=1, world_size=2, local_world_size=2)
+    with pytest.raises(ConfigError, match="2 ranks on this node and 1 GPU: .*--nproc-per-node 1"):
+        _pick_device(1, True, World(**two, launcher="torchrun"))
+    assert _pick_device(1, True, World(**two, launcher="slurm")) == torch.device("cuda", 0)
+    assert _pick_device(0, True, World(launcher="torchrun")) == torch.device("cuda", 0)
+    assert _pick_device(1, False, World(**two, launcher="torchrun")) == torch.device("cpu")

@@ -166,9 +166,17 @@ class DistContext:
             self.owns_group = False
 
 
-def _pick_device(local_rank: int, want_cuda: bool) -> torch.device:
+def _pick_device(local_rank: int, want_cuda: bool, world: World | None = None) -> torch.device:
     if want_cuda and torch.cuda.is_available():
         visible = torch.cuda.device_count()
+        shared = visible == 1 and world is not None and world.local_world_size > 1 and world.launcher != "slurm"
+        if shared:
+            # torchrun gives its processes the same GPUs (srun --gpus-per-task binds one to each):
+            # every rank on cuda:0 failed later, in NCCL's "Duplicate GPU detected".
+            raise ConfigError(
+                f"{world.local_world_size} ranks on this node and 1 GPU: start one process per GPU "
+                f"(torchrun --nproc-per-node {visible})"
+            )
         if visible > 1 and local_rank >= visible:
             # Two ranks on one GPU would fail later, in NCCL, with a less clear message.
             raise ConfigError(
@@ -200,7 +208,7 @@ def setup_distributed(
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' was asked for, but torch sees no CUDA device")
     world = launch.world
-    dev = _pick_device(launch.local_rank, device != "cpu")
+    dev = _pick_device(launch.local_rank, device != "cpu", launch.world)
     backend = "nccl" if dev.type == "cuda" else "gloo"
     ctx = DistContext(world, dev, None)
     if world.world_size == 1:
