@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import faulthandler
 import json
 import logging
 import os
@@ -447,6 +448,9 @@ def test_close_ends_a_pass_waiting_for_a_slow_download(local_dataset, tmp_path, 
         thread.start()
         time.sleep(1.0)
         close()
+        thread.join(timeout=SLOW_SHARD_S * 0.75)
+        if thread.is_alive():  # where the pass waits, for the failure below (rare, seen under load only)
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         thread.join(timeout=60)
         assert not thread.is_alive(), "the pass still waits after close()"
     assert len(outcome) == 1 and outcome[0] is not None and "closed during this pass" in str(outcome[0]), outcome
