@@ -8,6 +8,7 @@ import importlib.util
 import logging
 import pkgutil
 import re
+from urllib.parse import urlsplit
 
 __all__ = ["STORAGE_SECRETS", "THIRD_PARTY", "configure_logging", "redact_storage_secrets"]
 
@@ -56,21 +57,11 @@ STORAGE_SECRETS: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = (
         ("botocore", "botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession"),
         re.compile(r"""(?i)(x-amz-security-token['"]?\s*[:=]\s*b?['"]?)[^'"\s&,}<]+"""),
     ),
-    (
-        # fsspec logs the URLs it opens at DEBUG: a password in one, a presigned URL's signature.
-        # (`dlstore.storage.base.redact_url` does the same for dlstore's own messages.)
-        ("fsspec", "fsspec.http"),
-        re.compile(
-            r"""(?ix)
-            ( ://[^/\s:@'"]+:                                  # a URL's user, before its password
-            | [?&](?:[^=&\s'"]*(?:signature|token|credential|password|secret|key|sig)
-                  |x-amz-[^=&\s'"]*|x-goog-[^=&\s'"]*)=      # a query's credential
-            )
-            [^@&\s'"]+                                        # the value
-            """
-        ),
-    ),
 )
+
+
+#: Loggers that print the URLs they open (fsspec's, at DEBUG): their URLs' credentials are hidden.
+URL_LOGGERS = ("fsspec", "fsspec.http")
 
 
 def _package_loggers(package: str) -> list[str]:
@@ -107,6 +98,10 @@ def redact_storage_secrets() -> None:
             logger = logging.getLogger(name)
             if not any(isinstance(f, _RedactSecrets) and f.pattern is pattern for f in logger.filters):
                 logger.addFilter(_RedactSecrets(pattern))
+    for name in URL_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _RedactUrls) for f in logger.filters):
+            logger.addFilter(_RedactUrls())
 
 
 def printable(text: str) -> str:
@@ -118,3 +113,46 @@ def printable(text: str) -> str:
     'shard\\\\r\\\\n\\\\x1b[2Jok'
     """
     return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in text)
+
+
+#: Query parameters of a URL that are credentials, or sign one: hidden in messages (lower case).
+_SECRET_QUERY = re.compile(r"(signature|token|credential|password|secret|key|sig)$|^x-amz-|^x-goog-")
+
+
+def redact_url(url: str) -> str:
+    """`url` for messages: the password of its user part and every query value that is a
+    credential or signs the request (S3 and GCS presigned URLs, Azure SAS tokens) as `***`.
+
+    >>> redact_url("http://alice:hunter2@host/data?X-Amz-Signature=abc&part=1")
+    'http://alice:***@host/data?X-Amz-Signature=***&part=1'
+    """
+    if "@" not in url and "?" not in url:
+        return url
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        user, _, host = netloc.rpartition("@")
+        name, has_password, _ = user.partition(":")
+        netloc = f"{name}:***@{host}" if has_password else f"{user}@{host}"
+    query = "&".join(
+        f"{name}=***" if value and _SECRET_QUERY.search(name.lower()) else (f"{name}={value}" if sep else name)
+        for name, sep, value in (item.partition("=") for item in parts.query.split("&") if item)
+    )
+    return parts._replace(netloc=netloc, query=query).geturl()
+
+
+def redact_urls_in(text: str) -> str:
+    """`text` (an exception's, say) with every URL in it as `redact_url` gives it."""
+    return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+", lambda found: redact_url(found[0]), text)
+
+
+class _RedactUrls(logging.Filter):
+    """Hides the credentials of every URL in a record (`redact_urls_in`): fsspec logs the URLs
+    it opens at DEBUG, a password in one or a presigned URL's signature and token included."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_urls_in(message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        return True

@@ -439,34 +439,3 @@ def grown_part_size(part_size: int, index: int, max_parts: int, max_size: int) -
     """
     step = max(1, max_parts // 10)
     return min(max(part_size, max_size), part_size * 2 ** (index // step))
-
-
-#: Query parameters of a URL that are credentials, or sign one: hidden in messages (lower case).
-_SECRET_QUERY = re.compile(r"(signature|token|credential|password|secret|key|sig)$|^x-amz-|^x-goog-")
-
-
-def redact_url(url: str) -> str:
-    """`url` for messages: the password of its user part and every query value that is a
-    credential or signs the request (S3 and GCS presigned URLs, Azure SAS tokens) as `***`.
-
-    >>> redact_url("http://alice:hunter2@host/data?X-Amz-Signature=abc&part=1")
-    'http://alice:***@host/data?X-Amz-Signature=***&part=1'
-    """
-    if "@" not in url and "?" not in url:
-        return url
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        user, _, host = netloc.rpartition("@")
-        name, has_password, _ = user.partition(":")
-        netloc = f"{name}:***@{host}" if has_password else f"{user}@{host}"
-    query = "&".join(
-        f"{name}=***" if value and _SECRET_QUERY.search(name.lower()) else (f"{name}={value}" if sep else name)
-        for name, sep, value in (item.partition("=") for item in parts.query.split("&") if item)
-    )
-    return parts._replace(netloc=netloc, query=query).geturl()
-
-
-def redact_urls_in(text: str) -> str:
-    """`text` (an exception's, say) with every URL in it as `redact_url` gives it."""
-    return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+", lambda found: redact_url(found[0]), text)

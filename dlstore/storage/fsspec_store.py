@@ -16,7 +16,8 @@ from typing import Any, BinaryIO
 
 from dlstore.config import StoreConfig
 from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, TransientError
-from dlstore.storage.base import ObjectInfo, Store, read_chunks, redact_url, redact_urls_in, unknown_host
+from dlstore.logs import redact_url, redact_urls_in
+from dlstore.storage.base import ObjectInfo, Store, read_chunks, unknown_host
 
 __all__ = ["FsspecStore"]
 
