@@ -292,6 +292,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
             workers=args.workers,
             progress=on_progress,
             checksum_algorithm=args.checksum,
+            overwrite=args.overwrite,
         )
     print(
         f"indexed {len(manifest.shards)} shards, {manifest.total_samples:,} samples, "
@@ -306,6 +307,9 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label-field", default="cls", help="member holding the integer label (default cls)")
     p.add_argument("--workers", type=int, default=4, help="shards indexed at once (default 4)")
     _add_checksum_option(p)
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace .idx files beside the shards that are not dlstore's"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_index)
 

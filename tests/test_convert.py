@@ -918,6 +918,28 @@ def write_shard_raw_with_name(name: str) -> bytes:
     return buffer.getvalue()
 
 
+def test_index_does_not_replace_another_tools_idx_files_without_overwrite(tmp_path):
+    """A DALI `wds2idx` text index beside a tar was replaced by dlstore's binary one without a
+    word. Refused before anything is written; --overwrite replaces it; indexing again over
+    dlstore's own indexes goes on as before."""
+    import webdataset as wds
+
+    with wds.ShardWriter(str(tmp_path / "part-%04d.tar"), maxcount=10) as sink:
+        for i in range(3):
+            image = io.BytesIO()
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(image, "JPEG")
+            sink.write({"__key__": f"img{i:04d}", "jpg": image.getvalue(), "cls": i})
+    dali = b"v1.2 3\n.jpg 512 1024 ...\n"
+    (tmp_path / "part-0000.idx").write_bytes(dali)
+    url = f"file://{tmp_path}"
+    with pytest.raises(ConfigError, match=r"holds part-0000\.idx, not a dlstore sample index.*--overwrite"):
+        index_dataset(url)
+    assert (tmp_path / "part-0000.idx").read_bytes() == dali and not (tmp_path / "index.json").exists()
+    assert cli(["index", url, "-q", "--overwrite"]) == 0
+    assert (tmp_path / "part-0000.idx").read_bytes()[:6] == b"DLSIDX"
+    assert index_dataset(url).total_samples == 3
+
+
 def test_index_refuses_a_place_without_shards(tmp_path):
     with pytest.raises(FormatError, match="found none"):
         index_dataset(f"file://{tmp_path}")

@@ -15,7 +15,7 @@ from dlstore import __version__
 from dlstore.checksums import DEFAULT_ALGORITHM, PassingHashes
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
-from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
+from dlstore.errors import ConfigError, CorruptSample, CorruptShard, FormatError, NotFound
 from dlstore.manifest import CreationInfo, Manifest, ShardInfo, is_field_name
 from dlstore.sample_index import SampleIndex, index_name
 from dlstore.shards import parse_label, scan_shard
@@ -34,6 +34,7 @@ def index_dataset(
     config: StoreConfig | None = None,
     checksum_algorithm: str | None = None,
     progress: Callable[[int, int], None] | None = None,
+    overwrite: bool = False,
 ) -> Manifest:
     """Build sample indexes and `index.json` for the `.tar` shards under `dataset` (written
     by `webdataset.ShardWriter` or any other tool), in place.
@@ -49,9 +50,12 @@ def index_dataset(
     >>> index_dataset("s3://bucket/laion-subset").total_samples       # doctest: +SKIP
     """
     store = dataset if isinstance(dataset, Store) else open_store(dataset, config)
-    names = [info.key for info in store.list("") if info.key.endswith(".tar")]
+    listed = {info.key for info in store.list("")}
+    names = sorted(key for key in listed if key.endswith(".tar"))
     if not names:
         raise FormatError(f"{store.url}: expected WebDataset .tar shards, found none")
+    if not overwrite:
+        _refuse_to_overwrite_other_indexes(store, [index_name(n) for n in names if index_name(n) in listed])
     try:
         previous: Manifest | None = Manifest.load(store)
     except (NotFound, FormatError):
@@ -93,6 +97,20 @@ def index_dataset(
         manifest = _keeping_what_the_shards_had(manifest, previous)
     manifest.save(store)
     return manifest
+
+
+def _refuse_to_overwrite_other_indexes(store: Store, kept: list[str]) -> None:
+    """`ConfigError` before anything is written when a `.idx` beside a shard is not one of ours
+    (a DALI `wds2idx` text index, say): it was replaced without a word."""
+    ours = (SampleIndex.MAGIC, SampleIndex.MAGIC_V2, SampleIndex.MAGIC_V1)
+    other = [name for name in kept if store.get_range(name, 0, 8) not in ours]
+    if other:
+        raise ConfigError(
+            f"{store.url} holds {other[0]}"
+            + (f" and {len(other) - 1} more" if len(other) > 1 else "")
+            + ", not a dlstore sample index (another tool's?), where `index` writes its own: "
+            "move them, or give --overwrite to replace them"
+        )
 
 
 def _keeping_what_the_shards_had(manifest: Manifest, previous: Manifest) -> Manifest:
