@@ -28,7 +28,7 @@ from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
 from dlstore.config import DataConfig, format_size, parse_size
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
-from dlstore.errors import DlstoreError
+from dlstore.errors import ConfigError, DlstoreError
 from dlstore.logs import configure_logging, printable
 from dlstore.manifest import MANIFEST_NAME, describe_dataset
 from dlstore.storage import open_object, open_store
@@ -152,7 +152,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         samples_per_shard=args.samples_per_shard,
         resize_max_side=args.resize_max_side,
         quality=args.quality,
-        image_format=args.image_format,
+        image_format=_array_image_format(args),
         keep_format=args.keep_format,
         val_labels=args.val_labels,
         metadata=not args.no_json,
@@ -211,7 +211,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
         "--format",
         dest="image_format",
         choices=["png", "jpeg"],
-        default="png",
+        default=None,
         help="cifar10/mnist: how to store images (default png)",
     )
     p.add_argument(
@@ -312,6 +312,17 @@ def _add_index(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_index)
+
+
+def _array_image_format(args: argparse.Namespace) -> str:
+    """`--format`, which only arrays of pixels (cifar10, mnist) take: given for image files it
+    was accepted and ignored (the manifest then said `image_format=png` of a dataset of JPEGs)."""
+    if args.image_format is not None and args.source_format not in ("cifar10", "mnist"):
+        raise ConfigError(
+            f"--format is for cifar10 and mnist (their images are encoded here); {args.source_format} keeps "
+            "its files' formats, re-encoding only what is not JPEG (--keep-format keeps them all)"
+        )
+    return args.image_format or "png"
 
 
 def _add_checksum_option(p: argparse.ArgumentParser) -> None:

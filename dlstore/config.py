@@ -497,7 +497,10 @@ class DataConfig:
             if name in exclude:
                 continue
             flag = "--" + name.replace("_", "-")
-            shown = "" if defaults[name] in (None, "") else f" (default: {defaults[name]})"
+            default = defaults[name]
+            if name == "cache_limit":  # a size: 50.0 GB, not 50000000000
+                default = format_size(default)
+            shown = "" if default in (None, "") else f" (default: {default})"
             if kind is bool:
                 action = argparse.BooleanOptionalAction
                 group.add_argument(flag, action=action, default=argparse.SUPPRESS, help=text + shown)

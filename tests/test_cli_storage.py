@@ -177,3 +177,15 @@ def test_names_from_a_manifest_cannot_drive_the_terminal(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\r" not in out and not any(line.startswith("OK") for line in out.splitlines())
     assert "\\x1b[2Jcat" in out and "x\\r\\nOK" in out
+
+
+def test_convert_format_is_refused_where_it_would_be_ignored_and_sizes_read_as_sizes(tmp_path, capsys):
+    """`--format jpeg` on an ImageFolder was accepted and ignored; `train --help` showed the cache
+    limit's default as 50000000000."""
+    from dlstore.cli import build_parser, main
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    assert main(["convert", "imagefolder", str(tmp_path / "src"), f"file://{tmp_path}/out", "--format", "jpeg"]) != 0
+    assert "--format is for cifar10 and mnist" in capsys.readouterr().err
+    usage = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "(default: 50.0 GB)" in " ".join(usage.split()) and "50000000000" not in usage
