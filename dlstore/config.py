@@ -143,6 +143,11 @@ class RetryConfig:
     is high enough that, with the default backoff (on average half of `max_backoff_s` per
     wait once it has grown), the deadline comes first. (With 8 attempts the waits added up
     to about 16 s, so a 20 s outage failed a run long before its 120 s deadline.)
+
+    `read_timeout_s` bounds one wait for the server; `stall_timeout_s` bounds one chunk of a
+    streamed read (`StoreConfig.chunk_size`): a server that sends a byte a second never trips
+    the first, and held `ls`, `cp`, `verify` and the cache's downloads forever. The default
+    cuts a connection slower than about 17 KB/s (1 MiB a minute) and resumes the read.
     """
 
     max_attempts: int = 100
@@ -151,8 +156,11 @@ class RetryConfig:
     deadline_s: float = 120.0
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
+    stall_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.stall_timeout_s <= 0:
+            raise ConfigError("RetryConfig.stall_timeout_s must be positive")
         if self.max_attempts < 1:
             raise ConfigError("RetryConfig.max_attempts must be at least 1")
         if self.deadline_s <= 0 or self.initial_backoff_s < 0:
@@ -167,6 +175,7 @@ class RetryConfig:
             ("DLSTORE_RETRY_DEADLINE", "deadline_s", float),
             ("DLSTORE_RETRY_BACKOFF", "initial_backoff_s", float),
             ("DLSTORE_READ_TIMEOUT", "read_timeout_s", float),
+            ("DLSTORE_STALL_TIMEOUT", "stall_timeout_s", float),
         ):
             if env.get(name):
                 try:

@@ -39,6 +39,12 @@ class TransientError(DlstoreError):
     """
 
 
+class StalledRead(TransientError):
+    """A streamed read whose next chunk took longer than `RetryConfig.stall_timeout_s`: a server
+    that trickles bytes, each within the read timeout. The read was cut; it resumes from its
+    next byte, and a cut that moved less than a chunk is no progress for the retry budget."""
+
+
 class ObjectChanged(DlstoreError):
     """The object was replaced while it was read (a resumed read found another version, or
     fewer bytes): what was read so far is not one object's. Not retried."""

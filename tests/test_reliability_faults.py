@@ -46,7 +46,7 @@ from wan_proxy import WanProxy
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.errors import CorruptShard, ObjectChanged, TransientError
+from dlstore.errors import CorruptShard, ObjectChanged, StalledRead, TransientError
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -137,6 +137,40 @@ def test_each_fault_is_retried_and_the_bytes_are_exact(swift_server, swift_conta
         assert store.get_range("obj", 1000, 5000) == OBJECT[1000:6000]
         assert took < 30  # no hang (a stall is given up after the read timeout)
     report(f"fault {kind} ({api})", detected_and_recovered_s=f"{took:.2f}")
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_a_trickling_server_is_cut_and_the_read_resumed(swift_server, swift_container, api):
+    """A byte every 0.2 s is within any read timeout: only the stall timeout ends the wait for
+    a chunk. Once, the read resumes and its bytes are exact; for good, it ends in `StalledRead`
+    (it held `ls`, `cp` and `verify` forever)."""
+    policy = dataclasses.replace(PATIENT_READS, stall_timeout_s=2.0)
+    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy:
+        env = proxied_env(swift_server, proxy, api)
+        store = open_store(f"{api}://{swift_container}/trickle", config_for(env, policy))
+        store.put("obj", OBJECT)
+        assert store.get_bytes("obj") == OBJECT
+        before = proxy.count("GET", r"/obj$")
+        proxy.add_rule("trickle_body", method="GET", path=r"/trickle/obj(\?|$)")
+        started = time.monotonic()
+        assert store.get_bytes("obj") == OBJECT
+        took = time.monotonic() - started
+        assert proxy.injected_kinds() == {"trickle_body": 1}
+        assert proxy.count("GET", r"/obj$") - before == 2
+        assert took < 30
+        # Several ranges in one GET (Swift's multipart answer, read whole): cut and asked again.
+        proxy.add_rule("trickle_body", method="GET", path=r"/trickle/obj(\?|$)")
+        spans = [(0, 10), (100_000, 50_000), (300_000, 7)]
+        assert store.get_ranges("obj", spans) == [OBJECT[s : s + n] for s, n in spans]
+        assert proxy.injected_kinds() == {"trickle_body": 2}
+
+        proxy.add_rule("trickle_body", method="GET", path=r"/trickle/obj(\?|$)", times=None)
+        started = time.monotonic()
+        with pytest.raises(StalledRead, match="trickling connection"):
+            store.with_retry(dataclasses.replace(policy, deadline_s=5.0)).get_bytes("obj")
+        gave_up = time.monotonic() - started
+        assert gave_up < 30
+    report(f"trickle ({api})", resumed_s=f"{took:.2f}", gave_up_s=f"{gave_up:.2f}")
 
 
 def test_a_server_that_ignores_range_still_gives_the_bytes_asked_for(swift_server, swift_container):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +18,7 @@ from dlstore.errors import AuthError, ConfigError, NotFound, ObjectChanged, Tran
 from dlstore.storage import open_store
 from dlstore.storage import s3 as s3_module
 from dlstore.storage import swift as swift_module
+from dlstore.storage.stall import StallWatch
 from dlstore.storage.transfer import copy_object
 
 try:  # tests/ as a package
@@ -376,3 +378,36 @@ def test_credentials_in_an_fsspec_url_are_in_no_message_log_or_repr(caplog):
     said = " ".join([str(caught.value), repr(store), store.url, caplog.text])
     assert not [secret for secret in secrets if secret in said], said
     assert "alice:***@127.0.0.1" in str(caught.value)
+
+
+# -- the stall watch --------------------------------------------------------------------------------
+def test_the_stall_watch_cuts_a_long_wait_for_the_server_and_never_a_slow_consumer():
+    watch = StallWatch(timeout_s=0.3)
+    cuts: list[str] = []
+    slow_server = watch.watch(lambda: cuts.append("server"))
+    slow_consumer = watch.watch(lambda: cuts.append("consumer"))
+    for _ in range(4):  # 1.2 s in all, each wait for the server 0.05 s: the rest is the consumer's
+        with slow_consumer.waiting():
+            time.sleep(0.05)
+        time.sleep(0.25)
+    assert cuts == [] and not slow_server.cut  # it has not waited on the server yet
+    with slow_server.waiting():
+        deadline = time.monotonic() + 5
+        while not slow_server.cut and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert cuts == ["server"] and slow_server.cut and not slow_consumer.cut
+    slow_server.done()
+    slow_consumer.done()
+    deadline = time.monotonic() + 5
+    while watch._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert watch._thread is None  # no thread stays behind once nothing is watched
+
+
+def test_a_store_made_again_in_a_child_process_has_its_own_stall_watch(tmp_path, monkeypatch):
+    store = open_store(f"file://{tmp_path}")
+    watch = store._stall_watch()
+    assert store._stall_watch() is watch
+    monkeypatch.setattr("os.getpid", lambda: watch.pid + 1)  # as in a forked child
+    assert store._stall_watch() is not watch
+    assert "_client_stall_watch" not in store.__getstate__()  # never pickled into a worker

@@ -15,6 +15,8 @@ Faults (the `kind` of a rule or of a rate):
   then a clean close (FIN): the client sees a body shorter than announced.
 * ``"stall"``: the response is held back `stall_s` seconds before its first byte.
 * ``"stall_body"``: the head and half the body, then `stall_s` seconds of silence, then the rest.
+* ``"trickle_body"`` (by rule only): the head and half the body, then one byte every
+  `trickle_s` seconds until the client goes away: each byte within any read timeout.
 * ``"ignore_range"`` (by rule only): the request goes on without its Range header, as to a
   server that ignores it: the whole object comes back (200). Swift's API only: S3 clients
   sign the Range header, so the server then refuses the request.
@@ -65,7 +67,7 @@ __all__ = ["ALL_FAULTS", "STATUS_FAULTS", "FaultProxy", "Injection", "Rule"]
 STATUS_FAULTS = ("500", "503", "429", "408")
 BODY_FAULTS = ("reset_body", "short_body", "stall_body")
 ALL_FAULTS = (*STATUS_FAULTS, "reset", "reset_body", "short_body", "stall", "stall_body")
-RULE_ONLY = ("ignore_range",)  # not a failure: never drawn by `set_rate`
+RULE_ONLY = ("ignore_range", "trickle_body")  # not a failure: never drawn by `set_rate`
 _RANGE_LINE = re.compile(rb"\r\nrange:[^\r]*", re.IGNORECASE)
 _REASONS = {
     400: "Bad Request",
@@ -194,12 +196,14 @@ class FaultProxy(LoopThreadServer):
         target_host: str = "127.0.0.1",
         seed: int = 0,
         stall_s: float = 3.0,
+        trickle_s: float = 0.2,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__()
         self.target = (target_host, target_port)
         self.seed = seed
         self.stall_s = stall_s
+        self.trickle_s = trickle_s
         self.ssl_context = ssl_context
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.log: list[tuple[str, str, str | None]] = []  # (method, object path, Range header), in order
@@ -465,6 +469,16 @@ class FaultProxy(LoopThreadServer):
                 await client_w.drain()
             return False
         length = int(headers["content-length"])
+        if kind == "trickle_body":
+            half = length // 2
+            await _copy_exact(server_r, client_w, half)
+            for _ in range(length - half):
+                await asyncio.sleep(self.trickle_s)
+                if client_w.is_closing():
+                    raise _Closed  # the client gave up on it
+                client_w.write(await server_r.readexactly(1))
+                await client_w.drain()
+            return not close
         if kind in BODY_FAULTS:
             half = length // 2
             await _copy_exact(server_r, client_w, half)

@@ -32,7 +32,13 @@ __all__ = ["DIRECT_RETRY", "read_samples", "sample_runs"]
 RUN_BYTES = 4 * 2**20
 #: The retry policy of direct reads (`RetryConfig` fields): short, since a failure only sends
 #: the batch to the cache, which must not wait out the default deadline first.
-DIRECT_RETRY = {"max_attempts": 3, "max_backoff_s": 1.0, "deadline_s": 10.0, "read_timeout_s": 10.0}
+DIRECT_RETRY = {
+    "max_attempts": 3,
+    "max_backoff_s": 1.0,
+    "deadline_s": 10.0,
+    "read_timeout_s": 10.0,
+    "stall_timeout_s": 10.0,
+}
 
 
 def sample_runs(index: SampleIndex, samples: Sequence[int], most: int = RUN_BYTES) -> list[list[int]]:

@@ -29,6 +29,7 @@ DOCTOR_RETRY = RetryConfig(
     deadline_s=15.0,
     connect_timeout_s=5.0,
     read_timeout_s=20.0,
+    stall_timeout_s=20.0,
 )
 LISTED_AT_MOST = 1000
 SLOW_STREAM_MB_S = 25.0  # one stream slower than this is a slow path (a proxy, a VPN, a far region)

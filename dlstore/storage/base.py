@@ -8,8 +8,9 @@ Contract (every backend passes `tests/test_store_contract.py` unchanged):
   for any number of objects (well past 10,000).
 * `get(key, start, end)` streams bytes; a read cut off mid-body resumes from the last
   byte received, so the caller sees each byte once; the retry budget (attempts and
-  deadline) starts again after any attempt that made progress. `get_range` returns
-  exactly the bytes asked for.
+  deadline) starts again after any attempt that made progress. A read whose next chunk
+  takes longer than `stall_timeout_s` is cut (`StalledRead`) and resumed the same way.
+  `get_range` returns exactly the bytes asked for.
 * `put(key, data)` takes bytes, a path, a binary file or an iterator of bytes and
   streams it; objects larger than `segment_size` go as S3 multipart uploads or Swift
   static large objects. A put is atomic: readers see the old object or the new one.
@@ -42,8 +43,9 @@ from typing import BinaryIO, Union
 from urllib.parse import urlsplit
 
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.errors import ConfigError, DlstoreError, NotFound, ObjectChanged, TransientError
+from dlstore.errors import ConfigError, DlstoreError, NotFound, ObjectChanged, StalledRead, TransientError
 from dlstore.storage.retry import ProgressRetry, call_with_retry
+from dlstore.storage.stall import StallWatch
 
 __all__ = [
     "ObjectInfo",
@@ -269,13 +271,30 @@ class Store(ABC):
                     if end is not None and position >= end:
                         return
             except TransientError as exc:
-                retry.failed(exc, progressed=position > reached)
+                # A trickle moves a few bytes per cut: not progress, or it would never end.
+                least = self.config.chunk_size if isinstance(exc, StalledRead) else 1
+                retry.failed(exc, progressed=position - reached >= least)
                 continue
             if pin.size is not None and position < min(pin.size, end or pin.size):
                 raise ObjectChanged(
                     f"{self.join(key)}: a resumed read ended at byte {position} of the {pin.size} the object had"
                 )
             return
+
+    def _stall_watch(self) -> StallWatch:
+        """This process's watch over this store's streamed reads (see `dlstore.storage.stall`);
+        backends whose reads it can cut use it in `_read`."""
+        watch = self.__dict__.get("_client_stall_watch")
+        timeout_s = self.config.retry.stall_timeout_s
+        if watch is None or watch.pid != os.getpid() or watch.timeout_s != timeout_s:
+            watch = self.__dict__["_client_stall_watch"] = StallWatch(timeout_s)
+        return watch
+
+    def _stalled(self, what: str) -> StalledRead:
+        return StalledRead(
+            f"{what}: no {self.config.chunk_size} bytes came within {self.config.retry.stall_timeout_s:g} s "
+            "(a stalled or trickling connection); the read was cut"
+        )
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
         """Exactly `length` bytes from offset `start` (fewer only if the object ends first)."""

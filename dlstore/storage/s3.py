@@ -309,10 +309,13 @@ class S3Store(Store):
             pin.note(response.get("ETag"), size)
         received = 0
         chunk_size = self.config.chunk_size
+        # A trickling server is cut from the watch's thread (urllib3's `HTTPResponse.shutdown`).
+        read = self._stall_watch().watch(body._raw_stream.shutdown)
         try:
             # Body.read(n) hands back urllib3's own bytes object: no copy here, no hashing.
             while True:
-                chunk = body.read(chunk_size)
+                with read.waiting():
+                    chunk = body.read(chunk_size)
                 if not chunk:
                     break
                 received += len(chunk)
@@ -322,10 +325,13 @@ class S3Store(Store):
                         continue
                 yield chunk
         except Exception as exc:
-            raise _map_error(exc, what) from None
+            raise self._stalled(what) if read.cut else _map_error(exc, what) from None
         finally:
+            read.done()
             body.close()
         if expected is not None and received != expected:
+            if read.cut:
+                raise self._stalled(what)
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
 
     # -- buckets ----------------------------------------------------------------------

@@ -144,16 +144,6 @@ _CONTENT_RANGE = re.compile(rb"content-range:\s*bytes\s+(\d+)-(\d+)/", re.IGNORE
 _SINGLE_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/")
 
 
-def _read_all(body: Iterator[bytes], what: str) -> bytes:
-    """A streamed body whole; a failure mid-body as our error."""
-    try:
-        return b"".join(body)
-    except Exception as exc:
-        raise _map_error(exc, what) from None
-    finally:
-        body.close()
-
-
 # -- errors ---------------------------------------------------------------------------------
 def _map_error(exc: BaseException, what: str) -> DlstoreError:
     """Our error for a swiftclient/requests/keystoneauth exception, built from the status and
@@ -490,9 +480,16 @@ class SwiftStore(Store):
         if pin is not None:
             pin.note(response_headers.get("etag"), size)
         received = 0
+        chunks = iter(body)
+        # A trickling server is cut from the watch's thread (`HTTPResponse.shutdown`).
+        read = self._stall_watch().watch(body.resp.raw.shutdown)
         try:
             # The body hands back urllib3's bytes as they come: no copies, no hashing here.
-            for chunk in body:
+            while True:
+                with read.waiting():
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    break
                 received += len(chunk)
                 if skip:  # the whole object came: its bytes before `start` are not the range's
                     chunk, skip = skip_prefix(chunk, skip)
@@ -500,11 +497,35 @@ class SwiftStore(Store):
                         continue
                 yield chunk
         except Exception as exc:
-            raise _map_error(exc, what) from None
+            raise self._stalled(what) if read.cut else _map_error(exc, what) from None
         finally:
+            read.done()
             body.close()  # also drops a connection left half-read by an abandoned generator
         if expected is not None and received != expected:
+            if read.cut:
+                raise self._stalled(what)
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
+
+    def _read_whole(self, body: Any, what: str) -> bytes:
+        """A streamed body whole, cut if it stalls as `_read` is; a failure mid-body as our error."""
+        read = self._stall_watch().watch(body.resp.raw.shutdown)
+        chunks = iter(body)
+        parts = []
+        try:
+            while True:
+                with read.waiting():
+                    chunk = next(chunks, None)
+                if chunk is None:
+                    break
+                parts.append(chunk)
+        except Exception as exc:
+            raise self._stalled(what) if read.cut else _map_error(exc, what) from None
+        finally:
+            read.done()
+            body.close()
+        if read.cut:  # cut, a body may just end early
+            raise self._stalled(what)
+        return b"".join(parts)
 
     #: Swift serves up to 50 ascending byte ranges in one GET (`swift.common.swob.MAX_RANGES`).
     ranges_per_get = 50
@@ -529,9 +550,9 @@ class SwiftStore(Store):
             boundary = dict(p.strip().split("=", 1) for p in parameters.split(";") if "=" in p).get("boundary")
             single = _SINGLE_RANGE.match(response_headers.get("content-range", ""))
             if kind.strip() == "multipart/byteranges" and boundary:
-                parts = parse_byteranges(_read_all(body, what), boundary.strip('"').encode()).items()
+                parts = parse_byteranges(self._read_whole(body, what), boundary.strip('"').encode()).items()
             elif single:  # one span lay inside the object: a plain 206 of it
-                parts = {int(single[1]): _read_all(body, what)}.items()
+                parts = {int(single[1]): self._read_whole(body, what)}.items()
             else:  # the whole object: not read
                 body.close()
                 return None

@@ -1,0 +1,103 @@
+"""Cutting streamed reads that stopped moving: a server that sends a byte a second never trips
+a socket's read timeout, and urllib3 waits for a whole chunk, so only another thread can end
+such a read (`urllib3.HTTPResponse.shutdown`, made for this). The read then fails as
+`StalledRead` and `Store.get` resumes it from its next byte on a fresh connection.
+
+>>> read = StallWatch(timeout_s=60.0).watch(response.shutdown)   # doctest: +SKIP
+>>> try:                                                          # doctest: +SKIP
+...     while True:
+...         with read.waiting():              # only the wait for the server counts
+...             chunk = response.read(2**20)
+...         if not chunk:
+...             break
+...         yield chunk                       # a slow consumer is no stall
+... finally:
+...     read.done()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+__all__ = ["StallWatch", "WatchedRead"]
+
+log = logging.getLogger(__name__)
+
+
+class WatchedRead:
+    """One read under a `StallWatch`: `waiting()` around each wait for the server's next chunk,
+    `done()` at its end; `cut` is true once the watch has cut it."""
+
+    def __init__(self, watch: StallWatch, cut: Callable[[], None]) -> None:
+        self._watch = watch
+        self._cut = cut
+        self.cut = False
+        self.since: float | None = None  # when the current wait began; None between waits
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        self.since = time.monotonic()
+        try:
+            yield
+        finally:
+            self.since = None
+
+    def done(self) -> None:
+        self._watch.forget(self)
+
+    def stalled(self, now: float, timeout_s: float) -> bool:
+        since = self.since
+        return not self.cut and since is not None and now - since > timeout_s
+
+    def shut(self) -> None:
+        self.cut = True
+        try:
+            self._cut()
+        except Exception as exc:  # already closed or released: nothing is blocked on it then
+            log.debug("cutting a stalled read: %r", exc)
+
+
+class StallWatch:
+    """One daemon thread for a store's reads, running only while reads are watched: every
+    quarter of `timeout_s` (at most a second) it cuts each read whose wait for the server has
+    lasted longer than `timeout_s`. Made again in a forked child (`pid`), whose copy of the
+    thread does not run."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.pid = os.getpid()
+        self._reads: set[WatchedRead] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, cut: Callable[[], None]) -> WatchedRead:
+        """A `WatchedRead` that `cut()` ends (called from the watch's thread) when it stalls."""
+        read = WatchedRead(self, cut)
+        with self._lock:
+            self._reads.add(read)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dlstore-stall-watch", daemon=True)
+                self._thread.start()
+        return read
+
+    def forget(self, read: WatchedRead) -> None:
+        with self._lock:
+            self._reads.discard(read)
+
+    def _run(self) -> None:
+        period = min(1.0, self.timeout_s / 4)
+        while True:
+            time.sleep(period)
+            now = time.monotonic()
+            with self._lock:
+                if not self._reads:
+                    self._thread = None  # the next `watching` starts another
+                    return
+                stalled = [read for read in self._reads if read.stalled(now, self.timeout_s)]
+            for read in stalled:
+                read.shut()
