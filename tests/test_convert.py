@@ -39,7 +39,7 @@ from dlstore.convert.arrays import ArrayReader
 from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBuilder
 from dlstore.convert.shard_plan import plan_tasks
 from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
-from dlstore.errors import ConfigError, CorruptSample, CorruptShard, FormatError
+from dlstore.errors import ConfigError, CorruptSample, CorruptShard, DlstoreError, FormatError
 from dlstore.manifest import MANIFEST_NAME, Manifest
 from dlstore.sample_index import SampleIndex, load_sample_index, sample_digest
 from dlstore.shards import IMAGE_FIELDS, image_field, iter_samples, read_sample
@@ -393,6 +393,32 @@ def test_resume_after_a_failure_midway_gives_the_same_dataset(data, tmp_path, wo
     assert files_of(tmp_path / "out") == files_of(tmp_path / "ref")
     again = convert("imagenet", made.root, f"file://{tmp_path}/out", dataclasses.replace(options, rehash_existing=True))
     assert again.shards_written == 0 and files_of(tmp_path / "out") == files_of(tmp_path / "ref")
+
+
+@pytest.mark.parametrize("damage", ["deleted", "replaced"])
+def test_a_shard_deleted_or_replaced_during_the_conversion_is_found_before_the_manifest(data, tmp_path, damage):
+    """An object the conversion wrote that is gone (or another size) when it ends: no manifest,
+    an error naming it; the same conversion again mends it. It once reported success, and the
+    dataset failed only at `verify` or in training."""
+    made = data["imagenet"]
+    options = dataclasses.replace(OPTS, samples_per_shard=3, workers=1)
+    convert("imagenet", made.root, f"file://{tmp_path}/ref", options)
+    out = tmp_path / "out"
+
+    def damage_the_first_shard(progress):
+        first = out / "shard-000000.tar"
+        if progress.shards_done >= 2 and first.exists() and first.stat().st_size % 512 == 0:
+            if damage == "deleted":
+                first.unlink()
+            else:
+                first.write_bytes(first.read_bytes() + b"x")  # another version, another size
+
+    with pytest.raises(DlstoreError, match=r"shard-000000\.tar (is gone|has \d+ bytes, not the \d+ written)"):
+        convert("imagenet", made.root, f"file://{out}", options, progress=damage_the_first_shard)
+    assert MANIFEST_NAME not in files_of(out)
+    summary = convert("imagenet", made.root, f"file://{out}", options)
+    assert summary.shards_written >= 1
+    assert files_of(out) == files_of(tmp_path / "ref")
 
 
 def test_a_failing_convert_ends_promptly_and_a_resume_gives_the_same_dataset(data, tmp_path):

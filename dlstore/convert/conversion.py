@@ -24,7 +24,7 @@ from dlstore.convert.options import ConvertOptions, ConvertProgress, ConvertSumm
 from dlstore.convert.shard_plan import ShardTask, plan_tasks
 from dlstore.convert.sources import list_source
 from dlstore.convert.workers import build_shards
-from dlstore.errors import ConfigError, FormatError, NotFound
+from dlstore.errors import ConfigError, DlstoreError, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest
 from dlstore.sample_index import SampleIndex, index_name
 from dlstore.shard_writer import is_dlstore_header
@@ -79,6 +79,7 @@ def convert(
     build_shards(store, source, options, todo, built, report)
 
     results = [built[task.number] for task in tasks]
+    _check_shards_are_there(store, options.prefix, results)
     manifest = _save_manifest(store, source, options, creation, results)
     _remove_stale_shards(store, listed, tasks, replaced)
     skipped = [s for b in results for s in b.skipped] + source.skipped
@@ -253,6 +254,34 @@ class _ProgressReport:
                 len(self.tasks),
                 sum(b.reused for b in self.built.values()),
             )
+        )
+
+
+def _check_shards_are_there(store: Store, prefix: str, results: list[Built]) -> None:
+    """Every shard and index the manifest will name is in the store at its size, or no manifest
+    is written: an object deleted or replaced while the conversion ran (by hand, by a lifecycle
+    rule, by a second conversion into the same place) made a dataset that failed only later,
+    at `verify` or in training. One listing; what it lacks is asked for (HEAD), since a Swift
+    container listing may lag behind the objects just written."""
+    listed = {info.key: info.size for info in store.list(prefix)}
+    expected = {b.info.name: b.info.size for b in results}
+    expected |= {b.info.index: b.info.index_size for b in results if b.info.index and b.info.index_size is not None}
+    wrong = []
+    for key, size in sorted(expected.items()):
+        if listed.get(key) == size:
+            continue
+        try:
+            found = store.stat(key).size
+        except NotFound:
+            wrong.append(f"{key} is gone")
+            continue
+        if found != size:
+            wrong.append(f"{key} has {found} bytes, not the {size} written")
+    if wrong:
+        raise DlstoreError(
+            f"{store.url}: {len(wrong)} object(s) written by this conversion changed before it ended "
+            f"({'; '.join(wrong[:3])}{'; ...' if len(wrong) > 3 else ''}); no manifest was written: "
+            "run the same conversion again to write them"
         )
 
 
