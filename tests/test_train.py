@@ -435,6 +435,12 @@ def test_a_batch_of_only_corrupt_samples_is_skipped_not_trained_on(tmp_path, cap
     assert "no samples" in caplog.text
 
 
+def test_a_model_name_with_a_typo_is_refused_before_the_data_is_opened(tmp_path):
+    cfg = _cpu_run(tmp_path, f"file://{tmp_path}/no-such-dataset/train", model="resnet5o")
+    with pytest.raises(ConfigError, match="unknown model 'resnet5o'.*did you mean resnet50"):
+        main(cfg)
+
+
 def test_a_val_set_of_other_classes_is_refused_before_training(tmp_path):
     """A val set converted from another dataset (or another class list) would be evaluated
     against the wrong outputs: a crash after the first epoch, or a top-1 that means nothing."""

@@ -49,7 +49,7 @@ from dlstore.train.resume import (
 )
 from dlstore.train.seeding import rng_state, seed_everything, set_determinism, set_rng_state
 from dlstore.train.signals import EXIT_PREEMPTED, StopSignals
-from dlstore.train.step import amp_dtype_for, build_model, lr_factor, param_groups, training_step
+from dlstore.train.step import amp_dtype_for, build_model, check_model_name, lr_factor, param_groups, training_step
 from dlstore.train.window import StepWindow
 
 __all__ = ["EXIT_PREEMPTED", "Trainer", "main"]
@@ -101,6 +101,7 @@ class Trainer:
         if ctx.is_main:  # its config and metrics go there: refused now rather than after the model is built
             writable_dir(cfg.output_dir, "--output-dir")
         self._check_same_settings()
+        check_model_name(cfg.model)
         self._build_data()
         self._build_model()
         self.ckpts = None

@@ -5,6 +5,7 @@ very same step on synthetic data, so "what the GPU demands" is what training ask
 from __future__ import annotations
 
 import contextlib
+import difflib
 import math
 
 import torch
@@ -55,6 +56,18 @@ def lr_factor(step: int, cfg: TrainConfig, steps_per_epoch: int, total_steps: in
         return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
     epoch = step // max(1, steps_per_epoch)
     return cfg.step_gamma ** sum(epoch >= m for m in cfg.step_milestones)
+
+
+def check_model_name(name: str) -> None:
+    """`ConfigError` unless `name` is one of torchvision's classification models: checked before
+    the datasets open, so that a typo is not found only after minutes of listing and caching."""
+    import torchvision
+
+    known = torchvision.models.list_models(module=torchvision.models)
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=3)
+        hint = f"did you mean {', '.join(close)}?" if close else f"e.g. {', '.join(known[:12])}, ..."
+        raise ConfigError(f"unknown model {name!r}: not a torchvision classification model; {hint}")
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
