@@ -16,7 +16,7 @@ from dlstore.bench import STAGES, BenchConfig, BenchReport, LoaderResult, Loader
 from dlstore.bench.report import verdict_for
 from dlstore.cli import main as cli
 from dlstore.config import DataConfig
-from dlstore.errors import ConfigError
+from dlstore.errors import ConfigError, NotFound
 from dlstore.storage import open_store
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -257,3 +257,14 @@ def test_more_scaling_processes_than_gpus_are_refused_before_any_measurement(dat
         check_procs_fit(cfg, torch.device("cuda", 0))
     check_procs_fit(dataclasses.replace(cfg, procs=(1, 2)), torch.device("cuda", 0))
     check_procs_fit(cfg, torch.device("cpu"))  # CPU processes: as many as asked
+
+
+def test_a_model_name_with_a_typo_is_refused_before_any_measurement(tmp_path):
+    from dlstore.bench.run import run_bench
+
+    cfg = BenchConfig(f"file://{tmp_path}/no-such-dataset", model="resnet5o")
+    with pytest.raises(ConfigError, match="unknown model 'resnet5o'"):
+        run_bench(cfg)
+    run_bench_without_demand = dataclasses.replace(cfg, demand=False)
+    with pytest.raises(NotFound):  # no model is built then: the name is not checked
+        run_bench(run_bench_without_demand)

@@ -16,7 +16,7 @@ from dlstore.bench.scaling import check_procs_fit, measure_scaling
 from dlstore.config import writable_dir
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
-from dlstore.train.step import resolve_device
+from dlstore.train.step import check_model_name, resolve_device
 from dlstore.world import available_cores
 
 __all__ = ["run_bench"]
@@ -32,6 +32,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     """
     device = resolve_device(cfg.device)
     check_procs_fit(cfg, device)  # before anything is measured
+    if cfg.demand:
+        check_model_name(cfg.model)
     cache_root = tempfile.mkdtemp(
         prefix="dlstore-bench-", dir=writable_dir(cfg.cache_dir, "--cache-dir") if cfg.cache_dir else None
     )
