@@ -101,6 +101,10 @@ def test_bench_with_decode_on_the_device_runs_on_cpu(dataset_url, tmp_path, caps
     assert report["config"]["decode_on"] == "device"
     (row,) = report["loader"]
     assert row["warm"]["images"] > 0 and row["warm"]["images_per_s"] > 0
+    # The stage table names where the decode happens: not a free decode and a slow copy.
+    shown = capsys.readouterr().out
+    assert "device decode" in shown and "decode and augment run on the device" in shown
+    assert "host-to-device" not in shown
 
 
 def test_bench_runs_each_worker_count_on_each_engine_asked_for(dataset_url, tmp_path, capsys):
