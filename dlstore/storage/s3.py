@@ -310,7 +310,8 @@ class S3Store(Store):
         received = 0
         chunk_size = self.config.chunk_size
         # A trickling server is cut from the watch's thread (urllib3's `HTTPResponse.shutdown`).
-        read = self._stall_watch().watch(body._raw_stream.shutdown)
+        # (botocore's StreamingBody keeps the urllib3 response in `_raw_stream`; else a close.)
+        read = self._stall_watch().watch(getattr(getattr(body, "_raw_stream", None), "shutdown", body.close))
         try:
             # Body.read(n) hands back urllib3's own bytes object: no copy here, no hashing.
             while True:
