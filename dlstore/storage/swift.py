@@ -34,6 +34,7 @@ status, and a filter on the `swiftclient` logger blanks token headers::
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -480,52 +481,39 @@ class SwiftStore(Store):
         if pin is not None:
             pin.note(response_headers.get("etag"), size)
         received = 0
-        chunks = iter(body)
-        # A trickling server is cut from the watch's thread (`HTTPResponse.shutdown`).
-        read = self._stall_watch().watch(body.resp.raw.shutdown)
-        try:
-            # The body hands back urllib3's bytes as they come: no copies, no hashing here.
-            while True:
-                with read.waiting():
-                    chunk = next(chunks, None)
-                if chunk is None:
-                    break
+        # The body hands back urllib3's bytes as they come: no copies, no hashing here. Closed
+        # at once when this generator is abandoned: it drops a half-read connection.
+        with contextlib.closing(self._body_chunks(body, what)) as chunks:
+            for chunk in chunks:
                 received += len(chunk)
                 if skip:  # the whole object came: its bytes before `start` are not the range's
                     chunk, skip = skip_prefix(chunk, skip)
                     if not chunk:
                         continue
                 yield chunk
-        except Exception as exc:
-            raise self._stalled(what) if read.cut else _map_error(exc, what) from None
-        finally:
-            read.done()
-            body.close()  # also drops a connection left half-read by an abandoned generator
         if expected is not None and received != expected:
-            if read.cut:
-                raise self._stalled(what)
             raise TransientError(f"short read of {what}: {received} of {expected} bytes")
 
-    def _read_whole(self, body: Any, what: str) -> bytes:
-        """A streamed body whole, cut if it stalls as `_read` is; a failure mid-body as our error."""
+    def _body_chunks(self, body: Any, what: str) -> Iterator[bytes]:
+        """The chunks of a streamed body, closed at the end (also when the caller abandons it);
+        a failure mid-body as our error, and a stall cut from the watch's thread (urllib3's
+        `HTTPResponse.shutdown`) as `StalledRead`."""
         read = self._stall_watch().watch(body.resp.raw.shutdown)
         chunks = iter(body)
-        parts = []
         try:
             while True:
                 with read.waiting():
                     chunk = next(chunks, None)
                 if chunk is None:
                     break
-                parts.append(chunk)
+                yield chunk
         except Exception as exc:
             raise self._stalled(what) if read.cut else _map_error(exc, what) from None
         finally:
             read.done()
-            body.close()
-        if read.cut:  # cut, a body may just end early
+            body.close()  # also drops a connection left half-read by an abandoned generator
+        if read.cut:  # a cut body may also just end early
             raise self._stalled(what)
-        return b"".join(parts)
 
     #: Swift serves up to 50 ascending byte ranges in one GET (`swift.common.swob.MAX_RANGES`).
     ranges_per_get = 50
@@ -550,9 +538,9 @@ class SwiftStore(Store):
             boundary = dict(p.strip().split("=", 1) for p in parameters.split(";") if "=" in p).get("boundary")
             single = _SINGLE_RANGE.match(response_headers.get("content-range", ""))
             if kind.strip() == "multipart/byteranges" and boundary:
-                parts = parse_byteranges(self._read_whole(body, what), boundary.strip('"').encode()).items()
+                parts = parse_byteranges(b"".join(self._body_chunks(body, what)), boundary.strip('"').encode()).items()
             elif single:  # one span lay inside the object: a plain 206 of it
-                parts = {int(single[1]): self._read_whole(body, what)}.items()
+                parts = {int(single[1]): b"".join(self._body_chunks(body, what))}.items()
             else:  # the whole object: not read
                 body.close()
                 return None
