@@ -173,6 +173,47 @@ def test_a_trickling_server_is_cut_and_the_read_resumed(swift_server, swift_cont
     report(f"trickle ({api})", resumed_s=f"{took:.2f}", gave_up_s=f"{gave_up:.2f}")
 
 
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_an_answer_whose_head_trickles_is_cut_and_asked_again(swift_server, swift_container, api):
+    """A response head sent a byte every 0.2 s (a HEAD, a listing page, a GET's head) is within
+    any read timeout, and it is read inside the client library: the connection it came on is
+    cut after the stall timeout. Once, each call is asked again and answers; for good, it ends
+    in `StalledRead`."""
+    policy = dataclasses.replace(PATIENT_READS, stall_timeout_s=2.0)
+    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy:
+        env = proxied_env(swift_server, proxy, api)
+        store = open_store(f"{api}://{swift_container}/headtrickle", config_for(env, policy))
+        store.put("obj", OBJECT)
+        listing = rf"/{swift_container}(\?|$)"
+        calls = {
+            "HEAD": (r"/headtrickle/obj$", lambda: store.stat("obj").size == len(OBJECT)),
+            "GET": (r"/headtrickle/obj(\?|$)", lambda: store.get_bytes("obj") == OBJECT),
+            "list": (listing, lambda: [i.key for i in store.list()] == ["obj"]),
+        }
+        assert all(call() for _, call in calls.values())  # authenticated, connections warm
+        took = {}
+        for name, (path, call) in calls.items():
+            proxy.add_rule("trickle_head", method="HEAD" if name == "HEAD" else "GET", path=path)
+            started = time.monotonic()
+            assert call(), name
+            took[name] = time.monotonic() - started
+            assert took[name] < 30, name
+        assert proxy.injected_kinds() == {"trickle_head": 3}
+
+        impatient = store.with_retry(dataclasses.replace(policy, deadline_s=3.0, max_attempts=2))
+        for name, method, path, call in (
+            ("HEAD", "HEAD", r"/headtrickle/obj$", lambda: impatient.stat("obj")),
+            ("list", "GET", listing, lambda: list(impatient.list())),
+        ):
+            proxy.add_rule("trickle_head", method=method, path=path, times=None)
+            started = time.monotonic()
+            with pytest.raises(StalledRead, match="no answer within 2 s"):
+                call()
+            assert time.monotonic() - started < 30, name
+            proxy.clear()
+    report(f"trickled head ({api})", **{f"{k}_s": f"{v:.2f}" for k, v in took.items()})
+
+
 def test_a_server_that_ignores_range_still_gives_the_bytes_asked_for(swift_server, swift_container):
     """A server (or a proxy before it) that answers a ranged GET with the whole object (200):
     the bytes before the range are skipped, never taken for it; after a cut, too. It used to

@@ -18,7 +18,7 @@ from dlstore.errors import AuthError, ConfigError, NotFound, ObjectChanged, Tran
 from dlstore.storage import open_store
 from dlstore.storage import s3 as s3_module
 from dlstore.storage import swift as swift_module
-from dlstore.storage.stall import StallWatch
+from dlstore.storage.stall import ConnectionRegistry, StallWatch
 from dlstore.storage.transfer import copy_object
 
 try:  # tests/ as a package
@@ -411,3 +411,35 @@ def test_a_store_made_again_in_a_child_process_has_its_own_stall_watch(tmp_path,
     monkeypatch.setattr("os.getpid", lambda: watch.pid + 1)  # as in a forked child
     assert store._stall_watch() is not watch
     assert "_client_stall_watch" not in store.__getstate__()  # never pickled into a worker
+
+
+def test_a_cut_shuts_only_the_connection_its_thread_sent_on_since_the_call_began():
+    """A connection noted before the call began may be another thread's by now (a shared pool):
+    a cut must not touch it."""
+    import socket
+
+    class Connection:  # what the registry reads of a urllib3 connection: its socket
+        def __init__(self) -> None:
+            self.sock, self.peer = socket.socketpair()
+
+    registry = ConnectionRegistry()
+    older, current = Connection(), Connection()
+    registry.note(older)
+    time.sleep(0.01)
+    cut = registry.cutter()
+    cut()  # nothing sent since: nothing to cut
+    older.peer.sendall(b"x")
+    assert older.sock.recv(1) == b"x"
+    registry.note(current)
+    cut()
+    assert current.sock.recv(1) == b""  # shut: a blocked read would end now
+    other_thread_cut = []
+    thread = threading.Thread(target=lambda: other_thread_cut.append(registry.cutter()))
+    thread.start()
+    thread.join()
+    older.peer.sendall(b"y")
+    other_thread_cut[0]()  # another thread's cut: it sent nothing
+    assert older.sock.recv(1) == b"y"
+    for conn in (older, current):
+        conn.sock.close()
+        conn.peer.close()

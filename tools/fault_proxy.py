@@ -15,6 +15,8 @@ Faults (the `kind` of a rule or of a rate):
   then a clean close (FIN): the client sees a body shorter than announced.
 * ``"stall"``: the response is held back `stall_s` seconds before its first byte.
 * ``"stall_body"``: the head and half the body, then `stall_s` seconds of silence, then the rest.
+* ``"trickle_head"`` (by rule only): the response head one byte every `trickle_s` seconds
+  (then the body as it comes), until the client goes away.
 * ``"trickle_body"`` (by rule only): the head and half the body, then one byte every
   `trickle_s` seconds until the client goes away: each byte within any read timeout.
 * ``"ignore_range"`` (by rule only): the request goes on without its Range header, as to a
@@ -67,7 +69,7 @@ __all__ = ["ALL_FAULTS", "STATUS_FAULTS", "FaultProxy", "Injection", "Rule"]
 STATUS_FAULTS = ("500", "503", "429", "408")
 BODY_FAULTS = ("reset_body", "short_body", "stall_body")
 ALL_FAULTS = (*STATUS_FAULTS, "reset", "reset_body", "short_body", "stall", "stall_body")
-RULE_ONLY = ("ignore_range", "trickle_body")  # not a failure: never drawn by `set_rate`
+RULE_ONLY = ("ignore_range", "trickle_head", "trickle_body")  # not a failure: never drawn by `set_rate`
 _RANGE_LINE = re.compile(rb"\r\nrange:[^\r]*", re.IGNORECASE)
 _REASONS = {
     400: "Bad Request",
@@ -434,6 +436,15 @@ class FaultProxy(LoopThreadServer):
                 body.cancel()
                 await asyncio.gather(body, return_exceptions=True)
 
+    async def _trickle(self, data: bytes, client_w: asyncio.StreamWriter) -> None:
+        """`data` a byte every `trickle_s` seconds, until the client gives up on it."""
+        for i in range(len(data)):
+            await asyncio.sleep(self.trickle_s)
+            if client_w.is_closing():
+                raise _Closed
+            client_w.write(data[i : i + 1])
+            await client_w.drain()
+
     async def _relay_response(
         self, req: _Request, fault: Rule | None, server_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
     ) -> bool:
@@ -450,6 +461,9 @@ class FaultProxy(LoopThreadServer):
         headers = _parse_headers(lines[1:])
         if kind == "stall":
             await asyncio.sleep(self.stall_s)
+        if kind == "trickle_head":
+            await self._trickle(head[:-1], client_w)
+            head = head[-1:]
         client_w.write(head)
         await client_w.drain()
         close = headers.get("connection", "").lower() == "close"
@@ -472,12 +486,7 @@ class FaultProxy(LoopThreadServer):
         if kind == "trickle_body":
             half = length // 2
             await _copy_exact(server_r, client_w, half)
-            for _ in range(length - half):
-                await asyncio.sleep(self.trickle_s)
-                if client_w.is_closing():
-                    raise _Closed  # the client gave up on it
-                client_w.write(await server_r.readexactly(1))
-                await client_w.drain()
+            await self._trickle(await server_r.readexactly(length - half), client_w)
             return not close
         if kind in BODY_FAULTS:
             half = length // 2

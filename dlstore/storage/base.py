@@ -30,6 +30,7 @@ and resumption once, here.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import io
@@ -45,7 +46,7 @@ from urllib.parse import urlsplit
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, DlstoreError, NotFound, ObjectChanged, StalledRead, TransientError
 from dlstore.storage.retry import ProgressRetry, call_with_retry
-from dlstore.storage.stall import StallWatch
+from dlstore.storage.stall import ConnectionRegistry, StallWatch
 
 __all__ = [
     "ObjectInfo",
@@ -289,6 +290,34 @@ class Store(ABC):
         if watch is None or watch.pid != os.getpid() or watch.timeout_s != timeout_s:
             watch = self.__dict__["_client_stall_watch"] = StallWatch(timeout_s)
         return watch
+
+    def _connections(self) -> ConnectionRegistry:
+        """Which connection each thread sends on, for `_answer_watched` (shared by the copies
+        `with_retry` makes, which share the clients)."""
+        return self.__dict__.setdefault("_client_connections", ConnectionRegistry())
+
+    @contextlib.contextmanager
+    def _answer_watched(self, what: str) -> Iterator[None]:
+        """Around a call whose answer the client library awaits (a HEAD, a listing page, a GET's
+        response head), sent on a connection of the `_connections` pools: one that takes longer
+        than `stall_timeout_s` is cut and fails as `StalledRead` (a server that sends its head
+        a byte at a time never trips the read timeout)."""
+        read = self._stall_watch().watch(self._connections().cutter())
+        stalled = StalledRead(
+            f"{what}: no answer within {self.config.retry.stall_timeout_s:g} s "
+            "(a stalled or trickling connection); the request was cut"
+        )
+        try:
+            with read.waiting():
+                yield
+        except Exception:
+            if read.cut:
+                raise stalled from None
+            raise
+        finally:
+            read.done()
+        if read.cut:  # http.client takes a head cut short for a whole one: what came is not the answer
+            raise stalled
 
     def _stalled(self, what: str) -> StalledRead:
         return StalledRead(

@@ -14,6 +14,7 @@ plain put into a missing bucket is `NotFound`, with the command that creates it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import logging
 import os
@@ -42,6 +43,7 @@ from dlstore.storage.base import (
     unknown_host,
 )
 from dlstore.storage.retry import call_with_retry
+from dlstore.storage.stall import ConnectionRegistry, watched_pools
 
 __all__ = ["S3Store", "make_s3_client"]
 
@@ -120,6 +122,22 @@ def _botocore_config(options: dict[str, Any]) -> botocore.config.Config:
             f"botocore {botocore.__version__} is too old ({exc}): dlstore needs boto3 and botocore >= 1.36, "
             "e.g. pip install 'boto3>=1.36'"
         ) from None
+
+
+#: The calls that only wait for an answer: cut when it stalls (`Store._answer_watched`).
+_AWAITED = frozenset({"head_object", "head_bucket"})
+
+
+def _watch_connections(client: Any, registry: ConnectionRegistry) -> None:
+    """botocore's HTTP pools (private: `_endpoint.http_session`) made to note in `registry`
+    which connection each thread sends on; a botocore without them is left as it is, its
+    stalled answers then uncut."""
+    session = getattr(getattr(client, "_endpoint", None), "http_session", None)
+    manager = getattr(session, "_manager", None)
+    if manager is None or not hasattr(session, "_pool_classes_by_scheme"):
+        return
+    pools = watched_pools(session._pool_classes_by_scheme, registry)
+    session._pool_classes_by_scheme = manager.pool_classes_by_scheme = pools
 
 
 def make_s3_client(config: S3Config, connect_timeout_s: float = 10.0, read_timeout_s: float = 60.0) -> Any:
@@ -215,6 +233,7 @@ class S3Store(Store):
         if client is None or getattr(self, "_client_pid", 0) != os.getpid():
             retry = self.config.retry
             client = make_s3_client(self.config.s3, retry.connect_timeout_s, retry.read_timeout_s)
+            _watch_connections(client, self._connections())
             self._client, self._client_pid = client, os.getpid()
         return client
 
@@ -222,10 +241,13 @@ class S3Store(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what: str, method: str, **kwargs: Any) -> Any:
-        try:
-            return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
-        except Exception as exc:
-            raise _map_error(exc, what) from None
+        # What waits for an answer only (not an upload) is cut if the answer stalls.
+        watched = self._answer_watched(what) if method in _AWAITED else contextlib.nullcontext()
+        with watched:
+            try:
+                return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
+            except Exception as exc:
+                raise _map_error(exc, what) from None
 
     # -- listing ----------------------------------------------------------------------
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:
@@ -252,7 +274,8 @@ class S3Store(Store):
 
     def _list_page(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         try:
-            return self.client.list_objects_v2(Bucket=self.bucket, **kwargs)
+            with self._answer_watched(self.url):
+                return self.client.list_objects_v2(Bucket=self.bucket, **kwargs)
         except botocore.exceptions.ClientError as exc:
             error = exc.response.get("Error", {})
             if error.get("Code") == "InternalError" and "412" in str(error.get("Message")):
@@ -286,7 +309,8 @@ class S3Store(Store):
         if pin is not None and pin.etag:
             kwargs["IfMatch"] = pin.etag  # a resume: the version read so far, or 412
         try:
-            response = self.client.get_object(Bucket=self.bucket, **kwargs)
+            with self._answer_watched(what):
+                response = self.client.get_object(Bucket=self.bucket, **kwargs)
         except botocore.exceptions.ClientError as exc:
             code = exc.response.get("Error", {}).get("Code")
             # 416: the range starts at or past the end (or the object is empty): no bytes.

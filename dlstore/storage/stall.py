@@ -13,6 +13,11 @@ such a read (`urllib3.HTTPResponse.shutdown`, made for this). The read then fail
 ...         yield chunk                       # a slow consumer is no stall
 ... finally:
 ...     read.done()
+
+A call whose answer is awaited inside the client library (a HEAD, a listing page, a GET's
+response head) has no response object yet to shut: its connection is found instead. Pools
+made by `watched_pools` note in a `ConnectionRegistry` which connection each thread sends
+its request on, and `ConnectionRegistry.cutter` shuts that connection's socket.
 """
 
 from __future__ import annotations
@@ -20,11 +25,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 
-__all__ = ["StallWatch", "WatchedRead"]
+__all__ = ["ConnectionRegistry", "StallWatch", "WatchedRead", "watched_pools"]
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +108,46 @@ class StallWatch:
                 stalled = [read for read in self._reads if read.stalled(now, self.timeout_s)]
             for read in stalled:
                 read.shut()
+
+
+class ConnectionRegistry:
+    """The connection each thread last sent a request on (urllib3 connections of the pools
+    `watched_pools` makes), so that a call stalled inside a client library can be cut from the
+    watch's thread."""
+
+    def __init__(self) -> None:
+        self._by_thread: dict[int, tuple[weakref.ref, float]] = {}
+
+    def note(self, connection: object) -> None:
+        self._by_thread[threading.get_ident()] = (weakref.ref(connection), time.monotonic())
+
+    def cutter(self) -> Callable[[], None]:
+        """A cut for the calling thread's call that starts now: it shuts the socket of the
+        connection the thread sent its request on, if it sent one since (never an older
+        connection, which may be another thread's by then)."""
+        thread, since = threading.get_ident(), time.monotonic()
+
+        def cut() -> None:
+            ref, noted = self._by_thread.get(thread, (None, 0.0))
+            connection = ref() if ref is not None and noted >= since else None
+            sock = getattr(connection, "sock", None)
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+
+        return cut
+
+
+def watched_pools(pools: Mapping[str, type], registry: ConnectionRegistry) -> dict[str, type]:
+    """Subclasses of urllib3 connection pool classes (scheme: class, as a `PoolManager`'s
+    `pool_classes_by_scheme`) whose connections note themselves in `registry` as each request
+    goes out; they behave as their bases otherwise (botocore's add its own to urllib3's)."""
+    out = {}
+    for scheme, pool in pools.items():
+
+        class Connection(pool.ConnectionCls):  # type: ignore[name-defined,misc]
+            def request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+                registry.note(self)
+                return super().request(*args, **kwargs)
+
+        out[scheme] = type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": Connection})
+    return out

@@ -72,6 +72,7 @@ from dlstore.storage.base import (
     unknown_host,
 )
 from dlstore.storage.retry import call_with_retry
+from dlstore.storage.stall import ConnectionRegistry, watched_pools
 
 __all__ = ["SwiftStore"]
 
@@ -94,6 +95,24 @@ _TRANSIENT_EXCEPTIONS = (
     TimeoutError,
 )
 _auth_lock = threading.Lock()
+#: The calls that only wait for an answer (for a GET with a chunk size, its head): cut when it stalls.
+_AWAITED = frozenset({"get_object", "head_object", "get_container", "head_container"})
+
+
+class _Connection(swiftclient.Connection):
+    """swiftclient's connection, whose HTTP pools note in `registry` which connection each
+    thread sends on, so that the stall watch can cut a call whose answer stalls."""
+
+    def __init__(self, registry: ConnectionRegistry, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.registry = registry
+
+    def http_connection(self, url: str | None = None) -> tuple[Any, Any]:
+        parsed, conn = super().http_connection(url)
+        for scheme in ("https://", "http://"):
+            manager = conn.request_session.get_adapter(scheme).poolmanager
+            manager.pool_classes_by_scheme = watched_pools(manager.pool_classes_by_scheme, self.registry)
+        return parsed, conn
 
 
 def _new_lock_after_fork() -> None:
@@ -354,7 +373,8 @@ class SwiftStore(Store):
         if conn is None:
             cfg = self.config.swift
             retry = self.config.retry
-            conn = swiftclient.Connection(
+            conn = _Connection(
+                self._connections(),
                 preauthurl=token.storage_url,
                 preauthtoken=token.token,
                 retries=0,
@@ -371,8 +391,11 @@ class SwiftStore(Store):
 
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         conn, token = self._connection()
+        # What waits for an answer only (not an upload) is cut if the answer stalls.
+        watched = self._answer_watched(what) if method in _AWAITED else contextlib.nullcontext()
         try:
-            result = getattr(conn, method)(*args, **kwargs)
+            with watched:
+                result = getattr(conn, method)(*args, **kwargs)
         except ClientException as exc:
             if exc.http_status == 401:
                 self._on_unauthorized(token, what)
