@@ -242,6 +242,42 @@ def test_an_expired_swift_token_is_renewed_once_and_nothing_is_lost(
     report(f"case 7 (expired token, {auth})", lost=0, repeated=0, logins=logins)
 
 
+@pytest.mark.parametrize("auth", ["tempauth", "keystone"])
+def test_an_authentication_whose_answer_trickles_is_cut_and_asked_again(swift_server, swift_container, auth):
+    """An identity endpoint that sends its answer a byte every 0.2 s never trips the read
+    timeout: the stall timeout cuts it. Once, the login is asked again and the read goes on;
+    for good, it ends in `StalledRead` within the deadline, not in a hang."""
+    import dataclasses
+
+    from dlstore.errors import StalledRead
+
+    open_store(f"swift://{swift_container}/auth", config_for(swift_server.env())).put("obj", b"x" * 1000)
+    keystone_port = urlsplit(swift_server.keystone_url).port
+    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy, FaultProxy(keystone_port, trickle_s=0.2) as ks:
+        if auth == "tempauth":
+            env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
+            identity, method, path = proxy, "GET", r"^/auth/v1\.0$"
+        else:
+            env = keystone_env(swift_server, swift_server.app_cred_secret, f"{ks.url}/v3")
+            identity, method, path = ks, "POST", r"/auth/tokens$"
+        policy = dataclasses.replace(FAST_RETRY, stall_timeout_s=2.0)
+        identity.add_rule("trickle_head", method=method, path=path)
+        started = time.monotonic()
+        assert open_store(f"swift://{swift_container}/auth", config_for(env, policy)).get_bytes("obj") == b"x" * 1000
+        took = time.monotonic() - started
+        assert identity.injected_kinds() == {"trickle_head": 1}
+        assert took < 30
+
+        identity.add_rule("trickle_head", method=method, path=path, times=None)
+        impatient = dataclasses.replace(policy, deadline_s=3.0)
+        started = time.monotonic()
+        with pytest.raises(StalledRead, match="authenticating for .*no answer within 2 s"):
+            open_store(f"swift://{swift_container}/auth", config_for(env, impatient)).stat("obj")
+        gave_up = time.monotonic() - started
+        assert gave_up < 30
+    report(f"trickled login ({auth})", resumed_s=f"{took:.2f}", gave_up_s=f"{gave_up:.2f}")
+
+
 # -- case 10: TLS ---------------------------------------------------------------------------------
 def _make_ca(name: str):
     from cryptography import x509

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, BinaryIO
 
+import requests
 import requests.exceptions
 import swiftclient
 import urllib3.exceptions
@@ -109,10 +110,35 @@ class _Connection(swiftclient.Connection):
 
     def http_connection(self, url: str | None = None) -> tuple[Any, Any]:
         parsed, conn = super().http_connection(url)
-        for scheme in ("https://", "http://"):
-            manager = conn.request_session.get_adapter(scheme).poolmanager
-            manager.pool_classes_by_scheme = watched_pools(manager.pool_classes_by_scheme, self.registry)
+        _watch_requests(conn.request_session, self.registry)
         return parsed, conn
+
+
+def _watch_requests(session: requests.Session, registry: ConnectionRegistry) -> None:
+    """`session`'s pools made to note in `registry` which connection each thread sends on."""
+    for adapter in session.adapters.values():
+        manager = getattr(adapter, "poolmanager", None)
+        if manager is not None:
+            manager.pool_classes_by_scheme = watched_pools(manager.pool_classes_by_scheme, registry)
+
+
+def _tempauth(cfg: SwiftConfig, timeout: tuple[float, float], registry: ConnectionRegistry) -> tuple[Any, Any]:
+    """(storage URL, token) from a v1 auth endpoint, as swiftclient's `get_auth_1_0` asks, on a
+    connection whose answer the stall watch can cut."""
+    conn = swiftclient.client.HTTPConnection(cfg.auth_url, cacert=cfg.cacert, insecure=cfg.insecure, timeout=timeout)
+    _watch_requests(conn.request_session, registry)
+    headers = {"X-Auth-User": cfg.user or "", "X-Auth-Key": cfg.key.reveal() if cfg.key else ""}
+    try:
+        conn.request("GET", conn.parsed_url.path, "", headers)
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    url = resp.getheader("x-storage-url")
+    # A 200 with a page and no storage URL is an endpoint that is not a v1 auth (as swiftclient says).
+    if resp.status < 200 or resp.status >= 300 or (body and not url):
+        raise ClientException.from_response(resp, "Auth GET failed", body)
+    return url, resp.getheader("x-storage-token", resp.getheader("x-auth-token"))
 
 
 def _new_lock_after_fork() -> None:
@@ -238,7 +264,7 @@ class _Token:
     renewal: bool = False
 
 
-def _keystone_session(cfg: SwiftConfig, timeout: float) -> Any:
+def _keystone_session(cfg: SwiftConfig, timeout: float, registry: ConnectionRegistry) -> Any:
     from keystoneauth1 import session as ks_session
     from keystoneauth1.identity import v2, v3
 
@@ -272,7 +298,9 @@ def _keystone_session(cfg: SwiftConfig, timeout: float) -> Any:
                 project_domain_name=cfg.project_domain_name,
             )
     verify: Any = cfg.cacert if cfg.cacert else not cfg.insecure
-    return ks_session.Session(auth=plugin, verify=verify, timeout=timeout)
+    http = requests.Session()
+    _watch_requests(http, registry)  # its answers, awaited inside keystoneauth, can be cut
+    return ks_session.Session(auth=plugin, verify=verify, timeout=timeout, session=http)
 
 
 class SwiftStore(Store):
@@ -341,24 +369,18 @@ class SwiftStore(Store):
                 return _Token(cfg.storage_url, cfg.auth_token.reveal(), proven=True)
             if not cfg.auth_url:
                 raise AuthError(f"{self.url}: the pre-authenticated token was refused and there are no credentials")
-            if cfg.auth_version in _V1:
-                url, token = swiftclient.client.get_auth_1_0(
-                    cfg.auth_url,
-                    cfg.user,
-                    cfg.key.reveal() if cfg.key else "",
-                    cacert=cfg.cacert,
-                    insecure=cfg.insecure,
-                    timeout=timeout,
-                )
-            else:
-                if self._client_session is None:
-                    self._client_session = _keystone_session(cfg, retry.read_timeout_s)
-                session = self._client_session
-                interface = (cfg.interface or "public").removesuffix("URL")
-                url = session.get_endpoint(
-                    service_type="object-store", interface=interface, region_name=cfg.region_name
-                )
-                token = session.get_token()
+            with self._answer_watched(what):
+                if cfg.auth_version in _V1:
+                    url, token = _tempauth(cfg, timeout, self._connections())
+                else:
+                    if self._client_session is None:
+                        self._client_session = _keystone_session(cfg, retry.read_timeout_s, self._connections())
+                    session = self._client_session
+                    interface = (cfg.interface or "public").removesuffix("URL")
+                    url = session.get_endpoint(
+                        service_type="object-store", interface=interface, region_name=cfg.region_name
+                    )
+                    token = session.get_token()
         except Exception as exc:
             raise _map_error(exc, what) from None
         if not url or not token:
