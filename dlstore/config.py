@@ -145,9 +145,11 @@ class RetryConfig:
     to about 16 s, so a 20 s outage failed a run long before its 120 s deadline.)
 
     `read_timeout_s` bounds one wait for the server; `stall_timeout_s` bounds one chunk of a
-    streamed read (`StoreConfig.chunk_size`): a server that sends a byte a second never trips
-    the first, and held `ls`, `cp`, `verify` and the cache's downloads forever. The default
-    cuts a connection slower than about 17 KB/s (1 MiB a minute) and resumes the read.
+    streamed read (`StoreConfig.chunk_size`) and a whole answer that the client library awaits
+    (a HEAD, a listing page, a login, a GET's response head): a server that sends a byte a
+    second never trips the first, and held `ls`, `cp`, `verify` and the cache's downloads
+    forever. The default cuts a connection slower than about 17 KB/s (1 MiB a minute) and
+    asks again (a read resumes from its next byte).
     """
 
     max_attempts: int = 100
