@@ -103,7 +103,7 @@ class StallWatch:
             now = time.monotonic()
             with self._lock:
                 if not self._reads:
-                    self._thread = None  # the next `watching` starts another
+                    self._thread = None  # the next `watch` starts another
                     return
                 stalled = [read for read in self._reads if read.stalled(now, self.timeout_s)]
             for read in stalled:
