@@ -42,7 +42,7 @@ class TransientError(DlstoreError):
 class StalledRead(TransientError):
     """A streamed read whose next chunk took longer than `RetryConfig.stall_timeout_s`: a server
     that trickles bytes, each within the read timeout. The read was cut; it resumes from its
-    next byte, and a cut that moved less than a chunk is no progress for the retry budget."""
+    next byte; cuts that move less than a chunk between them are no progress for the retry budget."""
 
 
 class ObjectChanged(DlstoreError):

@@ -101,17 +101,32 @@ def test_progress_restarts_the_retry_budget():
     error = TransientError("cut")
     for _ in range(50):  # far more failures than attempts, and far longer than the deadline
         now[0] += 9.0
-        retry.failed(error, progressed=True)
-    retry.failed(error, progressed=False)
-    retry.failed(error, progressed=False)
+        retry.failed(error, moved=1)
+    retry.failed(error, moved=0)
+    retry.failed(error, moved=0)
     with pytest.raises(TransientError):
-        retry.failed(error, progressed=False)  # three attempts in a row without a byte
+        retry.failed(error, moved=0)  # three attempts in a row without a byte
     retry = ProgressRetry(
         RetryConfig(max_attempts=100, initial_backoff_s=0, max_backoff_s=0, deadline_s=10), clock=lambda: now[0]
     )
     now[0] += 11.0
     with pytest.raises(TransientError):
-        retry.failed(error, progressed=False)  # no byte within the deadline
+        retry.failed(error, moved=0)  # no byte within the deadline
+
+
+def test_progress_is_a_chunk_moved_by_one_attempt_or_by_several():
+    """A server that sends a thousand bytes and closes, every time, is no progress: the budget
+    runs out (it once held a download for days). Attempts that each move half a chunk are."""
+    now = [0.0]
+    policy = RetryConfig(max_attempts=5, initial_backoff_s=0, max_backoff_s=0, deadline_s=10)
+    retry = ProgressRetry(policy, least=2**20, clock=lambda: now[0])
+    with pytest.raises(TransientError):
+        for _ in range(5):
+            retry.failed(TransientError("cut early"), moved=1000)
+    retry = ProgressRetry(policy, least=2**20, clock=lambda: now[0])
+    for _ in range(50):
+        now[0] += 4.0
+        retry.failed(TransientError("cut"), moved=2**19)  # half a chunk each: a chunk every two
 
 
 def test_a_stream_cut_again_and_again_completes_while_it_moves(tmp_path):

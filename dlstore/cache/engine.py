@@ -34,8 +34,8 @@ How it works, and why:
   shards are in. `hurry` makes a prefetch that a reader now waits for one. Parts are cut
   for `parts_in_flight` either way, so a narrowed download can widen again.
 * **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes
-  from the next byte after a cut, and whose retry budget starts again after any attempt
-  that moved bytes (`storage.retry.ProgressRetry`).
+  from the next byte after a cut, and whose retry budget starts again each time its cut
+  attempts have moved a chunk (`storage.retry.ProgressRetry`).
 * **The last part asks for one byte more** than the manifest's size, so an object longer
   than its manifest shows (`CorruptShard`) without a stat; a part that ends early shows
   one that is shorter. Nothing is ever written past `size`: the reservation holds. A

@@ -8,8 +8,9 @@ Contract (every backend passes `tests/test_store_contract.py` unchanged):
   for any number of objects (well past 10,000).
 * `get(key, start, end)` streams bytes; a read cut off mid-body resumes from the last
   byte received, so the caller sees each byte once; the retry budget (attempts and
-  deadline) starts again after any attempt that made progress. A read whose next chunk
-  takes longer than `stall_timeout_s` is cut (`StalledRead`) and resumed the same way.
+  deadline) starts again each time the failed attempts have moved a chunk (`chunk_size`).
+  A read whose next chunk takes longer than `stall_timeout_s` is cut (`StalledRead`) and
+  resumed the same way.
   `get_range` returns exactly the bytes asked for.
 * `put(key, data)` takes bytes, a path, a binary file or an iterator of bytes and
   streams it; objects larger than `segment_size` go as S3 multipart uploads or Swift
@@ -252,9 +253,10 @@ class Store(ABC):
         if start < 0 or (end is not None and end < start):
             raise ConfigError(f"invalid byte range [{start}, {end}) for {key!r}")
         position = start
-        # The budget restarts after every attempt that moved bytes (`ProgressRetry`): one
-        # budget for a whole stream would kill a healthy but slow download of a large object.
-        retry = ProgressRetry(self.config.retry)
+        # The budget restarts after every chunk that failed attempts moved (`ProgressRetry`): one
+        # budget for a whole stream would kill a healthy but slow download of a large object,
+        # and a restart after any byte let a server that trickles or cuts early hold it forever.
+        retry = ProgressRetry(self.config.retry, least=self.config.chunk_size)
         # A resume must read the version the first answer came from (`ReadPin`).
         pin = ReadPin()
         while end is None or position < end:
@@ -272,9 +274,7 @@ class Store(ABC):
                     if end is not None and position >= end:
                         return
             except TransientError as exc:
-                # A trickle moves a few bytes per cut: not progress, or it would never end.
-                least = self.config.chunk_size if isinstance(exc, StalledRead) else 1
-                retry.failed(exc, progressed=position - reached >= least)
+                retry.failed(exc, moved=position - reached)
                 continue
             if pin.size is not None and position < min(pin.size, end or pin.size):
                 raise ObjectChanged(

@@ -2,9 +2,10 @@
 
 Two shapes: `retrying`/`call_with_retry` for a call that either succeeds or fails whole
 (its attempts and deadline count from the first try), and `ProgressRetry` for a streamed
-read that resumes where it was cut, whose budget starts again after every attempt that
-moved bytes: a healthy but slow 1 GB download outlives any fixed deadline, and a stream
-cut every few minutes is never killed for it; only a stream that stops moving is.
+read that resumes where it was cut, whose budget starts again each time the failed attempts
+have moved a chunk: a healthy but slow 1 GB download outlives any fixed deadline, and a stream
+cut every few minutes is never killed for it; only a stream that stops moving, or moves a few
+bytes per attempt (a server that closes every answer early, or trickles), is.
 """
 
 from __future__ import annotations
@@ -59,29 +60,35 @@ def call_with_retry(policy: RetryConfig, fn: Callable[[], T]) -> T:
 
 
 class ProgressRetry:
-    """The retry budget of one resumable stream: `max_attempts` attempts in a row that move no
-    byte, within `deadline_s` of the last attempt that moved one (or of the start).
+    """The retry budget of one resumable stream: `max_attempts` failed attempts in a row, within
+    `deadline_s` of the last progress (or of the start). Progress is `least` bytes moved, by one
+    attempt or by the failed attempts since the last progress together: a server that sent a
+    thousand bytes and closed, every time, held a download for days on end.
 
-    >>> retry = ProgressRetry(RetryConfig(deadline_s=30))
+    >>> retry = ProgressRetry(RetryConfig(deadline_s=30), least=2**20)
     >>> while True:                                            # doctest: +SKIP
     ...     try:
-    ...         moved = read_some_more()                        # resumes from the next byte
+    ...         read_some_more()                                # resumes from the next byte
     ...         break
     ...     except TransientError as exc:
-    ...         retry.failed(exc, progressed=moved_anything)    # raises exc once the budget is spent
+    ...         retry.failed(exc, moved=bytes_it_moved)         # raises exc once the budget is spent
     """
 
-    def __init__(self, policy: RetryConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: RetryConfig, *, least: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         self.policy = policy
+        self.least = least
         self._clock = clock
         self._failures = 0
+        self._moved = 0
         self._since = clock()
 
-    def failed(self, exc: TransientError, progressed: bool) -> None:
-        """Count a failed attempt; sleep the backoff and return, or raise `exc` when the
-        budget is spent. An attempt that `progressed` first starts a fresh budget."""
-        if progressed:  # the attempt that moved bytes is not counted: a fresh budget follows it
-            self._failures, self._since = 0, self._clock()
+    def failed(self, exc: TransientError, moved: int) -> None:
+        """Count a failed attempt that `moved` bytes; sleep the backoff and return, or raise `exc`
+        when the budget is spent. Once the attempts since the last progress have moved `least`
+        bytes, a fresh budget starts (this attempt is not counted)."""
+        self._moved += moved
+        if self._moved >= self.least:
+            self._failures, self._moved, self._since = 0, 0, self._clock()
         else:
             self._failures += 1
             if self._failures >= self.policy.max_attempts or self._clock() - self._since >= self.policy.deadline_s:
