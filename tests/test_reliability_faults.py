@@ -214,6 +214,32 @@ def test_an_answer_whose_head_trickles_is_cut_and_asked_again(swift_server, swif
     report(f"trickled head ({api})", **{f"{k}_s": f"{v:.2f}" for k, v in took.items()})
 
 
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_a_trickled_answer_on_a_connection_the_server_closes_is_cut(swift_server, swift_container, api):
+    """An answer that says `Connection: close` (a server at its keep-alive limit) leaves its
+    connection without a socket while its body is read: the cut must still find the socket.
+    A listing page whose body trickles was never cut, and `ls` hung."""
+    policy = dataclasses.replace(PATIENT_READS, stall_timeout_s=2.0)
+    with FaultProxy(server_port(swift_server), trickle_s=0.2, close_connections=True) as proxy:
+        env = proxied_env(swift_server, proxy, api)
+        store = open_store(f"{api}://{swift_container}/closing", config_for(env, policy))
+        store.put("obj", OBJECT)
+        listing = rf"/{swift_container}(\?|$)"
+        proxy.add_rule("trickle_body", method="GET", path=listing)
+        started = time.monotonic()
+        assert [info.key for info in store.list()] == ["obj"]
+        took = time.monotonic() - started
+        assert proxy.injected_kinds() == {"trickle_body": 1} and took < 30
+
+        proxy.add_rule("trickle_body", method="GET", path=listing, times=None)
+        started = time.monotonic()
+        with pytest.raises(StalledRead, match="no answer within 2 s"):
+            list(store.with_retry(dataclasses.replace(policy, deadline_s=3.0, max_attempts=2)).list())
+        gave_up = time.monotonic() - started
+        assert gave_up < 30
+    report(f"trickled listing, Connection: close ({api})", resumed_s=f"{took:.2f}", gave_up_s=f"{gave_up:.2f}")
+
+
 def test_a_server_that_ignores_range_still_gives_the_bytes_asked_for(swift_server, swift_container):
     """A server (or a proxy before it) that answers a ranged GET with the whole object (200):
     the bytes before the range are skipped, never taken for it; after a cut, too. It used to

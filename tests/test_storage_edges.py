@@ -418,28 +418,56 @@ def test_a_cut_shuts_only_the_connection_its_thread_sent_on_since_the_call_began
     a cut must not touch it."""
     import socket
 
-    class Connection:  # what the registry reads of a urllib3 connection: its socket
+    class Connection:  # a socket and the server's end of it
         def __init__(self) -> None:
             self.sock, self.peer = socket.socketpair()
 
     registry = ConnectionRegistry()
     older, current = Connection(), Connection()
-    registry.note(older)
+    registry.note(older.sock)
     time.sleep(0.01)
     cut = registry.cutter()
-    cut()  # nothing sent since: nothing to cut
+    assert cut() is False  # nothing sent since: nothing to cut (the watch tries again later)
     older.peer.sendall(b"x")
     assert older.sock.recv(1) == b"x"
-    registry.note(current)
-    cut()
+    registry.note(current.sock)
+    assert cut() is True
     assert current.sock.recv(1) == b""  # shut: a blocked read would end now
     other_thread_cut = []
     thread = threading.Thread(target=lambda: other_thread_cut.append(registry.cutter()))
     thread.start()
     thread.join()
     older.peer.sendall(b"y")
-    other_thread_cut[0]()  # another thread's cut: it sent nothing
+    assert other_thread_cut[0]() is False  # another thread's cut: it sent nothing
     assert older.sock.recv(1) == b"y"
     for conn in (older, current):
         conn.sock.close()
         conn.peer.close()
+
+
+def test_a_cut_that_finds_nothing_to_shut_is_tried_again_and_never_lands_after_the_wait():
+    """A slow name lookup leaves no socket to shut at the first look: the read must stay
+    watched (it was cut once and never again, and hung), and a cut never lands once the wait
+    it was meant for is over."""
+    watch = StallWatch(timeout_s=0.2)
+    answers = iter([False, False, True])
+    tries: list[bool] = []
+
+    def cut() -> bool:
+        tries.append(next(answers))
+        return tries[-1]
+
+    read = watch.watch(cut)
+    with read.waiting():
+        deadline = time.monotonic() + 5
+        while not read.cut and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert tries == [False, False, True] and read.cut
+    read.done()
+
+    late = watch.watch(lambda: tries.append(True))
+    with late.waiting():
+        pass
+    late.shut()  # the watch saw it waiting, but the wait ended before the cut
+    assert not late.cut and len(tries) == 3
+    late.done()

@@ -19,6 +19,8 @@ Faults (the `kind` of a rule or of a rate):
   (then the body as it comes), until the client goes away.
 * ``"trickle_body"`` (by rule only): the head and half the body, then one byte every
   `trickle_s` seconds until the client goes away: each byte within any read timeout.
+* ``close_connections=True``: every answer says ``Connection: close`` (as a server at its
+  keep-alive limit does), so each request goes on a new connection.
 * ``"ignore_range"`` (by rule only): the request goes on without its Range header, as to a
   server that ignores it: the whole object comes back (200). Swift's API only: S3 clients
   sign the Range header, so the server then refuses the request.
@@ -199,6 +201,7 @@ class FaultProxy(LoopThreadServer):
         seed: int = 0,
         stall_s: float = 3.0,
         trickle_s: float = 0.2,
+        close_connections: bool = False,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__()
@@ -206,6 +209,7 @@ class FaultProxy(LoopThreadServer):
         self.seed = seed
         self.stall_s = stall_s
         self.trickle_s = trickle_s
+        self.close_connections = close_connections
         self.ssl_context = ssl_context
         self.requests: collections.Counter[tuple[str, str]] = collections.Counter()
         self.log: list[tuple[str, str, str | None]] = []  # (method, object path, Range header), in order
@@ -459,6 +463,9 @@ class FaultProxy(LoopThreadServer):
                 continue
             break
         headers = _parse_headers(lines[1:])
+        if self.close_connections and "connection" not in headers:  # as a server at its keep-alive limit
+            head = head[:-2] + b"Connection: close\r\n\r\n"
+            headers["connection"] = "close"
         if kind == "stall":
             await asyncio.sleep(self.stall_s)
         if kind == "trickle_head":

@@ -124,8 +124,10 @@ def _botocore_config(options: dict[str, Any]) -> botocore.config.Config:
         ) from None
 
 
-#: The calls that only wait for an answer: cut when it stalls (`Store._answer_watched`).
-_AWAITED = frozenset({"head_object", "head_bucket"})
+#: The calls that only wait for an answer: cut when it stalls (`Store._answer_watched`). Not
+#: the uploads, whose time grows with their size, nor deletes and the completion of a multipart
+#: upload, which may work through its parts before they answer.
+_AWAITED = frozenset({"head_object", "head_bucket", "create_multipart_upload"})
 
 
 def _watch_connections(client: Any, registry: ConnectionRegistry) -> None:

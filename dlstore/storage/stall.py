@@ -15,9 +15,9 @@ such a read (`urllib3.HTTPResponse.shutdown`, made for this). The read then fail
 ...     read.done()
 
 A call whose answer is awaited inside the client library (a HEAD, a listing page, a GET's
-response head) has no response object yet to shut: its connection is found instead. Pools
-made by `watched_pools` note in a `ConnectionRegistry` which connection each thread sends
-its request on, and `ConnectionRegistry.cutter` shuts that connection's socket.
+response head, a login) has no response object yet to shut: its socket is found instead.
+Pools made by `watched_pools` note in a `ConnectionRegistry` which socket each thread sends
+its request on, and `ConnectionRegistry.cutter` shuts it.
 """
 
 from __future__ import annotations
@@ -40,9 +40,10 @@ class WatchedRead:
     """One read under a `StallWatch`: `waiting()` around each wait for the server's next chunk,
     `done()` at its end; `cut` is true once the watch has cut it."""
 
-    def __init__(self, watch: StallWatch, cut: Callable[[], None]) -> None:
+    def __init__(self, watch: StallWatch, cut: Callable[[], bool | None]) -> None:
         self._watch = watch
         self._cut = cut
+        self._lock = threading.Lock()  # a cut lands inside the wait it was meant for, or not at all
         self.cut = False
         self.since: float | None = None  # when the current wait began; None between waits
 
@@ -52,7 +53,8 @@ class WatchedRead:
         try:
             yield
         finally:
-            self.since = None
+            with self._lock:
+                self.since = None
 
     def done(self) -> None:
         self._watch.forget(self)
@@ -62,11 +64,16 @@ class WatchedRead:
         return not self.cut and since is not None and now - since > timeout_s
 
     def shut(self) -> None:
-        self.cut = True
-        try:
-            self._cut()
-        except Exception as exc:  # already closed or released: nothing is blocked on it then
-            log.debug("cutting a stalled read: %r", exc)
+        """Cut the read if it still waits (it may have moved on since the watch looked). A cut
+        that finds nothing to shut (`False`: no socket yet, during a slow name lookup or
+        connect) leaves the read uncut, to be tried again while the wait lasts."""
+        with self._lock:
+            if self.since is None or self.cut:
+                return
+            try:
+                self.cut = self._cut() is not False
+            except Exception as exc:  # already closed or released: nothing is blocked on it then
+                log.debug("cutting a stalled read: %r", exc)
 
 
 class StallWatch:
@@ -82,8 +89,9 @@ class StallWatch:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def watch(self, cut: Callable[[], None]) -> WatchedRead:
-        """A `WatchedRead` that `cut()` ends (called from the watch's thread) when it stalls."""
+    def watch(self, cut: Callable[[], bool | None]) -> WatchedRead:
+        """A `WatchedRead` that `cut()` ends (called from the watch's thread) when it stalls;
+        `cut` returns False when it found nothing to shut."""
         read = WatchedRead(self, cut)
         with self._lock:
             self._reads.add(read)
@@ -111,28 +119,30 @@ class StallWatch:
 
 
 class ConnectionRegistry:
-    """The connection each thread last sent a request on (urllib3 connections of the pools
-    `watched_pools` makes), so that a call stalled inside a client library can be cut from the
-    watch's thread."""
+    """The socket each thread last sent a request on (through the pools `watched_pools`
+    makes), so that a call stalled inside a client library can be cut from the watch's thread.
+    The socket itself, not its connection: http.client lets go of a connection's socket once an
+    answer says `Connection: close`, and the answer's body is still read from it."""
 
     def __init__(self) -> None:
         self._by_thread: dict[int, tuple[weakref.ref, float]] = {}
 
-    def note(self, connection: object) -> None:
-        self._by_thread[threading.get_ident()] = (weakref.ref(connection), time.monotonic())
+    def note(self, sock: socket.socket) -> None:
+        self._by_thread[threading.get_ident()] = (weakref.ref(sock), time.monotonic())
 
-    def cutter(self) -> Callable[[], None]:
-        """A cut for the calling thread's call that starts now: it shuts the socket of the
-        connection the thread sent its request on, if it sent one since (never an older
-        connection, which may be another thread's by then)."""
+    def cutter(self) -> Callable[[], bool]:
+        """A cut for the calling thread's call that starts now: it shuts the socket the thread
+        sent its request on, if it sent one since (never an older one, which may be another
+        thread's by then); False when there is none yet."""
         thread, since = threading.get_ident(), time.monotonic()
 
-        def cut() -> None:
+        def cut() -> bool:
             ref, noted = self._by_thread.get(thread, (None, 0.0))
-            connection = ref() if ref is not None and noted >= since else None
-            sock = getattr(connection, "sock", None)
-            if sock is not None:
-                sock.shutdown(socket.SHUT_RDWR)
+            sock = ref() if ref is not None and noted >= since else None
+            if sock is None:
+                return False
+            sock.shutdown(socket.SHUT_RDWR)
+            return True
 
         return cut
 
@@ -145,8 +155,13 @@ def watched_pools(pools: Mapping[str, type], registry: ConnectionRegistry) -> di
     for scheme, pool in pools.items():
 
         class Connection(pool.ConnectionCls):  # type: ignore[name-defined,misc]
+            def connect(self) -> None:
+                super().connect()
+                registry.note(self.sock)
+
             def request(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-                registry.note(self)
+                if self.sock is not None:  # a kept-alive connection; a new one notes it in `connect`
+                    registry.note(self.sock)
                 return super().request(*args, **kwargs)
 
         out[scheme] = type(f"Watched{pool.__name__}", (pool,), {"ConnectionCls": Connection})

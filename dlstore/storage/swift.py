@@ -96,8 +96,10 @@ _TRANSIENT_EXCEPTIONS = (
     TimeoutError,
 )
 _auth_lock = threading.Lock()
-#: The calls that only wait for an answer (for a GET with a chunk size, its head): cut when it stalls.
-_AWAITED = frozenset({"get_object", "head_object", "get_container", "head_container"})
+#: The calls that only wait for an answer (for a GET with a chunk size, its head): cut when it
+#: stalls. Not the uploads, whose time grows with their size, nor deletes, which may delete a
+#: large object's segments before they answer.
+_AWAITED = frozenset({"get_object", "head_object", "get_container", "head_container", "put_container"})
 
 
 class _Connection(swiftclient.Connection):
