@@ -528,6 +528,45 @@ def test_resume_auto_goes_back_past_a_checkpoint_that_cannot_be_read(tmp_path, c
         load_checkpoint_url(f"file://{newest}")
 
 
+def test_resume_auto_goes_back_past_a_flipped_bit_and_a_latest_that_names_no_checkpoint(tmp_path, caplog):
+    """A bit flipped in the newest checkpoint's weights loaded silently (torch.load checks no
+    CRC), and a `latest` naming "../x" or a number ended the resume with a raw error. Both now
+    send the resume to the checkpoint before."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    cfg = _cpu_run(tmp_path, url, max_steps=4, checkpoint_every_steps=2)
+    assert main(cfg) == 0
+    ckpt = tmp_path / "ckpt"
+    newest = ckpt / checkpoint_key(4)
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside the weights, far from the zip's headers
+    newest.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="fails its checksum"):
+        load_checkpoint_url(f"file://{newest}")
+    for named in ("../x", 5, "config.json"):
+        (ckpt / "latest").write_text(json.dumps({"key": named}))
+        store = CheckpointStore(open_store(f"file://{ckpt}"))
+        key, state = store.newest_loadable()
+        assert key == checkpoint_key(2) and state["step"] == 2, named
+    assert main(dataclasses.replace(cfg, max_steps=6, resume="auto")) == 0
+    records = [r for r in read_metrics(str(tmp_path / "run" / "metrics.jsonl")) if r["split"] == "train"]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # on from step 2's checkpoint
+
+
+def test_a_checkpoint_url_with_credentials_is_named_without_them(tmp_path):
+    """A --resume URL's password or presigned signature was printed whole in the error (and
+    the "resumed from" line)."""
+    from test_storage_edges import http_server
+
+    with http_server() as server:  # it serves bytes that are no checkpoint
+        parts = server["url"].split("://", 1)
+        url = f"{parts[0]}://alice:hunter2@{parts[1]}/ckpt-000000008.pt?X-Amz-Signature=SECRETSIG"
+        with pytest.raises(FormatError) as caught:
+            load_checkpoint_url(url)
+    assert "hunter2" not in str(caught.value) and "SECRETSIG" not in str(caught.value)
+    assert "alice:***@" in str(caught.value)
+
+
 def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_data_is(tmp_path, caplog):
     """A checkpoint 2 ranks wrote at the end of epoch 0 (3 steps of 2 x 4 samples), resumed on
     one rank (6 steps an epoch): its step 3 is mid-epoch 0 of this world's schedule, whose

@@ -8,6 +8,7 @@ import logging
 import time
 
 from dlstore.errors import DlstoreError
+from dlstore.logs import redact_url
 from dlstore.train.checkpoint import CheckpointStore, load_checkpoint_url
 from dlstore.train.config import TrainConfig
 from dlstore.train.dist import DistContext
@@ -88,7 +89,7 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
             log.warning(
                 "%s already holds checkpoints; this fresh run will write beside them and move 'latest' "
                 "(use --resume auto to continue, or another --checkpoint-url)",
-                cfg.checkpoint_url,
+                redact_url(cfg.checkpoint_url or ""),
             )
         return None
     if cfg.resume == "auto":
@@ -109,7 +110,7 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
         if why is not None:
             raise DlstoreError(f"rank 0 found no checkpoint to resume from: {why}")
         if key is None:
-            log.info("no checkpoint under %s yet: starting fresh", cfg.checkpoint_url)
+            log.info("no checkpoint under %s yet: starting fresh", redact_url(cfg.checkpoint_url or ""))
             return None
         return (found[1] if found is not None else ckpts.load(key)), ckpts.store.join(key)
-    return load_checkpoint_url(cfg.resume), cfg.resume
+    return load_checkpoint_url(cfg.resume), redact_url(cfg.resume)
