@@ -509,6 +509,58 @@ def test_sigterm_during_evaluation_then_resume_matches_an_uninterrupted_run(tmp_
     )
 
 
+def test_a_group_sigterm_that_ends_the_val_workers_still_checkpoints_and_the_resume_evaluates(tmp_path, monkeypatch):
+    """Slurm signals every process of the job: with worker processes, the val loader's workers
+    died of the SIGTERM too, and the run crashed in evaluation ("DataLoader worker exited
+    unexpectedly"), with no checkpoint and exit 1, so it was not requeued. Now it checkpoints and
+    exits 75, and the resumed run evaluates the broken-off epoch first: records as one run's."""
+    import multiprocessing
+
+    url, val_url = f"file://{tmp_path}/data", f"file://{tmp_path}/val"
+    write_dataset(open_store(url), [8, 8, 8])
+    write_dataset(open_store(val_url), [8] * 6)  # 12 val batches: more than the workers build ahead
+    settings = dict(val_url=val_url, epochs=2, engine="processes")
+    whole = _cpu_run(tmp_path / "whole", url, **settings)
+    assert main(whole) == 0
+    cut = _cpu_run(tmp_path / "cut", url, **settings)
+    real_evaluate = Trainer._evaluate
+
+    def group_sigterm_during_the_first(self, epoch, *args):
+        if epoch != 0:
+            return real_evaluate(self, epoch, *args)
+        val_loader = self.val_loader
+
+        class SignalledAfterOneBatch:
+            def __getattr__(self, name):
+                return getattr(val_loader, name)
+
+            def __iter__(self):
+                batches = iter(val_loader)
+                yield next(batches)
+                os.kill(os.getpid(), signal.SIGTERM)
+                for worker in multiprocessing.active_children():  # the rest of the process group
+                    os.kill(worker.pid, signal.SIGTERM)
+                yield from batches
+
+        self.val_loader = SignalledAfterOneBatch()
+        try:
+            return real_evaluate(self, epoch, *args)
+        finally:
+            self.val_loader = val_loader
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trainer, "_evaluate", group_sigterm_during_the_first)
+        assert main(cut) == EXIT_PREEMPTED
+    assert main(dataclasses.replace(cut, resume="auto")) == 0
+
+    def records(run: Path) -> list[tuple]:
+        kept = ("split", "step", "epoch", "loss", "top1", "samples")
+        return [tuple(r.get(k) for k in kept) for r in read_metrics(str(run / "run" / "metrics.jsonl"))]
+
+    assert records(tmp_path / "cut") == records(tmp_path / "whole")
+    assert sum(r[0] == "val" for r in records(tmp_path / "whole")) == 2
+
+
 def test_resume_auto_goes_back_past_a_checkpoint_that_cannot_be_read(tmp_path, caplog):
     """The newest checkpoint cut short (a damaged disk, a store without atomic puts): every
     requeue failed on torch's own error, naming no file. Now it is named, and the one before

@@ -4,6 +4,7 @@ top-1 and top-5 over all of it, each real sample counted exactly once across the
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,31 +33,53 @@ def sibling_val_url(train_url: str, store_config: StoreConfig | None = None) -> 
 
 
 def score(
-    model: nn.Module, loader, ctx: DistContext, amp_dtype: torch.dtype | None, num_classes: int
-) -> dict[str, float]:
+    model: nn.Module,
+    loader,
+    ctx: DistContext,
+    amp_dtype: torch.dtype | None,
+    num_classes: int,
+    stopping: Callable[[], bool] = lambda: False,
+) -> dict[str, float] | None:
     """Loss, top-1 and top-5 of `model` over one pass of `loader` (every rank's share, summed),
     and the number of real samples. The loader must return keys: padded samples (repeats that
     keep the ranks equal) are masked out of the sums.
 
+    None, on every rank, when the pass broke on some rank while `stopping()` (a stop signal
+    came): a SIGTERM to the whole process group (Slurm's) ends the loader's worker processes
+    too, and the run must still reach its checkpoint rather than die of the dead workers.
     The caller sets the epoch and the model's mode; the training RNG stream is left as it was.
     """
     k = min(5, num_classes)
-    sums = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss, top1, top5, samples
+    # loss, top1, top5, samples, and the ranks whose pass broke off for a stop
+    sums = torch.zeros(5, dtype=torch.float64, device=ctx.device)
     # fork_rng: evaluating (and starting its loader) leaves the training RNG stream as it was.
     with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast(ctx.device, amp_dtype):
-        for images, labels, meta in loader:
-            logits = model(images).float()
-            # Pinned by the loader: an asynchronous copy (a blocking one would wait for the GPU).
-            real = meta["padding"].to(labels.device, non_blocking=True).logical_not().double()
-            loss = F.cross_entropy(logits, labels, reduction="none")
-            top = logits.topk(k, dim=1).indices
-            hit1 = (top[:, 0] == labels).double()
-            hit5 = (top == labels[:, None]).any(dim=1).double()
-            sums += torch.stack([(loss * real).sum(), (hit1 * real).sum(), (hit5 * real).sum(), real.sum()])
-    loss_sum, top1, top5, samples = ctx.all_reduce_sum(sums).tolist()
+        try:
+            _score_batches(model, loader, k, sums)
+        except Exception as exc:  # "DataLoader worker (pid ...) exited unexpectedly", a reset...
+            if not stopping():
+                raise  # a stop came: whatever broke the pass, the resume evaluates this epoch again
+            log.warning("evaluation broken off by the stop signal: %s", exc)
+            sums[4] = 1.0
+    loss_sum, top1, top5, samples, broken = ctx.all_reduce_sum(sums).tolist()
+    if broken:
+        return None
     return {
         "loss": loss_sum / max(samples, 1),
         "top1": top1 / max(samples, 1),
         "top5": top5 / max(samples, 1),
         "samples": int(samples),
     }
+
+
+def _score_batches(model: nn.Module, loader, k: int, sums: torch.Tensor) -> None:
+    """Add each batch's loss, hits and real samples into `sums` (no collective in here)."""
+    for images, labels, meta in loader:
+        logits = model(images).float()
+        # Pinned by the loader: an asynchronous copy (a blocking one would wait for the GPU).
+        real = meta["padding"].to(labels.device, non_blocking=True).logical_not().double()
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        top = logits.topk(k, dim=1).indices
+        hit1 = (top[:, 0] == labels).double()
+        hit5 = (top == labels[:, None]).any(dim=1).double()
+        sums[:4] += torch.stack([(loss * real).sum(), (hit1 * real).sum(), (hit5 * real).sum(), real.sum()])

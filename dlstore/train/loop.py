@@ -261,11 +261,28 @@ class Trainer:
             if self.finished:
                 log.info("the checkpoint at step %d is of a finished run: nothing to do", self.step)
                 return 0
+            if previous is not None:
+                self._evaluate_a_broken_off_epoch(previous)
             try:
                 return self._train()
             except KeyboardInterrupt:
                 self._say_where_to_go_on()
                 raise
+
+    def _evaluate_a_broken_off_epoch(self, records: list[dict]) -> None:
+        """The epoch before the resumed one, when the run stands at its end (the loader at the next
+        epoch's start) and it has no val record: a stop signal broke its evaluation off (a
+        SIGTERM to the process group ends the val loader's worker processes). Evaluated now,
+        with the weights it ended with, as the uninterrupted run did. The same on every rank:
+        the records come from the checkpoint."""
+        last = self.epoch - 1
+        at_its_end = self.train_loader.state.epoch == self.epoch and len(self.train_loader) == self.steps_per_epoch
+        if self.val_loader is None or last < 0 or not at_its_end:
+            return
+        if any(r.get("split") == "val" and r.get("epoch") == last and r.get("epoch_done") for r in records):
+            return
+        log.info("epoch %d's evaluation was broken off: evaluating it now", last)
+        self._evaluate(last)
 
     def _say_where_to_go_on(self) -> None:
         """After Ctrl-C (no checkpoint first: that is SIGTERM's or SIGUSR1's), what is kept."""
@@ -460,8 +477,20 @@ class Trainer:
         # later checkpoint) rank 0's on every rank, as the next training forward would.
         self.ctx.broadcast_tensors(list(self.module.buffers()))
         self.eval_model.eval()
-        scores = score(self.eval_model, self.val_loader, self.ctx, self.amp_dtype, len(self.classes))
+        scores = score(
+            self.eval_model,
+            self.val_loader,
+            self.ctx,
+            self.amp_dtype,
+            len(self.classes),
+            stopping=lambda: self.signals.received is not None,
+        )
         self.train_model.train()
+        if scores is None:  # broken off by a stop signal: the step boundary after it checkpoints,
+            # and the resumed run evaluates this epoch first (`_evaluate_a_broken_off_epoch`)
+            if self.ctx.is_main:
+                log.warning("epoch %d's evaluation broken off by %s; a resume evaluates it", epoch, self.signals.name)
+            return None
         record = {
             "split": "val",
             "step": self.step,
