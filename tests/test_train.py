@@ -561,6 +561,27 @@ def test_a_group_sigterm_that_ends_the_val_workers_still_checkpoints_and_the_res
     assert sum(r[0] == "val" for r in records(tmp_path / "whole")) == 2
 
 
+def test_a_run_resumed_from_another_runs_checkpoint_does_not_say_its_own_store_holds_it(tmp_path, caplog, monkeypatch):
+    """Resumed from a checkpoint outside --checkpoint-url, a stop at that same step wrote
+    nothing there and said "after a checkpoint" (Ctrl-C: "the last checkpoint is step 4 in
+    ..."), and `--resume auto` then started afresh."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    first = _cpu_run(tmp_path / "a", url, max_steps=4)
+    assert main(first) == 0
+    other = f"file://{tmp_path}/a/ckpt/{checkpoint_key(4)}"
+    second = _cpu_run(tmp_path / "b", url, max_steps=6, resume=other)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "_train", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(second)
+    assert "no checkpoint was written" in caplog.text
+    assert "the last checkpoint is step 4" not in caplog.text
+
+
 def test_resume_auto_goes_back_past_a_checkpoint_that_cannot_be_read(tmp_path, caplog):
     """The newest checkpoint cut short (a damaged disk, a store without atomic puts): every
     requeue failed on torch's own error, naming no file. Now it is named, and the one before

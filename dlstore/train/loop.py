@@ -610,9 +610,21 @@ class Trainer:
             return None
         state, where = found
         self._load_state(state)
+        if not self._resumed_from_own_store():
+            # This run's --checkpoint-url holds nothing of this step: a stop now must write it
+            # there, and no message may say a checkpoint is there.
+            self.schedule.saved_step = None
         if self.ctx.is_main:
             log.info("resumed from %s at epoch %d, step %d", where, self.epoch, self.step)
         return list(state["metrics"])
+
+    def _resumed_from_own_store(self) -> bool:
+        """Whether the checkpoint resumed from is one of --checkpoint-url's."""
+        cfg = self.cfg
+        if cfg.resume == "auto":
+            return True
+        own = (cfg.checkpoint_url or "").rstrip("/")
+        return bool(own) and cfg.resume.startswith(own + "/")
 
     def _load_state(self, state: dict) -> None:
         if list(state["classes"]) != self.classes:
