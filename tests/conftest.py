@@ -11,6 +11,7 @@ import them by name (tools never import from tests).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import sys
 from pathlib import Path
@@ -23,6 +24,19 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "tools"))
 
 # "tests.swift_fixtures" if tests/ is a package, else "swift_fixtures" (tests/ is on sys.path).
 pytest_plugins = [f"{__package__}.swift_fixtures" if __package__ else "swift_fixtures"]
+
+#: How long the process may take to exit once the session is over.
+EXIT_GRACE_S = 120
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """A process that does not exit after its last test (a thread left blocked, an exit hook
+    waiting) would hold CI until its time limit, with nothing said: after `EXIT_GRACE_S`
+    every thread's stack goes to stderr and the process ends with status 1 (the join of the
+    interpreter's exit, and `atexit` hooks, come after this hook; pytest-timeout's limit
+    covers only tests)."""
+    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
 
 
 @pytest.fixture(autouse=True)

@@ -148,8 +148,11 @@ def test_a_corrupt_shard_in_the_cache_is_found_and_replaced(tmp_path, where, dec
     keys = write_dataset(store, [5, 5, 5])
     cache_dir = tmp_path / "cache"
     ds = dataset(url, cache_dir, shuffle=False)
-    assert sorted(delivered(dlstore.Loader(ds, num_workers=0, device="cpu"))) == sorted(keys)
-    ds.cache.close()  # its prefetch of the next epoch's shards would find the damage itself, at any moment
+    # Both closed before the damage: the loader's lookahead runs on into the next epoch, and the
+    # cache's prefetch fetches that epoch's shards; either would find the damage itself, at any moment.
+    with dlstore.Loader(ds, num_workers=0, device="cpu") as loader:
+        assert sorted(delivered(loader)) == sorted(keys)
+    ds.cache.close()
 
     # Damage one cached shard in place (same size: only a checksum tells).
     shard = "shard-000001.tar"
