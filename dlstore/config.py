@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlstore.errors import ConfigError, NoSpace
+from dlstore.logs import redact_url
 
 __all__ = [
     "DataConfig",
@@ -26,8 +27,26 @@ __all__ = [
     "TransformConfig",
     "format_size",
     "parse_size",
+    "repr_hiding_credentials",
     "writable_dir",
 ]
+
+
+def repr_hiding_credentials(config: Any, url_fields: tuple[str, ...]) -> str:
+    """A dataclass's repr with its URL fields as `redact_url` gives them: a URL may carry a
+    password or a presigned query, and configs are logged, printed and put in errors.
+
+    >>> DataConfig("http://alice:hunter2@host/data", transform="eval", image_size=8)  # doctest: +ELLIPSIS
+    DataConfig(url='http://alice:***@host/data', ...)
+    """
+    shown = []
+    for f in dataclasses.fields(config):
+        if f.repr:
+            value = getattr(config, f.name)
+            if f.name in url_fields and isinstance(value, str):
+                value = redact_url(value)
+            shown.append(f"{f.name}={value!r}")
+    return f"{type(config).__name__}({', '.join(shown)})"
 
 
 class Secret:
@@ -478,9 +497,14 @@ class DataConfig:
             changes["image_size"] = None  # follows the new transform
         return dataclasses.replace(self, **changes)
 
+    def __repr__(self) -> str:
+        return repr_hiding_credentials(self, ("url",))
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-able settings, without the store's (credentials stay out of saved configs)."""
+        """JSON-able settings, without the store's and with the URL's credentials hidden
+        (`redact_url`): credentials stay out of saved configs."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "store"}
+        out["url"] = redact_url(self.url)
         transform = dataclasses.asdict(out.pop("transform"))
         out["transform"] = transform
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}

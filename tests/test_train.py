@@ -8,12 +8,15 @@ as torchrun or srun would, so signals, exit codes and process groups are the rea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -638,6 +641,38 @@ def test_a_checkpoint_url_with_credentials_is_named_without_them(tmp_path):
             load_checkpoint_url(url)
     assert "hunter2" not in str(caught.value) and "SECRETSIG" not in str(caught.value)
     assert "alice:***@" in str(caught.value)
+
+
+def test_a_resume_urls_credentials_stay_out_of_the_saved_configs(tmp_path, caplog):
+    """A --resume URL's password and presigned signature were kept whole in the run's
+    config.json, in every checkpoint's config and in the config's repr."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    first = _cpu_run(tmp_path / "first", url, max_steps=2)
+    assert main(first) == 0
+    caplog.set_level("INFO", logger="dlstore.train")
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    handler = functools.partial(Quiet, directory=str(tmp_path / "first" / "ckpt"))
+    with ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            resume = (
+                f"http://alice:hunter2@127.0.0.1:{server.server_port}/{checkpoint_key(2)}?X-Amz-Signature=SECRETSIG"
+            )
+            cfg = _cpu_run(tmp_path / "second", url, max_steps=3, resume=resume)
+            assert main(cfg) == 0
+        finally:
+            server.shutdown()
+    checkpoint = torch.load(tmp_path / "second" / "ckpt" / checkpoint_key(3), weights_only=True)
+    saved = [(tmp_path / "second" / "run" / "config.json").read_text(), json.dumps(checkpoint["config"]), repr(cfg)]
+    for text in saved:
+        assert "hunter2" not in text and "SECRETSIG" not in text
+        assert "alice:***@127.0.0.1" in text  # still says where it resumed from
+    assert "resumed from http://alice:***@127.0.0.1" in caplog.text and "step 2" in caplog.text
 
 
 def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_data_is(tmp_path, caplog):

@@ -12,14 +12,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dlstore.config import DataConfig
+from dlstore.config import DataConfig, repr_hiding_credentials
 from dlstore.errors import ConfigError
 from dlstore.loader.config import ENGINES
+from dlstore.logs import redact_url
 
 __all__ = ["TrainConfig", "add_train_arguments", "config_from_args", "image_size_for_epoch"]
 
 _AMP = ("auto", "bf16", "fp16", "none")
 _SCHEDULES = ("cosine", "step")
+
+
+#: Settings that are URLs (besides the data's own): a password or a presigned query in one is
+#: hidden in the config's repr and in the config saved with the run and its checkpoints.
+_URL_FIELDS = ("val_url", "checkpoint_url", "resume")
 
 
 @dataclass(frozen=True)
@@ -118,10 +124,14 @@ class TrainConfig:
         """The final training resolution (the data's)."""
         return self.data.image_size
 
+    def __repr__(self) -> str:
+        return repr_hiding_credentials(self, _URL_FIELDS)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able values (tuples become lists); the data settings under "data",
-        without the store's credentials."""
+        without the store's credentials, and the URLs' credentials hidden (`redact_url`)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "data"}
+        values.update({name: redact_url(values[name]) for name in _URL_FIELDS if values[name] is not None})
         return json.loads(json.dumps({"data": self.data.to_dict(), **values}))
 
     @classmethod
