@@ -733,15 +733,20 @@ def test_a_checkpoint_of_another_world_size_keeps_its_partial_metrics_window(tmp
     assert [(r["step"], r["samples"]) for r in train] == [(r["step"], r["samples"]) for r in expected] == [(4, 16)]
 
 
-@pytest.mark.parametrize("other", [["--batch-size", "4"], ["--seed", "1"]])
+@pytest.mark.parametrize(
+    "other", [["--batch-size", "4"], ["--seed", "1"], ["--log-every", "1"], ["--checkpoint-every-steps", "1"]]
+)
 def test_ranks_launched_with_other_settings_all_stop_at_once_saying_which(tmp_path, other):
     """Rank 1 with another batch size made both ranks hang until the collective timeout (30
     minutes by default); with another seed, some samples were read twice an epoch and others
-    never, silently. Every rank now stops before training, and rank 1 names the setting."""
+    never, silently; another --log-every or --checkpoint-every-steps hung too (a rank alone in
+    a log line's all-reduce or a checkpoint's). Every rank now stops before training, and rank
+    1 names the setting."""
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [8, 8, 8])
     args = [
         *(url, "--model", "resnet18", "--image-size", "16", "--batch-size", "8", "--epochs", "1"),
+        *("--log-every", "10", "--checkpoint-url", f"file://{tmp_path}/ckpt"),
         *("--workers", "0", "--device", "cpu", "--amp", "none", "--no-progress", "--no-tensorboard"),
         *("--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out")),
         *("--dist-timeout-minutes", "2"),

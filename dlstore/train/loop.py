@@ -58,6 +58,21 @@ log = logging.getLogger(__name__)
 
 # Beside the result-shaping settings, those that decide which samples each rank reads.
 _SAME_DATA_SETTINGS = ("url", "val_url", "shuffle", "shuffle_window", "drop_last", "window_ramp", "transform")
+# Settings that decide when the ranks meet in a collective (a log line's all-reduce, a
+# checkpoint, the resumed step, a resize, evaluation): a rank that differs waits alone in one.
+_SAME_RUN_SETTINGS = (
+    "log_every",
+    "checkpoint_url",
+    "checkpoint_every_steps",
+    "checkpoint_every_minutes",
+    "resume",
+    "resume_any_data",
+    "resize_start_epoch",
+    "resize_end_epoch",
+    "resize_step",
+    "eval_image_size",
+    "sync_bn",
+)
 
 
 def main(config: TrainConfig) -> int:
@@ -118,14 +133,15 @@ class Trainer:
         self._started = time.monotonic()
 
     def _check_same_settings(self) -> None:
-        """Every rank runs with rank 0's data and result settings, or every rank stops here
-        with an error (the ranks that differ name the settings). Different batch sizes made
-        the job hang until the collective timeout (30 minutes by default), different seeds or
-        shuffles read some samples twice an epoch and others never, silently."""
+        """Every rank runs with rank 0's data, result and collective settings, or every rank
+        stops here with an error (the ranks that differ name the settings). Different batch
+        sizes, --log-every or checkpoint settings made the job hang until the collective
+        timeout (30 minutes by default), different seeds or shuffles read some samples twice
+        an epoch and others never, silently."""
         if self.ctx.world_size == 1:
             return
         flat = flat_settings(self.cfg.to_dict())
-        mine = {name: flat.get(name) for name in (*RESULT_SHAPING, *_SAME_DATA_SETTINGS)}
+        mine = {name: flat.get(name) for name in (*RESULT_SHAPING, *_SAME_DATA_SETTINGS, *_SAME_RUN_SETTINGS)}
         first = self.ctx.broadcast_object(mine)
         differ = [name for name in mine if mine[name] != first.get(name)]
         count = torch.full((), float(bool(differ)), dtype=torch.float64, device=self.device)
