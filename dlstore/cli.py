@@ -28,7 +28,7 @@ from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
 from dlstore.config import DataConfig, format_size, parse_size
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
-from dlstore.errors import ConfigError, DlstoreError
+from dlstore.errors import ConfigError, DlstoreError, StoppedBySignal
 from dlstore.logs import configure_logging, printable
 from dlstore.manifest import MANIFEST_NAME, describe_dataset
 from dlstore.storage import open_object, open_store
@@ -525,30 +525,40 @@ def _verbose_after_the_subcommand_too(sub: argparse._SubParsersAction) -> None:
                 _verbose_after_the_subcommand_too(action)
 
 
+#: Signals that end a command as Ctrl-C does: SIGTERM (`timeout`, `kill`, a batch system) and
+#: SIGUSR1 (Slurm's `--signal` warning before the time limit), whose default actions kill.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: `dlstore train`'s exit code for "stopped; run it again" (`dlstore.train.EXIT_PREEMPTED`).
+_EXIT_RUN_AGAIN = 75
+
+
 @contextlib.contextmanager
-def _ending_cleanly_on_sigterm() -> Iterator[None]:
-    """SIGTERM (`timeout`, `kill`, a batch system) ends a command as Ctrl-C does, through its
-    `finally` blocks: convert's workers stopped and its temp folder removed, half-written
-    objects deleted. By default it killed the process where it stood. `train` installs its own
-    handler over this one (a checkpoint first). The previous handler is back afterwards."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+def _ending_cleanly_on_stop_signals() -> Iterator[None]:
+    """A stop signal ends a command as Ctrl-C does, through its `finally` blocks, with a word:
+    convert's workers stopped and its temp folder removed, half-written objects deleted. By
+    default it killed the process where it stood, silently. `train` installs its own handlers
+    over these (a checkpoint first). The previous handlers are back afterwards."""
+    if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    ours = [sig for sig in _STOP_SIGNALS if signal.getsignal(sig) == signal.SIG_DFL]
+    for sig in ours:
+        signal.signal(sig, _stop)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        for sig in ours:
+            signal.signal(sig, signal.SIG_DFL)
 
 
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
+def _stop(signum: int, frame: object) -> None:
+    raise StoppedBySignal(signum)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.verbose)
-    with _ending_cleanly_on_sigterm():
+    with _ending_cleanly_on_stop_signals():
         return _run(args)
 
 
@@ -560,6 +570,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except StoppedBySignal as stop:
+        print(f"dlstore {args.command}: stopped by {stop}", file=sys.stderr)
+        return _EXIT_RUN_AGAIN if args.command == "train" else 128 + stop.signum
     except BrokenPipeError:  # `dlstore ls ... | head`
         return 0
 

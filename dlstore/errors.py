@@ -6,6 +6,8 @@ react to one kind of failure: only `TransientError` is worth retrying.
 
 from __future__ import annotations
 
+import signal
+
 __all__ = [
     "AuthError",
     "ConfigError",
@@ -16,6 +18,7 @@ __all__ = [
     "NoSpace",
     "NotFound",
     "ObjectChanged",
+    "StoppedBySignal",
     "TransientError",
 ]
 
@@ -68,3 +71,12 @@ class ConfigError(DlstoreError):
 
 class NoSpace(DlstoreError):
     """The local disk (cache or destination), or /dev/shm, is full; nothing partial was left behind."""
+
+
+class StoppedBySignal(BaseException):
+    """A stop signal (SIGTERM, SIGUSR1) ended a command where it stood, as Ctrl-C does: not an
+    error, and a BaseException, so that no `except Exception` on its way (a retry) holds it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

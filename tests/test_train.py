@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -758,6 +758,43 @@ def test_ranks_launched_with_other_settings_all_stop_at_once_saying_which(tmp_pa
     rank1 = (log_dir / "rank1.log").read_text()
     assert f"rank 1 runs with other settings than rank 0: {name}=" in rank1, logs(log_dir)
     assert "1 rank(s) run with other settings than rank 0" in (log_dir / "rank0.log").read_text(), logs(log_dir)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_during_start_up_ends_the_run_saying_so(tmp_path, sig):
+    """A SIGTERM or SIGUSR1 before the training loop had installed its handlers (opening the
+    data, building the model, loading a checkpoint) ended `dlstore train` where it stood, with
+    exit 143 or 138 and not a word. It now ends start-up at once, says so, and exits 75 (run it
+    again): there is nothing to save yet."""
+    asked, release = threading.Event(), threading.Event()
+
+    class Stalling(BaseHTTPRequestHandler):  # the data's store, answering nothing for now
+        def do_GET(self) -> None:
+            asked.set()
+            release.wait(60)
+            self.send_error(404)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), Stalling) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        command = [sys.executable, "-m", "dlstore", "train", f"http://127.0.0.1:{server.server_port}/data"]
+        command += ["--model", "resnet18", "--device", "cpu", "--cache-dir", str(tmp_path / "cache")]
+        command += ["--output-dir", str(tmp_path / "out"), "--no-progress", "--no-tensorboard"]
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env())
+        try:
+            assert asked.wait(60), "the run never asked for its data"
+            process.send_signal(sig)
+            _, stderr = process.communicate(timeout=30)
+        finally:
+            release.set()
+            process.kill()
+            server.shutdown()
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert f"stopped by {sig.name} during start-up" in stderr and "Traceback" not in stderr, stderr[-3000:]
 
 
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):

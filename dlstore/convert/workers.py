@@ -75,7 +75,7 @@ def build_shards(
     raised here once every worker has ended."""
     base = writable_dir(options.tmp_dir, "--tmp-dir") if options.tmp_dir else tempfile.gettempdir()
     # Named before it is made, and made inside the `try`: a SIGTERM or Ctrl-C that lands between
-    # the two (the CLI turns SIGTERM into SystemExit) still finds the `finally` that removes it.
+    # the two (the CLI turns SIGTERM into StoppedBySignal) still finds the `finally` that removes it.
     tmp_dir: str | None = os.path.join(base, f"dlstore-convert-{secrets.token_hex(6)}")
     try:
         try:

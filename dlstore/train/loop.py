@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from dlstore.config import DataConfig, writable_dir
 from dlstore.dataset import Dataset
-from dlstore.errors import ConfigError
+from dlstore.errors import ConfigError, StoppedBySignal
 from dlstore.loader import Loader
 from dlstore.storage import open_store
 from dlstore.train.checkpoint import CheckpointStore
@@ -84,15 +84,23 @@ def main(config: TrainConfig) -> int:
     >>> main(TrainConfig(data, val_url="file:///data/cifar/val", model="resnet18", epochs=2))  # doctest: +SKIP
     0
     """
-    ctx = setup_distributed(device=config.device, timeout_minutes=config.dist_timeout_minutes)
-    trainer = None
-    try:
-        trainer = Trainer(config, ctx)
-        return trainer.run()
-    finally:
-        if trainer is not None:
-            trainer.close()
-        ctx.close()
+    # Installed before anything else: a stop signal during start-up (Slurm's, a scheduler's)
+    # ended the process where it stood, with no word said and exit 143 or 138.
+    signals = StopSignals(raise_until_training=True)
+    ctx = trainer = None
+    with signals:
+        try:
+            ctx = setup_distributed(device=config.device, timeout_minutes=config.dist_timeout_minutes)
+            trainer = Trainer(config, ctx, signals)
+            return trainer.run()
+        except StoppedBySignal as stop:
+            log.warning("stopped by %s during start-up, before training: nothing to save; run it again", stop)
+            return EXIT_PREEMPTED
+        finally:
+            if trainer is not None:
+                trainer.close()
+            if ctx is not None:
+                ctx.close()
 
 
 class Trainer:
@@ -104,7 +112,7 @@ class Trainer:
     state they act on and the order of a run.
     """
 
-    def __init__(self, cfg: TrainConfig, ctx: DistContext) -> None:
+    def __init__(self, cfg: TrainConfig, ctx: DistContext, signals: StopSignals | None = None) -> None:
         self.cfg, self.ctx = cfg, ctx
         self.device = ctx.device
         self.cuda = self.device.type == "cuda"
@@ -125,7 +133,7 @@ class Trainer:
         self.schedule = CheckpointSchedule(cfg.checkpoint_every_minutes, cfg.checkpoint_every_steps)
         self.metrics = MetricsLog(cfg.output_dir, enabled=ctx.is_main, tensorboard=cfg.tensorboard)
         self.window = StepWindow(self.device)
-        self.signals = StopSignals()
+        self.signals = signals or StopSignals()
         self.step = 0
         self.skipped_steps = 0  # batches every rank skipped because one rank's was empty
         self.epoch = 0
@@ -277,6 +285,7 @@ class Trainer:
             if self.finished:
                 log.info("the checkpoint at step %d is of a finished run: nothing to do", self.step)
                 return 0
+            self.signals.training_begins()
             if previous is not None:
                 self._evaluate_a_broken_off_epoch(previous)
             try:

@@ -1,5 +1,7 @@
 """Pre-emption: SIGTERM (Slurm, Kubernetes) and SIGUSR1 (Slurm's `--signal`) ask the run to
-checkpoint and stop; the exit code tells the job script to run it again."""
+checkpoint and stop; the exit code tells the job script to run it again. Before training has
+begun there is nothing to save, and start-up (opening the data, building the model, loading
+a checkpoint) ends where it stands."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import logging
 import signal
 import threading
 from typing import Any
+
+from dlstore.errors import StoppedBySignal
 
 __all__ = ["EXIT_PREEMPTED", "STOP_SIGNALS", "StopSignals"]
 
@@ -28,17 +32,28 @@ class StopSignals:
     True
     """
 
-    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS) -> None:
+    def __init__(self, signals: tuple[int, ...] = STOP_SIGNALS, *, raise_until_training: bool = False) -> None:
         self.signals = signals
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._depth = 0  # nested `with`s: installed by the outermost
+        # Until `training_begins`, a signal raises `StoppedBySignal` where the run stands.
+        self._raising = raise_until_training
 
     def __enter__(self) -> StopSignals:
-        self.install()
+        if self._depth == 0:
+            self.install()
+        self._depth += 1
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.restore()
+        self._depth -= 1
+        if self._depth == 0:
+            self.restore()
+
+    def training_begins(self) -> None:
+        """From here on a signal only notes itself: the loop checkpoints at its next step."""
+        self._raising = False
 
     @property
     def name(self) -> str:
@@ -61,3 +76,6 @@ class StopSignals:
         # Only set a flag: the loop checkpoints at the next step boundary, together with
         # the other ranks. Nothing else is safe to do inside a signal handler.
         self.received = signum
+        if self._raising:
+            self._raising = False  # a second signal, while start-up unwinds, only notes itself
+            raise StoppedBySignal(signum)
