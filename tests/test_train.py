@@ -675,6 +675,63 @@ def test_a_resume_urls_credentials_stay_out_of_the_saved_configs(tmp_path, caplo
     assert "resumed from http://alice:***@127.0.0.1" in caplog.text and "step 2" in caplog.text
 
 
+def _two_ranks_checkpoint_at_epoch_1(tmp_path: Path, url: str) -> TrainConfig:
+    """A one-rank run of 2 epochs of 6 steps whose only checkpoint is as 2 ranks would have
+    saved it at the end of epoch 0: 3 steps, their scheduler at step 3, one entry per rank, and
+    twice the peak rate (the linear scaling rule for their global batch of 8)."""
+    first = _cpu_run(tmp_path, url, epochs=2, warmup_epochs=0.5, max_steps=6)
+    assert main(first) == 0  # one rank: epoch 0 in 6 steps, the loader at epoch 1's start
+    ckpt = tmp_path / "ckpt" / checkpoint_key(6)
+    state = torch.load(ckpt, weights_only=True)
+    state.update(step=3, world_size=2, ranks=state["ranks"] * 2, finished=False)
+    state["scheduler"]["last_epoch"] = state["scheduler"]["_step_count"] = 3
+    state["scheduler"]["base_lrs"] = [2 * lr for lr in state["scheduler"]["base_lrs"]]
+    for group in state["optimizer"]["param_groups"]:
+        group["lr"], group["initial_lr"] = 2 * group["lr"], 2 * group["initial_lr"]
+    torch.save(state, tmp_path / "ckpt" / checkpoint_key(3))
+    ckpt.unlink()
+    (tmp_path / "ckpt" / "latest").unlink()
+    return first
+
+
+def _train_lrs(run: Path) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in read_metrics(str(run / "run" / "metrics.jsonl")) if r["split"] == "train"}
+
+
+def test_a_resume_with_more_steps_trains_its_first_step_at_the_new_schedules_rate(tmp_path):
+    """Resumed with a larger --max-steps (or more --epochs), the first step ran at the rate the
+    old schedule had set for its end (0 for a cosine), not at the new schedule's."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    straight = _cpu_run(tmp_path / "straight", url, epochs=2, warmup_epochs=0.5, max_steps=8)
+    assert main(straight) == 0
+    cut = _cpu_run(tmp_path / "cut", url, epochs=2, warmup_epochs=0.5, max_steps=4)
+    assert main(cut) == 0
+    assert main(dataclasses.replace(cut, max_steps=8, resume="auto")) == 0
+    lrs = _train_lrs(tmp_path / "cut")
+    assert lrs[5] > 0  # it was 0: the rate the old schedule set after its last step
+    assert [lrs[step] for step in (5, 6, 7, 8)] == pytest.approx(
+        [_train_lrs(tmp_path / "straight")[s] for s in (5, 6, 7, 8)]
+    )
+
+
+def test_a_second_resume_after_a_world_size_change_keeps_the_schedules_shift(tmp_path):
+    """Resumed on another number of ranks, the schedule stands ahead of the run's step count
+    (it goes on where the data is), and --max-steps, which counts the run's steps, ends it that
+    much later. The shift was not saved: resumed once more, the schedule ended at --max-steps
+    of the scheduler's own count, behind where it stood, and the rates broke off."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    straight = _two_ranks_checkpoint_at_epoch_1(tmp_path / "straight", url)
+    assert main(dataclasses.replace(straight, max_steps=7, resume="auto")) == 0  # steps 4 to 7 at once
+    twice = _two_ranks_checkpoint_at_epoch_1(tmp_path / "twice", url)
+    assert main(dataclasses.replace(twice, max_steps=5, resume="auto")) == 0
+    assert main(dataclasses.replace(twice, max_steps=7, resume="auto")) == 0  # steps 6 and 7
+    want, got = _train_lrs(tmp_path / "straight"), _train_lrs(tmp_path / "twice")
+    assert want[7] > 0
+    assert [got[6], got[7]] == pytest.approx([want[6], want[7]])
+
+
 def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_data_is(tmp_path, caplog):
     """A checkpoint 2 ranks wrote at the end of epoch 0 (3 steps of 2 x 4 samples), resumed on
     one rank (6 steps an epoch): its step 3 is mid-epoch 0 of this world's schedule, whose
@@ -684,20 +741,7 @@ def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_
     write_dataset(open_store(url), [8, 8, 8])
     whole = _cpu_run(tmp_path / "whole", url, epochs=2, warmup_epochs=0.5)
     assert main(whole) == 0
-    first = _cpu_run(tmp_path / "cut", url, epochs=2, warmup_epochs=0.5, max_steps=6)
-    assert main(first) == 0  # one rank: epoch 0 in 6 steps, the loader at epoch 1's start
-    ckpt = tmp_path / "cut" / "ckpt" / checkpoint_key(6)
-    state = torch.load(ckpt, weights_only=True)
-    # As 2 ranks would have saved it: 3 steps, their scheduler at step 3, one entry per rank,
-    # and twice the peak rate (the linear scaling rule for their global batch of 8).
-    state.update(step=3, world_size=2, ranks=state["ranks"] * 2, finished=False)
-    state["scheduler"]["last_epoch"] = state["scheduler"]["_step_count"] = 3
-    state["scheduler"]["base_lrs"] = [2 * lr for lr in state["scheduler"]["base_lrs"]]
-    for group in state["optimizer"]["param_groups"]:
-        group["lr"], group["initial_lr"] = 2 * group["lr"], 2 * group["initial_lr"]
-    torch.save(state, tmp_path / "cut" / "ckpt" / checkpoint_key(3))
-    ckpt.unlink()
-    (tmp_path / "cut" / "ckpt" / "latest").unlink()
+    first = _two_ranks_checkpoint_at_epoch_1(tmp_path / "cut", url)
     assert main(dataclasses.replace(first, max_steps=None, resume="auto")) == 0
     resumed = [r["lr"] for r in read_metrics(str(tmp_path / "cut" / "run" / "metrics.jsonl")) if r["split"] == "train"]
     uninterrupted = [r["lr"] for r in read_metrics(str(tmp_path / "whole" / "run" / "metrics.jsonl"))

@@ -136,6 +136,7 @@ class Trainer:
         self.signals = signals or StopSignals()
         self.step = 0
         self.skipped_steps = 0  # batches every rank skipped because one rank's was empty
+        self.schedule_offset = 0  # the scheduler's steps ahead of `step` (`_shift_schedule`)
         self.epoch = 0
         self.finished = False
         self._started = time.monotonic()
@@ -619,6 +620,7 @@ class Trainer:
             "model": self.module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "schedule_offset": self.schedule_offset,
             "scaler": self.scaler.state_dict(),
             "loader": self.train_loader.state_dict(),
             "ranks": ranks,
@@ -677,6 +679,21 @@ class Trainer:
         self._load_rank_state(state["ranks"])
         if len(state["ranks"]) != self.ctx.world_size:
             self._rebase_schedule(len(state["ranks"]))
+        else:
+            self._shift_schedule(state.get("schedule_offset", 0))
+            # The next step's rate from this run's schedule, not the saved one's: resumed with
+            # more --max-steps or --epochs, the first step ran at the old schedule's end rate.
+            self.scheduler.last_epoch -= 1
+            self.scheduler.step()
+
+    def _shift_schedule(self, offset: int) -> None:
+        """The scheduler stands `offset` steps ahead of the run's step count (since a resume on
+        another number of ranks): --max-steps, which counts the run's steps, ends the schedule
+        that much later. Saved with each checkpoint, so that later resumes keep it."""
+        self.schedule_offset = offset
+        if self.cfg.max_steps is not None:
+            self.total_steps = min(self.cfg.epochs * self.steps_per_epoch, self.cfg.max_steps + offset)
+        self.scheduler.lr_lambdas = [self._lr_factor_of()] * len(self.optimizer.param_groups)
 
     def _lr_factor_of(self) -> Callable[[int], float]:
         """The schedule's factor of a scheduler step, for this world's epochs and steps."""
@@ -691,10 +708,8 @@ class Trainer:
         --max-steps, which still counts the run's steps (the curves' x axis goes on as it was)."""
         loader, spe = self.train_loader, self.steps_per_epoch
         position = loader.state.epoch * spe + (spe - len(loader))
-        if self.cfg.max_steps is not None:
-            self.total_steps = min(self.cfg.epochs * spe, self.cfg.max_steps + position - self.step)
+        self._shift_schedule(position - self.step)
         groups = self.optimizer.param_groups
-        self.scheduler.lr_lambdas = [self._lr_factor_of()] * len(groups)
         self.scheduler.base_lrs = [self.peak_lr] * len(groups)
         for group in groups:
             group["initial_lr"] = self.peak_lr
