@@ -732,6 +732,24 @@ def test_a_second_resume_after_a_world_size_change_keeps_the_schedules_shift(tmp
     assert [got[6], got[7]] == pytest.approx([want[6], want[7]])
 
 
+def test_a_resume_with_another_batch_size_goes_on_with_the_schedule_where_the_data_is(tmp_path):
+    """Resumed with twice the batch size, the scheduler stood at the saved step count (3 steps
+    of batch 4) in a schedule of batch 8's steps, at the old peak: the rate fell to 0 two steps
+    before the data ended. It goes on from the data's place (12 samples: step 1 of 6, rounded
+    down) at the new global batch's peak, as the uninterrupted run of batch 8 does."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    straight = _cpu_run(tmp_path / "straight", url, epochs=2, warmup_epochs=0.5)
+    assert main(dataclasses.replace(straight, data=straight.data.replace(batch_size=8))) == 0
+    cut = _cpu_run(tmp_path / "cut", url, epochs=2, warmup_epochs=0.5, max_steps=3)
+    assert cut.data.batch_size == 4
+    assert main(cut) == 0
+    assert main(dataclasses.replace(cut, data=cut.data.replace(batch_size=8), max_steps=None, resume="auto")) == 0
+    want, got = _train_lrs(tmp_path / "straight"), _train_lrs(tmp_path / "cut")
+    # Resumed steps 4 to 8 (8 and 4 samples to end epoch 0, then 3 of 8) at positions 1 to 5.
+    assert [got[step] for step in range(4, 9)] == pytest.approx([want[step] for step in range(2, 7)])
+
+
 def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_data_is(tmp_path, caplog):
     """A checkpoint 2 ranks wrote at the end of epoch 0 (3 steps of 2 x 4 samples), resumed on
     one rank (6 steps an epoch): its step 3 is mid-epoch 0 of this world's schedule, whose
@@ -747,7 +765,7 @@ def test_a_checkpoint_of_another_world_size_goes_on_with_the_schedule_where_the_
     uninterrupted = [r["lr"] for r in read_metrics(str(tmp_path / "whole" / "run" / "metrics.jsonl"))
                      if r["split"] == "train" and r["epoch"] == 1]  # fmt: skip
     assert resumed[-6:] == pytest.approx(uninterrupted)
-    assert "resumed on 1: the learning-rate schedule goes on from step 6 of this world's 12" in caplog.text
+    assert "resumed on 1 of batch 4: the learning-rate schedule goes on from step 6 of this world's 12" in caplog.text
 
 
 def test_a_checkpoint_of_another_world_size_keeps_its_partial_metrics_window(tmp_path):

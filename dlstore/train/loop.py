@@ -677,8 +677,9 @@ class Trainer:
         self._set_train_resolution(state["loader"]["epoch"])
         self.train_loader.load_state_dict(state["loader"], strict=not self.cfg.resume_any_data)
         self._load_rank_state(state["ranks"])
-        if len(state["ranks"]) != self.ctx.world_size:
-            self._rebase_schedule(len(state["ranks"]))
+        saved_batch = saved.get("batch_size", self.cfg.data.batch_size)
+        if len(state["ranks"]) != self.ctx.world_size or saved_batch != self.cfg.data.batch_size:
+            self._rebase_schedule(len(state["ranks"]), saved_batch)
         else:
             self._shift_schedule(state.get("schedule_offset", 0))
             # The next step's rate from this run's schedule, not the saved one's: resumed with
@@ -700,9 +701,9 @@ class Trainer:
         cfg, spe, total = self.cfg, self.steps_per_epoch, self.total_steps
         return lambda step: lr_factor(step, cfg, spe, total)
 
-    def _rebase_schedule(self, saved_world: int) -> None:
-        """Resumed on another number of ranks: an epoch has another number of steps here, so
-        the saved step count is another point of this world's schedule. The schedule goes on
+    def _rebase_schedule(self, saved_world: int, saved_batch: int) -> None:
+        """Resumed on another number of ranks or with another batch size: an epoch has another
+        number of steps here, so the saved step count is another point of this world's schedule. The schedule goes on
         from where the data is (the epoch and the batches of it left), with this world's peak
         (the linear scaling rule, for its global batch), and ends with the data, or at
         --max-steps, which still counts the run's steps (the curves' x axis goes on as it was)."""
@@ -717,10 +718,13 @@ class Trainer:
         self.scheduler.step()  # to `position`: the groups' rates set from it
         if self.ctx.is_main:
             log.warning(
-                "checkpoint from %d ranks resumed on %d: the learning-rate schedule goes on from step %d of this "
-                "world's %d (the data's place), not from the saved step %d, with this world's peak rate %.4g",
+                "checkpoint from %d ranks of batch %d resumed on %d of batch %d: the learning-rate schedule goes on "
+                "from step %d of this world's %d (the data's place), not from the saved step %d, with this world's "
+                "peak rate %.4g",
                 saved_world,
+                saved_batch,
                 self.ctx.world_size,
+                self.cfg.data.batch_size,
                 position,
                 self.total_steps,
                 self.step,
