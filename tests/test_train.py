@@ -7,6 +7,7 @@ as torchrun or srun would, so signals, exit codes and process groups are the rea
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -857,6 +858,60 @@ def test_a_stop_signal_during_start_up_ends_the_run_saying_so(tmp_path, sig):
             server.shutdown()
     assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
     assert f"stopped by {sig.name} during start-up" in stderr and "Traceback" not in stderr, stderr[-3000:]
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_ranks_whose_torchrun_agent_is_killed_checkpoint_and_stop(tmp_path):
+    """A torchrun agent killed with SIGKILL (by hand, by the OOM killer) left its ranks training
+    and checkpointing on their own, for the whole run. Each rank now gets SIGTERM when the agent
+    goes: the ranks checkpoint together and exit."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["-m", "dlstore", "train", url, "--model", "resnet18", "--image-size", "16", "--batch-size", "4"]
+    command += ["--epochs", "100000", "--workers", "0", "--device", "cpu", "--amp", "none", "--log-every", "1"]
+    command += ["--no-progress", "--no-tensorboard", "--cache-dir", str(tmp_path / "cache")]
+    command += ["--output-dir", str(tmp_path / "out"), "--checkpoint-url", f"file://{tmp_path}/ckpt"]
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "wb") as log:
+        agent = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        while not (metrics.exists() and '"train"' in metrics.read_text()):  # both ranks are training
+            assert agent.poll() is None and time.monotonic() < deadline, log_path.read_text()[-4000:]
+            time.sleep(0.2)
+        ranks = _children_of(agent.pid)
+        assert len(ranks) == 2, ranks
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 90
+        while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+        assert not alive, f"ranks {alive} still run 90 s after their agent was killed"
+    finally:
+        for pid in [*ranks, agent.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        agent.wait()
+    text = log_path.read_text()
+    assert "for SIGTERM after a checkpoint; rerun with --resume auto" in text, text[-4000:]
+    assert list((tmp_path / "ckpt").glob("ckpt-*.pt")), text[-4000:]
 
 
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):

@@ -8,10 +8,13 @@ the GPU's queue to drain.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import logging
 import os
 import re
+import signal
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +193,31 @@ def _pick_device(local_rank: int, want_cuda: bool, world: World | None = None) -
     return torch.device("cpu")
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def stop_when_the_parent_dies() -> bool:
+    """Have the kernel send this process SIGTERM when its parent ends: under torchrun that is
+    the node's agent, and an agent killed (kill -9, the OOM killer) left its ranks training
+    and checkpointing with no one to stop them. The SIGTERM is a stop signal like any other
+    (a checkpoint, then exit 75). Only for a launcher's child: a run started from a shell
+    that then exits (nohup) must go on. Whether it is set (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as exc:
+        log.warning(
+            "cannot ask for SIGTERM when the launcher dies (%s): a killed launcher leaves this rank running", exc
+        )
+        return False
+    if os.getppid() == 1:  # the parent ended before the request: nothing will send it now
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
+
+
 def setup_distributed(
     launch: Rendezvous | None = None, *, device: str = "auto", timeout_minutes: float = 30.0
 ) -> DistContext:
@@ -203,6 +231,8 @@ def setup_distributed(
     (0, 1, device(type='cuda', index=0))
     """
     launch = launch or Rendezvous.from_env()
+    if launch.launcher == "torchrun":
+        stop_when_the_parent_dies()
     if device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
