@@ -699,6 +699,17 @@ def _train_lrs(run: Path) -> dict[int, float]:
     return {r["step"]: r["lr"] for r in read_metrics(str(run / "run" / "metrics.jsonl")) if r["split"] == "train"}
 
 
+def test_a_resume_with_another_model_is_refused_saying_which(tmp_path):
+    """Resumed with another --model, the run ended in load_state_dict's raw traceback (hundreds
+    of missing and unexpected keys)."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    cfg = _cpu_run(tmp_path, url, max_steps=2)
+    assert main(cfg) == 0
+    with pytest.raises(ConfigError, match="holds a resnet18, this run builds a resnet34: resume with --model resnet18"):
+        main(dataclasses.replace(cfg, model="resnet34", max_steps=4, resume="auto"))
+
+
 def test_a_resume_with_more_steps_trains_its_first_step_at_the_new_schedules_rate(tmp_path):
     """Resumed with a larger --max-steps (or more --epochs), the first step ran at the rate the
     old schedule had set for its end (0 for a cosine), not at the new schedule's."""

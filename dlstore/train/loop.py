@@ -664,6 +664,11 @@ class Trainer:
                 "resuming with changed settings: %s",
                 ", ".join(f"{k} {saved.get(k)!r} -> {current[k]!r}" for k in changed),
             )
+        if saved.get("model", self.cfg.model) != self.cfg.model:
+            raise ConfigError(
+                f"the checkpoint holds a {saved['model']}, this run builds a {self.cfg.model}: resume with --model "
+                f"{saved['model']}, or start afresh (--resume none, or another --checkpoint-url)"
+            )
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
