@@ -177,6 +177,29 @@ def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_pat
     assert second.state_dict()["epoch"] == 6
 
 
+def test_a_malformed_state_is_refused_when_loaded_and_the_loader_goes_on_as_it_was(local_dataset, tmp_path):
+    """A state with more steps than its epoch has was accepted and failed only at the first
+    batch; `version: True` and a float seed passed as 1 and an int; a state that is no dict, or
+    whose "data" is no dict, raised AttributeError and TypeError."""
+    url, _ = local_dataset
+    loader = dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu")
+    good = loader.state_dict()
+    steps = [{"world_size": 1, "local_world_size": 1, "batch_size": loader.dataset.cfg.batch_size, "steps": 10**6}]
+    bad = {
+        "more steps than the epoch has": ({**good, "history": steps}, "ran more steps than its plan has"),
+        "a version that is a bool": ({**good, "version": True}, "unknown loader state version True"),
+        "a seed that is a float": ({**good, "seed": float(good["seed"])}, "another seed"),
+        "no dict": (["state"], "not a list"),
+        "data that is no dict": ({**good, "data": "x"}, "its 'data' is 'x'"),
+    }
+    expected = _epoch(dlstore.Loader(_dataset(url, tmp_path), num_workers=0, device="cpu"))
+    for name, (state, says) in bad.items():
+        with pytest.raises(ConfigError, match=says):
+            loader.load_state_dict(state)
+        assert loader.state_dict() == good, name
+    assert _epoch(loader) == expected
+
+
 @pytest.mark.parametrize(("before", "after"), [("processes", "threads"), ("threads", "processes")])
 def test_a_state_saved_by_one_engine_resumes_in_the_other(local_dataset, tmp_path, before, after):
     url, _ = local_dataset

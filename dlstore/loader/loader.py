@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -162,11 +162,16 @@ class Loader:
         other plan settings would replay another order, skipping and repeating samples: that
         is a `ConfigError` naming what changed, unless `strict=False` (then a warning). The
         window ramp follows the state (see `_follow_saved_order`)."""
-        if state.get("version") not in (1, 2):
-            raise ConfigError(f"unknown loader state version {state.get('version')!r}")
-        if state.get("seed") != self.dataset.cfg.seed:
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"a loader state is the dict Loader.state_dict() gives, not a {type(state).__name__}")
+        version, seed, data = state.get("version"), state.get("seed"), state.get("data")
+        if type(version) is not int or version not in (1, 2):  # True == 1, but no state says True
+            raise ConfigError(f"unknown loader state version {version!r}")
+        if type(seed) is not int or seed != self.dataset.cfg.seed:
             raise ConfigError("loader state was saved with another seed; resuming would change the data order")
-        saved = {**_BEFORE_FINGERPRINTED, **(state.get("data") or {})}
+        if data is not None and not isinstance(data, Mapping):
+            raise ConfigError(f"malformed loader state: its 'data' is {data!r}, not the settings it was saved with")
+        saved = {**_BEFORE_FINGERPRINTED, **(data or {})}
         now = self._fingerprint()
         changed = [k for k in now if "data" in state and k not in _FOLLOWS_THE_STATE and saved.get(k) != now[k]]
         if changed:
@@ -177,6 +182,11 @@ class Loader:
             log.warning("%s; resuming anyway, as asked", message)
         position = EpochState.from_dict(state)
         self._follow_saved_order(bool(saved["window_ramp"]), position.epoch)
+        try:  # planned now: more steps than the epoch has failed only at the first batch
+            self.dataset.plan(position.epoch, position.history)
+        except ConfigError as exc:
+            self._back_to_configured()
+            raise ConfigError(f"loader state: {exc}") from None
         self.state = position
 
     def _fingerprint(self) -> dict:
