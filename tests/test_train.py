@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import os
@@ -30,7 +31,7 @@ from dlstore.cli import build_parser
 from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
-from dlstore.errors import ConfigError, DlstoreError, FormatError
+from dlstore.errors import ConfigError, DlstoreError, FormatError, NoSpace
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
@@ -245,6 +246,42 @@ def test_checkpoint_published_after_it_is_complete_and_pruned_keep_n(tmp_path):
     state = torch.load(tmp_path / names[2], weights_only=True)
     assert state["step"] == 300 and torch.equal(state["model"]["w"], torch.full((3,), 300.0))
     assert load_checkpoint_url(f"file://{tmp_path}/{names[1]}")["step"] == 200
+
+
+def test_a_checkpoint_that_does_not_fit_its_temp_disk_is_a_clear_error_that_leaves_nothing(tmp_path):
+    """A full temp disk ended the run in torch's "[enforce fail at inline_container.cc:672] .
+    unexpected pos 704 vs 598", which names neither the disk nor the way out."""
+    from test_reliability_data import small_disk
+
+    ckpts = CheckpointStore(f"file://{tmp_path}/ckpt", tmp_dir=str(tmp_path / "tmp"))
+    with small_disk(tmp_path / "tmp", 2**20) as kind:
+        if kind != "tmpfs":
+            pytest.skip(f"needs a small tmpfs (root): {kind}")
+        with pytest.raises(NoSpace, match=rf"no space in {tmp_path / 'tmp'} for step 5's checkpoint .*TMPDIR"):
+            ckpts.save({"model": {"w": torch.zeros(2**20)}}, 5)  # 4 MB
+        assert list((tmp_path / "tmp").iterdir()) == []
+    assert ckpts.keys() == [] and not (tmp_path / "ckpt" / "latest").exists()
+
+
+def test_a_save_removes_the_temp_files_killed_saves_left_and_no_other(tmp_path):
+    """A save killed (kill -9, the OOM killer) left its whole checkpoint in $TMPDIR, on a lease's
+    small local disk, for good: the next save removes such files. One that a save in progress
+    holds (locked), one just made, and other files stay."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    hour_ago = time.time() - 3600
+    for name in ("dlstore-ckpt-dead.pt", "dlstore-ckpt-saving.pt", "dlstore-ckpt-new.pt", "other.pt"):
+        (tmp / name).write_bytes(b"x" * 1000)
+        if name != "dlstore-ckpt-new.pt":
+            os.utime(tmp / name, (hour_ago, hour_ago))
+    saving = os.open(tmp / "dlstore-ckpt-saving.pt", os.O_RDONLY)
+    try:
+        fcntl.flock(saving, fcntl.LOCK_EX)  # as a save in progress holds its file
+        CheckpointStore(f"file://{tmp_path}/ckpt", tmp_dir=str(tmp)).save({"x": torch.zeros(1)}, 1)
+    finally:
+        os.close(saving)
+    assert sorted(p.name for p in tmp.iterdir()) == ["dlstore-ckpt-new.pt", "dlstore-ckpt-saving.pt", "other.pt"]
+    assert (tmp_path / "ckpt" / checkpoint_key(1)).exists()
 
 
 def test_latest_key_without_pointer_takes_newest_complete_checkpoint(tmp_path):

@@ -21,11 +21,15 @@ imported; every tensor is on the CPU.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import io
 import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import time
 import zipfile
@@ -33,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dlstore.errors import ConfigError, FormatError, NotFound
+from dlstore.errors import ConfigError, FormatError, NoSpace, NotFound
 from dlstore.logs import redact_url
 from dlstore.storage import Store, open_object, open_store
 
@@ -98,6 +102,58 @@ def _load_bytes(data: bytes, where: str) -> dict:
     return state
 
 
+_TEMP_PREFIX = "dlstore-ckpt-"
+#: A temp file younger than this is never swept (made, and not locked yet, by a save starting now).
+_SWEEP_MIN_AGE_S = 60.0
+#: Less free space than this where a save failed: the disk was full (torch says only "unexpected pos").
+_FULL_BELOW_BYTES = 64 * 2**20
+
+
+def _remove_what_killed_saves_left(tmp_dir: str) -> None:
+    """Delete the temp files of saves that were killed (kill -9, a node's OOM killer): each
+    was a whole checkpoint's size, on a lease's small local disk, and nothing removed them. A
+    save holds its file's lock until its upload is done, so an unlocked one is a dead save's."""
+    try:
+        names = [n for n in os.listdir(tmp_dir) if n.startswith(_TEMP_PREFIX) and n.endswith(".pt")]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(tmp_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(fd)
+            if time.time() - info.st_mtime < _SWEEP_MIN_AGE_S or info.st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a save in progress (this process's, or another's)
+            os.unlink(path)
+            log.warning("removed %s (%.0f MB), which a killed checkpoint save left", path, info.st_size / 1e6)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _raise_if_no_space(exc: BaseException, tmp_dir: str, file: Any, step: int) -> None:
+    """A `NoSpace` naming the folder, when `torch.save` failed because its disk is full."""
+    try:
+        free = shutil.disk_usage(tmp_dir).free
+        written = os.fstat(file.fileno()).st_size
+    except OSError:
+        return
+    if free < _FULL_BELOW_BYTES or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        raise NoSpace(
+            f"no space in {tmp_dir} for step {step}'s checkpoint ({written / 1e6:.0f} MB written, {free / 1e6:.0f} MB"
+            " free): free some there, or point TMPDIR at a larger disk (the checkpoint is written there first, then"
+            " uploaded)"
+        ) from exc
+
+
 class CheckpointStore:
     """Save, publish, find and prune checkpoints under one store URL.
 
@@ -130,17 +186,24 @@ class CheckpointStore:
         key = checkpoint_key(step)
         state = {"format": CHECKPOINT_FORMAT, "step": step, **to_cpu(state)}
         started = time.monotonic()
-        fd, path = tempfile.mkstemp(prefix="dlstore-ckpt-", suffix=".pt", dir=self.tmp_dir)
+        tmp_dir = self.tmp_dir or tempfile.gettempdir()
+        _remove_what_killed_saves_left(tmp_dir)
+        fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".pt", dir=tmp_dir)
+        lock = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # held until the upload is done: a later sweep passes it over
             with os.fdopen(fd, "wb") as file:
-                torch.save(state, file)
+                try:
+                    torch.save(state, file)
+                except (OSError, RuntimeError) as exc:
+                    _raise_if_no_space(exc, tmp_dir, file, step)
+                    raise
             size = os.path.getsize(path)
             self.store.put(key, path)
         finally:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
+            os.close(lock)
         # Only now, with the checkpoint complete in the store, is it published.
         pointer = {"key": key, "step": step, "bytes": size, "saved_at": time.time()}
         self.store.put(LATEST, json.dumps(pointer).encode())
