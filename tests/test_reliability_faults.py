@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import random
@@ -212,6 +213,61 @@ def test_an_answer_whose_head_trickles_is_cut_and_asked_again(swift_server, swif
             assert time.monotonic() - started < 30, name
             proxy.clear()
     report(f"trickled head ({api})", **{f"{k}_s": f"{v:.2f}" for k, v in took.items()})
+
+
+class _SlowSource(io.BytesIO):
+    """An upload's source that gives its bytes at `rate` bytes/s (a slow disk, a pipe)."""
+
+    def __init__(self, data: bytes, rate: float) -> None:
+        super().__init__(data)
+        self.rate = rate
+
+    def read(self, size: int | None = -1) -> bytes:
+        block = super().read(size)
+        time.sleep(len(block) / self.rate)
+        return block
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_an_upload_or_delete_whose_answer_trickles_is_cut_and_sent_again(swift_server, swift_container, api):
+    """The answer to an object PUT, a segment's or part's PUT, or a DELETE, sent a byte every
+    0.2 s, held the upload (a checkpoint, a shard) for good: uploads were not watched, since
+    their time grows with their size. Their wait now restarts at each block of the body sent,
+    so an upload that takes its time is never cut (a source slower than the stall timeout
+    here), and a stalled answer is cut and sent again; for good, it ends in `StalledRead`."""
+    policy = dataclasses.replace(PATIENT_READS, stall_timeout_s=2.0)
+    big = bytes(range(256)) * (11 * 2**12)  # 11 MiB: 3 segments or parts of 5 MiB
+    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy:
+        env = {**proxied_env(swift_server, proxy, api), "DLSTORE_SEGMENT_SIZE": str(5 * 2**20)}
+        store = open_store(f"{api}://{swift_container}/uptrickle", config_for(env, policy))
+        store.put("obj", OBJECT)  # authenticated, connections warm
+        started = time.monotonic()
+        store.put("slow", _SlowSource(OBJECT, rate=len(OBJECT) / 3.0))  # 3 s to read, one block at a time
+        assert time.monotonic() - started > 2.0 and store.get_bytes("slow") == OBJECT
+        assert proxy.count("PUT", r"/uptrickle/slow$") == 1  # not cut, not sent again
+        part = r"/uptrickle/big/slo/.*/00000001$" if api == "swift" else r"/uptrickle/big\?.*partNumber=2"
+        calls = {
+            "PUT": ("PUT", r"/uptrickle/obj$", lambda: store.put("obj", OBJECT)),
+            "part": ("PUT", part, lambda: store.put("big", big)),
+            "DELETE": ("DELETE", r"/uptrickle/obj$", lambda: store.delete("obj")),
+        }
+        took = {}
+        for name, (method, path, call) in calls.items():
+            proxy.add_rule("trickle_head", method=method, path=path)
+            started = time.monotonic()
+            call()
+            took[name] = time.monotonic() - started
+            assert took[name] < 30, name
+        assert proxy.injected_kinds() == {"trickle_head": 3}
+        assert store.get_bytes("big") == big and [i.key for i in store.list()] == ["big", "slow"]
+
+        impatient = store.with_retry(dataclasses.replace(policy, deadline_s=3.0, max_attempts=2))
+        proxy.add_rule("trickle_head", method="PUT", path=r"/uptrickle/obj$", times=None)
+        started = time.monotonic()
+        with pytest.raises(StalledRead, match="no answer within 2 s"):
+            impatient.put("obj", OBJECT)
+        assert time.monotonic() - started < 30
+    report(f"trickled upload answer ({api})", **{f"{k}_s": f"{v:.2f}" for k, v in took.items()})
 
 
 @pytest.mark.parametrize("api", ["swift", "s3"])

@@ -15,7 +15,7 @@ fi
 data_dirs=()
 cleanup() {
     for d in "${data_dirs[@]}"; do
-        "$PYTHON" tools/swift_server.py stop --data-dir "$d" >/dev/null 2>&1 || true
+        timeout -k 10 120 "$PYTHON" tools/swift_server.py stop --data-dir "$d" >/dev/null 2>&1 || true
         rm -rf "$d"
     done
 }

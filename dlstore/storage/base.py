@@ -47,7 +47,7 @@ from urllib.parse import urlsplit
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, DlstoreError, NotFound, ObjectChanged, StalledRead, TransientError
 from dlstore.storage.retry import ProgressRetry, call_with_retry
-from dlstore.storage.stall import ConnectionRegistry, StallWatch
+from dlstore.storage.stall import ConnectionRegistry, StallWatch, WatchedRead
 
 __all__ = [
     "ObjectInfo",
@@ -297,19 +297,21 @@ class Store(ABC):
         return self.__dict__.setdefault("_client_connections", ConnectionRegistry())
 
     @contextlib.contextmanager
-    def _answer_watched(self, what: str) -> Iterator[None]:
+    def _answer_watched(self, what: str) -> Iterator[WatchedRead]:
         """Around a call whose answer the client library awaits (a HEAD, a listing page, a GET's
         response head), sent on a connection of the `_connections` pools: one that takes longer
         than `stall_timeout_s` is cut and fails as `StalledRead` (a server that sends its head
-        a byte at a time never trips the read timeout)."""
+        a byte at a time never trips the read timeout). An upload's body given as a
+        `ProgressBody` of the yielded read restarts the wait at each block: it is its answer,
+        or a block that the server does not take, that must not take longer."""
         read = self._stall_watch().watch(self._connections().cutter())
         stalled = StalledRead(
-            f"{what}: no answer within {self.config.retry.stall_timeout_s:g} s "
+            f"{what}: no answer within {self.config.retry.stall_timeout_s:g} s, nor a block of an upload taken "
             "(a stalled or trickling connection); the request was cut"
         )
         try:
             with read.waiting():
-                yield
+                yield read
         except Exception:
             if read.cut:
                 raise stalled from None
@@ -388,7 +390,21 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove `key` (and its segments); `NotFound` if it is not there."""
         key = check_key(key)
-        call_with_retry(self.config.retry, lambda: self._delete(key))
+        failed = False
+
+        def attempt() -> None:
+            nonlocal failed
+            try:
+                self._delete(key)
+            except NotFound:
+                if failed:  # an attempt whose answer was lost (a cut, a reset) may have deleted it
+                    return
+                raise
+            except TransientError:
+                failed = True
+                raise
+
+        call_with_retry(self.config.retry, attempt)
 
     def join(self, key: str) -> str:
         """The full URL of `key`."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import io
 import logging
 import os
 import threading
@@ -43,7 +44,7 @@ from dlstore.storage.base import (
     unknown_host,
 )
 from dlstore.storage.retry import call_with_retry
-from dlstore.storage.stall import ConnectionRegistry, watched_pools
+from dlstore.storage.stall import ConnectionRegistry, ProgressBody, watched_pools
 
 __all__ = ["S3Store", "make_s3_client"]
 
@@ -124,10 +125,13 @@ def _botocore_config(options: dict[str, Any]) -> botocore.config.Config:
         ) from None
 
 
-#: The calls that only wait for an answer: cut when it stalls (`Store._answer_watched`). Not
-#: the uploads, whose time grows with their size, nor deletes and the completion of a multipart
-#: upload, which may work through its parts before they answer.
-_AWAITED = frozenset({"head_object", "head_bucket", "create_multipart_upload"})
+#: The calls cut when their answer stalls (`Store._answer_watched`); an upload's wait restarts
+#: at each block of its body sent (`_UPLOADS`). Not the completion of a multipart upload,
+#: which may work through its parts for minutes before it answers (AWS sends whitespace meanwhile).
+_UPLOADS = frozenset({"put_object", "upload_part"})
+_AWAITED = (
+    frozenset({"head_object", "head_bucket", "create_multipart_upload", "create_bucket", "delete_object"}) | _UPLOADS
+)
 
 
 def _watch_connections(client: Any, registry: ConnectionRegistry) -> None:
@@ -245,7 +249,10 @@ class S3Store(Store):
     def _call(self, what: str, method: str, **kwargs: Any) -> Any:
         # What waits for an answer only (not an upload) is cut if the answer stalls.
         watched = self._answer_watched(what) if method in _AWAITED else contextlib.nullcontext()
-        with watched:
+        with watched as read:
+            if method in _UPLOADS:  # its wait restarts at each block sent
+                body = kwargs["Body"]
+                kwargs["Body"] = ProgressBody(io.BytesIO(body) if isinstance(body, bytes) else body, read)
             try:
                 return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
             except Exception as exc:
@@ -383,7 +390,8 @@ class S3Store(Store):
 
     def _create_bucket(self, what: str, kwargs: dict[str, Any]) -> None:
         try:
-            self.client.create_bucket(Bucket=self.bucket, **kwargs)
+            with self._answer_watched(what):
+                self.client.create_bucket(Bucket=self.bucket, **kwargs)
         except botocore.exceptions.ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code == "BucketAlreadyOwnedByYou":  # made by another process meanwhile

@@ -30,8 +30,9 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any, BinaryIO
 
-__all__ = ["ConnectionRegistry", "StallWatch", "WatchedRead", "watched_pools"]
+__all__ = ["ConnectionRegistry", "ProgressBody", "StallWatch", "WatchedRead", "watched_pools"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,18 @@ class WatchedRead:
             with self._lock:
                 self.since = None
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Around the client's own work inside a watched call (reading an upload's next block
+        from its source): not a wait for the server. The wait starts again after it."""
+        with self._lock:
+            self.since = None
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.since = time.monotonic()
+
     def done(self) -> None:
         self._watch.forget(self)
 
@@ -74,6 +87,28 @@ class WatchedRead:
                 self.cut = self._cut() is not False
             except Exception as exc:  # already closed or released: nothing is blocked on it then
                 log.debug("cutting a stalled read: %r", exc)
+
+
+class ProgressBody:
+    """An upload's body that tells its `WatchedRead` each time a block is taken to be sent:
+    the client sends a block before it takes the next one, so a server that takes the body a
+    byte at a time (or not at all) shows as a wait that does not end. Otherwise it is the file
+    it wraps (seek, tell and the rest, for the client's checksums and length)."""
+
+    def __init__(self, raw: BinaryIO, read: WatchedRead) -> None:
+        self._raw = raw
+        self._watched = read
+
+    def read(self, size: int = -1) -> bytes:
+        with self._watched.paused():
+            return self._raw.read(size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._raw, name)
+
+    def __iter__(self) -> Iterator[bytes]:
+        while block := self.read(2**16):
+            yield block
 
 
 class StallWatch:

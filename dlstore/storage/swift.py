@@ -73,7 +73,7 @@ from dlstore.storage.base import (
     unknown_host,
 )
 from dlstore.storage.retry import call_with_retry
-from dlstore.storage.stall import ConnectionRegistry, watched_pools
+from dlstore.storage.stall import ConnectionRegistry, ProgressBody, watched_pools
 
 __all__ = ["SwiftStore"]
 
@@ -99,7 +99,9 @@ _auth_lock = threading.Lock()
 #: The calls that only wait for an answer (for a GET with a chunk size, its head): cut when it
 #: stalls. Not the uploads, whose time grows with their size, nor deletes, which may delete a
 #: large object's segments before they answer.
-_AWAITED = frozenset({"get_object", "head_object", "get_container", "head_container", "put_container"})
+_AWAITED = frozenset(
+    {"get_object", "head_object", "get_container", "head_container", "put_container", "put_object", "delete_object"}
+)
 
 
 class _Connection(swiftclient.Connection):
@@ -418,7 +420,9 @@ class SwiftStore(Store):
         # What waits for an answer only (not an upload) is cut if the answer stalls.
         watched = self._answer_watched(what) if method in _AWAITED else contextlib.nullcontext()
         try:
-            with watched:
+            with watched as read:
+                if method == "put_object" and hasattr(args[2], "read"):  # its wait restarts at each block sent
+                    args = (*args[:2], ProgressBody(args[2], read), *args[3:])
                 result = getattr(conn, method)(*args, **kwargs)
         except ClientException as exc:
             if exc.http_status == 401:
