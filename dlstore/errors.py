@@ -13,6 +13,7 @@ __all__ = [
     "ConfigError",
     "CorruptSample",
     "CorruptShard",
+    "DamagedObject",
     "DlstoreError",
     "FormatError",
     "NoSpace",
@@ -51,6 +52,11 @@ class StalledRead(TransientError):
 class ObjectChanged(DlstoreError):
     """The object was replaced while it was read (a resumed read found another version, or
     fewer bytes): what was read so far is not one object's. Not retried."""
+
+
+class DamagedObject(DlstoreError):
+    """The store lists the object but cannot serve it whole: a large object whose segments are
+    missing or were changed (Swift answers 409). Never retried."""
 
 
 class CorruptShard(DlstoreError):

@@ -667,6 +667,30 @@ def test_resume_auto_goes_back_past_a_flipped_bit_and_a_latest_that_names_no_che
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]  # on from step 2's checkpoint
 
 
+def test_resume_auto_goes_back_past_a_checkpoint_that_lost_a_segment(
+    swift_server, swift_container, monkeypatch, caplog
+):
+    """A checkpoint stored as a Swift static large object whose segment is gone (deleted by
+    hand, expired) answers 409 Conflict: the resume stopped there with the bare 'HTTP 409',
+    instead of taking the checkpoint before it."""
+    for name, value in swift_server.swift_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DLSTORE_SEGMENT_SIZE", str(2**20))
+    ckpts = CheckpointStore(f"swift://{swift_container}/segments-lost")
+    for step in (1, 2):
+        ckpts.save({"model": {"w": torch.full((2**19,), float(step))}}, step)  # 2 MiB: 3 segments
+    segments = open_store(f"swift://{ckpts.store.segment_container}")
+    newest = sorted(info.key for info in segments.list() if f"/{checkpoint_key(2)}/" in info.key)
+    assert len(newest) == 3
+    for lost in newest[1:]:  # the second (the body breaks off) and the third
+        segments.delete(lost)
+        key, state = CheckpointStore(f"swift://{swift_container}/segments-lost").newest_loadable()
+        assert key == checkpoint_key(1) and float(state["model"]["w"][0]) == 1.0
+        assert "a large object whose segments are missing" in caplog.text
+    with pytest.raises(FormatError, match="409"):
+        load_checkpoint_url(f"swift://{swift_container}/segments-lost/{checkpoint_key(2)}")
+
+
 def test_a_checkpoint_url_with_credentials_is_named_without_them(tmp_path):
     """A --resume URL's password or presigned signature was printed whole in the error (and
     the "resumed from" line)."""

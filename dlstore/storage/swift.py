@@ -56,7 +56,7 @@ import urllib3.exceptions
 from swiftclient.exceptions import ClientException
 
 from dlstore.config import StoreConfig, SwiftConfig
-from dlstore.errors import AuthError, ConfigError, DlstoreError, NotFound, ObjectChanged, TransientError
+from dlstore.errors import AuthError, ConfigError, DamagedObject, DlstoreError, NotFound, ObjectChanged, TransientError
 from dlstore.logs import redact_storage_secrets
 from dlstore.storage.base import (
     ObjectInfo,
@@ -427,6 +427,10 @@ class SwiftStore(Store):
         except ClientException as exc:
             if exc.http_status == 401:
                 self._on_unauthorized(token, what)
+            if exc.http_status == 409 and method == "get_object":
+                raise DamagedObject(
+                    f"{_map_error(exc, what)}: a large object whose segments are missing or were changed"
+                ) from None
             if exc.http_status is None or exc.http_status in (408, 499):
                 conn.close()  # a server timeout leaves the request framing in doubt
             raise _map_error(exc, what) from None

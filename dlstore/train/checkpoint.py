@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dlstore.errors import ConfigError, FormatError, NoSpace, NotFound
+from dlstore.errors import ConfigError, DamagedObject, FormatError, NoSpace, NotFound
 from dlstore.logs import redact_url
 from dlstore.storage import Store, open_object, open_store
 
@@ -268,7 +268,7 @@ class CheckpointStore:
         return None
 
     def load(self, key: str) -> dict:
-        return _load_bytes(self.store.get_bytes(key), self.store.join(key))
+        return _load_bytes(_damaged_is_unreadable(self.store, key), self.store.join(key))
 
     def newest_loadable(self) -> tuple[str, dict] | None:
         """The newest checkpoint that loads, and its state: `latest_key`'s, else the next older
@@ -292,4 +292,13 @@ class CheckpointStore:
 def load_checkpoint_url(url: str) -> dict:
     """Load one checkpoint by its full URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`."""
     store, key = open_object(url)
-    return _load_bytes(store.get_bytes(key), redact_url(url))
+    return _load_bytes(_damaged_is_unreadable(store, key), redact_url(url))
+
+
+def _damaged_is_unreadable(store: Store, key: str) -> bytes:
+    """The object's bytes; one the store cannot serve whole (a segment gone) is a checkpoint
+    that cannot be read (`FormatError`: `--resume auto` goes back past it), not a store failure."""
+    try:
+        return store.get_bytes(key)
+    except DamagedObject as exc:
+        raise FormatError(f"checkpoint {redact_url(store.join(key))} cannot be read: {exc}") from None
