@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -689,6 +690,29 @@ def test_resume_auto_goes_back_past_a_checkpoint_that_lost_a_segment(
         assert "a large object whose segments are missing" in caplog.text
     with pytest.raises(FormatError, match="409"):
         load_checkpoint_url(f"swift://{swift_container}/segments-lost/{checkpoint_key(2)}")
+
+
+def test_a_checkpoint_container_deleted_during_the_run_is_made_again(swift_server, monkeypatch, caplog):
+    """The checkpoint container deleted during a run (by hand, a clean-up script): the next
+    checkpoint ended the run with "container does not exist; create it with `swift post`",
+    though the run makes its container itself. It makes it again and the checkpoint is kept."""
+    for name, value in swift_server.swift_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DLSTORE_SEGMENT_SIZE", str(2**20))
+    container = f"ckpt-gone-{uuid.uuid4().hex[:8]}"
+    ckpts = CheckpointStore(f"swift://{container}/run", keep=5)
+    ckpts.save({"model": {"w": torch.full((2**19,), 1.0)}}, 1)  # 2 MiB: a large object, with segments
+    conn = swift_server.swift_connection()
+    for name in (container, ckpts.store.segment_container):
+        for obj in conn.get_container(name, full_listing=True)[1]:
+            conn.delete_object(name, obj["name"])
+        conn.delete_container(name)
+    for step in (2, 3):  # a large object and a small one
+        ckpts.save({"model": {"w": torch.full((2**19,) if step == 2 else (4,), float(step))}}, step)
+    assert "is gone (deleted during the run?): making it again" in caplog.text
+    assert ckpts.keys() == [checkpoint_key(2), checkpoint_key(3)]
+    assert float(ckpts.load(checkpoint_key(2))["model"]["w"][0]) == 2.0
+    assert ckpts.newest_loadable()[0] == checkpoint_key(3)
 
 
 def test_a_checkpoint_url_with_credentials_is_named_without_them(tmp_path):

@@ -616,6 +616,7 @@ class SwiftStore(Store):
         try:
             self._write_object(key, stream)
         except NotFound as exc:
+            self._client_segments_ready = False  # it may be gone too: looked at again by the next write
             # An object PUT answers 404 only when the container is missing.
             raise NotFound(
                 f"{exc}: container {self.container!r} does not exist; create it with "

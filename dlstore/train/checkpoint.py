@@ -199,14 +199,14 @@ class CheckpointStore:
                     _raise_if_no_space(exc, tmp_dir, file, step)
                     raise
             size = os.path.getsize(path)
-            self.store.put(key, path)
+            self._put(key, path)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             os.close(lock)
         # Only now, with the checkpoint complete in the store, is it published.
         pointer = {"key": key, "step": step, "bytes": size, "saved_at": time.time()}
-        self.store.put(LATEST, json.dumps(pointer).encode())
+        self._put(LATEST, json.dumps(pointer).encode())
         log.info(
             "checkpoint %s (%.1f MB) written in %.1f s", self.store.join(key), size / 1e6, time.monotonic() - started
         )
@@ -215,11 +215,23 @@ class CheckpointStore:
 
     def put_json(self, name: str, value: Any) -> None:
         self._make_container()
-        self.store.put(name, json.dumps(value, indent=1).encode())
+        self._put(name, json.dumps(value, indent=1).encode())
 
     def put_text(self, name: str, text: str) -> None:
         self._make_container()
-        self.store.put(name, text.encode())
+        self._put(name, text.encode())
+
+    def _put(self, name: str, data: bytes | str) -> None:
+        """`store.put`, making the container again when it was deleted during the run (found or
+        made at the first write): the checkpoint is kept, not the run ended with a hint to make
+        a container that the run makes itself."""
+        try:
+            self.store.put(name, data)
+        except NotFound:
+            log.warning("%s is gone (deleted during the run?): making it again", redact_url(self.store.url))
+            self._container_ready = False
+            self._make_container()
+            self.store.put(name, data)
 
     def _make_container(self) -> None:
         """A run pointed at a new container (`swift://ckpt-run7/...`) makes it, as `convert`
