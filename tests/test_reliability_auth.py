@@ -278,6 +278,39 @@ def test_an_authentication_whose_answer_trickles_is_cut_and_asked_again(swift_se
     report(f"trickled login ({auth})", resumed_s=f"{took:.2f}", gave_up_s=f"{gave_up:.2f}")
 
 
+@pytest.mark.parametrize("auth", ["tempauth", "keystone"])
+def test_threads_waiting_for_a_login_that_stalls_share_its_failure(swift_server, swift_container, auth):
+    """Threads of one store that need a token wait for one login. When it stalled, each then
+    logged in in turn, each cut only after the stall timeout: the last of K threads waited K
+    timeouts (the cache's 16 download threads, 16 minutes at the default). The threads that
+    waited now share the failed login's error; the next attempt of each logs in afresh."""
+    import dataclasses
+    from concurrent import futures
+
+    from dlstore.errors import StalledRead
+
+    open_store(f"swift://{swift_container}/auth", config_for(swift_server.env())).put("obj", b"x" * 1000)
+    keystone_port = urlsplit(swift_server.keystone_url).port
+    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy, FaultProxy(keystone_port, trickle_s=0.2) as ks:
+        if auth == "tempauth":
+            env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
+            identity, method, path = proxy, "GET", r"^/auth/v1\.0$"
+        else:
+            env = keystone_env(swift_server, swift_server.app_cred_secret, f"{ks.url}/v3")
+            identity, method, path = ks, "POST", r"/auth/tokens$"
+        identity.add_rule("trickle_head", method=method, path=path, times=None)
+        once = dataclasses.replace(FAST_RETRY, stall_timeout_s=2.0, max_attempts=1)
+        store = open_store(f"swift://{swift_container}/auth", config_for(env, once))
+        with futures.ThreadPoolExecutor(5) as pool:
+            calls = [pool.submit(store.stat, "obj") for _ in range(5)]
+            errors = [call.exception(timeout=60) for call in calls]
+        logins = identity.count(method, path)
+    assert all(isinstance(error, StalledRead) for error in errors), errors
+    assert all("authenticating for" in str(error) for error in errors), errors
+    assert logins == 1  # one login for the five threads, not one each in turn
+    report(f"stalled login shared ({auth})", threads=5, logins=logins)
+
+
 # -- case 10: TLS ---------------------------------------------------------------------------------
 def _make_ca(name: str):
     from cryptography import x509

@@ -344,6 +344,8 @@ class SwiftStore(Store):
             self._client_token: _Token | None = None
             self._client_session: Any = None
             self._client_segments_ready = False
+            self._client_login_failures = 0  # logins that failed in this process, and the last one's error
+            self._client_login_failure: DlstoreError | None = None
             # A token handed in (`swift auth`) is tried first, once per process.
             self._client_preauth_unused = True
             # A fresh token was refused: the next one is the last try (see `_on_unauthorized`).
@@ -356,9 +358,21 @@ class SwiftStore(Store):
         token = self._client_token
         if token is not None:
             return token
+        failed_before = self._client_login_failures
         with _auth_lock:
             if self._client_token is None:
-                self._client_token = self._authenticate()
+                if self._client_login_failures != failed_before:
+                    # A login failed while this thread waited for it: its failure is this
+                    # thread's too (the retry's next attempt logs in again). Each thread trying
+                    # in turn held the last of K threads K stall timeouts.
+                    failure = self._client_login_failure
+                    raise type(failure)(str(failure))
+                try:
+                    self._client_token = self._authenticate()
+                except DlstoreError as exc:
+                    self._client_login_failures += 1
+                    self._client_login_failure = exc
+                    raise
             return self._client_token
 
     def _authenticate(self) -> _Token:
