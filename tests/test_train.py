@@ -603,6 +603,71 @@ def test_a_group_sigterm_that_ends_the_val_workers_still_checkpoints_and_the_res
     assert sum(r[0] == "val" for r in records(tmp_path / "whole")) == 2
 
 
+def test_a_group_sigterm_that_ends_the_training_workers_still_checkpoints_and_loses_nothing(tmp_path, monkeypatch):
+    """Slurm signals every process of the job: with worker processes, the training loader's
+    workers died of the SIGTERM too, and a rank waiting for its next batch then crashed on
+    "DataLoader worker exited unexpectedly", with no checkpoint and exit 1 (not requeued).
+    Now the ranks stop together, checkpoint before that step, and exit 75; the resumed run's
+    records are an uninterrupted run's."""
+    import multiprocessing
+
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    settings = dict(epochs=2, engine="processes")
+    whole = _cpu_run(tmp_path / "whole", url, **settings)
+    assert main(whole) == 0
+    cut = _cpu_run(tmp_path / "cut", url, **settings)
+    real_train_epoch = Trainer._train_epoch
+
+    def group_sigterm_while_waiting_for_the_third_batch(self, epoch, *args):
+        if epoch != 0:
+            return real_train_epoch(self, epoch, *args)
+        train_loader = self.train_loader
+
+        class WorkersEndedAfterTwoBatches:
+            def __getattr__(self, name):
+                return getattr(train_loader, name)
+
+            def __setattr__(self, name, value):
+                setattr(train_loader, name, value)
+
+            def __len__(self):
+                return len(train_loader)
+
+            def __iter__(self):
+                batches = iter(train_loader)
+                yield next(batches)
+                yield next(batches)
+                os.kill(os.getpid(), signal.SIGTERM)
+                workers = multiprocessing.active_children()  # the rest of the process group
+                for worker in workers:
+                    os.kill(worker.pid, signal.SIGTERM)
+                for worker in workers:
+                    worker.join(10)
+                # What the wait for the next batch then raises (the DataLoader's own check,
+                # which comes only after its batches built ahead run out).
+                raise RuntimeError(f"DataLoader worker (pid(s) {workers[0].pid}) exited unexpectedly")
+
+        self.train_loader = WorkersEndedAfterTwoBatches()
+        try:
+            return real_train_epoch(self, epoch, *args)
+        finally:
+            self.train_loader = train_loader
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Trainer, "_train_epoch", group_sigterm_while_waiting_for_the_third_batch)
+        assert main(cut) == EXIT_PREEMPTED
+    saved = torch.load(tmp_path / "cut" / "ckpt" / checkpoint_key(2), weights_only=True)
+    assert saved["step"] == 2 and saved["loader"]["history"][0]["steps"] == 2
+    assert main(dataclasses.replace(cut, resume="auto")) == 0
+
+    def records(run: Path) -> list[tuple]:
+        kept = ("split", "step", "epoch", "loss", "samples")
+        return [tuple(r.get(k) for k in kept) for r in read_metrics(str(run / "run" / "metrics.jsonl"))]
+
+    assert records(tmp_path / "cut") == records(tmp_path / "whole")
+
+
 def test_a_run_resumed_from_another_runs_checkpoint_does_not_say_its_own_store_holds_it(tmp_path, caplog, monkeypatch):
     """Resumed from a checkpoint outside --checkpoint-url, a stop at that same step wrote
     nothing there and said "after a checkpoint" (Ctrl-C: "the last checkpoint is step 4 in

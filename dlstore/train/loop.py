@@ -103,6 +103,10 @@ def main(config: TrainConfig) -> int:
                 ctx.close()
 
 
+class _LoaderBrokenByStop(Exception):
+    """A rank's training loader failed after a stop signal (`_next_trainable_batch`)."""
+
+
 class Trainer:
     """One rank's share of a training run. `main(config)` is the usual entry point.
 
@@ -371,7 +375,10 @@ class Trainer:
         first = True
         while not self._reached_max_steps():
             started = time.perf_counter()
-            batch = self._next_trainable_batch(batches, first)
+            try:
+                batch = self._next_trainable_batch(batches, first)
+            except _LoaderBrokenByStop:
+                return self._preempt()
             if batch is None:
                 return None
             first = False
@@ -400,13 +407,30 @@ class Trainer:
         BatchNorm statistics, the momentum and the weight decay. The ranks deliver equally many
         batches (the plan's invariant), so they agree on each one over the gloo control group:
         a few bytes per step, nothing with one rank. The other ranks' samples of that step go
-        untrained; a whole batch corrupt is rare."""
+        untrained; a whole batch corrupt is rare.
+
+        The same agreement carries a loader that failed after a stop signal (its workers ended
+        by the signal to the process group): every rank then stops together, with the loader
+        standing before this step (`_LoaderBrokenByStop`)."""
         while True:
-            batch = self._next_batch(batches, first)
+            before = self.train_loader.state
+            broken = False
+            try:
+                batch = self._next_batch(batches, first)
+            except Exception as exc:
+                if self.signals.received is None:
+                    raise
+                # A stop signal to the whole process group (Slurm's) ended the loader's worker
+                # processes while this rank waited for a batch: the run stops as for the signal.
+                log.warning("the training loader broke off after %s (%s); stopping", self.signals.name, exc)
+                broken, batch = True, None
             first = False
-            if batch is None:
-                return None
-            (empty,) = self.ctx.any_flags(len(batch[1]) == 0)
+            if batch is None and not broken:
+                return None  # the epoch's end (the same step on every rank)
+            empty, stop = self.ctx.any_flags(not broken and len(batch[1]) == 0, broken)
+            if stop:
+                self.train_loader.state = before  # no rank trains on this step's batch: a resume reads it
+                raise _LoaderBrokenByStop
             if not empty:
                 return batch
             self.skipped_steps += 1
