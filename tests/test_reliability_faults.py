@@ -271,6 +271,26 @@ def test_an_upload_or_delete_whose_answer_trickles_is_cut_and_sent_again(swift_s
 
 
 @pytest.mark.parametrize("api", ["swift", "s3"])
+def test_a_copy_under_another_retry_policy_reads_with_its_own_timeout(swift_server, swift_container, api):
+    """A `with_retry` copy (the direct reads' short policy) reads with its own timeouts, not
+    with the store's connections and their longer read timeout (a hang hunt suspected it did:
+    a copy makes its own clients, as an unpickled store does)."""
+    patient = dataclasses.replace(PATIENT_READS, read_timeout_s=30.0, max_attempts=1)
+    with FaultProxy(server_port(swift_server), stall_s=8.0) as proxy:
+        store = open_store(
+            f"{api}://{swift_container}/timeouts", config_for(proxied_env(swift_server, proxy, api), patient)
+        )
+        store.put("obj", OBJECT)
+        assert store.stat("obj").size == len(OBJECT)  # its clients and connections made
+        quick = store.with_retry(dataclasses.replace(patient, read_timeout_s=1.0))
+        proxy.add_rule("stall", method="HEAD", path=r"/timeouts/obj$")
+        with pytest.raises(TransientError):
+            quick.stat("obj")  # the answer comes after 8 s: past this copy's timeout
+        proxy.add_rule("stall", method="HEAD", path=r"/timeouts/obj$")
+        assert store.stat("obj").size == len(OBJECT)  # the store's own 30 s still wait for it
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
 def test_a_trickled_answer_on_a_connection_the_server_closes_is_cut(swift_server, swift_container, api):
     """An answer that says `Connection: close` (a server at its keep-alive limit) leaves its
     connection without a socket while its body is read: the cut must still find the socket.

@@ -292,8 +292,7 @@ class Store(ABC):
         return watch
 
     def _connections(self) -> ConnectionRegistry:
-        """Which connection each thread sends on, for `_answer_watched` (shared by the copies
-        `with_retry` makes, which share the clients)."""
+        """Which connection each thread sends on, for `_answer_watched`."""
         return self.__dict__.setdefault("_client_connections", ConnectionRegistry())
 
     @contextlib.contextmanager
@@ -337,8 +336,9 @@ class Store(ABC):
         return b"".join(self.get(key))
 
     def with_retry(self, retry: RetryConfig) -> Store:
-        """This store under another retry policy, sharing its clients: e.g. a short deadline
-        for reads that have a fallback, which must not wait out the default one."""
+        """This store under another retry policy: e.g. a short deadline for reads that have a
+        fallback, which must not wait out the default one. The copy makes its own clients (as
+        an unpickled store does: `copy` goes through `__getstate__`), with its own timeouts."""
         other = copy.copy(self)
         other.config = dataclasses.replace(self.config, retry=retry)
         return other
