@@ -780,6 +780,64 @@ def test_a_checkpoint_container_deleted_during_the_run_is_made_again(swift_serve
     assert ckpts.newest_loadable()[0] == checkpoint_key(3)
 
 
+_KILLED_SAVE = """
+import sys, time
+from dlstore.storage import open_store
+
+class Endless:  # a checkpoint being written: its size not known up front, so it goes in parts
+    def read(self, size=-1):
+        time.sleep(0.05)
+        return bytes(max(size, 0) or 2**20)
+
+open_store(sys.argv[1]).put("ckpt-000000005.pt", Endless())
+"""
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_the_parts_a_killed_checkpoint_upload_left_are_removed_by_a_later_save(
+    swift_server, swift_container, monkeypatch, api
+):
+    """A save killed mid-upload (kill -9, a lost node) left its S3 multipart parts or Swift
+    segments in the store for good, a checkpoint's size each time. A later save's pruning
+    removes the leftovers of uploads begun over an hour ago (here: any), and keeps the
+    segments that checkpoints name."""
+    env = swift_server.swift_env() if api == "swift" else swift_server.s3_env()
+    env = {**env, "DLSTORE_SEGMENT_SIZE": str(2**20 if api == "swift" else 5 * 2**20)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    url = f"{api}://{swift_container}/killed-{api}"
+    ckpts = CheckpointStore(url)
+    ckpts.save({"model": {"w": torch.full((2**20,), 1.0)}}, 1)  # 4 MiB: in parts on Swift, kept
+
+    def leftovers() -> int:
+        if api == "swift":
+            segments = open_store(f"swift://{ckpts.store.segment_container}/killed-{api}")
+            return sum(1 for info in segments.list() if info.key.startswith("ckpt-000000005.pt/"))
+        client, bucket = ckpts.store.client, swift_container
+        uploads = client.list_multipart_uploads(Bucket=bucket, Prefix=f"killed-{api}/").get("Uploads", [])
+        return sum(
+            len(client.list_parts(Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts", []))
+            for u in uploads
+        )
+
+    writer = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, url], env={**os.environ, **env})
+    try:
+        deadline = time.monotonic() + 120
+        while leftovers() < 2:
+            assert writer.poll() is None and time.monotonic() < deadline, "the upload never got going"
+            time.sleep(0.2)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert leftovers() >= 2
+    monkeypatch.setattr(CheckpointStore, "abandoned_after_s", 0.0)
+    time.sleep(1.5)  # S3's times are rounded up to the second (Swift's s3api): the upload is older than now
+    ckpts.save({"model": {"w": torch.full((4,), 2.0)}}, 2)
+    assert leftovers() == 0
+    assert ckpts.keys() == [checkpoint_key(1), checkpoint_key(2)]
+    assert float(ckpts.load(checkpoint_key(1))["model"]["w"][0]) == 1.0  # its segments kept
+
+
 def test_a_checkpoint_url_with_credentials_is_named_without_them(tmp_path):
     """A --resume URL's password or presigned signature was printed whole in the error (and
     the "resumed from" line)."""

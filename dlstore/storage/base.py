@@ -387,6 +387,13 @@ class Store(ABC):
         """
         self._ensure_container()
 
+    def remove_abandoned_uploads(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
+        """Remove what uploads of objects under `prefix`, begun over `older_than_s` seconds ago and
+        never completed, left: a writer killed mid-upload (kill -9, a lost node) leaves S3
+        multipart parts, or Swift segments that no manifest names, which cost space for good.
+        Returns how many uploads' leftovers went; a store whose writes leave none has none."""
+        return 0
+
     def delete(self, key: str) -> None:
         """Remove `key` (and its segments); `NotFound` if it is not there."""
         key = check_key(key)

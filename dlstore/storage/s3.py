@@ -20,6 +20,7 @@ import io
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
@@ -504,6 +505,25 @@ class S3Store(Store):
         except BaseException:
             self._abort(what, name, upload_id)
             raise
+
+    def remove_abandoned_uploads(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
+        """Multipart uploads under `prefix` begun over `older_than_s` ago, aborted (their parts go)."""
+        cutoff = time.time() - older_than_s
+        query: dict[str, Any] = {"Prefix": self._name(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")}
+        removed = 0
+        while True:
+            page = call_with_retry(
+                self.config.retry, lambda q=dict(query): self._call(self.url, "list_multipart_uploads", **q)
+            )
+            for upload in page.get("Uploads", []):
+                if upload["Initiated"].timestamp() <= cutoff:
+                    what = f"s3://{self.bucket}/{upload['Key']}"
+                    log.info("aborting a multipart upload of %s that never completed", what)
+                    self._abort(what, upload["Key"], upload["UploadId"])
+                    removed += 1
+            if not page.get("IsTruncated"):
+                return removed
+            query.update(KeyMarker=page.get("NextKeyMarker", ""), UploadIdMarker=page.get("NextUploadIdMarker", ""))
 
     def _abort(self, what: str, name: str, upload_id: str) -> None:
         try:

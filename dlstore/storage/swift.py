@@ -758,6 +758,32 @@ class SwiftStore(Store):
         )
         return [entry["name"] for entry in json.loads(body)]
 
+    def remove_abandoned_uploads(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
+        """Segments under `prefix` (in the segment container) that no manifest names, of uploads
+        whose every segment is older than `older_than_s`: one still going writes new ones."""
+        root = f"swift://{self.segment_container}" + (f"/{self.prefix}" if self.prefix else "")
+        uploads: dict[tuple[str, str], list[ObjectInfo]] = {}
+        try:
+            for info in SwiftStore(root, self.config).list(prefix):
+                key, slo, rest = info.key.partition("/slo/")
+                if slo:
+                    uploads.setdefault((key, rest.split("/", 1)[0]), []).append(info)
+        except NotFound:  # no segment container: no segments
+            return 0
+        cutoff = time.time() - older_than_s
+        removed = 0
+        for (key, _), segments in sorted(uploads.items()):
+            if any(info.mtime is None or info.mtime > cutoff for info in segments):
+                continue
+            named = set(call_with_retry(self.config.retry, lambda k=key: self._segments_of(k)))
+            paths = [f"/{self.segment_container}/{self._name(info.key)}" for info in segments]
+            stale = [path for path in paths if path not in named]
+            if stale:
+                log.info("removing %d segments of an upload of %s that never completed", len(stale), self.join(key))
+                self._delete_segments(self.join(key), stale)
+                removed += 1
+        return removed
+
     def _delete_segments(self, what: str, paths: list[str]) -> None:
         """Best effort: a left-over segment costs space, never correctness."""
         for path in paths:

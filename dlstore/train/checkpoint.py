@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from dlstore.errors import ConfigError, DamagedObject, FormatError, NoSpace, NotFound
+from dlstore.errors import ConfigError, DamagedObject, DlstoreError, FormatError, NoSpace, NotFound
 from dlstore.logs import redact_url
 from dlstore.storage import Store, open_object, open_store
 
@@ -164,6 +164,10 @@ class CheckpointStore:
         ckpts.load(ckpts.latest_key())["step"]  # 1200
     """
 
+    #: An upload begun this long ago and not complete is a killed save's (its parts, its
+    #: segments): removed when checkpoints are pruned. Longer than any save takes.
+    abandoned_after_s = 3600.0
+
     def __init__(self, target: str | Store, keep: int = 3, tmp_dir: str | None = None) -> None:
         if keep < 1:
             raise ConfigError("keep must be at least 1: the latest checkpoint is never pruned")
@@ -249,6 +253,10 @@ class CheckpointStore:
                 self.store.delete(key)
             except NotFound:  # another process pruned it first
                 pass
+        try:
+            self.store.remove_abandoned_uploads("ckpt-", self.abandoned_after_s)
+        except DlstoreError as exc:  # space, not correctness: the next save looks again
+            log.warning("could not look for the leftovers of killed saves under %s: %s", self.store.url, exc)
         return doomed
 
     # -- reading ------------------------------------------------------------------------
