@@ -47,7 +47,7 @@ from wan_proxy import WanProxy
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.errors import CorruptShard, ObjectChanged, StalledRead, TransientError
+from dlstore.errors import ConfigError, CorruptShard, ObjectChanged, StalledRead, TransientError
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -268,6 +268,40 @@ def test_an_upload_or_delete_whose_answer_trickles_is_cut_and_sent_again(swift_s
             impatient.put("obj", OBJECT)
         assert time.monotonic() - started < 30
     report(f"trickled upload answer ({api})", **{f"{k}_s": f"{v:.2f}" for k, v in took.items()})
+
+
+def test_a_swift_clusters_own_large_object_limits_are_kept(swift_server, swift_container):
+    """Segments were sized for Swift's default limits (1,000 segments a manifest, 5 GiB a
+    segment): on a cluster set lower, a large upload went up whole and was then refused with
+    a 413. The limits come from the cluster's /info now, asked once per store."""
+    size = 5 * 2**20 + 5
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    with FaultProxy(server_port(swift_server)) as proxy:
+        env = {**proxied_env(swift_server, proxy, "swift"), "DLSTORE_SEGMENT_SIZE": str(2**20)}
+
+        def upload(info: dict | None, source) -> tuple[int, int]:
+            """(segments PUT, /info GETs) of one upload of `source` by a new store, with `info`
+            answered as the cluster's /info (None: the cluster's own)."""
+            proxy.clear()
+            if info is not None:
+                proxy.add_rule(200, method="GET", path=r"^/info$", body=json.dumps(info).encode(), times=None)
+            puts, infos = proxy.count("PUT", r"/limits/obj/slo/"), proxy.count("GET", r"^/info$")
+            store = open_store(f"swift://{swift_container}/limits", config_for(env))
+            try:
+                store.put("obj", source)
+                assert store.get_bytes("obj") == data
+            finally:
+                upload.counts = (proxy.count("PUT", r"/limits/obj/slo/") - puts, proxy.count("GET", r"^/info$") - infos)
+            return upload.counts
+
+        assert upload(None, data) == (6, 1)  # the cluster's own /info: Swift's defaults
+        assert upload({"slo": {"max_manifest_segments": 2}}, data) == (2, 1)  # each segment made large enough
+        chunks = (data[i : i + 2**19] for i in range(0, size, 2**19))  # no size known: the segments grow
+        segments, _ = upload({"slo": {"max_manifest_segments": 3}}, chunks)
+        assert segments <= 3
+        with pytest.raises(ConfigError, match="more than one static large object holds here"):
+            upload({"slo": {"max_manifest_segments": 2}, "swift": {"max_file_size": 2**20}}, data)
+        assert upload.counts == (0, 1)  # refused before anything went up
 
 
 @pytest.mark.parametrize("api", ["swift", "s3"])

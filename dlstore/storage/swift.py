@@ -81,7 +81,8 @@ log = logging.getLogger(__name__)
 
 _V1 = ("1", "1.0")
 # Swift's defaults: an SLO manifest lists at most 1,000 segments (max_manifest_segments), and
-# one segment, an object itself, holds at most 5 GiB (max_file_size).
+# one segment, an object itself, holds at most 5 GiB (max_file_size). A cluster's own are in
+# its /info (`SwiftStore._slo_limits`).
 _MAX_SEGMENTS = 1000
 _MAX_SEGMENT_SIZE = 5 * 2**30
 _TRANSIENT_STATUS = {408, 429, 498, 499}
@@ -100,7 +101,16 @@ _auth_lock = threading.Lock()
 #: stalls. Not the uploads, whose time grows with their size, nor deletes, which may delete a
 #: large object's segments before they answer.
 _AWAITED = frozenset(
-    {"get_object", "head_object", "get_container", "head_container", "put_container", "put_object", "delete_object"}
+    {
+        "get_object",
+        "head_object",
+        "get_container",
+        "head_container",
+        "put_container",
+        "put_object",
+        "delete_object",
+        "get_capabilities",
+    }
 )
 
 
@@ -637,19 +647,41 @@ class SwiftStore(Store):
                 f"`swift post {self.container}` (dlstore convert creates it)"
             ) from None
 
+    def _slo_limits(self) -> tuple[int, int]:
+        """(segments a manifest may list, bytes a segment may hold): this cluster's, from its
+        /info, asked once per process; Swift's defaults where it does not say (`expose_info`
+        off, an older proxy). A cluster set below the defaults refused a large upload with a
+        413 only once all its segments were up."""
+        limits = self.__dict__.get("_client_slo_limits")
+        if limits is None or limits[0] != os.getpid():
+            try:
+                info = call_with_retry(self.config.retry, lambda: self._call(f"{self.url} (/info)", "get_capabilities"))
+            except DlstoreError as exc:
+                log.debug("no /info from the Swift cluster of %s (%s): Swift's default SLO limits", self.url, exc)
+                info = {}
+            slo, swift = info.get("slo") or {}, info.get("swift") or {}
+            try:
+                segments = int(slo.get("max_manifest_segments", _MAX_SEGMENTS))
+                segment_size = int(swift.get("max_file_size", _MAX_SEGMENT_SIZE))
+            except (TypeError, ValueError):
+                segments, segment_size = _MAX_SEGMENTS, _MAX_SEGMENT_SIZE
+            limits = self.__dict__["_client_slo_limits"] = (os.getpid(), max(segments, 1), max(segment_size, 1))
+        return limits[1], limits[2]
+
     def _write_object(self, key: str, stream: BinaryIO) -> None:
         what = self.join(key)
         name = self._name(key)
         size = remaining_size(stream)
-        # An SLO manifest holds at most `_MAX_SEGMENTS` segments: when the size is known, the
+        max_segments, max_segment_size = self._slo_limits()
+        # An SLO manifest holds at most `max_segments` segments: when the size is known, the
         # segments are made large enough to fit up front; when not, `_put_slo` grows them.
         configured = max(self.config.swift.segment_size, 1)
-        segment_size = max(configured, -(-(size or 0) // _MAX_SEGMENTS))
-        if segment_size > max(configured, _MAX_SEGMENT_SIZE):
+        segment_size = max(configured, -(-(size or 0) // max_segments))
+        if segment_size > max(configured, max_segment_size):
             # Refused before anything is uploaded, not by a 413 once it all is.
             raise ConfigError(
-                f"{what}: {size} bytes are more than one static large object holds "
-                f"({_MAX_SEGMENTS} segments of at most {_MAX_SEGMENT_SIZE} bytes)"
+                f"{what}: {size} bytes are more than one static large object holds here "
+                f"({max_segments} segments of at most {max_segment_size} bytes)"
             )
         old_segments = call_with_retry(self.config.retry, lambda: self._segments_of(key))
         if size is not None and size < segment_size:
@@ -675,6 +707,7 @@ class SwiftStore(Store):
         it goes (`grown_part_size`) so that the manifest's segment limit is not reached."""
         what = self.join(key)
         retry = self.config.retry
+        max_segments, max_segment_size = self._slo_limits()
         self._ensure_segment_container()
         upload = f"{time.time():.6f}-{secrets.token_hex(4)}"
         segment_prefix = f"{self._name(key)}/slo/{upload}/"
@@ -683,9 +716,9 @@ class SwiftStore(Store):
             data = first
             size = segment_size
             while data:
-                if len(manifest) >= _MAX_SEGMENTS:  # before the 413 of a manifest too long
+                if len(manifest) >= max_segments:  # before the 413 of a manifest too long
                     raise ConfigError(
-                        f"{what}: the stream is longer than {_MAX_SEGMENTS} segments of up to {size} bytes, "
+                        f"{what}: the stream is longer than {max_segments} segments of up to {size} bytes, "
                         "the most one static large object holds; give a larger segment size "
                         "(DLSTORE_SEGMENT_SIZE) or the size of the source"
                     )
@@ -699,7 +732,7 @@ class SwiftStore(Store):
                 if len(data) < size:
                     break
                 if grow:
-                    size = grown_part_size(segment_size, len(manifest), _MAX_SEGMENTS, _MAX_SEGMENT_SIZE)
+                    size = grown_part_size(segment_size, len(manifest), max_segments, max_segment_size)
                 data = read_block(stream, size)
             body = json.dumps(manifest)
             call_with_retry(
