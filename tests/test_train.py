@@ -1015,6 +1015,33 @@ def test_a_checkpoint_of_another_world_size_keeps_its_partial_metrics_window(tmp
     assert [(r["step"], r["samples"]) for r in train] == [(r["step"], r["samples"]) for r in expected] == [(4, 16)]
 
 
+def test_a_data_urls_credentials_stay_out_of_the_saved_configs(tmp_path):
+    """The val split found beside a data URL with a password was written whole into both
+    config.json files (the resolved settings' val_url)."""
+    root = tmp_path / "served"
+    for split in ("train", "val"):
+        write_dataset(open_store(f"file://{root}/{split}"), [8, 8, 8])
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(root))) as server:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        try:
+            url = f"http://alice:hunter2@127.0.0.1:{server.server_port}/train"  # the val split found beside it
+            cfg = _cpu_run(tmp_path, url, max_steps=1)
+            assert main(cfg) == 0
+        finally:
+            server.shutdown()
+    saved = [(tmp_path / "run" / "config.json").read_text(), (tmp_path / "ckpt" / "config.json").read_text()]
+    saved.append(json.dumps(torch.load(tmp_path / "ckpt" / checkpoint_key(1), weights_only=True)["config"]))
+    for text in saved:
+        assert "hunter2" not in text
+        assert "alice:***@127.0.0.1" in text
+    assert "/val" in saved[0]  # the val split was found and used
+
+
 @pytest.mark.parametrize(
     "other", [["--batch-size", "4"], ["--seed", "1"], ["--log-every", "1"], ["--checkpoint-every-steps", "1"]]
 )
@@ -1131,6 +1158,31 @@ def test_ranks_whose_torchrun_agent_is_killed_checkpoint_and_stop(tmp_path):
     text = log_path.read_text()
     assert "for SIGTERM after a checkpoint; rerun with --resume auto" in text, text[-4000:]
     assert list((tmp_path / "ckpt").glob("ckpt-*.pt")), text[-4000:]
+
+
+_RANK_UNDER_PID_1 = """
+import time
+from dlstore.train.dist import stop_when_the_parent_dies
+assert stop_when_the_parent_dies()
+time.sleep(1.0)
+print("still running")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_a_rank_whose_launcher_is_pid_1_is_not_taken_for_an_orphan(tmp_path):
+    """In a container torchrun is often PID 1, so its ranks' parent is PID 1 from the start:
+    taking that for "the launcher has died" stopped every rank at start-up (exit 75)."""
+    launcher = [
+        sys.executable,
+        "-c",
+        f"import subprocess, sys; sys.exit(subprocess.call([sys.executable, '-c', {_RANK_UNDER_PID_1!r}]))",
+    ]
+    namespace = ["unshare", "--pid", "--fork", "--mount-proc"]
+    if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a PID namespace here (needs root and unshare)")
+    done = subprocess.run([*namespace, *launcher], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert done.returncode == 0 and "still running" in done.stdout, done.stdout + done.stderr
 
 
 def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, monkeypatch, caplog):

@@ -306,7 +306,7 @@ class CheckpointStore:
                 continue  # pruned meanwhile
             except FormatError as exc:
                 log.warning("%s; trying the checkpoint before it", exc)
-        raise FormatError(f"none of the {len(candidates)} checkpoints under {self.store.url} can be read")
+        raise FormatError(f"none of the {len(candidates)} checkpoints under {redact_url(self.store.url)} can be read")
 
 
 def load_checkpoint_url(url: str) -> dict:

@@ -194,6 +194,10 @@ def _pick_device(local_rank: int, want_cuda: bool, world: World | None = None) -
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: This process's parent when dlstore's trainer was imported: one that has changed by the time
+#: the death signal is asked for has ended already. (A parent of PID 1 is no sign of that: in a
+#: container, torchrun itself is often PID 1.)
+_PARENT_AT_IMPORT = os.getppid()
 
 
 def stop_when_the_parent_dies() -> bool:
@@ -213,7 +217,7 @@ def stop_when_the_parent_dies() -> bool:
             "cannot ask for SIGTERM when the launcher dies (%s): a killed launcher leaves this rank running", exc
         )
         return False
-    if os.getppid() == 1:  # the parent ended before the request: nothing will send it now
+    if os.getppid() != _PARENT_AT_IMPORT:  # the parent ended before the request: nothing will send it now
         os.kill(os.getpid(), signal.SIGTERM)
     return True
 

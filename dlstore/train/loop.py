@@ -34,6 +34,7 @@ from dlstore.config import DataConfig, writable_dir
 from dlstore.dataset import Dataset
 from dlstore.errors import ConfigError, StoppedBySignal
 from dlstore.loader import Loader
+from dlstore.logs import redact_url
 from dlstore.storage import open_store
 from dlstore.train.checkpoint import CheckpointStore
 from dlstore.train.config import TrainConfig, image_size_for_epoch
@@ -175,7 +176,9 @@ class Trainer:
         self.train_set = self._dataset(cfg.data.replace(image_size=image_size_for_epoch(cfg, 0)))
         self.classes = list(self.train_set.manifest.classes)
         if len(self.classes) < 2:
-            raise ConfigError(f"{cfg.data.url}: the manifest lists {len(self.classes)} classes; training needs labels")
+            raise ConfigError(
+                f"{redact_url(cfg.data.url)}: the manifest lists {len(self.classes)} classes; training needs labels"
+            )
         self.train_loader = self._loader(self.train_set)
         self.val_set = self.val_loader = None
         self.val_url = cfg.val_url or sibling_val_url(cfg.data.url, cfg.data.store)
@@ -191,7 +194,9 @@ class Trainer:
             self.val_loader = self._loader(self.val_set, shared_slots=False)
         self.steps_per_epoch = len(self.train_loader)
         if self.steps_per_epoch == 0:
-            raise ConfigError(f"{cfg.data.url}: no full batch of {cfg.data.batch_size} per rank; lower --batch-size")
+            raise ConfigError(
+                f"{redact_url(cfg.data.url)}: no full batch of {cfg.data.batch_size} per rank; lower --batch-size"
+            )
         self.total_steps = cfg.epochs * self.steps_per_epoch
         if cfg.max_steps is not None:
             self.total_steps = min(self.total_steps, cfg.max_steps)
@@ -212,7 +217,8 @@ class Trainer:
             else "one list is longer"
         )
         raise ConfigError(
-            f"the val set {self.val_url} has other classes than the training set {self.cfg.data.url} "
+            f"the val set {redact_url(self.val_url or '')} has other classes than the training set "
+            f"{redact_url(self.cfg.data.url)} "
             f"({len(val_classes)} against {len(self.classes)}; {first}): convert both splits of one dataset, "
             "or give --val-url the split that matches"
         )
@@ -320,7 +326,7 @@ class Trainer:
             return
         saved = self.schedule.saved_step
         if self.ckpts is not None and saved is not None:
-            kept = f"the last checkpoint is step {saved} in {self.ckpts.store.url}: rerun with --resume auto to go on"
+            kept = f"the last checkpoint is step {saved} in {redact_url(self.ckpts.store.url)}: rerun with --resume auto to go on"
         else:
             kept = "no checkpoint was written (--checkpoint-url, --checkpoint-every-steps)"
         log.warning("interrupted at step %d; %s. SIGTERM or SIGUSR1 checkpoint before they stop a run", self.step, kept)
@@ -586,7 +592,7 @@ class Trainer:
             "total_steps": self.total_steps,
             "num_classes": len(self.classes),
             "train_samples": self.train_set.manifest.total_samples,
-            "val_url": self.val_url,
+            "val_url": redact_url(self.val_url) if self.val_url else None,
             "val_samples": self.val_set.manifest.total_samples if self.val_set else None,
             "torch": str(torch.__version__),
         }
