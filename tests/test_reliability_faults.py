@@ -47,7 +47,7 @@ from wan_proxy import WanProxy
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.config import RetryConfig, StoreConfig
-from dlstore.errors import ConfigError, CorruptShard, ObjectChanged, StalledRead, TransientError
+from dlstore.errors import ConfigError, CorruptShard, NotFound, ObjectChanged, StalledRead, TransientError
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -268,6 +268,22 @@ def test_an_upload_or_delete_whose_answer_trickles_is_cut_and_sent_again(swift_s
             impatient.put("obj", OBJECT)
         assert time.monotonic() - started < 30
     report(f"trickled upload answer ({api})", **{f"{k}_s": f"{v:.2f}" for k, v in took.items()})
+
+
+@pytest.mark.parametrize("api", ["swift", "s3"])
+def test_deleting_a_missing_object_is_not_found_even_after_a_failed_look(swift_server, swift_container, api):
+    """A DELETE asked again after an attempt whose answer was lost takes NotFound for done; the
+    look that comes before it (a HEAD) failing once made a missing object's delete "succeed"."""
+    with FaultProxy(server_port(swift_server)) as proxy:
+        store = open_store(f"{api}://{swift_container}/gone", config_for(proxied_env(swift_server, proxy, api)))
+        store.put("there", b"x")
+        proxy.add_rule(503, method="HEAD", path=r"/gone/missing$")
+        with pytest.raises(NotFound):
+            store.delete("missing")
+        assert proxy.injected_kinds() == {"503": 1}
+        proxy.add_rule("reset", method="DELETE", path=r"/gone/there$")  # the DELETE's answer lost
+        store.delete("there")
+        assert [info.key for info in store.list()] == []
 
 
 def test_a_swift_clusters_own_large_object_limits_are_kept(swift_server, swift_container):

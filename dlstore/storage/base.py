@@ -39,7 +39,7 @@ import os
 import re
 import socket
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO, Union
 from urllib.parse import urlsplit
@@ -397,18 +397,24 @@ class Store(ABC):
     def delete(self, key: str) -> None:
         """Remove `key` (and its segments); `NotFound` if it is not there."""
         key = check_key(key)
-        failed = False
+        call_with_retry(self.config.retry, lambda: self._delete(key))
+
+    def _deleted_once(self, delete: Callable[[], object]) -> None:
+        """`delete()` (a backend's DELETE request) retried on its own: after an attempt whose
+        answer was lost (a cut, a reset), which may have deleted the object, a `NotFound` is
+        the object gone, as asked."""
+        sent = False
 
         def attempt() -> None:
-            nonlocal failed
+            nonlocal sent
             try:
-                self._delete(key)
+                delete()
             except NotFound:
-                if failed:  # an attempt whose answer was lost (a cut, a reset) may have deleted it
+                if sent:
                     return
                 raise
             except TransientError:
-                failed = True
+                sent = True
                 raise
 
         call_with_retry(self.config.retry, attempt)

@@ -536,4 +536,4 @@ class S3Store(Store):
     def _delete(self, key: str) -> None:
         # S3 answers 204 for a missing key; the contract wants NotFound, so look first.
         self._stat(key)
-        self._call(self.join(key), "delete_object", Key=self._name(key))
+        self._deleted_once(lambda: self._call(self.join(key), "delete_object", Key=self._name(key)))

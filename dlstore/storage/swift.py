@@ -441,11 +441,16 @@ class SwiftStore(Store):
 
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
         conn, token = self._connection()
-        # What waits for an answer only (not an upload) is cut if the answer stalls.
-        watched = self._answer_watched(what) if method in _AWAITED else contextlib.nullcontext()
+        # A call is cut if its answer stalls; an upload's wait restarts at each block sent. Not
+        # a manifest's PUT nor a large object's DELETE: Swift checks or deletes every segment
+        # before it answers, for as long as there are segments.
+        watched = method in _AWAITED and not (
+            (method == "put_object" and not hasattr(args[2], "read"))
+            or (method == "delete_object" and kwargs.get("query_string"))
+        )
         try:
-            with watched as read:
-                if method == "put_object" and hasattr(args[2], "read"):  # its wait restarts at each block sent
+            with self._answer_watched(what) if watched else contextlib.nullcontext() as read:
+                if method == "put_object" and read is not None:
                     args = (*args[:2], ProgressBody(args[2], read), *args[3:])
                 result = getattr(conn, method)(*args, **kwargs)
         except ClientException as exc:
@@ -835,7 +840,9 @@ class SwiftStore(Store):
         headers = self._call(what, "head_object", self.container, self._name(key))
         is_slo = headers.get("x-static-large-object", "").lower() == "true"
         query = "multipart-manifest=delete" if is_slo else None
-        self._call(what, "delete_object", self.container, self._name(key), query_string=query)
+        self._deleted_once(
+            lambda: self._call(what, "delete_object", self.container, self._name(key), query_string=query)
+        )
 
 
 def _listing_time(text: str | None) -> float | None:
