@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,6 +51,7 @@ from dlstore.train.config import config_from_args
 from dlstore.train.demand import precision_name
 from dlstore.train.dist import Rendezvous, first_slurm_host
 from dlstore.train.loop import EXIT_PREEMPTED, Trainer, main
+from dlstore.train.signals import START_UP_STOP_GRACE_S
 from dlstore.train.step import amp_dtype_for
 from dlstore.world import World
 
@@ -1158,6 +1160,42 @@ def test_ranks_whose_torchrun_agent_is_killed_checkpoint_and_stop(tmp_path):
     text = log_path.read_text()
     assert "for SIGTERM after a checkpoint; rerun with --resume auto" in text, text[-4000:]
     assert list((tmp_path / "ckpt").glob("ckpt-*.pt")), text[-4000:]
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_stop_while_the_rendezvous_waits_for_a_rank_ends_the_run_at_once(tmp_path):
+    """A stop signal reaches the Python handler only once the main thread is back in Python:
+    rank 0 of two, waiting in the rendezvous for a rank that never comes, held a SIGTERM until
+    the rendezvous timed out (30 minutes by default) and was then killed by the scheduler
+    with no word. It ends within the grace period now, saying why, with exit 75."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = child_env({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    command = [sys.executable, "-m", "dlstore", "train", url, "--model", "resnet18", "--device", "cpu"]
+    command += ["--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    command += ["--no-tensorboard", "--dist-timeout-minutes", "5"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not _listening(port):  # rank 0's store is up: it waits in the rendezvous
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()[1][-3000:]
+            time.sleep(0.2)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=START_UP_STOP_GRACE_S + 50)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == EXIT_PREEMPTED, stderr[-3000:]
+    assert "stopped by SIGTERM during start-up" in stderr, stderr[-3000:]
 
 
 _RANK_UNDER_PID_1 = """

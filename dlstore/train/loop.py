@@ -98,6 +98,7 @@ def main(config: TrainConfig) -> int:
             log.warning("stopped by %s during start-up, before training: nothing to save; run it again", stop)
             return EXIT_PREEMPTED
         finally:
+            signals.note_only()  # a stop now must not cut the clean-up short, nor hide the error
             if trainer is not None:
                 trainer.close()
             if ctx is not None:
@@ -296,7 +297,7 @@ class Trainer:
             if self.finished:
                 log.info("the checkpoint at step %d is of a finished run: nothing to do", self.step)
                 return 0
-            self.signals.training_begins()
+            self.signals.note_only()
             if previous is not None:
                 self._evaluate_a_broken_off_epoch(previous)
             try:
