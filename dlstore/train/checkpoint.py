@@ -139,11 +139,11 @@ def _remove_what_killed_saves_left(tmp_dir: str) -> None:
             os.close(fd)
 
 
-def _raise_if_no_space(exc: BaseException, tmp_dir: str, file: Any, step: int) -> None:
+def _raise_if_no_space(exc: BaseException, tmp_dir: str, path: str, step: int) -> None:
     """A `NoSpace` naming the folder, when `torch.save` failed because its disk is full."""
     try:
         free = shutil.disk_usage(tmp_dir).free
-        written = os.fstat(file.fileno()).st_size
+        written = os.path.getsize(path)
     except OSError:
         return
     if free < _FULL_BELOW_BYTES or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
@@ -195,13 +195,19 @@ class CheckpointStore:
         fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".pt", dir=tmp_dir)
         lock = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # held until the upload is done: a later sweep passes it over
-            with os.fdopen(fd, "wb") as file:
-                try:
-                    torch.save(state, file)
-                except (OSError, RuntimeError) as exc:
-                    _raise_if_no_space(exc, tmp_dir, file, step)
-                    raise
+            # Held until the upload is done: a later sweep passes it over. Best effort: a file
+            # system without flock (Lustre without -o flock, NFS without lockd) saves all the same.
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            file = os.fdopen(fd, "wb")
+            try:
+                torch.save(state, file)
+                file.close()  # its last buffer goes out here, and may not fit either
+            except (OSError, RuntimeError) as exc:
+                with contextlib.suppress(OSError):
+                    file.close()
+                _raise_if_no_space(exc, tmp_dir, path, step)
+                raise
             size = os.path.getsize(path)
             self._put(key, path)
         finally:
