@@ -955,6 +955,24 @@ def test_a_resume_with_more_steps_trains_its_first_step_at_the_new_schedules_rat
     )
 
 
+def test_a_resume_with_another_base_lr_momentum_or_weight_decay_trains_with_them(tmp_path):
+    """The optimiser's saved settings won over the resumed run's: with another --base-lr the
+    run went on at the old peak, with another --momentum or --weight-decay at the old ones,
+    though the run warned of the change as taken."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])
+    new = dict(base_lr=0.2, momentum=0.8, weight_decay=1e-4)
+    straight = _cpu_run(tmp_path / "straight", url, epochs=2, warmup_epochs=0.5, max_steps=8, **new)
+    assert main(straight) == 0
+    cut = _cpu_run(tmp_path / "cut", url, epochs=2, warmup_epochs=0.5, max_steps=4)
+    assert main(cut) == 0
+    assert main(dataclasses.replace(cut, max_steps=8, resume="auto", **new)) == 0
+    want, got = _train_lrs(tmp_path / "straight"), _train_lrs(tmp_path / "cut")
+    assert [got[step] for step in range(5, 9)] == pytest.approx([want[step] for step in range(5, 9)])
+    groups = torch.load(tmp_path / "cut" / "ckpt" / checkpoint_key(8), weights_only=True)["optimizer"]["param_groups"]
+    assert {g["momentum"] for g in groups} == {0.8} and {g["weight_decay"] for g in groups} == {1e-4, 0.0}
+
+
 def test_a_second_resume_after_a_world_size_change_keeps_the_schedules_shift(tmp_path):
     """Resumed on another number of ranks, the schedule stands ahead of the run's step count
     (it goes on where the data is), and --max-steps, which counts the run's steps, ends it that

@@ -105,6 +105,10 @@ def main(config: TrainConfig) -> int:
                 ctx.close()
 
 
+#: The optimiser's settings that come from the run's config, not from a checkpoint.
+_OPTIMIZER_SETTINGS = ("momentum", "weight_decay", "nesterov", "dampening")
+
+
 class _LoaderBrokenByStop(Exception):
     """A rank's training loader failed after a stop signal (`_next_trainable_batch`)."""
 
@@ -701,7 +705,14 @@ class Trainer:
                 f"{saved['model']}, or start afresh (--resume none, or another --checkpoint-url)"
             )
         self.module.load_state_dict(state["model"])
+        # The optimiser's settings are this run's: a resume with another --momentum or
+        # --weight-decay (warned of above) ran on with the saved ones, silently.
+        settings = [
+            {k: v for k, v in group.items() if k in _OPTIMIZER_SETTINGS} for group in self.optimizer.param_groups
+        ]
         self.optimizer.load_state_dict(state["optimizer"])
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:  # empty from a run without fp16: an fp16 scaler then starts afresh
             self.scaler.load_state_dict(state["scaler"])
@@ -718,8 +729,12 @@ class Trainer:
             self._rebase_schedule(len(state["ranks"]), saved_batch)
         else:
             self._shift_schedule(state.get("schedule_offset", 0))
-            # The next step's rate from this run's schedule, not the saved one's: resumed with
-            # more --max-steps or --epochs, the first step ran at the old schedule's end rate.
+            # The next step's rate from this run's schedule and peak, not the saved one's: resumed
+            # with more --max-steps or --epochs, the first step ran at the old schedule's end
+            # rate; with another --base-lr, the whole run at the old peak.
+            self.scheduler.base_lrs = [self.peak_lr] * len(self.optimizer.param_groups)
+            for group in self.optimizer.param_groups:
+                group["initial_lr"] = self.peak_lr
             self.scheduler.last_epoch -= 1
             self.scheduler.step()
 
