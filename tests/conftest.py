@@ -35,8 +35,16 @@ def pytest_unconfigure(config):
     waiting) would hold CI until its time limit, with nothing said: after `EXIT_GRACE_S`
     every thread's stack goes to stderr and the process ends with status 1 (the join of the
     interpreter's exit, and `atexit` hooks, come after this hook; pytest-timeout's limit
-    covers only tests)."""
-    faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
+    covers only tests). Only where pytest is the program: one that runs `pytest.main()` and
+    goes on must not be ended."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    as_program = (spec is not None and spec.name.split(".")[0] == "pytest") or Path(sys.argv[0]).name in (
+        "pytest",
+        "py.test",
+    )
+    if as_program and sys.__stderr__ is not None:
+        faulthandler.dump_traceback_later(EXIT_GRACE_S, exit=True, file=sys.__stderr__)
 
 
 @pytest.fixture(autouse=True)

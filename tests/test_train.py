@@ -1144,6 +1144,15 @@ def test_a_stop_signal_during_start_up_ends_the_run_saying_so(tmp_path, sig):
     assert f"stopped by {sig.name} during start-up" in stderr and "Traceback" not in stderr, stderr[-3000:]
 
 
+def _running(pid: int) -> bool:
+    """Whether process `pid` runs: not gone, nor a zombie (a container's PID 1 may not reap)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
 def _children_of(pid: int) -> list[int]:
     children = []
     for entry in Path("/proc").iterdir():
@@ -1184,9 +1193,9 @@ def test_ranks_whose_torchrun_agent_is_killed_checkpoint_and_stop(tmp_path):
         agent.kill()
         agent.wait()
         deadline = time.monotonic() + 90
-        while any(Path(f"/proc/{pid}").exists() for pid in ranks) and time.monotonic() < deadline:
+        while any(_running(pid) for pid in ranks) and time.monotonic() < deadline:
             time.sleep(0.2)
-        alive = [pid for pid in ranks if Path(f"/proc/{pid}").exists()]
+        alive = [pid for pid in ranks if _running(pid)]
         assert not alive, f"ranks {alive} still run 90 s after their agent was killed"
     finally:
         for pid in [*ranks, agent.pid]:
