@@ -14,6 +14,7 @@ any request is sent, never a silent fallback to no verification.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
@@ -242,6 +243,21 @@ def test_an_expired_swift_token_is_renewed_once_and_nothing_is_lost(
     report(f"case 7 (expired token, {auth})", lost=0, repeated=0, logins=logins)
 
 
+@contextlib.contextmanager
+def _identity_behind_a_proxy(swift_server, swift_container, auth: str):
+    """(store env, the identity endpoint's FaultProxy, its login method and path regex), the
+    logins of `auth` going through a proxy that trickles at 0.2 s a byte when told to; an
+    object `auth/obj` is there."""
+    open_store(f"swift://{swift_container}/auth", config_for(swift_server.env())).put("obj", b"x" * 1000)
+    keystone_port = urlsplit(swift_server.keystone_url).port
+    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy, FaultProxy(keystone_port, trickle_s=0.2) as ks:
+        if auth == "tempauth":
+            env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
+            yield env, proxy, "GET", r"^/auth/v1\.0$"
+        else:
+            yield keystone_env(swift_server, swift_server.app_cred_secret, f"{ks.url}/v3"), ks, "POST", r"/auth/tokens$"
+
+
 @pytest.mark.parametrize("auth", ["tempauth", "keystone"])
 def test_an_authentication_whose_answer_trickles_is_cut_and_asked_again(swift_server, swift_container, auth):
     """An identity endpoint that sends its answer a byte every 0.2 s never trips the read
@@ -251,15 +267,7 @@ def test_an_authentication_whose_answer_trickles_is_cut_and_asked_again(swift_se
 
     from dlstore.errors import StalledRead
 
-    open_store(f"swift://{swift_container}/auth", config_for(swift_server.env())).put("obj", b"x" * 1000)
-    keystone_port = urlsplit(swift_server.keystone_url).port
-    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy, FaultProxy(keystone_port, trickle_s=0.2) as ks:
-        if auth == "tempauth":
-            env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
-            identity, method, path = proxy, "GET", r"^/auth/v1\.0$"
-        else:
-            env = keystone_env(swift_server, swift_server.app_cred_secret, f"{ks.url}/v3")
-            identity, method, path = ks, "POST", r"/auth/tokens$"
+    with _identity_behind_a_proxy(swift_server, swift_container, auth) as (env, identity, method, path):
         policy = dataclasses.replace(FAST_RETRY, stall_timeout_s=2.0)
         identity.add_rule("trickle_head", method=method, path=path)
         started = time.monotonic()
@@ -289,15 +297,7 @@ def test_threads_waiting_for_a_login_that_stalls_share_its_failure(swift_server,
 
     from dlstore.errors import StalledRead
 
-    open_store(f"swift://{swift_container}/auth", config_for(swift_server.env())).put("obj", b"x" * 1000)
-    keystone_port = urlsplit(swift_server.keystone_url).port
-    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy, FaultProxy(keystone_port, trickle_s=0.2) as ks:
-        if auth == "tempauth":
-            env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
-            identity, method, path = proxy, "GET", r"^/auth/v1\.0$"
-        else:
-            env = keystone_env(swift_server, swift_server.app_cred_secret, f"{ks.url}/v3")
-            identity, method, path = ks, "POST", r"/auth/tokens$"
+    with _identity_behind_a_proxy(swift_server, swift_container, auth) as (env, identity, method, path):
         identity.add_rule("trickle_head", method=method, path=path, times=None)
         once = dataclasses.replace(FAST_RETRY, stall_timeout_s=2.0, max_attempts=1)
         store = open_store(f"swift://{swift_container}/auth", config_for(env, once))
