@@ -136,10 +136,17 @@ def _manifest(conn, container: str, name: str) -> list[dict]:
 SEGMENT = 2**20  # Swift's smallest SLO segment in older releases (min_segment_size)
 
 
+def cluster_limits(monkeypatch, segments: int, segment_size: int = swift_module._MAX_SEGMENT_SIZE) -> None:
+    """A Swift cluster whose /info says a manifest lists at most `segments` segments of at most
+    `segment_size` bytes (the local server says Swift's defaults; `test_reliability_faults`
+    tests the asking of /info itself)."""
+    monkeypatch.setattr(swift_module.SwiftStore, "_slo_limits", lambda self: (segments, segment_size))
+
+
 def test_swift_streamed_put_past_the_segment_limit(swift_server, swift_container, monkeypatch):
     """An iterator (size unknown) of more than max-segments x segment_size bytes: the segments
     grow as it goes, so the manifest stays within the limit; overwrite and delete clean up."""
-    monkeypatch.setattr(swift_module, "_MAX_SEGMENTS", 4)
+    cluster_limits(monkeypatch, segments=4)
     config = swift_store_config(swift_server, segment_size=SEGMENT)
     store = open_store(f"swift://{swift_container}/edge", config)
     data = payload(6 * SEGMENT + 12345, seed=21)  # six full segments of the configured size, and more
@@ -168,8 +175,7 @@ def test_swift_streamed_put_past_the_segment_limit(swift_server, swift_container
 def test_swift_put_too_large_for_any_manifest_fails_clearly(swift_server, swift_container, monkeypatch):
     """A stream larger than max-segments of the largest segment: a ConfigError saying so, and no
     object or segment left behind."""
-    monkeypatch.setattr(swift_module, "_MAX_SEGMENTS", 2)
-    monkeypatch.setattr(swift_module, "_MAX_SEGMENT_SIZE", SEGMENT, raising=False)
+    cluster_limits(monkeypatch, segments=2, segment_size=SEGMENT)
     config = swift_store_config(swift_server, segment_size=SEGMENT)
     store = open_store(f"swift://{swift_container}/edge", config)
     data = payload(2 * SEGMENT + 1, seed=23)
@@ -232,7 +238,7 @@ def test_s3_put_too_large_for_any_upload_fails_clearly(swift_server, s3_bucket, 
 def test_copy_object_to_swift_uses_the_source_size(swift_server, swift_container, monkeypatch, tmp_path):
     """`dlstore cp` knows the source's size: the segments are sized for it up front (even,
     within the limit) instead of growing as for a stream of unknown length."""
-    monkeypatch.setattr(swift_module, "_MAX_SEGMENTS", 4)
+    cluster_limits(monkeypatch, segments=4)
     data = payload(6 * SEGMENT + 7, seed=24)
     source = open_store(f"file://{tmp_path}/src", StoreConfig(retry=FAST_RETRY))
     source.put("big.bin", data)
