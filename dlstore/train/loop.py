@@ -146,7 +146,7 @@ class Trainer:
         self.signals = signals or StopSignals()
         self.step = 0
         self.skipped_steps = 0  # batches every rank skipped because one rank's was empty
-        self.schedule_offset = 0  # the scheduler's steps ahead of `step` (`_shift_schedule`)
+        self.schedule_offset = 0  # the scheduler's steps ahead of `step` (`_set_schedule`)
         self.epoch = 0
         self.finished = False
         self._started = time.monotonic()
@@ -728,24 +728,26 @@ class Trainer:
         if len(state["ranks"]) != self.ctx.world_size or saved_batch != self.cfg.data.batch_size:
             self._rebase_schedule(len(state["ranks"]), saved_batch)
         else:
-            self._shift_schedule(state.get("schedule_offset", 0))
             # The next step's rate from this run's schedule and peak, not the saved one's: resumed
             # with more --max-steps or --epochs, the first step ran at the old schedule's end
             # rate; with another --base-lr, the whole run at the old peak.
-            self.scheduler.base_lrs = [self.peak_lr] * len(self.optimizer.param_groups)
-            for group in self.optimizer.param_groups:
-                group["initial_lr"] = self.peak_lr
-            self.scheduler.last_epoch -= 1
-            self.scheduler.step()
+            self._set_schedule(state.get("schedule_offset", 0), self.scheduler.last_epoch)
 
-    def _shift_schedule(self, offset: int) -> None:
-        """The scheduler stands `offset` steps ahead of the run's step count (since a resume on
-        another number of ranks): --max-steps, which counts the run's steps, ends the schedule
-        that much later. Saved with each checkpoint, so that later resumes keep it."""
+    def _set_schedule(self, offset: int, position: int) -> None:
+        """This run's schedule and peak rate, standing at scheduler step `position`, which is
+        `offset` steps ahead of the run's step count (since a resume on another number of
+        ranks or batch size): --max-steps, which counts the run's steps, ends the schedule that
+        much later. The offset is saved with each checkpoint, so that later resumes keep it."""
         self.schedule_offset = offset
         if self.cfg.max_steps is not None:
             self.total_steps = min(self.cfg.epochs * self.steps_per_epoch, self.cfg.max_steps + offset)
-        self.scheduler.lr_lambdas = [self._lr_factor_of()] * len(self.optimizer.param_groups)
+        groups = self.optimizer.param_groups
+        self.scheduler.lr_lambdas = [self._lr_factor_of()] * len(groups)
+        self.scheduler.base_lrs = [self.peak_lr] * len(groups)
+        for group in groups:
+            group["initial_lr"] = self.peak_lr
+        self.scheduler.last_epoch = position - 1
+        self.scheduler.step()  # to `position`: the groups' rates set from it
 
     def _lr_factor_of(self) -> Callable[[int], float]:
         """The schedule's factor of a scheduler step, for this world's epochs and steps."""
@@ -760,13 +762,7 @@ class Trainer:
         --max-steps, which still counts the run's steps (the curves' x axis goes on as it was)."""
         loader, spe = self.train_loader, self.steps_per_epoch
         position = loader.state.epoch * spe + (spe - len(loader))
-        self._shift_schedule(position - self.step)
-        groups = self.optimizer.param_groups
-        self.scheduler.base_lrs = [self.peak_lr] * len(groups)
-        for group in groups:
-            group["initial_lr"] = self.peak_lr
-        self.scheduler.last_epoch = position - 1
-        self.scheduler.step()  # to `position`: the groups' rates set from it
+        self._set_schedule(position - self.step, position)
         if self.ctx.is_main:
             log.warning(
                 "checkpoint from %d ranks of batch %d resumed on %d of batch %d: the learning-rate schedule goes on "
