@@ -401,8 +401,18 @@ def _parse_manifest(raw: Any) -> Manifest:
 # -- summary for `dlstore ls` ----------------------------------------------------------------
 
 
-def _describe_options(options: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in sorted(options.items()) if v not in (None, False, ""))
+#: Options that shape only some sources' shards, by the sources they shape: `convert` records
+#: every option (a conversion run again compares them whole), `ls` shows those that mattered.
+_OPTION_SOURCES = {"image_format": ("cifar10", "mnist"), "keep_format": ("imagefolder",)}
+
+
+def _describe_options(options: Mapping[str, Any], source_format: str | None) -> str:
+    shown = {
+        k: v
+        for k, v in options.items()
+        if v not in (None, False, "") and (k not in _OPTION_SOURCES or source_format in _OPTION_SOURCES[k])
+    }
+    return ", ".join(f"{k}={v}" for k, v in sorted(shown.items()))
 
 
 def describe_dataset(store) -> str:
@@ -448,6 +458,6 @@ def describe_dataset(store) -> str:
         + (f", seed {c.seed}" if c.seed is not None else "")
     )
     if c.options:
-        lines.append(f"  options  {_describe_options(c.options)}")
+        lines.append(f"  options  {_describe_options(c.options, c.source_format)}")
     # Every line as a terminal shows it: the manifest's names and source are anyone's.
     return "\n".join(printable(line) for line in lines)

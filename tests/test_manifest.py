@@ -85,6 +85,19 @@ def test_describe_dataset(tmp_path):
     assert "shard-000000.tar … shard-000002.tar" in text and "seed 7" in text
 
 
+@pytest.mark.parametrize("source_format", ["imagefolder", "imagenet", "cifar10"])
+def test_describe_dataset_shows_the_image_format_only_of_sources_it_shaped(tmp_path, source_format):
+    """`convert` records `image_format=png` (its default) for every source, but it encodes only
+    CIFAR/MNIST rows: `ls` said `image_format=png` of an ImageFolder dataset of JPEGs."""
+    store = open_store(f"file://{tmp_path}")
+    options = {"image_format": "png", "quality": 90, "shard_size": 1000}
+    created = CreationInfo("dlstore convert", "0.1.0", source_format, "/src", "", 0, options)
+    dataclasses.replace(example_manifest(), created=created).save(store)
+    (line,) = [line for line in describe_dataset(store).splitlines() if line.startswith("  options")]
+    assert "quality=90, shard_size=1000" in line
+    assert ("image_format=png" in line) == (source_format == "cifar10")
+
+
 def test_describe_dataset_tells_version_1_sample_indexes_from_the_manifest(tmp_path):
     """`dlstore ls` says which sample indexes have no sample digests (a node then fetches its
     boundary shards whole), from the manifest's index sizes: no index is fetched."""
