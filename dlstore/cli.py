@@ -34,6 +34,7 @@ from dlstore.manifest import MANIFEST_NAME, describe_dataset
 from dlstore.storage import open_object, open_store
 from dlstore.storage.transfer import copy_object
 from dlstore.train.config import add_train_arguments, config_from_args
+from dlstore.train.signals import EXIT_PREEMPTED
 
 __all__ = ["main"]
 
@@ -528,8 +529,6 @@ def _verbose_after_the_subcommand_too(sub: argparse._SubParsersAction) -> None:
 #: Signals that end a command as Ctrl-C does: SIGTERM (`timeout`, `kill`, a batch system) and
 #: SIGUSR1 (Slurm's `--signal` warning before the time limit), whose default actions kill.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-#: `dlstore train`'s exit code for "stopped; run it again" (`dlstore.train.EXIT_PREEMPTED`).
-_EXIT_RUN_AGAIN = 75
 
 
 @contextlib.contextmanager
@@ -572,7 +571,7 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     except StoppedBySignal as stop:
         print(f"dlstore {args.command}: stopped by {stop}", file=sys.stderr)
-        return _EXIT_RUN_AGAIN if args.command == "train" else 128 + stop.signum
+        return EXIT_PREEMPTED if args.command == "train" else 128 + stop.signum
     except BrokenPipeError:  # `dlstore ls ... | head`
         return 0
 

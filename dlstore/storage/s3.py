@@ -130,9 +130,7 @@ def _botocore_config(options: dict[str, Any]) -> botocore.config.Config:
 #: at each block of its body sent (`_UPLOADS`). Not the completion of a multipart upload,
 #: which may work through its parts for minutes before it answers (AWS sends whitespace meanwhile).
 _UPLOADS = frozenset({"put_object", "upload_part"})
-_AWAITED = (
-    frozenset({"head_object", "head_bucket", "create_multipart_upload", "create_bucket", "delete_object"}) | _UPLOADS
-)
+_AWAITED = frozenset({"head_object", "head_bucket", "create_multipart_upload", "delete_object"}) | _UPLOADS
 
 
 def _watch_connections(client: Any, registry: ConnectionRegistry) -> None:
