@@ -32,11 +32,16 @@ BODY = (bytes(range(256)) * 20)[:5000]
 
 # -- fsspec http:// -----------------------------------------------------------------------------------
 @contextmanager
-def http_server(head_status: int = 200, get_failures: int = 0, get_status: int = 503) -> Iterator[dict]:
+def http_server(
+    head_status: int = 200, get_failures: int = 0, get_status: int = 503, stalled_gets: int = 0
+) -> Iterator[dict]:
     """A server of one 5000-byte object at any path: HEAD answers `head_status` (the object's
     size when 200), GET answers `get_status` for its first `get_failures` requests (and for all
-    of them when HEAD does not answer 200), then the bytes. Yields its URL and request counts."""
+    of them when HEAD does not answer 200), then the bytes; its first `stalled_gets` GETs send
+    their head and 100 bytes, then nothing until the server is shut down. Yields its URL and
+    request counts."""
     state = {"gets": 0, "heads": 0}
+    shut = threading.Event()
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:
@@ -73,6 +78,11 @@ def http_server(head_status: int = 200, get_failures: int = 0, get_status: int =
             self.send_header("Content-Length", str(end - start))
             self.send_header("Accept-Ranges", "bytes")
             self.end_headers()
+            if state["gets"] <= stalled_gets:
+                self.wfile.write(BODY[start : start + 100])
+                self.wfile.flush()
+                shut.wait(600)
+                return
             self.wfile.write(BODY[start:end])
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -81,6 +91,7 @@ def http_server(head_status: int = 200, get_failures: int = 0, get_status: int =
     try:
         yield {"url": f"http://127.0.0.1:{server.server_address[1]}/data", "state": state}
     finally:
+        shut.set()
         server.shutdown()
         server.server_close()
 
@@ -98,6 +109,24 @@ def test_http_get_answering_503_for_good_is_a_transient_error():
         store = open_store(server["url"], StoreConfig(retry=RetryConfig(max_attempts=2, initial_backoff_s=0.01)))
         with pytest.raises(TransientError, match="HTTP 503"):
             store.get_bytes("obj.bin")
+
+
+def test_an_http_get_that_stalls_is_cut_after_the_read_timeout_and_retried():
+    """fsspec's http:// waited on a stalled answer for aiohttp's default of 5 minutes, whatever
+    `read_timeout_s` said, and that same default cut any answer longer than 5 minutes (a
+    whole shard from a server without range requests, on a slow link). Now a GET is cut
+    after `read_timeout_s` without a byte and retried; a long answer is not cut."""
+    retry = RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.05, deadline_s=30, read_timeout_s=1)
+    with http_server(stalled_gets=1) as server:
+        store = open_store(server["url"], StoreConfig(retry=retry))
+        timeouts = store.fs.client_kwargs["timeout"]
+        assert timeouts.total is None and timeouts.sock_read == 1 and timeouts.sock_connect == retry.connect_timeout_s
+        got: list = []
+        reader = threading.Thread(target=lambda: got.append(store.get_bytes("obj.bin")), daemon=True)
+        reader.start()
+        reader.join(60)  # the 5-minute default would still wait here
+        assert not reader.is_alive(), "the stalled GET was not cut"
+        assert got == [BODY] and server["state"]["gets"] >= 2
 
 
 @pytest.mark.parametrize(

@@ -121,7 +121,7 @@ class FsspecStore(Store):
         self._opens = self.url
         self.url = redact_url(self.url)
         try:
-            fs, root = fsspec.core.url_to_fs(self._opens)
+            fs, root = fsspec.core.url_to_fs(self._opens, **self._fs_options())
         except (ImportError, ValueError) as exc:
             raise ConfigError(f"cannot open {self.url!r} with fsspec: {type(exc).__name__}") from None
         self.root = root.rstrip("/")
@@ -134,9 +134,26 @@ class FsspecStore(Store):
         if fs is None:
             import fsspec
 
-            fs, _ = fsspec.core.url_to_fs(self._opens)
+            fs, _ = fsspec.core.url_to_fs(self._opens, **self._fs_options())
             self._client_fs = fs
         return fs
+
+    def _fs_options(self) -> dict[str, Any]:
+        """http(s)://: aiohttp's timeouts from the retry config. Its default waited 5 minutes
+        on a stalled answer, and cut any answer longer than that (a whole shard streamed from a
+        server without range requests): no byte for `read_timeout_s` now fails the attempt,
+        which is retried from the next byte, and a long answer is not cut."""
+        if self.scheme not in ("http", "https"):
+            return {}
+        try:
+            import aiohttp
+        except ImportError:  # pragma: no cover - fsspec's http needs it anyway
+            return {}
+        retry = self.config.retry
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=retry.connect_timeout_s, sock_read=retry.read_timeout_s
+        )
+        return {"client_kwargs": {"timeout": timeout}}
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root else key
