@@ -74,16 +74,21 @@ def gradient_url(tmp_path, monkeypatch):
 
 def _passes(loader, epochs=(0, 1), abandon_after=3):
     """Images (on the CPU), labels and keys of a pass abandoned after `abandon_after`
-    batches, then of whole `epochs`."""
+    batches, then of whole `epochs`; the padding marks come on the labels' device."""
+
+    def taken(images, labels, meta):
+        assert meta["padding"].device == labels.device and len(meta["padding"]) == len(labels)
+        return images.float().cpu(), labels.cpu(), meta["keys"]
+
     out = []
     loader.set_epoch(9)
-    for step, (images, labels, meta) in enumerate(loader):
-        out.append((images.float().cpu(), labels.cpu(), meta["keys"]))
+    for step, batch in enumerate(loader):
+        out.append(taken(*batch))
         if step + 1 == abandon_after:
             break
     for epoch in epochs:
         loader.set_epoch(epoch)
-        out += [(images.float().cpu(), labels.cpu(), meta["keys"]) for images, labels, meta in loader]
+        out += [taken(*batch) for batch in loader]
     return out
 
 

@@ -47,8 +47,9 @@ class Loader:
         for images, labels in loader: ...
 
     With `Dataset(..., return_keys=True)` each batch comes as `(images, labels, meta)`, where
-    `meta["keys"]` are the samples' keys and `meta["padding"]` marks the samples that repeat
-    one already delivered this epoch to keep the ranks equal (count them out of evaluation).
+    `meta["keys"]` are the samples' keys and `meta["padding"]` (on the device, as the labels)
+    marks the samples that repeat one already delivered this epoch to keep the ranks equal
+    (count them out of evaluation).
     """
 
     def __init__(self, dataset: Dataset, num_workers: int | None = None, device: str = "cuda", **options: Any) -> None:

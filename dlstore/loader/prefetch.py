@@ -89,6 +89,9 @@ class GpuPrefetcher:
         else:
             images = batch["images"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
+        # Beside the labels, on this side stream: a consumer's copy from pageable memory on its
+        # own stream may wait there for the work queued before it (evaluation, each batch).
+        padding = batch["padding"].to(self.device, non_blocking=True) if "padding" in batch else None
         # NHWC uint8 -> NCHW view with channels_last strides: no copy.
         images = images.permute(0, 3, 1, 2)
         if self.dtype != torch.uint8:
@@ -105,6 +108,8 @@ class GpuPrefetcher:
                 images = images.contiguous()
         out = dict(batch)
         out["images"], out["labels"] = images, labels
+        if padding is not None:
+            out["padding"] = padding
         return out
 
     def _drop_undecodable(self, batch: dict, bad: list[int]) -> dict:
@@ -146,8 +151,9 @@ class GpuPrefetcher:
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for value in (batch["images"], batch["labels"]):
-                value.record_stream(current)
+            for name in ("images", "labels", "padding"):
+                if name in batch:
+                    batch[name].record_stream(current)
         return batch
 
     def __iter__(self) -> Iterator[dict]:

@@ -76,8 +76,7 @@ def _score_batches(model: nn.Module, loader, k: int, sums: torch.Tensor) -> None
     """Add each batch's loss, hits and real samples into `sums` (no collective in here)."""
     for images, labels, meta in loader:
         logits = model(images).float()
-        # Pinned by the loader: an asynchronous copy (a blocking one would wait for the GPU).
-        real = meta["padding"].to(labels.device, non_blocking=True).logical_not().double()
+        real = meta["padding"].to(labels.device).logical_not().double()  # there already, from the loader
         loss = F.cross_entropy(logits, labels, reduction="none")
         top = logits.topk(k, dim=1).indices
         hit1 = (top[:, 0] == labels).double()
