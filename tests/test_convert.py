@@ -798,6 +798,23 @@ def test_convert_decodes_every_jpeg_it_stores_and_leaves_out_those_the_loader_wo
     assert manifest.total_samples == 7 and not manifest.decode_checked
 
 
+@pytest.mark.parametrize("fmt", ["imagenet", "mnist"])
+@pytest.mark.parametrize(("first_split", "then"), [("train", None), (None, "train")])
+def test_a_rerun_naming_the_default_split_or_leaving_it_out_keeps_the_dataset(data, tmp_path, fmt, first_split, then):
+    """`--split train` is the default: converted with it and run again without it (or the
+    other way round), the rerun was refused as "other options (split: 'train' there, None
+    here)". Now it keeps every shard and the manifest; another split is still refused."""
+    made = data[fmt]
+    url = f"file://{tmp_path}/d"
+    first = convert(fmt, made.root, url, dataclasses.replace(OPTS, split=first_split))
+    assert first.manifest.created.split == "train"
+    again = convert(fmt, made.root, url, dataclasses.replace(OPTS, split=then))
+    assert again.shards_written == 0 and again.shards_reused == first.shards and again.manifest == first.manifest
+    other = "val" if fmt == "imagenet" else "test"
+    with pytest.raises(ConfigError, match="other options"):
+        convert(fmt, made.root, url, dataclasses.replace(OPTS, split=other))
+
+
 def test_a_dataset_converted_unchecked_is_not_rebuilt_checked_without_overwrite(tmp_path):
     """A dataset converted without the decode check (as every dataset before it: the same
     options, the same shard recipes) is converted again with `--no-check-decode` keeping every

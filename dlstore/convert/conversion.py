@@ -62,6 +62,7 @@ def convert(
     store = dest if isinstance(dest, Store) else open_store(dest, config)
     store.ensure_container()  # as `swift upload` does; refused rights fail here, before any work
     source = list_source(fmt, src, options)
+    options = _split_as_recorded(store, source, options)
     tasks = plan_tasks(source, options)
     creation = _creation_info(source, options)
     same, before, replaced = _check_destination(store, creation, options)
@@ -96,6 +97,24 @@ def convert(
         seconds=time.monotonic() - started,
         manifest=manifest,
     )
+
+
+def _split_as_recorded(store: Store, source: Source, options: ConvertOptions) -> ConvertOptions:
+    """The source's default split named (`--split train`) or left out is the same conversion,
+    but the options (and with them every shard's recipe) record it as given: a rerun in the
+    other form was refused as "other options". Where the dataset at the destination is this
+    source's same split, its form is taken, so that the rerun keeps it."""
+    if options.split not in (None, source.split):
+        return options
+    try:
+        created = Manifest.load(store).created
+    except (NotFound, FormatError):
+        return options
+    recorded = created.options.get("split")
+    same_split = created.source_format == source.format and created.split == source.split
+    if same_split and recorded in (None, source.split) and recorded != options.split:
+        return dataclasses.replace(options, split=recorded)
+    return options
 
 
 def _creation_info(source: Source, options: ConvertOptions) -> CreationInfo:
