@@ -518,10 +518,14 @@ def test_sigterm_ends_a_convert_cleanly_and_a_resume_finishes_it(data, tmp_path)
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
-def test_ctrl_c_while_the_workers_start_ends_convert_quietly(data, tmp_path):
-    """Ctrl-C reaches the whole process group. Workers still importing (they ignore SIGINT
-    only once they run) printed a page of KeyboardInterrupt traceback each; they are now born
-    ignoring it, and only convert itself stops, with status 130 and its temp folder gone."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_to_the_process_group_while_the_workers_start_ends_convert_quietly(data, tmp_path, sig):
+    """Ctrl-C, Slurm's SIGTERM and its `--signal` SIGUSR1 reach the whole process group.
+    Workers still importing (they ignored SIGINT only once they ran) printed a page of
+    KeyboardInterrupt traceback each; SIGTERM killed them, and the pool's clean-up of the
+    broken pool raced convert's cancelling of its shards into an InvalidStateError traceback.
+    They are now born ignoring all three, and only convert itself stops, with its status
+    (130 for Ctrl-C, 128 + the signal) and its temp folder gone."""
     made = make_imagefolder(tmp_path / "src", num_classes=4, per_class=60, image_size=(16, 16), formats=("jpg",))
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -533,11 +537,33 @@ def test_ctrl_c_while_the_workers_start_ends_convert_quietly(data, tmp_path):
         time.sleep(0.002)
     time.sleep(0.3)  # the workers are importing (240 shards: they are far from done)
     assert process.poll() is None, "the conversion ended before the signal: nothing was tested"
-    os.killpg(process.pid, signal.SIGINT)
+    os.killpg(process.pid, sig)
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 130, stderr.decode()[-2000:]
+    assert process.returncode == (130 if sig == signal.SIGINT else 128 + sig), stderr.decode()[-2000:]
     assert b"KeyboardInterrupt" not in stderr and b"Traceback" not in stderr, stderr.decode()[-3000:]
     assert list(scratch.iterdir()) == []
+
+
+def test_a_stop_signal_while_workers_are_started_still_reaches_convert():
+    """The workers are born deaf to the stop signals (`_workers_born_ignoring_stop_signals`
+    blocks them in the thread that starts them): one sent to convert meanwhile is not lost,
+    and convert's own handler has it at the latest once the workers are started."""
+    from dlstore.convert.workers import _workers_born_ignoring_stop_signals
+
+    got = []
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with _workers_born_ignoring_stop_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # the handler runs at the next bytecode boundaries
+            if got:
+                break
+            time.sleep(0.01)
+        assert got == [signal.SIGTERM]
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == mask
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def test_an_mnist_file_holding_more_than_its_header_says_is_refused_without_inflating_it(tmp_path):

@@ -4,7 +4,8 @@ worker processes, and stopping them all on the first failure.
 How a failing conversion ends (the first error wins, and reaches the caller promptly):
 
 1. The error arrives in this process: a worker's (re-raised from its future), one the
-   progress callback raises, or Ctrl-C (workers ignore SIGINT; this process decides).
+   progress callback raises, or a stop: Ctrl-C, SIGTERM or SIGUSR1 (workers ignore them; this
+   process decides).
 2. Shards not yet started are cancelled, and the shared `stop` event is set: a running build
    checks it before every sample and ends through its normal exception path, which removes
    its half-written object (the local store's temp file, the temp tar, an S3 multipart upload).
@@ -28,6 +29,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.resource_tracker
 import os
 import pickle
 import secrets
@@ -55,6 +57,9 @@ log = logging.getLogger(__name__)
 # How long running builds get to notice `stop` before their workers are killed. Between samples
 # they notice within one sample; only a store call (an upload riding out retries) takes longer.
 _STOP_GRACE_S = 10.0
+#: What a worker ignores, from its first instruction: a stop reaches the whole process group
+#: (Ctrl-C, Slurm's SIGTERM and `--signal` SIGUSR1, `docker stop`), and this process decides.
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 _PROGRESS_INTERVAL_S = 0.25
 
 # The builder of this worker process, made by `_start_worker`: the pool sends the context (with
@@ -106,11 +111,13 @@ def _build_in_process(
 
 def _start_worker(context: BuildContext, source_path: str, shared: tuple, stop: Any, pids: Any) -> None:
     """Pool initializer: this worker's builder (its context's source, with the listing, read from `source_path`),
-    and its pid sent to the parent (which kills it only if it is stuck). Ctrl-C reaches the
-    whole process group; only the parent acts on it (through `stop`), so a worker ignores
-    SIGINT (SIG_IGN: no Python handler)."""
+    and its pid sent to the parent (which kills it only if it is stuck). A stop signal reaches
+    the whole process group; only the parent acts on it (through `stop`), so a worker ignores
+    them (SIG_IGN: no Python handler), born so (`_workers_born_ignoring_stop_signals`)."""
     global _process_builder
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)  # blocked in the parent while it was made
     pids.put(os.getpid())
     with open(source_path, "rb") as file:
         context = dataclasses.replace(context, source=pickle.load(file))
@@ -138,6 +145,7 @@ def _build_in_pool(
 ) -> None:
     # spawn, not fork: the parent may hold threads (progress bar, store clients) that a fork would copy mid-state.
     ctx = multiprocessing.get_context("spawn")
+    _start_resource_tracker()
     shared = (ctx.Value("q", 0), ctx.Value("q", 0))
     counters = Counters(shared)
     stop, pids = ctx.Event(), ctx.SimpleQueue()
@@ -148,7 +156,7 @@ def _build_in_pool(
     )
     pending: set[Future] = set()
     try:
-        with _workers_born_ignoring_sigint():
+        with _workers_born_ignoring_stop_signals():
             pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
         while pending:
             done, pending = wait(pending, timeout=_PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
@@ -171,19 +179,37 @@ def _build_in_pool(
 
 
 @contextlib.contextmanager
-def _workers_born_ignoring_sigint() -> Iterator[None]:
-    """Workers started in this block ignore SIGINT from their first instruction: an ignored
-    signal stays ignored across exec. Ctrl-C reaches the whole process group, and a worker
-    still importing (before `_start_worker` ignores it) printed a page of KeyboardInterrupt
-    traceback each. This process ignores it for the few milliseconds of the starts only."""
+def _workers_born_ignoring_stop_signals() -> Iterator[None]:
+    """Workers started in this block are deaf to the stop signals from their first instruction.
+    A stop to the process group while a worker was still importing printed a page of
+    KeyboardInterrupt traceback per worker (Ctrl-C), or killed it (SIGTERM, SIGUSR1), and the
+    pool's clean-up of the broken pool raced convert's cancelling of its shards into a
+    traceback. This thread blocks them while it starts the workers, which are born with that
+    mask (kept across exec): one sent meanwhile waits in a worker until `_start_worker`
+    ignores it. This process still takes them, in its other threads or once the block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _start_resource_tracker() -> None:
+    """multiprocessing's resource tracker (it unlinks the pool's semaphores), started before
+    anything uses it with SIGUSR1 blocked, which it then keeps: Slurm's `--signal` SIGUSR1 to
+    the process group ended it ("process died unexpectedly", then a traceback per semaphore).
+    It ignores SIGINT and SIGTERM itself."""
+    if threading.current_thread() is not threading.main_thread():
+        multiprocessing.resource_tracker.ensure_running()
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        multiprocessing.resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
 def _stop_pool(pool: ProcessPoolExecutor, pending: set[Future], pids: Any) -> None:
