@@ -566,6 +566,63 @@ def test_a_stop_signal_while_workers_are_started_still_reaches_convert():
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_stop_signals_while_the_pool_runs_are_acted_on_between_waits():
+    """A Ctrl-C raised inside `concurrent.futures.wait` could land between a lock's acquire and
+    release: a double Ctrl-C ended convert in "RuntimeError: release unlocked lock". The pool's
+    loop now notes stops and acts on them between waits, as the handler before would have."""
+    from dlstore.convert.workers import _StopsAtSafePoints
+
+    class Stopped(Exception):
+        pass
+
+    def cli_stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, cli_stop)
+    try:
+        with _StopsAtSafePoints() as stops:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # Python code runs on: nothing raised where it stands
+                if len(stops.received) == 2:
+                    break
+                time.sleep(0.01)
+            assert sorted(stops.received) == [signal.SIGINT, signal.SIGTERM]
+            with pytest.raises((KeyboardInterrupt, Stopped)):
+                stops.act()
+            with pytest.raises((KeyboardInterrupt, Stopped)):
+                stops.act()
+            stops.act()  # nothing left
+        assert (
+            signal.getsignal(signal.SIGTERM) is cli_stop
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_double_ctrl_c_while_convert_builds_ends_it_quietly(tmp_path):
+    """Ctrl-C twice in a row to convert itself (as `timeout` passes it on): status 130, no
+    traceback, its temp folder gone, whatever the second one interrupted."""
+    made = make_imagefolder(tmp_path / "src", num_classes=4, per_class=60, image_size=(64, 64), formats=("jpg",))
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    command = [sys.executable, "-m", "dlstore", "convert", "imagefolder", str(made.root), f"file://{tmp_path}/out"]
+    command += ["--samples-per-shard", "1", "--workers", "2", "-q", "--tmp-dir", str(scratch)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None and len(list((tmp_path / "out").glob("*.tar"))) < 4:
+        time.sleep(0.01)
+    assert process.poll() is None, "the conversion ended before the signal: nothing was tested"
+    for _ in range(2):
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.005)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, stderr.decode()[-2000:]
+    assert b"Traceback" not in stderr, stderr.decode()[-3000:]
+    assert list(scratch.iterdir()) == []
+
+
 def test_an_mnist_file_holding_more_than_its_header_says_is_refused_without_inflating_it(tmp_path):
     """A gzip bomb (a header for 10 images, then 256 MB of zeros: 256 KB on disk) is found out
     after the bytes the header announces, not after all of it is inflated into memory."""

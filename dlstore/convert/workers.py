@@ -37,6 +37,7 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
@@ -61,6 +62,7 @@ _STOP_GRACE_S = 10.0
 #: (Ctrl-C, Slurm's SIGTERM and `--signal` SIGUSR1, `docker stop`), and this process decides.
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 _PROGRESS_INTERVAL_S = 0.25
+_STOP_POLL_S = 0.1
 
 # The builder of this worker process, made by `_start_worker`: the pool sends the context (with
 # the whole listing) once per worker, and each task carries only its shard's plan.
@@ -155,27 +157,66 @@ def _build_in_pool(
         workers, ctx, initializer=_start_worker, initargs=(light, source_path, shared, stop, pids)
     )
     pending: set[Future] = set()
-    try:
-        with _workers_born_ignoring_stop_signals():
-            pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
-        while pending:
-            done, pending = wait(pending, timeout=_PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
-            for future in done:
-                finished = future.result()  # re-raises a worker's error here
-                built[finished.number] = finished
+    with _StopsAtSafePoints() as stops:
+        try:
+            with _workers_born_ignoring_stop_signals():
+                pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
+            while pending:
+                stops.act()
+                done, pending = wait(pending, timeout=_PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
+                for future in done:
+                    finished = future.result()  # re-raises a worker's error here
+                    built[finished.number] = finished
+                    report(counters)
                 report(counters)
-            report(counters)
-    except BaseException as exc:
-        stop.set()
-        _stop_pool(pool, pending, pids)
-        if isinstance(exc, BrokenProcessPool):
-            raise DlstoreError(
-                f"a convert worker process died ({exc}). If it could not start: a script that calls convert "
-                'with workers > 1 needs `if __name__ == "__main__":`, since each worker is a new Python that '
-                "imports the script; otherwise it was killed (out of memory?) or its start-up failed (above)"
-            ) from exc
-        raise
+        except BaseException as exc:
+            stop.set()
+            _stop_pool(pool, pending, pids, hurry=lambda: bool(stops.received))
+            if isinstance(exc, BrokenProcessPool):
+                raise DlstoreError(
+                    f"a convert worker process died ({exc}). If it could not start: a script that calls convert "
+                    'with workers > 1 needs `if __name__ == "__main__":`, since each worker is a new Python that '
+                    "imports the script; otherwise it was killed (out of memory?) or its start-up failed (above)"
+                ) from exc
+            raise
     pool.shutdown(wait=True)
+
+
+class _StopsAtSafePoints:
+    """The stop signals, noted while the pool runs and acted on between two waits for it, as
+    the handlers before would have (Ctrl-C's KeyboardInterrupt, the CLI's `StoppedBySignal`).
+    Raised inside `concurrent.futures.wait`, a stop could land between a lock's acquire and
+    its release, and a double Ctrl-C ended in "RuntimeError: release unlocked lock" and a
+    traceback. A stop noted after the first one asks the clean-up to hurry (`_stop_pool`)."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopsAtSafePoints:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._note) for sig in _STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+
+    def act(self) -> None:
+        """Do what the handler before this one did for the first stop noted (a default action
+        is taken with that default back in place)."""
+        if not self.received:
+            return
+        signum = self.received.pop(0)
+        previous = self._previous[signum]
+        if callable(previous):
+            previous(signum, None)
+        elif previous == signal.SIG_DFL:
+            self.__exit__()
+            signal.raise_signal(signum)
 
 
 @contextlib.contextmanager
@@ -212,18 +253,23 @@ def _start_resource_tracker() -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _stop_pool(pool: ProcessPoolExecutor, pending: set[Future], pids: Any) -> None:
+def _stop_pool(
+    pool: ProcessPoolExecutor, pending: set[Future], pids: Any, hurry: Callable[[], bool] = lambda: False
+) -> None:
     """After a failure: cancel the shards not started, give the running ones `_STOP_GRACE_S`
-    to stop (they see `stop`), kill the workers if any is still running, and join the pool."""
+    to stop (they see `stop`), kill the workers if any is still running (or at once when
+    `hurry()` says so: a second stop), and join the pool."""
     # Cancel here rather than with shutdown(wait=False, cancel_futures=True): `wait` never counts
     # a future the executor cancelled as done, and after that shutdown a second one joins nothing.
-    running = {future for future in pending if not future.cancel()}
-    late = running
+    late = {future for future in pending if not future.cancel()}
+    deadline = time.monotonic() + _STOP_GRACE_S
     try:
-        late = wait(running, timeout=_STOP_GRACE_S).not_done
-    finally:  # also on a second Ctrl-C while waiting
+        while late and not hurry() and time.monotonic() < deadline:
+            late = wait(late, timeout=_STOP_POLL_S).not_done
+    finally:  # also on a Ctrl-C while waiting where no handler of ours notes it
         if late:
-            log.warning("%d shard build(s) did not stop within %.0f s; killing the workers", len(late), _STOP_GRACE_S)
+            why = "a second stop came" if hurry() else f"they did not stop within {_STOP_GRACE_S:.0f} s"
+            log.warning("%d shard build(s) still running: %s; killing the workers", len(late), why)
             _kill_workers(pids)
         pool.shutdown(wait=True)
 
