@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from dlstore.cache import cache_report, clear_cache
 from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
-from dlstore.config import DataConfig, format_size, parse_size
+from dlstore.config import DataConfig, format_size, parse_size, writable_file
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
 from dlstore.errors import ConfigError, DlstoreError, StoppedBySignal
@@ -402,6 +402,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from dlstore.bench import (
         QUICK_DATA,
         BenchConfig,
+        check_plot_path,
         format_report,
         parse_int_list,
         plot_report,
@@ -429,6 +430,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir or "",
     )
     config = BenchConfig.quick(data, **changes) if args.quick else BenchConfig(data, **changes)
+    if args.json:  # before the run: a path that cannot be written lost its results to a traceback
+        writable_file(args.json, "--json")
+    if args.plot:
+        check_plot_path(args.plot)
     if not args.quiet:
         logging.getLogger("dlstore.bench").setLevel(logging.INFO)  # what is being measured, as it goes
     report = run_bench(config)

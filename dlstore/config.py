@@ -385,6 +385,19 @@ def writable_dir(path: str, flag: str) -> str:
     return path
 
 
+def writable_file(path: str, flag: str) -> str:
+    """`path`, checked before a run spends time on what it will hold: its folder is there and
+    writable, and it is not a folder itself; else a ConfigError naming it and `flag`."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"cannot write {path} ({flag}): it is a folder; name a file")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"cannot write {path} ({flag}): no folder {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"cannot write {path} ({flag}): not writable")
+    return path
+
+
 def default_cache_dir(env: Mapping[str, str] | None = None) -> str:
     """`DLSTORE_CACHE_DIR`, else `~/.cache/dlstore/shards`."""
     env = os.environ if env is None else env

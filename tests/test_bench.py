@@ -29,6 +29,26 @@ def dataset_url(tmp_path):
     return url
 
 
+@pytest.mark.parametrize(
+    ("flag", "name", "said"),
+    [
+        ("--json", "no-folder/bench.json", "no folder"),
+        ("--json", ".", "it is a folder"),
+        ("--plot", "no-folder/bench.png", "no folder"),
+        ("--plot", "bench.xyz", "name a file ending in one of"),
+    ],
+)
+def test_bench_refuses_an_output_it_could_not_write_before_it_runs(dataset_url, tmp_path, capsys, flag, name, said):
+    """`--json` or `--plot` to a path that cannot be written ended the whole bench, after it
+    ran, in a traceback (FileNotFoundError, matplotlib's ValueError): the results were lost.
+    Now it is refused at once, saying why, and nothing is measured."""
+    argv = ["bench", dataset_url, "--quick", "--image-size", "32", "--cache-dir", str(tmp_path / "c"), "-q"]
+    assert cli([*argv, flag, str(tmp_path / name)]) == 2
+    captured = capsys.readouterr()
+    assert said in captured.err and flag in captured.err
+    assert "loader" not in captured.out  # refused before any pass ran
+
+
 def test_bench_cli_writes_json_and_plot(dataset_url, tmp_path, capsys):
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     bench_tmp = tmp_path / "bench-cache"

@@ -28,7 +28,7 @@ tables), `plot` (the PNG) and `run` (`run_bench`, the order of it all)::
 from __future__ import annotations
 
 from dlstore.bench.config import QUICK_DATA, BenchConfig, parse_int_list, size_or_auto
-from dlstore.bench.plot import plot_report
+from dlstore.bench.plot import check_plot_path, plot_report
 from dlstore.bench.report import (
     STAGES,
     BenchReport,
@@ -55,6 +55,7 @@ __all__ = [
     "advise",
     "format_report",
     "parse_int_list",
+    "check_plot_path",
     "plot_report",
     "run_bench",
     "size_or_auto",

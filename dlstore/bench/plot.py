@@ -2,11 +2,30 @@
 
 from __future__ import annotations
 
-from dlstore.bench.report import BenchReport
+import os
 
-__all__ = ["plot_report"]
+from dlstore.bench.report import BenchReport
+from dlstore.config import writable_file
+from dlstore.errors import ConfigError
+
+__all__ = ["check_plot_path", "plot_report"]
 
 _COLOURS = [f"C{i}" for i in range(10)]  # matplotlib's default cycle, by name
+
+
+def check_plot_path(path: str, flag: str = "--plot") -> None:
+    """A ConfigError now, before the bench runs, for a plot that could not be written after it
+    (the results lost to a traceback): no matplotlib, a format it does not write, a folder
+    that is not there or not writable."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError(f"{flag} needs matplotlib: pip install matplotlib (or 'dlstore[train]')") from None
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = os.path.splitext(path)[1].lstrip(".").lower()
+    if suffix not in formats:
+        raise ConfigError(f"cannot plot to {path} ({flag}): name a file ending in one of {', '.join(sorted(formats))}")
+    writable_file(path, flag)
 
 
 def plot_report(report: BenchReport, path: str) -> None:
