@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import numbers
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -365,8 +366,14 @@ class TransformConfig:
     def __post_init__(self) -> None:
         if self.preset not in ("train", "eval", "none"):
             raise ConfigError(f"transform preset must be 'train', 'eval' or 'none', not {self.preset!r}")
-        if self.image_size < 1 or not 0 < self.crop_ratio <= 1:
-            raise ConfigError("image_size must be positive and crop_ratio in (0, 1]")
+        _check_image_size(self.image_size)
+        if not 0 < self.crop_ratio <= 1:
+            raise ConfigError(f"crop_ratio must be in (0, 1], not {self.crop_ratio!r}")
+
+
+def _check_image_size(size: object) -> None:
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 1:
+        raise ConfigError(f"image_size must be a positive whole number of pixels, not {size!r}")
 
 
 def writable_dir(path: str, flag: str) -> str:
@@ -454,6 +461,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         transform = self.transform
+        if self.image_size is not None:  # 0 was taken as "not given", then said to disagree with 224
+            _check_image_size(self.image_size)
         if isinstance(transform, str):
             transform = TransformConfig(preset=transform, image_size=self.image_size or 224)
         elif not isinstance(transform, TransformConfig):

@@ -394,3 +394,12 @@ def test_writable_dir_makes_the_folder_or_names_it_and_the_flag(tmp_path):
         writable_dir(str(tmp_path / "a-file" / "run"), "--output-dir")
     with pytest.raises(ConfigError, match=r"cannot use /proc/dlstore-run \(--tmp-dir\)"):
         writable_dir("/proc/dlstore-run", "--tmp-dir")
+
+
+@pytest.mark.parametrize("size", [0, -5, "abc", 2.5, True])
+def test_a_bad_image_size_says_what_is_wrong_with_it(size):
+    """`image_size=0` said "image_size=0 disagrees with the transform's image_size=224" (0 was
+    taken as not given), and `"abc"` raised a bare TypeError from a comparison."""
+    for make in (lambda: DataConfig("file:///d", image_size=size), lambda: TransformConfig(image_size=size)):
+        with pytest.raises(ConfigError, match=f"image_size must be a positive whole number of pixels, not {size!r}"):
+            make()
