@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass, field
 
 from dlstore.bench import BenchConfig, format_report, run_bench
-from dlstore.config import DataConfig
+from dlstore.config import DataConfig, writable_dir
 from dlstore.convert import ConvertOptions, convert, verify_dataset
 from dlstore.dataset import Dataset
 from dlstore.demo.datagen import make_imagenet
+from dlstore.errors import ConfigError
 from dlstore.loader import Loader
 from dlstore.storage import open_object, open_store
 from dlstore.storage.transfer import copy_object
@@ -53,6 +54,13 @@ class DemoConfig:
     )
     train: bool = True
 
+    def __post_init__(self) -> None:
+        # Checked before the images are made, not minutes later where they are used.
+        if self.train and self.epochs < 1:
+            raise ConfigError(f"epochs must be at least 1, not {self.epochs} (no training: --no-train)")
+        if min(self.num_classes, self.train_per_class, self.val_per_class) < 1:
+            raise ConfigError("the demo needs at least one class and one image per class and split")
+
     def data_for(self, url: str, workdir: str) -> DataConfig:
         """`data` for the dataset at `url`, cached under `workdir`, the environment read once."""
         return self.data.replace(url=url, cache_dir=os.path.join(workdir, "cache")).resolved()
@@ -69,9 +77,10 @@ def run_demo(cfg: DemoConfig) -> dict:
     >>> run_demo(DemoConfig(train=False))["loader_img_s"]   # doctest: +SKIP
     1483.0
     """
+    if cfg.store_url:
+        open_store(cfg.store_url)  # a URL it cannot open is said now, before the images are made
     own_workdir = not cfg.workdir
-    workdir = cfg.workdir or tempfile.mkdtemp(prefix="dlstore-demo-")
-    os.makedirs(workdir, exist_ok=True)
+    workdir = writable_dir(cfg.workdir, "--workdir") if cfg.workdir else tempfile.mkdtemp(prefix="dlstore-demo-")
     store_url = cfg.store_url or f"file://{os.path.abspath(workdir)}/store"
     results: dict = {"store": store_url}
     try:
