@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from dlstore.cache import cache_report, clear_cache
 from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
@@ -40,6 +41,14 @@ __all__ = ["main"]
 
 
 # -- ls ------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _progress_bar(**options) -> Iterator[tqdm]:
+    """A tqdm bar with log lines written above it, each on its own line (a warning was glued
+    onto the end of the bar's line)."""
+    with logging_redirect_tqdm(), tqdm(**options) as bar:
+        yield bar
+
+
 def _cmd_ls(args: argparse.Namespace) -> int:
     store = open_store(args.url)
     if not args.objects and not args.prefix and store.exists(MANIFEST_NAME):
@@ -72,7 +81,7 @@ def _add_ls(sub: argparse._SubParsersAction) -> None:
 def _cmd_cp(args: argparse.Namespace) -> int:
     src_store, src_key = open_object(args.src)
     info = src_store.stat(src_key)
-    with tqdm(total=info.size, unit="B", unit_scale=True, desc=src_key, disable=args.quiet) as bar:
+    with _progress_bar(total=info.size, unit="B", unit_scale=True, desc=src_key, disable=args.quiet) as bar:
         copy_object(src_store, src_key, args.dst, progress=bar.update)
     return 0
 
@@ -169,7 +178,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         check_decode=not args.no_check_decode,
     )
     started = time.monotonic()
-    with tqdm(desc="convert", unit=" img", disable=args.quiet, dynamic_ncols=True) as bar:
+    with _progress_bar(desc="convert", unit=" img", disable=args.quiet, dynamic_ncols=True) as bar:
 
         def on_progress(p: ConvertProgress) -> None:
             bar.total = p.samples_total
@@ -254,7 +263,7 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    with tqdm(desc="verify", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
+    with _progress_bar(desc="verify", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
 
         def on_progress(done: int, total: int) -> None:
             bar.total = total
@@ -281,7 +290,7 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_index(args: argparse.Namespace) -> int:
-    with tqdm(desc="index", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
+    with _progress_bar(desc="index", unit=" shards", disable=args.quiet, dynamic_ncols=True) as bar:
 
         def on_progress(done: int, total: int) -> None:
             bar.total = total
@@ -467,7 +476,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         help="loader engines each worker count runs on: auto (default: what the trainer gets), or threads,processes "
         "to see which is faster here",
     )
-    p.add_argument("--batches", type=int, help="batches per timed loader pass (default 20; --quick 4)")
+    p.add_argument("--batches", type=int, help="batches per timed loader pass (default 20; --quick 6)")
     p.add_argument("--stage-batches", type=int, help="batches of the per-stage timing pass (default 2)")
     p.add_argument("--model", help="torchvision model for the demand side (default resnet50; --quick resnet18)")
     p.add_argument("--device", help="auto (default), cuda, cuda:N or cpu")
@@ -573,6 +582,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"dlstore {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"dlstore {args.command}: interrupted (Ctrl-C)", file=sys.stderr)
         return 130
     except StoppedBySignal as stop:
         print(f"dlstore {args.command}: stopped by {stop}", file=sys.stderr)

@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -620,7 +621,25 @@ def test_a_double_ctrl_c_while_convert_builds_ends_it_quietly(tmp_path):
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 130, stderr.decode()[-2000:]
     assert b"Traceback" not in stderr, stderr.decode()[-3000:]
+    assert b"dlstore convert: interrupted (Ctrl-C)" in stderr  # it said nothing
     assert list(scratch.iterdir()) == []
+
+
+def test_a_warning_during_convert_is_a_line_of_its_own_not_glued_to_the_progress_bar(tmp_path):
+    """A warning logged while the bar was drawn came out at the end of the bar's line
+    ("...2.0 MB/s]2026-... WARNING ..."), easy to miss; it now has a line of its own."""
+    made = make_imagefolder(tmp_path / "src", num_classes=2, per_class=4, image_size=(16, 16), formats=("jpg",))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "shard-000042.tar").write_bytes(b"another tool's")
+    command = [sys.executable, "-m", "dlstore", "convert", "imagefolder", str(made.root), f"file://{out}"]
+    run = subprocess.run([*command, "--samples-per-shard", "4", "--overwrite"], capture_output=True, timeout=120)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]
+    lines = re.split(r"[\r\n]", run.stderr.decode())
+    warnings = [line for line in lines if "WARNING" in line]
+    assert any("under the shard prefix" in line for line in warnings), run.stderr.decode()
+    assert all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in warnings), warnings
+    assert any(line.startswith("convert:") for line in lines)  # the bar was drawn
 
 
 def test_an_mnist_file_holding_more_than_its_header_says_is_refused_without_inflating_it(tmp_path):

@@ -58,7 +58,9 @@ class ConvertOptions:
                 f"checksum_algorithm must be one of {sorted(ALGORITHMS)}, not {self.checksum_algorithm!r}"
             )
         if self.shard_size < 4096:
-            raise ConfigError(f"shard_size {self.shard_size} is too small; use at least a few MB")
+            raise ConfigError(
+                f"shard_size {self.shard_size} is too small: at least 4096 bytes (a few hundred MB is usual)"
+            )
         if self.samples_per_shard is not None and self.samples_per_shard < 1:
             raise ConfigError("samples_per_shard must be at least 1")
         if self.resize_max_side is not None and self.resize_max_side < 8:
