@@ -314,7 +314,7 @@ def _cmd_index(args: argparse.Namespace) -> int:
 def _add_index(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("index", help="write sample indexes and index.json for WebDataset shards made by other tools")
     p.add_argument("url", help="URL of the folder/prefix holding the .tar shards")
-    p.add_argument("--label-field", default="cls", help="member holding the integer label (default cls)")
+    p.add_argument("--label-field", help="member holding the integer label (default cls)")
     p.add_argument("--workers", type=int, default=4, help="shards indexed at once (default 4)")
     _add_checksum_option(p)
     p.add_argument(

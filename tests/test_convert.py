@@ -1033,6 +1033,27 @@ def test_index_shards_written_by_webdataset(tmp_path):
     assert not verify_dataset(store).ok
 
 
+def test_index_with_a_label_field_no_sample_has_is_refused_and_keeps_the_manifest(tmp_path, capsys, caplog):
+    """`dlstore index URL --label-field clss` (a typo) rewrote the manifest as unlabelled, with
+    no word. Now a named member that no sample has is refused, naming the members there, and
+    the manifest before is kept; the default `cls` missing says the dataset is unlabelled."""
+    import webdataset as wds
+
+    with wds.ShardWriter(str(tmp_path / "part-%04d.tar"), maxcount=4) as sink:
+        for i in range(6):
+            sink.write({"__key__": f"img{i:04d}", "jpg": b"\xff\xd8" + bytes(8), "label": str(i % 3)})
+    url = f"file://{tmp_path}"
+    assert cli(["index", url, "--label-field", "label", "-q"]) == 0
+    before = Manifest.load(open_store(url))
+    assert before.label_field == "label" and len(before.classes) == 3
+    assert cli(["index", url, "--label-field", "lable", "-q"]) == 2
+    assert "no sample has a 'lable' member (the members are jpg, label)" in capsys.readouterr().err
+    assert Manifest.load(open_store(url)) == before
+    caplog.clear()
+    assert index_dataset(url).label_field is None
+    assert "no sample has a 'cls' member (the members are jpg, label): the manifest is unlabelled" in caplog.text
+
+
 def test_index_leaves_out_member_extensions_a_manifest_cannot_name_and_names_a_bad_shard(tmp_path, caplog):
     """Foreign shards with members like `000.café` or `000.meta data`: index said it wrote the
     manifest, which then failed to load everywhere ('is not a member extension'). Such members

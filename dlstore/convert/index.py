@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 def index_dataset(
     dataset: str | Store,
     *,
-    label_field: str = "cls",
+    label_field: str | None = None,
     workers: int = 4,
     config: StoreConfig | None = None,
     checksum_algorithm: str | None = None,
@@ -39,7 +39,8 @@ def index_dataset(
     """Build sample indexes and `index.json` for the `.tar` shards under `dataset` (written
     by `webdataset.ShardWriter` or any other tool), in place.
 
-    Labels are the integer `label_field` members; the class count is the largest label + 1
+    Labels are the integer `label_field` members (default `cls`; one named that no sample has is
+    a ConfigError, a mistyped name, before any manifest is written); the class count is the largest label + 1
     (class names are then `"0"`, `"1"`, …), unless a manifest there before describes the same
     shards byte for byte: its class names and `created` stay. Shards without labels give an
     unlabelled manifest.
@@ -49,6 +50,7 @@ def index_dataset(
 
     >>> index_dataset("s3://bucket/laion-subset").total_samples       # doctest: +SKIP
     """
+    named_label, label_field = label_field is not None, label_field or "cls"
     store = dataset if isinstance(dataset, Store) else open_store(dataset, config)
     listed = {info.key for info in store.list("")}
     names = sorted(key for key in listed if key.endswith(".tar"))
@@ -74,9 +76,18 @@ def index_dataset(
                 progress(done, len(futures))
     top = max(r.top_label for r in results)
     labelled = top >= 0 and not any(r.unlabelled for r in results)
-    if top >= 0 and not labelled:
-        log.warning("%s: some samples have no %r member; the manifest is unlabelled", store.url, label_field)
     fields = set().union(*(r.fields for r in results))
+    if top < 0 and any(r.info is not None and r.info.samples for r in results):
+        found = ", ".join(sorted(fields)) or "none"
+        if named_label:  # a typo made an unlabelled dataset, silently
+            raise ConfigError(
+                f"{store.url}: no sample has a {label_field!r} member (the members are {found}); "
+                "name the member that holds the label (--label-field)"
+            )
+        log.warning("%s: no sample has a %r member (the members are %s): the manifest is unlabelled", store.url,
+                    label_field, found)  # fmt: skip
+    elif top >= 0 and not labelled:
+        log.warning("%s: some samples have no %r member; the manifest is unlabelled", store.url, label_field)
     unnamed = sorted(f for f in fields if not is_field_name(f))
     if unnamed:
         # A manifest that named them would not load; the loader reads only its image and label
