@@ -30,6 +30,16 @@ def test_cp_round_trip_between_local_stores(tmp_path, capsys):
     assert "1 objects" in out.err
 
 
+@pytest.mark.parametrize("scheme", ["", "file://"])
+def test_cp_to_a_local_folder_without_a_slash_copies_into_it(tmp_path, scheme):
+    """As `cp` does. It downloaded the whole object, then failed on "Is a directory"."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"x" * 5000)
+    (tmp_path / "into").mkdir()
+    assert main(["cp", "-q", str(src), f"{scheme}{tmp_path}/into"]) == 0
+    assert (tmp_path / "into" / "src.bin").read_bytes() == b"x" * 5000
+
+
 def test_cp_of_a_missing_object_is_a_clear_error(tmp_path, capsys):
     assert main(["cp", "-q", f"{tmp_path}/nope.bin", f"{tmp_path}/out.bin"]) == 2
     assert "NotFound" in capsys.readouterr().err

@@ -17,13 +17,16 @@ def copy_object(
     src_store: Store, src_key: str, dst: str, progress: Callable[[int], object] | None = None
 ) -> tuple[Store, str]:
     """Stream `src_key` of `src_store` to the object URL (or local path) `dst`; a `dst` ending
-    in "/" (or a bare "scheme://") keeps the source's name. `progress` is called with the size
+    in "/" (or a bare "scheme://"), or a local folder, keeps the source's name. `progress` is called with the size
     of each chunk as it goes. A destination container or bucket that does not exist yet is made
     first, as `swift upload` and `rclone copy` do. Returns where the copy is.
 
     >>> copy_object(*open_object("swift://data/train/shard-000000.tar"), "/tmp/")   # doctest: +SKIP
     (LocalStore('file:///tmp'), 'shard-000000.tar')
     """
+    local = dst.removeprefix("file://") if dst.startswith("file://") or "://" not in dst else None
+    if local and os.path.isdir(local):  # as `cp` does; it was found only after the whole download
+        dst = local + "/"
     if dst.endswith("/") or dst.endswith("://"):
         dst_store, dst_key = open_store(dst.rstrip("/")), src_key.rsplit("/", 1)[-1]
     else:
