@@ -44,6 +44,17 @@ def test_one_line_per_check_and_the_fix_below_warn_and_fail():
         Check("a", "error", "")
 
 
+def test_a_short_secret_is_blanked_where_it_stands_alone_not_inside_other_words():
+    """With `ST_KEY=test`, `ST_USER=test:tester` read `***:***er`. A word that is the secret
+    is still blanked (`ST_KEY=wrong` blanks "wrong" in any message): it might be the key."""
+    check = Check("credentials", FAIL, "ST_USER=test:tester key='test' url=http://u:test@h", "the key is wrong")
+    assert redact(check, ["test", "wrong"]) == Check(
+        "credentials", FAIL, "ST_USER=***:tester key='***' url=http://u:***@h", "the key is ***"
+    )
+    long_secret = "s3cr3t-value-0123456789"  # blanked even inside a longer word
+    assert redact(Check("a", FAIL, f"token=x{long_secret}y"), [long_secret]).summary == "token=x***y"
+
+
 # -- credentials ----------------------------------------------------------------------------------
 SECRET = "s3cr3t-value-" + uuid.uuid4().hex
 

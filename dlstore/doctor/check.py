@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -47,9 +48,18 @@ def exit_code(checks: Iterable[Check]) -> int:
 
 def redact(check: Check, secrets: Iterable[str]) -> Check:
     """`check` with every secret value blanked: the checks never print one, and this makes
-    sure a third-party error message cannot either."""
+    sure a third-party error message cannot either. A short secret is blanked where it stands
+    alone, not inside a longer word: the test key `test` made `ST_USER=test:tester` read
+    `***:***er`, which mangled the line and told the key's length and place besides."""
     summary, fix = check.summary, check.fix
     for secret in secrets:
         if secret:
-            summary, fix = summary.replace(secret, "***"), fix.replace(secret, "***")
+            pattern = re.escape(secret)
+            if len(secret) < _LONG_SECRET:
+                pattern = rf"(?<![A-Za-z0-9]){pattern}(?![A-Za-z0-9])"
+            summary, fix = re.sub(pattern, "***", summary), re.sub(pattern, "***", fix)
     return replace(check, summary=summary, fix=fix)
+
+
+#: Secrets at least this long are blanked wherever they appear, even inside a longer word.
+_LONG_SECRET = 12
