@@ -60,12 +60,26 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         total += info.size
         key = printable(info.key)
         print(f"{info.size:>14}  {key}" if args.long else key, flush=count % 1000 == 0)
+    if not count and not args.prefix and (info := _the_object_at(args.url)) is not None:
+        # `ls` of an object shows it, as `ls` of a file does; its store (the URL's parent) lists
+        # nothing under the URL itself.
+        count, total = 1, info.size
+        print(f"{info.size:>14}  {printable(info.key)}" if args.long else printable(info.key))
     if args.long:
-        print(f"{count} objects, {format_size(total)}", file=sys.stderr)
+        print(f"{count} object{'' if count == 1 else 's'}, {format_size(total)}", file=sys.stderr)
     elif not count:  # an empty listing looks like a hang or a typo otherwise
         under = f"{store.url} (keys starting {args.prefix!r})" if args.prefix else store.url
         print(f"no objects under {under}", file=sys.stderr)
     return 0
+
+
+def _the_object_at(url: str):
+    """The object the URL names, or None (no such object, or a URL that names none)."""
+    try:
+        store, key = open_object(url)
+        return store.stat(key) if key else None
+    except DlstoreError:
+        return None
 
 
 def _add_ls(sub: argparse._SubParsersAction) -> None:

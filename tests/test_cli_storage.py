@@ -27,7 +27,13 @@ def test_cp_round_trip_between_local_stores(tmp_path, capsys):
     assert main(["ls", "--long", f"file://{tmp_path}/store"]) == 0
     out = capsys.readouterr()
     assert f"{len(payload):>14}  a/copy.bin" in out.out
-    assert "1 objects" in out.err
+    assert "1 object, " in out.err
+    # The URL of an object lists that object (it said "no objects under ...").
+    assert main(["ls", "--long", f"file://{tmp_path}/store/a/copy.bin"]) == 0
+    out = capsys.readouterr()
+    assert f"{len(payload):>14}  copy.bin" in out.out and "1 object, " in out.err
+    assert main(["ls", f"file://{tmp_path}/store/a/nothing.bin"]) == 0
+    assert "no objects under" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scheme", ["", "file://"])
