@@ -63,6 +63,19 @@ def credentials(scheme: str | None, env: dict[str, str]) -> list[Check]:
     return credentials_check(scheme, env, StoreConfig.from_env(env))
 
 
+def test_a_scheme_no_backend_reads_fails_the_credentials_check_instead_of_passing_it():
+    """`doctor swfit://x/y` said "ok credentials swfit:// is fsspec's", then failed the store
+    with "fix: see the credentials line above"."""
+    [typo] = credentials("swfit", {})
+    assert typo.status == FAIL and "no storage backend reads swfit:// URLs" in typo.summary
+    [memory] = credentials("memory", {})
+    assert memory.status == OK and "fsspec's" in memory.summary
+    from dlstore.doctor.store_probe import probe_store
+
+    [store] = probe_store("swfit://x/y", StoreConfig.from_env({}), 0).checks
+    assert store.status == FAIL and "did you mean swift://" in store.summary and store.fix == "check the URL"
+
+
 def test_swift_v1_credentials_name_the_variables_and_hide_the_key():
     env = {"ST_AUTH": "http://swift:8080/auth/v1.0", "ST_USER": "acct:me", "ST_KEY": SECRET}
     [check] = credentials("swift", env)

@@ -130,6 +130,8 @@ def credentials_check(scheme: str | None, env: Mapping[str, str], config: StoreC
     if scheme == "file":
         return [Check("credentials", OK, "file:// needs none")]
     if scheme is not None:
+        if not _fsspec_knows(scheme):  # a typo (`swfit://`) was said to be fsspec's, and fine
+            return [Check("credentials", FAIL, f"no storage backend reads {scheme}:// URLs", "check the URL's scheme")]
         return [Check("credentials", OK, f"{scheme}:// is fsspec's: it reads its own settings")]
     found = []
     if any(env.get(n) for n in ("ST_AUTH", "OS_AUTH_URL", "OS_STORAGE_URL")):
@@ -146,3 +148,11 @@ def credentials_check(scheme: str | None, env: Mapping[str, str], config: StoreC
             )
         )
     return found
+
+
+def _fsspec_knows(scheme: str) -> bool:
+    try:
+        import fsspec
+    except ImportError:
+        return False
+    return scheme in fsspec.available_protocols()

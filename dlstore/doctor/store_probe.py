@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from dlstore.config import RetryConfig, StoreConfig, format_size
 from dlstore.doctor.check import FAIL, OK, WARN, Check
-from dlstore.errors import AuthError, DlstoreError, FormatError, NotFound
+from dlstore.errors import AuthError, ConfigError, DlstoreError, FormatError, NotFound
 from dlstore.manifest import MANIFEST_NAME, Manifest
 from dlstore.storage import ObjectInfo, Store, open_store
 
@@ -120,6 +120,8 @@ def probe_store(url: str, config: StoreConfig, read_bytes: int) -> ProbeResult:
     config = dataclasses.replace(config, retry=DOCTOR_RETRY)
     try:
         store = open_store(url, config)
+    except ConfigError as exc:  # the URL itself: its scheme, its bucket's name, ...
+        return ProbeResult([Check("store", FAIL, f"{url}: {exc}", "check the URL")])
     except DlstoreError as exc:
         return ProbeResult([Check("store", FAIL, f"{url}: {exc}", "see the credentials line above")])
     checks: list[Check] = []
