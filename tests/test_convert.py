@@ -519,6 +519,20 @@ def test_sigterm_ends_a_convert_cleanly_and_a_resume_finishes_it(data, tmp_path)
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
+def _convert_in_a_session_of_its_own(tmp_path: Path, image_px: int) -> tuple[subprocess.Popen, Path]:
+    """`dlstore convert` of 240 generated JPEGs, a shard each, with 2 workers, as a process
+    group of its own (as a terminal's job or a batch step is), and its --tmp-dir."""
+    made = make_imagefolder(
+        tmp_path / "src", num_classes=4, per_class=60, image_size=(image_px, image_px), formats=("jpg",)
+    )
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    command = [sys.executable, "-m", "dlstore", "convert", "imagefolder", str(made.root), f"file://{tmp_path}/out"]
+    command += ["--samples-per-shard", "1", "--workers", "2", "-q", "--tmp-dir", str(scratch)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    return process, scratch
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_to_the_process_group_while_the_workers_start_ends_convert_quietly(data, tmp_path, sig):
     """Ctrl-C, Slurm's SIGTERM and its `--signal` SIGUSR1 reach the whole process group.
@@ -527,12 +541,7 @@ def test_a_stop_to_the_process_group_while_the_workers_start_ends_convert_quietl
     broken pool raced convert's cancelling of its shards into an InvalidStateError traceback.
     They are now born ignoring all three, and only convert itself stops, with its status
     (130 for Ctrl-C, 128 + the signal) and its temp folder gone."""
-    made = make_imagefolder(tmp_path / "src", num_classes=4, per_class=60, image_size=(16, 16), formats=("jpg",))
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    command = [sys.executable, "-m", "dlstore", "convert", "imagefolder", str(made.root), f"file://{tmp_path}/out"]
-    command += ["--samples-per-shard", "1", "--workers", "2", "-q", "--tmp-dir", str(scratch)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    process, scratch = _convert_in_a_session_of_its_own(tmp_path, 16)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None and not list(scratch.glob("dlstore-convert-*")):
         time.sleep(0.002)
@@ -605,12 +614,7 @@ def test_stop_signals_while_the_pool_runs_are_acted_on_between_waits():
 def test_a_double_ctrl_c_while_convert_builds_ends_it_quietly(tmp_path):
     """Ctrl-C twice in a row to convert itself (as `timeout` passes it on): status 130, no
     traceback, its temp folder gone, whatever the second one interrupted."""
-    made = make_imagefolder(tmp_path / "src", num_classes=4, per_class=60, image_size=(64, 64), formats=("jpg",))
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
-    command = [sys.executable, "-m", "dlstore", "convert", "imagefolder", str(made.root), f"file://{tmp_path}/out"]
-    command += ["--samples-per-shard", "1", "--workers", "2", "-q", "--tmp-dir", str(scratch)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    process, scratch = _convert_in_a_session_of_its_own(tmp_path, 64)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and process.poll() is None and len(list((tmp_path / "out").glob("*.tar"))) < 4:
         time.sleep(0.01)
