@@ -40,7 +40,6 @@ from dlstore.train.signals import EXIT_PREEMPTED
 __all__ = ["main"]
 
 
-# -- ls ------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _progress_bar(**options) -> Iterator[tqdm]:
     """A tqdm bar with log lines written above it, each on its own line (a warning was glued
@@ -49,6 +48,7 @@ def _progress_bar(**options) -> Iterator[tqdm]:
         yield bar
 
 
+# -- ls ------------------------------------------------------------------------------------
 def _cmd_ls(args: argparse.Namespace) -> int:
     store = open_store(args.url)
     if not args.objects and not args.prefix and store.exists(MANIFEST_NAME):
