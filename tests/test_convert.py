@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -609,6 +610,46 @@ def test_stop_signals_while_the_pool_runs_are_acted_on_between_waits():
         )
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_stop_while_the_pool_is_made_leaks_no_semaphore_and_starts_no_worker(data, tmp_path, monkeypatch):
+    """CI: a SIGTERM just as convert made its pool left "1 leaked semaphore objects" for the
+    resource tracker to warn about. Raised between a semaphore's registration with the tracker
+    and its finalizer, the stop kept it from ever being unregistered. Here the stop comes at that
+    very point; it must end the build before any worker starts, and every semaphore registered
+    must be unregistered again once the pool's objects are gone."""
+    import gc
+    import multiprocessing.resource_tracker as tracker
+
+    from dlstore.convert.workers import _build_in_pool
+
+    registered, unregistered = [], []
+    register, unregister = tracker.register, tracker.unregister
+
+    def register_then_stop(name, rtype):
+        register(name, rtype)
+        registered.append(name)
+        if len(registered) == 1:
+            signal.raise_signal(signal.SIGINT)  # Python runs the handler at the next bytecode
+
+    def note_unregister(name, rtype):
+        unregister(name, rtype)
+        unregistered.append(name)
+
+    monkeypatch.setattr(tracker, "register", register_then_stop)
+    monkeypatch.setattr(tracker, "unregister", note_unregister)
+    source = list_source("imagenet", data["imagenet"].root)
+    options = dataclasses.replace(OPTS, workers=2)
+    context = BuildContext(open_store(f"file://{tmp_path}/out"), source, options, str(tmp_path))
+    built: dict = {}
+    stopped = False
+    try:
+        _build_in_pool(context, plan_tasks(source, options), built, lambda counters: None)
+    except KeyboardInterrupt:
+        stopped = True
+    gc.collect()  # the pool's queues, `shared` and `stop` are unreachable now: their finalizers run
+    assert stopped and built == {} and multiprocessing.active_children() == []
+    assert registered and sorted(unregistered) == sorted(registered)
 
 
 def test_a_double_ctrl_c_while_convert_builds_ends_it_quietly(tmp_path):

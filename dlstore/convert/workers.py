@@ -147,18 +147,22 @@ def _build_in_pool(
 ) -> None:
     # spawn, not fork: the parent may hold threads (progress bar, store clients) that a fork would copy mid-state.
     ctx = multiprocessing.get_context("spawn")
-    _start_resource_tracker()
-    shared = (ctx.Value("q", 0), ctx.Value("q", 0))
-    counters = Counters(shared)
-    stop, pids = ctx.Event(), ctx.SimpleQueue()
-    workers = min(context.options.workers, len(todo))
-    light, source_path = _without_listing(context)
-    pool = ProcessPoolExecutor(
-        workers, ctx, initializer=_start_worker, initargs=(light, source_path, shared, stop, pids)
-    )
     pending: set[Future] = set()
+    # Stops are only noted from here on. One raised while a semaphore was made (the pool's queues,
+    # `shared`, `stop`) could land between its registration with the resource tracker and the
+    # finalizer that unregisters it: "There appear to be 1 leaked semaphore objects" at exit.
     with _StopsAtSafePoints() as stops:
+        _start_resource_tracker()
+        shared = (ctx.Value("q", 0), ctx.Value("q", 0))
+        counters = Counters(shared)
+        stop, pids = ctx.Event(), ctx.SimpleQueue()
+        workers = min(context.options.workers, len(todo))
+        light, source_path = _without_listing(context)
+        pool = ProcessPoolExecutor(
+            workers, ctx, initializer=_start_worker, initargs=(light, source_path, shared, stop, pids)
+        )
         try:
+            stops.act()  # a stop while the pool was made: no worker is started
             with _workers_born_ignoring_stop_signals():
                 pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
             while pending:
@@ -169,6 +173,8 @@ def _build_in_pool(
                     built[finished.number] = finished
                     report(counters)
                 report(counters)
+            pool.shutdown(wait=True)
+            stops.act()  # one noted after the last wait is not dropped: the manifest is not written
         except BaseException as exc:
             stop.set()
             _stop_pool(pool, pending, pids, hurry=lambda: bool(stops.received))
@@ -179,7 +185,6 @@ def _build_in_pool(
                     "imports the script; otherwise it was killed (out of memory?) or its start-up failed (above)"
                 ) from exc
             raise
-    pool.shutdown(wait=True)
 
 
 class _StopsAtSafePoints:
@@ -199,6 +204,9 @@ class _StopsAtSafePoints:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
@@ -215,7 +223,7 @@ class _StopsAtSafePoints:
         if callable(previous):
             previous(signum, None)
         elif previous == signal.SIG_DFL:
-            self.__exit__()
+            self._restore()
             signal.raise_signal(signum)
 
 
