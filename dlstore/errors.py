@@ -7,6 +7,7 @@ react to one kind of failure: only `TransientError` is worth retrying.
 from __future__ import annotations
 
 import signal
+import threading
 
 __all__ = [
     "AuthError",
@@ -19,6 +20,7 @@ __all__ = [
     "NoSpace",
     "NotFound",
     "ObjectChanged",
+    "ProgramExiting",
     "StoppedBySignal",
     "TransientError",
 ]
@@ -77,6 +79,21 @@ class ConfigError(DlstoreError):
 
 class NoSpace(DlstoreError):
     """The local disk (cache or destination), or /dev/shm, is full; nothing partial was left behind."""
+
+
+class ProgramExiting(DlstoreError):
+    """The program's main thread has ended, so its exit now joins every other non-daemon thread
+    (a decode pool's among them): a wait in one for a shard another process holds, or for room in
+    the cache, would hold that exit for up to `CacheConfig.wait_timeout_s`, and each batch still
+    queued would run in full first. Such work gives up instead (`raise_if_exiting`)."""
+
+
+def raise_if_exiting(what: str) -> None:
+    """`ProgramExiting` once the program's exit has begun. The main thread is marked ended only
+    after the exit's first hooks, one of which joins every `ThreadPoolExecutor`'s threads; the
+    flag that `threading` raises before them (3.9 on, private) says so in time."""
+    if getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive():
+        raise ProgramExiting(f"the program is exiting: {what} given up")
 
 
 class StoppedBySignal(BaseException):

@@ -492,6 +492,38 @@ def test_close_ends_a_pass_waiting_for_a_slow_download(local_dataset, tmp_path, 
     loader.close()
 
 
+EXITS_WHILE_SHARDS_ARE_HELD = """
+import fcntl, sys, threading, time
+import dlstore
+from dlstore.world import World
+
+ds = dlstore.Dataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit="50MB", transform="eval", image_size=8,
+                     batch_size=4, seed=1, world=World(0, 1, 1))
+ds.cache._dir.create()
+held = []
+for spec in ds.manifest.shards:  # as another process downloading them would (a lock per open file)
+    held.append(ds.cache._dir.open_lock(ds.cache._stem(spec.name)))
+    fcntl.flock(held[-1], fcntl.LOCK_EX)
+loader = dlstore.Loader(ds, num_workers=2, device="cpu", engine="threads")
+threading.Thread(target=lambda: next(iter(loader)), daemon=True).start()
+time.sleep(1.0)  # its decode threads and the prefetch now wait for the shards
+print("main ends", flush=True)
+"""
+
+
+def test_a_program_that_ends_while_its_loader_waits_for_shards_exits_at_once(local_dataset, tmp_path):
+    """A program that ends while its loader's decode threads wait in the cache (shards that
+    another process downloads, or no room) exits. The exit joins every pool thread, and these
+    waited out `wait_timeout_s` (10 minutes) first, then ran every batch still queued; the
+    pytest process of a CI run sat so after its last test. The waits and the queued batches now
+    give up once the exit begins, and the prefetch threads say nothing of it."""
+    url, _ = local_dataset
+    command = [sys.executable, "-c", EXITS_WHILE_SHARDS_ARE_HELD, url, str(tmp_path / "cache")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=90)  # 600 s without it
+    assert done.returncode == 0 and done.stdout == "main ends\n", done.stderr[-3000:]
+    assert "prefetch of shard" not in done.stderr, done.stderr[-3000:]
+
+
 def test_close_while_a_pass_in_another_thread_starts_the_next_epoch(local_dataset, tmp_path):
     """Device decode runs the thread engine's pass in the prefetcher's thread. A close() while
     that thread starts the next epoch's batches (held at its first submit here) must leave no

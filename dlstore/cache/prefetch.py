@@ -17,6 +17,7 @@ from dlstore.cache.config import ShardSpec
 from dlstore.cache.layout import _release
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.runtime import _Runtime
+from dlstore.errors import ProgramExiting
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +218,10 @@ def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> Non
         error: Exception | None = None
         try:
             fd = fetch(spec, sooner, priority)
+        except ProgramExiting:  # nobody will read it: no warning, and no next shard
+            with rt.lock:
+                rt.active.discard(spec.name)
+            return
         except Exception as exc:  # kept for the reader: raised when it reaches this shard
             log.warning("prefetch of shard %r failed: %s: %s", spec.name, type(exc).__name__, exc)
             fd, error = None, exc

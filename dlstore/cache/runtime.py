@@ -11,6 +11,7 @@ from dlstore.cache.config import ShardSpec
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.layout import CacheStats, EpochStats
 from dlstore.cache.pace import PrefetchPace
+from dlstore.errors import raise_if_exiting
 from dlstore.storage.base import Store
 
 
@@ -62,7 +63,9 @@ class _Runtime:
 
     def sleep_unless_released(self, seen: int, seconds: float) -> float:
         """Sleep up to `seconds`, less if a lock is released (or was since `releases` was
-        `seen`); the seconds slept. Locks of other processes still take the whole poll."""
+        `seen`); the seconds slept. Locks of other processes still take the whole poll. Once
+        the program exits this wait is given up (`ProgramExiting`): it would hold the exit."""
+        raise_if_exiting("a wait in the cache")
         started = time.monotonic()
         with self.lock:
             if self.releases == seen:

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from dlstore.dataset import Dataset
-from dlstore.errors import CorruptSample
+from dlstore.errors import CorruptSample, raise_if_exiting
 from dlstore.loader.config import LoaderConfig
 from dlstore.loader.slots import BatchSlots, HandedBuffers
 from dlstore.sample_path import BatchRequest
@@ -227,7 +227,9 @@ class ThreadEngine:
             self._live.discard(chunk)
 
     def _chunk(self, request: BatchRequest, lo: int, hi: int, images: torch.Tensor | None) -> list[_Row | None]:
-        """Samples `lo:hi` of the batch: read, decode, augment, each into its row."""
+        """Samples `lo:hi` of the batch: read, decode, augment, each into its row. Not once the
+        program exits: its exit runs every chunk still queued on the pool, which nobody reads."""
+        raise_if_exiting("a batch's decoding")
         ids = request.ids[lo:hi]
         rows: list[_Row | None] = []
         out = images.numpy() if images is not None else None
