@@ -62,10 +62,11 @@ def convert(
     store = dest if isinstance(dest, Store) else open_store(dest, config)
     store.ensure_container()  # as `swift upload` does; refused rights fail here, before any work
     source = list_source(fmt, src, options)
-    options = _split_as_recorded(store, source, options)
+    previous = _dataset_there(store)
+    options = _split_as_recorded(previous, source, options)
     tasks = plan_tasks(source, options)
     creation = _creation_info(source, options)
-    same, before, replaced = _check_destination(store, creation, options)
+    same, before, replaced = _check_destination(store, previous, creation, options)
 
     listed = {info.key: info.size for info in store.list(options.prefix)}
     if same:  # another dataset overwritten passes on nothing
@@ -99,17 +100,32 @@ def convert(
     )
 
 
-def _split_as_recorded(store: Store, source: Source, options: ConvertOptions) -> ConvertOptions:
+@dataclasses.dataclass(frozen=True)
+class _DatasetThere:
+    """What the destination held before this conversion: no manifest (`present` False), or one,
+    with `manifest` None where it does not read. Read once, for both of its uses."""
+
+    present: bool
+    manifest: Manifest | None
+
+
+def _dataset_there(store: Store) -> _DatasetThere:
+    try:
+        return _DatasetThere(True, Manifest.load(store))
+    except NotFound:
+        return _DatasetThere(False, None)
+    except FormatError:
+        return _DatasetThere(True, None)
+
+
+def _split_as_recorded(previous: _DatasetThere, source: Source, options: ConvertOptions) -> ConvertOptions:
     """The source's default split named (`--split train`) or left out is the same conversion,
     but the options (and with them every shard's recipe) record it as given: a rerun in the
     other form was refused as "other options". Where the dataset at the destination is this
     source's same split, its form is taken, so that the rerun keeps it."""
-    if options.split not in (None, source.split):
+    if options.split not in (None, source.split) or previous.manifest is None:
         return options
-    try:
-        created = Manifest.load(store).created
-    except (NotFound, FormatError):
-        return options
+    created = previous.manifest.created
     recorded = created.options.get("split")
     same_split = created.source_format == source.format and created.split == source.split
     if same_split and recorded in (None, source.split) and recorded != options.split:
@@ -175,24 +191,23 @@ def _differences(previous: CreationInfo | None, creation: CreationInfo) -> str:
 
 
 def _check_destination(
-    store: Store, creation: CreationInfo, options: ConvertOptions
+    store: Store, previous: _DatasetThere, creation: CreationInfo, options: ConvertOptions
 ) -> tuple[bool, str | None, frozenset[str]]:
     """Refuse to overwrite another dataset; remove the manifest before touching any shard.
     Whether the destination holds this conversion (or nothing yet), the checksum algorithm
     of the dataset there when it is this conversion's, and the objects (shards, indexes) its
     manifest named: the dataset this one replaces."""
-    if not store.exists(MANIFEST_NAME):
+    if not previous.present:
         return True, None, frozenset()
-    try:
-        manifest = Manifest.load(store)
-        previous: CreationInfo | None = manifest.created
+    manifest = previous.manifest
+    if manifest is not None:
         same = (manifest.created.source_format, manifest.created.options) == (creation.source_format, creation.options)
         algorithm = manifest.checksum_algorithm
         objects = frozenset(name for shard in manifest.shards for name in (shard.name, shard.index))
-    except FormatError:
-        previous, same, algorithm, objects = None, False, None, frozenset()
+    else:
+        same, algorithm, objects = False, None, frozenset()
     if not same and not options.overwrite:
-        raise ConfigError(_refusal(store.url, previous, creation))
+        raise ConfigError(_refusal(store.url, manifest.created if manifest is not None else None, creation))
     store.delete(MANIFEST_NAME)
     return same, algorithm if same else None, objects
 
