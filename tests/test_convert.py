@@ -556,16 +556,16 @@ def test_a_stop_to_the_process_group_while_the_workers_start_ends_convert_quietl
 
 
 def test_a_stop_signal_while_workers_are_started_still_reaches_convert():
-    """The workers are born deaf to the stop signals (`_workers_born_ignoring_stop_signals`
+    """The workers are born deaf to the stop signals (`_stop_signals_blocked_while_workers_start`
     blocks them in the thread that starts them): one sent to convert meanwhile is not lost,
     and convert's own handler has it at the latest once the workers are started."""
-    from dlstore.convert.workers import _workers_born_ignoring_stop_signals
+    from dlstore.convert.workers import _stop_signals_blocked_while_workers_start
 
     got = []
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
-        with _workers_born_ignoring_stop_signals():
+        with _stop_signals_blocked_while_workers_start():
             os.kill(os.getpid(), signal.SIGTERM)
         for _ in range(100):  # the handler runs at the next bytecode boundaries
             if got:

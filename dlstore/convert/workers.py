@@ -115,7 +115,7 @@ def _start_worker(context: BuildContext, source_path: str, shared: tuple, stop: 
     """Pool initializer: this worker's builder (its context's source, with the listing, read from `source_path`),
     and its pid sent to the parent (which kills it only if it is stuck). A stop signal reaches
     the whole process group; only the parent acts on it (through `stop`), so a worker ignores
-    them (SIG_IGN: no Python handler), born so (`_workers_born_ignoring_stop_signals`)."""
+    them (SIG_IGN: no Python handler), born with them blocked (`_stop_signals_blocked_while_workers_start`)."""
     global _process_builder
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -163,7 +163,7 @@ def _build_in_pool(
         )
         try:
             stops.act()  # a stop while the pool was made: no worker is started
-            with _workers_born_ignoring_stop_signals():
+            with _stop_signals_blocked_while_workers_start():
                 pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
             while pending:
                 stops.act()
@@ -228,7 +228,7 @@ class _StopsAtSafePoints:
 
 
 @contextlib.contextmanager
-def _workers_born_ignoring_stop_signals() -> Iterator[None]:
+def _stop_signals_blocked_while_workers_start() -> Iterator[None]:
     """Workers started in this block are deaf to the stop signals from their first instruction.
     A stop to the process group while a worker was still importing printed a page of
     KeyboardInterrupt traceback per worker (Ctrl-C), or killed it (SIGTERM, SIGUSR1), and the
