@@ -125,6 +125,7 @@ class Loader:
             on_corrupt=self.dataset.cfg.on_corrupt,
             background=self.dataset.cfg.decode_on == "device",
             decoder=self.jpeg_decoder,
+            padding_to_device=self.dataset.cfg.return_keys,
         )
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)

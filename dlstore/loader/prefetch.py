@@ -41,8 +41,10 @@ class GpuPrefetcher:
         on_corrupt: str = "skip",
         background: bool = False,
         decoder: DeviceJpegDecoder | None = None,
+        padding_to_device: bool = False,
     ) -> None:
         self.batches = batches
+        self.padding_to_device = padding_to_device  # the marks are handed on (`return_keys`): on the device too
         self.decoder = decoder  # of batches of JPEGs (`decode_on="device"`); torchvision's if None
         self.slots = slots
         self.on_corrupt = on_corrupt
@@ -91,7 +93,7 @@ class GpuPrefetcher:
         labels = batch["labels"].to(self.device, non_blocking=True)
         # Beside the labels, on this side stream: a consumer's copy from pageable memory on its
         # own stream may wait there for the work queued before it (evaluation, each batch).
-        padding = batch["padding"].to(self.device, non_blocking=True) if "padding" in batch else None
+        padding = batch["padding"].to(self.device, non_blocking=True) if self.padding_to_device else None
         # NHWC uint8 -> NCHW view with channels_last strides: no copy.
         images = images.permute(0, 3, 1, 2)
         if self.dtype != torch.uint8:
