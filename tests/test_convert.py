@@ -493,6 +493,20 @@ def test_resume_after_the_process_is_killed(data, tmp_path):
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_tmp_dir_that_convert_made_goes_with_it_and_one_there_before_stays(data, tmp_path, workers):
+    """--tmp-dir names a folder that is missing: convert makes it (and its missing parents) and
+    removes them when done, as it removes its own temp folder; a README walk found them left
+    behind. A folder that was there before is left, as it was."""
+    made = data["imagenet_tars"]
+    args = ["convert", "imagenet", str(made.root), "--samples-per-shard", "1", "--workers", str(workers), "-q"]
+    assert cli([*args, f"file://{tmp_path}/out", "--tmp-dir", str(tmp_path / "new" / "scratch")]) == 0
+    assert not (tmp_path / "new").exists() and (tmp_path / "out" / MANIFEST_NAME).exists()
+    (tmp_path / "there").mkdir()
+    assert cli([*args, f"file://{tmp_path}/out2", "--tmp-dir", str(tmp_path / "there")]) == 0
+    assert (tmp_path / "there").is_dir() and list((tmp_path / "there").iterdir()) == []
+
+
 def test_sigterm_ends_a_convert_cleanly_and_a_resume_finishes_it(data, tmp_path):
     """`timeout`, `kill` or a batch system's SIGTERM ends convert as Ctrl-C does: its workers
     stopped, its temp folder (a partial shard, the source listing) removed, no semaphore left

@@ -80,6 +80,7 @@ def build_shards(
     """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
     times a second. The first error (a worker's, or one `report` raises) stops the build and is
     raised here once every worker has ended."""
+    made = _missing_folders(options.tmp_dir) if options.tmp_dir else []
     base = writable_dir(options.tmp_dir, "--tmp-dir") if options.tmp_dir else tempfile.gettempdir()
     # Named before it is made, and made inside the `try`: a SIGTERM or Ctrl-C that lands between
     # the two (the CLI turns SIGTERM into StoppedBySignal) still finds the `finally` that removes it.
@@ -98,6 +99,18 @@ def build_shards(
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
+        for folder in made:  # a --tmp-dir this run made goes with it (deepest first, and only if empty)
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders of `path` that do not exist yet, deepest first: those that making it makes."""
+    missing, folder = [], os.path.abspath(path)
+    while not os.path.lexists(folder):
+        missing.append(folder)
+        folder = os.path.dirname(folder)
+    return missing
 
 
 def _build_in_process(
