@@ -161,6 +161,20 @@ def _app_cred_request(app_id: str, secret: str) -> dict:
     return {"auth": {"identity": identity}}
 
 
+def test_the_servers_keys_are_on_no_command_line_and_in_no_file_others_read(swift_server: SwiftEndpoint) -> None:
+    """Every local user reads a process's command line (`ps`): the Keystone stand-in's users'
+    keys and its application credential's secret were on its own. They come from a file now,
+    which only this user reads, as env.sh is."""
+    data_dir = Path(swift_server.data_dir)
+    pid = json.loads((data_dir / "pids").read_text())["keystone"]["pid"]
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    assert "keystone_standin.py" in command
+    for secret in (swift_server.app_cred_secret, f"{swift_server.user}:{swift_server.key}"):
+        assert secret not in command
+    for name in ("env.sh", "keystone-credentials.json"):
+        assert (data_dir / name).stat().st_mode & 0o077 == 0, name
+
+
 def test_keystone_standin_in_process(swift_server: SwiftEndpoint) -> None:
     keystone = _load_tool("keystone_standin")
     users = {swift_server.user: swift_server.key}

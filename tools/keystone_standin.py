@@ -315,10 +315,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ID:SECRET:ACCOUNT:USER",
         help="an application credential standing for a tempauth user (repeatable)",
     )
+    parser.add_argument(
+        "--credentials",
+        metavar="FILE",
+        help='a JSON file {"users": [...], "app_creds": [...]} of the two forms above: off the command line, '
+        "which every local user can read",
+    )
     parser.add_argument("--tag", help="ignored; lets a supervisor recognise this process by its command line")
     args = parser.parse_args(argv)
-    users = dict(_parse_user(u) for u in args.user)
-    app_creds = dict(_parse_app_cred(a) for a in args.app_cred)
+    given = {"users": [], "app_creds": []}
+    if args.credentials:
+        with open(args.credentials, encoding="utf-8") as file:
+            given = json.load(file)
+    users = dict(_parse_user(u) for u in [*args.user, *given.get("users", [])])
+    app_creds = dict(_parse_app_cred(a) for a in [*args.app_cred, *given.get("app_creds", [])])
     standin = KeystoneStandin(args.swift_auth_url, users, app_creds, host=args.host, port=args.port).start()
     # SIGTERM ends the process cleanly (server socket closed) instead of with a traceback.
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=standin.stop, daemon=True).start())

@@ -546,11 +546,19 @@ def start(args: argparse.Namespace) -> int:
                 dump_logs(data_dir)
                 return 1
         text = env_lines(env)
-        for path in filter(None, [data_dir / "env.sh", args.env_file and Path(args.env_file)]):
-            path.write_text(text)
+        _write_private(data_dir / "env.sh", text)
+        if args.env_file:  # the caller's file, written where and as it is
+            Path(args.env_file).write_text(text)
     sys.stdout.write(text)
     log(f"started in {time.monotonic() - t0:.1f} s; env in {data_dir / 'env.sh'}")
     return 0
+
+
+def _write_private(path: Path, text: str) -> None:
+    """`text` in a file that only this user reads (it holds keys), made anew."""
+    path.unlink(missing_ok=True)
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(text)
 
 
 def _start_servers(args: argparse.Namespace, data_dir: Path, pids: dict[str, dict]) -> dict[str, str]:
@@ -587,6 +595,13 @@ def _start_servers(args: argparse.Namespace, data_dir: Path, pids: dict[str, dic
     )
     proxy_url = f"http://127.0.0.1:{ports['proxy']}"
     app_id, app_secret = uuid.uuid4().hex, secrets.token_urlsafe(24)
+    # The keys and the secret go in a file only this user reads: a command line is anyone's (ps).
+    credentials = {
+        "users": [f"{name}:{key}" for name, key in USERS.items()],
+        "app_creds": [f"{app_id}:{app_secret}:{MAIN_USER}"],
+    }
+    credentials_path = data_dir / "keystone-credentials.json"
+    _write_private(credentials_path, json.dumps(credentials))
     keystone_cmd = [
         sys.executable,
         str(TOOLS_DIR / "keystone_standin.py"),
@@ -594,9 +609,8 @@ def _start_servers(args: argparse.Namespace, data_dir: Path, pids: dict[str, dic
         str(ports["keystone"]),
         "--swift-auth-url",
         f"{proxy_url}/auth/v1.0",
-        *[arg for name, key in USERS.items() for arg in ("--user", f"{name}:{key}")],
-        "--app-cred",
-        f"{app_id}:{app_secret}:{MAIN_USER}",
+        "--credentials",
+        str(credentials_path),
         "--tag",
         str(data_dir),
     ]
