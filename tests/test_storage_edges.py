@@ -229,6 +229,25 @@ def test_s3_part_limit_is_within_the_servers(swift_server):
     assert limits["max_upload_part_num"] >= s3_module._MAX_PARTS, limits
 
 
+@pytest.mark.parametrize("bucket", ["Bad_Bucket", "ab", "bad..name"])
+def test_a_bucket_name_that_s3_refuses_says_why(swift_server, bucket):
+    """S3 answers a HEAD in a bucket whose name breaks its rules with a bare "400 Bad Request"
+    (a HEAD's answer has no body): `ls`, `convert` and a loader said no more. They now say
+    that the name breaks S3's naming rules, and how, as a ConfigError (not retried)."""
+    store = open_store(f"s3://{bucket}/x", swift_store_config(swift_server))
+    for read in (lambda: store.exists("index.json"), lambda: store.get_bytes("index.json"), store.ensure_container):
+        with pytest.raises(ConfigError, match="naming rules") as caught:
+            read()
+        assert f"s3://{bucket}" in str(caught.value)
+
+
+def test_a_bucket_name_within_s3s_rules_is_not_blamed():
+    for name in ("abc", "my-bucket.v2", "a" * 63, "0-data"):
+        assert s3_module._bucket_name_fault(f"s3://{name}/k") is None, name
+    for name in ("a" * 64, "-data", "data-", "1.2.3.4", "Data"):
+        assert s3_module._bucket_name_fault(f"s3://{name}/k") is not None, name
+
+
 def _parts_of(swift_server, bucket: str, key: str) -> int:
     etag = swift_server.s3_client().head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
     return int(etag.rsplit("-", 1)[1]) if "-" in etag else 1

@@ -19,6 +19,7 @@ import hashlib
 import io
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -184,6 +185,24 @@ def make_s3_client(config: S3Config, connect_timeout_s: float = 10.0, read_timeo
     return client
 
 
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def _bucket_name_fault(what: str) -> str | None:
+    """What S3's naming rules find wrong with the bucket of `what` (an `s3://` URL), if anything:
+    a refused name is a bare "400 Bad Request" to a HEAD, whose answer has no body."""
+    if not what.startswith("s3://"):
+        return None
+    name = what[len("s3://") :].split("/", 1)[0]
+    if not _BUCKET_NAME.fullmatch(name):
+        return (
+            "must have 3 to 63 characters: lowercase letters, digits, dots and hyphens, a letter or digit at each end"
+        )
+    if ".." in name or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):
+        return "must not have two dots in a row, nor be an IP address"
+    return None
+
+
 def _map_error(exc: BaseException, what: str) -> DlstoreError:
     """Our error for a boto3/botocore/urllib3 exception. Messages carry the object URL, the
     S3 error code and message, never a credential (`str(ClientError)` holds neither)."""
@@ -200,6 +219,8 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
             return AuthError(text)
         if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
             return TransientError(text)
+        if status == 400 and code in ("400", "InvalidBucketName") and (fault := _bucket_name_fault(what)):
+            return ConfigError(f"{text}: the bucket's name breaks S3's naming rules (it {fault})")
         return DlstoreError(text)
     if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
         return AuthError(f"{what}: no usable S3 credentials ({type(exc).__name__})")
