@@ -14,6 +14,7 @@ from dlstore.errors import (
     FormatError,
     NoSpace,
     NotFound,
+    ProgramExiting,
     TransientError,
 )
 from dlstore.storage import ObjectInfo, Store, open_object, open_store
@@ -46,6 +47,7 @@ __all__ = [
     "NoSpace",
     "NotFound",
     "ObjectInfo",
+    "ProgramExiting",
     "Store",
     "StoreConfig",
     "TransformConfig",

@@ -89,10 +89,14 @@ class ProgramExiting(DlstoreError):
 
 
 def raise_if_exiting(what: str) -> None:
-    """`ProgramExiting` once the program's exit has begun. The main thread is marked ended only
-    after the exit's first hooks, one of which joins every `ThreadPoolExecutor`'s threads; the
-    flag that `threading` raises before them (3.9 on, private) says so in time."""
-    if getattr(threading, "_SHUTTING_DOWN", False) or not threading.main_thread().is_alive():
+    """`ProgramExiting` in dlstore's own threads (and daemon ones) once the program's exit has
+    begun: `threading` raises its flag before the exit's first hooks, one of which joins every
+    `ThreadPoolExecutor`'s threads (private, there from 3.9 on). A thread of the program's own
+    may go on working past the main thread's end, and is left to."""
+    if not getattr(threading, "_SHUTTING_DOWN", False):
+        return
+    thread = threading.current_thread()
+    if thread.daemon or thread.name.startswith("dlstore-"):
         raise ProgramExiting(f"the program is exiting: {what} given up")
 
 

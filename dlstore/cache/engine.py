@@ -79,7 +79,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from dlstore.cache.slots import NodeSlots
-from dlstore.errors import CorruptShard, DlstoreError, TransientError
+from dlstore.errors import CorruptShard, DlstoreError, TransientError, raise_if_exiting
 from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)
@@ -246,7 +246,8 @@ class Download:
                             break
                         if on_poll is not None and time.monotonic() - polled >= _POLL_S:
                             break
-                        self._progress.wait(timeout=_POLL_S if on_poll is not None else None)
+                        self._progress.wait(timeout=_POLL_S)
+                        raise_if_exiting("a wait for a download")  # which is cancelled
                     prefix, finished, failed = self._prefix(), self._finished(), self.error is not None
                 if failed:
                     break

@@ -112,6 +112,8 @@ class GpuPrefetcher:
         out["images"], out["labels"] = images, labels
         if padding is not None:
             out["padding"] = padding
+        else:  # not handed on: left behind, not passed on in host memory
+            out.pop("padding", None)
         return out
 
     def _drop_undecodable(self, batch: dict, bad: list[int]) -> dict:
@@ -154,7 +156,7 @@ class GpuPrefetcher:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
             for name in ("images", "labels", "padding"):
-                if name in batch:
+                if name in batch and batch[name].is_cuda:  # record_stream has no CPU kernel
                     batch[name].record_stream(current)
         return batch
 
