@@ -502,6 +502,9 @@ def test_a_tmp_dir_that_convert_made_goes_with_it_and_one_there_before_stays(dat
     args = ["convert", "imagenet", str(made.root), "--samples-per-shard", "1", "--workers", str(workers), "-q"]
     assert cli([*args, f"file://{tmp_path}/out", "--tmp-dir", str(tmp_path / "new" / "scratch")]) == 0
     assert not (tmp_path / "new").exists() and (tmp_path / "out" / MANIFEST_NAME).exists()
+    # `..` goes where the file system takes it: `new` is made, then `other` beside it; both go.
+    assert cli([*args, f"file://{tmp_path}/out1", "--tmp-dir", f"{tmp_path}/new/../other/scratch"]) == 0
+    assert not (tmp_path / "new").exists() and not (tmp_path / "other").exists()
     (tmp_path / "there").mkdir()
     assert cli([*args, f"file://{tmp_path}/out2", "--tmp-dir", str(tmp_path / "there")]) == 0
     assert (tmp_path / "there").is_dir() and list((tmp_path / "there").iterdir()) == []
@@ -622,6 +625,31 @@ def test_stop_signals_while_the_pool_runs_are_acted_on_between_waits():
             signal.getsignal(signal.SIGTERM) is cli_stop
             and signal.getsignal(signal.SIGINT) is signal.default_int_handler
         )
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_stop_noted_after_the_last_safe_point_is_taken_when_the_pool_is_left():
+    """A stop that comes after the pool's last wait (between its last safe point and the old
+    handlers' return) was noted and dropped: convert went on to write its manifest. Leaving
+    the block without an error now takes it, with the handler before in place again."""
+    from dlstore.convert.workers import _StopsAtSafePoints
+
+    class Stopped(Exception):
+        pass
+
+    def cli_stop(signum, frame):
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, cli_stop)
+    try:
+        with pytest.raises(Stopped), _StopsAtSafePoints() as stops:
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                if stops.received:
+                    break
+                time.sleep(0.01)
+        assert signal.getsignal(signal.SIGTERM) is cli_stop
     finally:
         signal.signal(signal.SIGTERM, previous)
 

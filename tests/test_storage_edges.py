@@ -244,7 +244,7 @@ def test_a_bucket_name_that_s3_refuses_says_why(swift_server, bucket):
 def test_a_bucket_name_within_s3s_rules_is_not_blamed():
     for name in ("abc", "my-bucket.v2", "a" * 63, "0-data"):
         assert s3_module._bucket_name_fault(f"s3://{name}/k") is None, name
-    for name in ("a" * 64, "-data", "data-", "1.2.3.4", "Data"):
+    for name in ("a" * 64, "-data", "data-", "1.2.3.4", "Data", "a.-b", "a-.b", "a..b"):
         assert s3_module._bucket_name_fault(f"s3://{name}/k") is not None, name
 
 

@@ -80,17 +80,25 @@ def build_shards(
     """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
     times a second. The first error (a worker's, or one `report` raises) stops the build and is
     raised here once every worker has ended."""
-    made = _missing_folders(options.tmp_dir) if options.tmp_dir else []
-    base = writable_dir(options.tmp_dir, "--tmp-dir") if options.tmp_dir else tempfile.gettempdir()
+    base = options.tmp_dir or tempfile.gettempdir()
+    made: list[str] = []  # the folders of --tmp-dir that this run made, in order: removed with it
     # Named before it is made, and made inside the `try`: a SIGTERM or Ctrl-C that lands between
     # the two (the CLI turns SIGTERM into StoppedBySignal) still finds the `finally` that removes it.
     tmp_dir: str | None = os.path.join(base, f"dlstore-convert-{secrets.token_hex(6)}")
     try:
-        try:
-            os.mkdir(tmp_dir, 0o700)
-        except FileExistsError:  # another's (48 random bits alike): not ours to remove
-            tmp_dir = None
-            raise
+        for attempt in (1, 2):
+            if options.tmp_dir:
+                _make_folders(options.tmp_dir, made)
+                writable_dir(options.tmp_dir, "--tmp-dir")  # what could not be made or written, said
+            try:
+                os.mkdir(tmp_dir, 0o700)
+                break
+            except FileExistsError:  # another's (48 random bits alike): not ours to remove
+                tmp_dir = None
+                raise
+            except FileNotFoundError:  # --tmp-dir, made by another convert, removed by it meanwhile
+                if attempt == 2 or not options.tmp_dir:
+                    raise
         context = BuildContext(store, source, options, tmp_dir)
         if options.workers == 1 or len(todo) <= 1:
             _build_in_process(context, todo, built, report)
@@ -99,18 +107,27 @@ def build_shards(
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        for folder in made:  # a --tmp-dir this run made goes with it (deepest first, and only if empty)
+        for folder in reversed(made):  # deepest first, and only while empty (another convert's may be in it)
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
 
 
-def _missing_folders(path: str) -> list[str]:
-    """The folders of `path` that do not exist yet, deepest first: those that making it makes."""
-    missing, folder = [], os.path.abspath(path)
-    while not os.path.lexists(folder):
-        missing.append(folder)
-        folder = os.path.dirname(folder)
-    return missing
+def _make_folders(path: str, made: list[str]) -> None:
+    """Make the folders of `path` that are missing, one by one as written (a `..` goes where the
+    file system takes it), adding to `made` each one that this call made; stops at the first
+    it cannot make (`writable_dir` then says why)."""
+    parts = path.split(os.sep)
+    for end in range(1, len(parts) + 1):
+        folder = os.sep.join(parts[:end])
+        if not folder or not parts[end - 1]:
+            continue  # the root, or a doubled separator
+        try:
+            os.mkdir(folder)
+        except FileExistsError:
+            continue
+        except OSError:
+            return
+        made.append(folder)
 
 
 def _build_in_process(
@@ -161,43 +178,51 @@ def _build_in_pool(
     # spawn, not fork: the parent may hold threads (progress bar, store clients) that a fork would copy mid-state.
     ctx = multiprocessing.get_context("spawn")
     pending: set[Future] = set()
-    # Stops are only noted from here on. One raised while a semaphore was made (the pool's queues,
-    # `shared`, `stop`) could land between its registration with the resource tracker and the
-    # finalizer that unregisters it: "There appear to be 1 leaked semaphore objects" at exit.
-    with _StopsAtSafePoints() as stops:
-        _start_resource_tracker()
-        shared = (ctx.Value("q", 0), ctx.Value("q", 0))
-        counters = Counters(shared)
-        stop, pids = ctx.Event(), ctx.SimpleQueue()
-        workers = min(context.options.workers, len(todo))
-        light, source_path = _without_listing(context)
-        pool = ProcessPoolExecutor(
-            workers, ctx, initializer=_start_worker, initargs=(light, source_path, shared, stop, pids)
-        )
-        try:
-            stops.act()  # a stop while the pool was made: no worker is started
-            with _stop_signals_blocked_while_workers_start():
-                pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
-            while pending:
-                stops.act()
-                done, pending = wait(pending, timeout=_PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
-                for future in done:
-                    finished = future.result()  # re-raises a worker's error here
-                    built[finished.number] = finished
+    pool: ProcessPoolExecutor | None = None
+    try:
+        # Stops are only noted from here on. One raised while a semaphore was made (the pool's
+        # queues, `shared`, `stop`) could land between its registration with the resource tracker
+        # and the finalizer that unregisters it: "There appear to be 1 leaked semaphore objects".
+        with _StopsAtSafePoints() as stops:
+            _start_resource_tracker()
+            shared = (ctx.Value("q", 0), ctx.Value("q", 0))
+            counters = Counters(shared)
+            stop, pids = ctx.Event(), ctx.SimpleQueue()
+            workers = min(context.options.workers, len(todo))
+            light, source_path = _without_listing(context)
+            pool = ProcessPoolExecutor(
+                workers, ctx, initializer=_start_worker, initargs=(light, source_path, shared, stop, pids)
+            )
+            try:
+                stops.act()  # a stop while the pool was made: no worker is started
+                with _stop_signals_blocked_while_workers_start():
+                    pending = {pool.submit(_build_in_worker, task) for task in todo}  # the workers start here
+                while pending:
+                    stops.act()
+                    done, pending = wait(pending, timeout=_PROGRESS_INTERVAL_S, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        finished = future.result()  # re-raises a worker's error here
+                        built[finished.number] = finished
+                        report(counters)
                     report(counters)
-                report(counters)
+                stops.act()  # one noted during the last wait: the manifest is not written
+            except BaseException as exc:
+                stop.set()
+                _stop_pool(pool, pending, pids, hurry=lambda: bool(stops.received))
+                if isinstance(exc, BrokenProcessPool):
+                    raise DlstoreError(
+                        f"a convert worker process died ({exc}). If it could not start: a script that calls "
+                        'convert with workers > 1 needs `if __name__ == "__main__":`, since each worker is a new '
+                        "Python that imports the script; otherwise it was killed (out of memory?) or its start-up "
+                        "failed (above)"
+                    ) from exc
+                raise
+    finally:
+        # Outside the block: a stop while the idle workers are joined interrupts the join (a
+        # worker stuck in its exit would otherwise hold convert until a SIGKILL). A no-op after
+        # `_stop_pool`.
+        if pool is not None:
             pool.shutdown(wait=True)
-            stops.act()  # one noted after the last wait is not dropped: the manifest is not written
-        except BaseException as exc:
-            stop.set()
-            _stop_pool(pool, pending, pids, hurry=lambda: bool(stops.received))
-            if isinstance(exc, BrokenProcessPool):
-                raise DlstoreError(
-                    f"a convert worker process died ({exc}). If it could not start: a script that calls convert "
-                    'with workers > 1 needs `if __name__ == "__main__":`, since each worker is a new Python that '
-                    "imports the script; otherwise it was killed (out of memory?) or its start-up failed (above)"
-                ) from exc
-            raise
 
 
 class _StopsAtSafePoints:
@@ -216,8 +241,10 @@ class _StopsAtSafePoints:
             self._previous = {sig: signal.signal(sig, self._note) for sig in _STOP_SIGNALS}
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
         self._restore()
+        if exc_type is None:  # a stop noted since the last safe point is taken, not dropped
+            self.act()
 
     def _restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -198,8 +198,8 @@ def _bucket_name_fault(what: str) -> str | None:
         return (
             "must have 3 to 63 characters: lowercase letters, digits, dots and hyphens, a letter or digit at each end"
         )
-    if ".." in name or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):
-        return "must not have two dots in a row, nor be an IP address"
+    if ".." in name or ".-" in name or "-." in name or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", name):
+        return "must not have a dot beside a dot or a hyphen, nor be an IP address"
     return None
 
 
@@ -220,7 +220,10 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
         if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
             return TransientError(text)
         if status == 400 and code in ("400", "InvalidBucketName") and (fault := _bucket_name_fault(what)):
-            return ConfigError(f"{text}: the bucket's name breaks S3's naming rules (it {fault})")
+            # A HEAD's bare 400 has no reason; stores that allow other names (Ceph's and Swift's
+            # relaxed settings) refuse a HEAD for other reasons too.
+            likely = "breaks" if code == "InvalidBucketName" else "may be the cause: it breaks"
+            return ConfigError(f"{text}: the bucket's name {likely} S3's naming rules (a bucket name {fault})")
         return DlstoreError(text)
     if isinstance(exc, (botocore.exceptions.NoCredentialsError, botocore.exceptions.PartialCredentialsError)):
         return AuthError(f"{what}: no usable S3 credentials ({type(exc).__name__})")
