@@ -541,6 +541,42 @@ def test_a_program_that_ends_while_its_loader_waits_for_shards_exits(local_datas
     assert "prefetch of shard" not in done.stderr, done.stderr[-3000:]
 
 
+LEAVES_ITS_LOADER_OPEN = """
+import sys
+import dlstore
+from dlstore.world import World
+
+if __name__ == "__main__":
+    ds = dlstore.Dataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit="50MB", transform="eval", image_size=8,
+                         batch_size=4, seed=1, world=World(0, 1, 1))
+    loader = dlstore.Loader(ds, num_workers=2, device="cpu", engine="processes")
+    for step, _ in enumerate(loader):
+        if step == 1:
+            break
+    print("main ends", flush=True)  # no close(): as the README's loop, and most scripts, end
+"""
+
+
+def test_a_program_that_leaves_its_worker_processes_running_leaves_nothing_in_tmp(local_dataset, tmp_path):
+    """A script that ends without `loader.close()` had its persistent workers killed by
+    multiprocessing's exit hook; each left its temp folder (`pymp-*`, with a socket) in the
+    temp dir, two per run, for good. The loaders left open are closed as the program exits."""
+    url, _ = local_dataset
+    script, scratch = tmp_path / "open_loader.py", tmp_path / "tmp"
+    script.write_text(LEAVES_ITS_LOADER_OPEN)
+    scratch.mkdir()
+    env = dict(os.environ, TMPDIR=str(scratch))
+    done = subprocess.run(
+        [sys.executable, str(script), url, str(tmp_path / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0 and done.stdout == "main ends\n", done.stderr[-3000:]
+    assert sorted(p.name for p in scratch.iterdir()) == [], done.stderr[-2000:]
+
+
 def test_close_while_a_pass_in_another_thread_starts_the_next_epoch(local_dataset, tmp_path):
     """Device decode runs the thread engine's pass in the prefetcher's thread. A close() while
     that thread starts the next epoch's batches (held at its first submit here) must leave no

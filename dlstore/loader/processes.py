@@ -22,12 +22,15 @@ Anything else (a resumed epoch, another epoch, a pass left early) starts a fresh
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import errno
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -205,6 +208,9 @@ class _PlanSampler(Sampler):
 class ProcessEngine:
     """Batches of an epoch from DataLoader worker processes, in plan order."""
 
+    #: Engines not yet garbage-collected: closed as the program exits (`_close_live_engines`).
+    live: weakref.WeakSet[ProcessEngine] = weakref.WeakSet()
+
     def __init__(self, dataset: Dataset, cfg: LoaderConfig, slots: BatchSlots | None) -> None:
         workers = cfg.num_workers
         if workers > 0 and cfg.start_method == "forkserver":
@@ -237,6 +243,7 @@ class ProcessEngine:
             # Its own generator: starting workers must not draw from the training loop's RNG.
             generator=torch.Generator().manual_seed(dataset.cfg.seed),
         )
+        ProcessEngine.live.add(self)
 
     @staticmethod
     def slot_count(cfg: LoaderConfig) -> int:
@@ -354,3 +361,13 @@ class ProcessEngine:
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
         self._dataloader._iterator = None
+
+
+@atexit.register  # after multiprocessing's and torch's hooks: it runs before them
+def _close_live_engines() -> None:
+    """Close the loaders a program left open as it exits. Their persistent workers were
+    otherwise killed by multiprocessing's exit hook, and each left the temp folder (a
+    `pymp-*` with a socket) that its own exit removes, in /tmp, at every run."""
+    for engine in list(ProcessEngine.live):
+        with contextlib.suppress(Exception):  # the exit goes on: what is left is what a kill leaves
+            engine.close()
