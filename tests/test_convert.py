@@ -594,64 +594,60 @@ def test_a_stop_signal_while_workers_are_started_still_reaches_convert():
         signal.signal(signal.SIGTERM, previous)
 
 
-def test_stop_signals_while_the_pool_runs_are_acted_on_between_waits():
+class _StoppedByTheCli(Exception):
+    """What the CLI's SIGTERM handler raises (`StoppedBySignal`), in the tests of noted stops."""
+
+
+@pytest.fixture
+def cli_sigterm_handler():
+    """A SIGTERM handler that raises, as the CLI's does, in place for the test."""
+
+    def handler(signum, frame):
+        raise _StoppedByTheCli(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    yield handler
+    signal.signal(signal.SIGTERM, previous)
+
+
+def test_stop_signals_while_the_pool_runs_are_acted_on_between_waits(cli_sigterm_handler):
     """A Ctrl-C raised inside `concurrent.futures.wait` could land between a lock's acquire and
     release: a double Ctrl-C ended convert in "RuntimeError: release unlocked lock". The pool's
     loop now notes stops and acts on them between waits, as the handler before would have."""
     from dlstore.convert.workers import _StopsAtSafePoints
 
-    class Stopped(Exception):
-        pass
-
-    def cli_stop(signum, frame):
-        raise Stopped(signum)
-
-    previous = signal.signal(signal.SIGTERM, cli_stop)
-    try:
-        with _StopsAtSafePoints() as stops:
-            os.kill(os.getpid(), signal.SIGINT)
-            os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(100):  # Python code runs on: nothing raised where it stands
-                if len(stops.received) == 2:
-                    break
-                time.sleep(0.01)
-            assert sorted(stops.received) == [signal.SIGINT, signal.SIGTERM]
-            with pytest.raises((KeyboardInterrupt, Stopped)):
-                stops.act()
-            with pytest.raises((KeyboardInterrupt, Stopped)):
-                stops.act()
-            stops.act()  # nothing left
-        assert (
-            signal.getsignal(signal.SIGTERM) is cli_stop
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        )
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with _StopsAtSafePoints() as stops:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):  # Python code runs on: nothing raised where it stands
+            if len(stops.received) == 2:
+                break
+            time.sleep(0.01)
+        assert sorted(stops.received) == [signal.SIGINT, signal.SIGTERM]
+        with pytest.raises((KeyboardInterrupt, _StoppedByTheCli)):
+            stops.act()
+        with pytest.raises((KeyboardInterrupt, _StoppedByTheCli)):
+            stops.act()
+        stops.act()  # nothing left
+    assert (
+        signal.getsignal(signal.SIGTERM) is cli_sigterm_handler
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
 
 
-def test_a_stop_noted_after_the_last_safe_point_is_taken_when_the_pool_is_left():
+def test_a_stop_noted_after_the_last_safe_point_is_taken_when_the_pool_is_left(cli_sigterm_handler):
     """A stop that comes after the pool's last wait (between its last safe point and the old
     handlers' return) was noted and dropped: convert went on to write its manifest. Leaving
     the block without an error now takes it, with the handler before in place again."""
     from dlstore.convert.workers import _StopsAtSafePoints
 
-    class Stopped(Exception):
-        pass
-
-    def cli_stop(signum, frame):
-        raise Stopped(signum)
-
-    previous = signal.signal(signal.SIGTERM, cli_stop)
-    try:
-        with pytest.raises(Stopped), _StopsAtSafePoints() as stops:
-            os.kill(os.getpid(), signal.SIGTERM)
-            for _ in range(100):
-                if stops.received:
-                    break
-                time.sleep(0.01)
-        assert signal.getsignal(signal.SIGTERM) is cli_stop
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    with pytest.raises(_StoppedByTheCli), _StopsAtSafePoints() as stops:
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(100):
+            if stops.received:
+                break
+            time.sleep(0.01)
+    assert signal.getsignal(signal.SIGTERM) is cli_sigterm_handler
 
 
 def test_a_stop_while_the_pool_is_made_leaks_no_semaphore_and_starts_no_worker(data, tmp_path, monkeypatch):
