@@ -68,6 +68,8 @@ def _launch_nodes(spec_path: Path, env: dict[str, str], log_dir: Path, timeout_s
     """Both nodes' torchrun, as two machines would start them; fails with their logs."""
     port = _free_port()
     procs = []
+    # torchrun leaves a `torchelastic_*` folder of logs in the temp dir at every launch: in the test's own.
+    env = dict(env, TMPDIR=str(log_dir))
     for node in range(NODES):
         command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES)]
         command += ["--nproc-per-node", str(RANKS_PER_NODE), "--node-rank", str(node)]
