@@ -113,8 +113,12 @@ def test_two_rank_ddp_training_from_swift_learns(tmp_path, swift_server, swift_c
     log_dir = tmp_path / "logs"
     log_dir.mkdir()
     with open(log_dir / "torchrun.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, *args], cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT
+        proc = subprocess.Popen(  # torchrun's torchelastic_* log folder: in the test's temp dir
+            [sys.executable, *args],
+            cwd=REPO,
+            env=dict(child_env(), TMPDIR=str(tmp_path)),
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     assert wait_all([proc], log_dir) == [0], logs(log_dir)
 
@@ -1180,7 +1184,8 @@ def test_ranks_whose_torchrun_agent_is_killed_checkpoint_and_stop(tmp_path):
     command += ["--output-dir", str(tmp_path / "out"), "--checkpoint-url", f"file://{tmp_path}/ckpt"]
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "wb") as log:
-        agent = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        env = dict(child_env(), TMPDIR=str(tmp_path))  # torchrun's torchelastic_* log folder: in the test's
+        agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     ranks: list[int] = []
     try:
         deadline = time.monotonic() + 120
