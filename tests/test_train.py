@@ -31,6 +31,7 @@ from loader_support import write_dataset
 
 import dlstore
 from dlstore.cli import build_parser
+from dlstore.cli import main as cli
 from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
@@ -381,6 +382,37 @@ def test_config_rejects_contradictions():
         TrainConfig(DataConfig("x", decode_on="gpu"))
     with pytest.raises(ConfigError, match="unknown"):
         TrainConfig.from_dict({"train_url": "x", "lr": 1})
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--base-lr", "-1"),
+        ("--base-lr", "0"),
+        ("--label-smoothing", "2"),
+        ("--momentum", "1.5"),
+        ("--weight-decay", "-1"),
+        ("--warmup-epochs", "-1"),
+        ("--warmup-start-factor", "-2"),
+        ("--min-lr-factor", "3"),
+        ("--step-gamma", "-1"),
+        ("--dist-timeout-minutes", "0"),
+    ],
+)
+def test_an_optimiser_setting_out_of_range_is_refused_before_the_run(flag, value, tmp_path, capsys):
+    """`--base-lr -1` and `--label-smoothing 2` ended in torch's traceback at the first step;
+    `--momentum 1.5`, a negative weight decay and the like trained with them. Each is now a
+    one-line error naming the flag and its range, before the data is even opened."""
+    args = ["train", f"file://{tmp_path}/no-data", "--output-dir", str(tmp_path / "out"), flag, value]
+    assert cli(args) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "must be in" in err and "Traceback" not in err, err
+
+
+def test_step_milestones_must_rise():
+    with pytest.raises(ConfigError, match="--step-milestones .* rising, not \\[5, 1\\]"):
+        TrainConfig("x", step_milestones=(5, 1))
+    assert TrainConfig("x", step_milestones=(1, 5)).step_milestones == (1, 5)
 
 
 def test_launch_env_from_torchrun_and_slurm():

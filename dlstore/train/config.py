@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -118,6 +119,33 @@ class TrainConfig:
             raise ConfigError("--resume auto (resume='auto') needs --checkpoint-url (checkpoint_url) to look in")
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError("--max-steps (max_steps) must be at least 1")
+        self._check_optimisation()
+
+    def _check_optimisation(self) -> None:
+        """The optimiser's and the schedule's numbers, checked before the run starts: torch
+        refused some only at the first step, with a traceback, and took others silently."""
+        bounds = {  # name: (lowest, highest, whether the lowest itself is allowed)
+            "base_lr": (0.0, math.inf, False),
+            "momentum": (0.0, 1.0, True),
+            "weight_decay": (0.0, math.inf, True),
+            "label_smoothing": (0.0, 1.0, True),
+            "warmup_epochs": (0.0, math.inf, True),
+            "warmup_start_factor": (0.0, 1.0, False),
+            "min_lr_factor": (0.0, 1.0, True),
+            "step_gamma": (0.0, 1.0, False),
+            "dist_timeout_minutes": (0.0, math.inf, False),
+        }
+        for name, (low, high, low_allowed) in bounds.items():
+            value = getattr(self, name)
+            above = value >= low if low_allowed else value > low
+            if not (isinstance(value, (int, float)) and above and value <= high):
+                where = f"{'[' if low_allowed else '('}{low:g}, {high:g}]".replace("inf]", "inf)")
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} ({name}) must be in {where}, not {value!r}")
+        if list(self.step_milestones) != sorted(set(self.step_milestones)) or any(m < 1 for m in self.step_milestones):
+            raise ConfigError(
+                f"--step-milestones (step_milestones) must be epochs from 1 on, rising, not {list(self.step_milestones)}"
+            )
 
     @property
     def image_size(self) -> int:
