@@ -43,7 +43,9 @@ __all__ = ["main"]
 @contextlib.contextmanager
 def _progress_bar(**options) -> Iterator[tqdm]:
     """A tqdm bar with log lines written above it, each on its own line (a warning was glued
-    onto the end of the bar's line)."""
+    onto the end of the bar's line). None on a stderr that is no terminal (a log file got a
+    carriage-return update for every step), unless turned off anyway (`disable=True`)."""
+    options["disable"] = True if options.get("disable") else None
     with logging_redirect_tqdm(), tqdm(**options) as bar:
         yield bar
 

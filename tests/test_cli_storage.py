@@ -36,6 +36,18 @@ def test_cp_round_trip_between_local_stores(tmp_path, capsys):
     assert "no objects under" in capsys.readouterr().err
 
 
+def test_a_progress_bar_goes_only_to_a_terminal(tmp_path):
+    """`dlstore cp ... 2> log` (or convert, verify, index, train under a batch system) wrote
+    the progress bar's carriage-return updates into the log. A stderr that is no terminal
+    gets no bar; what is logged still reaches it."""
+    src = tmp_path / "src.bin"
+    src.write_bytes(bytes(range(256)) * 5000)
+    command = [sys.executable, "-m", "dlstore", "cp", str(src), f"file://{tmp_path}/store/copy.bin"]
+    done = subprocess.run(command, capture_output=True, timeout=120)
+    assert done.returncode == 0 and (tmp_path / "store" / "copy.bin").stat().st_size == 256 * 5000
+    assert b"\r" not in done.stderr and b"copy" not in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("scheme", ["", "file://"])
 def test_cp_to_a_local_folder_without_a_slash_copies_into_it(tmp_path, scheme):
     """As `cp` does. It downloaded the whole object, then failed on "Is a directory"."""

@@ -708,6 +708,38 @@ def test_a_double_ctrl_c_while_convert_builds_ends_it_quietly(tmp_path):
     assert list(scratch.iterdir()) == []
 
 
+def _run_on_a_terminal(command: list[str], timeout_s: float) -> tuple[int, str]:
+    """Exit status and stderr of `command` run with a pseudo-terminal as its stderr (a bar is
+    drawn only on a terminal)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # 0 columns: an empty bar
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=slave)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1.0)[0]:
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the process closed its end
+                break
+            if not data:
+                break
+            out += data
+        return process.wait(timeout=max(1.0, deadline - time.monotonic())), out.decode(errors="replace")
+    finally:
+        os.close(master)
+        if process.poll() is None:
+            process.kill()
+
+
 def test_a_warning_during_convert_is_a_line_of_its_own_not_glued_to_the_progress_bar(tmp_path):
     """A warning logged while the bar was drawn came out at the end of the bar's line
     ("...2.0 MB/s]2026-... WARNING ..."), easy to miss; it now has a line of its own."""
@@ -716,11 +748,11 @@ def test_a_warning_during_convert_is_a_line_of_its_own_not_glued_to_the_progress
     out.mkdir()
     (out / "shard-000042.tar").write_bytes(b"another tool's")
     command = [sys.executable, "-m", "dlstore", "convert", "imagefolder", str(made.root), f"file://{out}"]
-    run = subprocess.run([*command, "--samples-per-shard", "4", "--overwrite"], capture_output=True, timeout=120)
-    assert run.returncode == 0, run.stderr.decode()[-2000:]
-    lines = re.split(r"[\r\n]", run.stderr.decode())
+    status, stderr = _run_on_a_terminal([*command, "--samples-per-shard", "4", "--overwrite"], timeout_s=120)
+    assert status == 0, stderr[-2000:]
+    lines = re.split(r"[\r\n]", stderr)
     warnings = [line for line in lines if "WARNING" in line]
-    assert any("under the shard prefix" in line for line in warnings), run.stderr.decode()
+    assert any("under the shard prefix" in line for line in warnings), stderr
     assert all(re.match(r"\d{4}-\d\d-\d\d ", line) for line in warnings), warnings
     assert any(line.startswith("convert:") for line in lines)  # the bar was drawn
 

@@ -244,7 +244,7 @@ _CLI: dict[str, tuple[Any, str]] = {
     "resume": (str, "none, auto (the latest checkpoint under --checkpoint-url, if any) or a checkpoint URL"),
     "resume_any_data": (bool, "resume even if the dataset or its plan settings changed since the checkpoint"),
     "log_every": (int, "steps per metrics record"),
-    "progress": (bool, "progress bar on rank 0"),
+    "progress": (bool, "progress bar on rank 0, when stderr is a terminal"),
     "tensorboard": (bool, "TensorBoard events on rank 0"),
     "deterministic": (bool, "torch.use_deterministic_algorithms(True); bit-exact resume on the CPU"),
     "dist_timeout_minutes": (float, "timeout of collective operations"),

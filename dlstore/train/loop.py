@@ -496,7 +496,15 @@ class Trainer:
     def _progress_bar(self, epoch: int, initial: int) -> tqdm | None:
         if not (self.cfg.progress and self.ctx.is_main):
             return None
-        return tqdm(total=self.steps_per_epoch, initial=initial, desc=f"epoch {epoch}", unit="step", dynamic_ncols=True)
+        # disable=None: none on a stderr that is no terminal (a log file got a line per step).
+        return tqdm(
+            total=self.steps_per_epoch,
+            initial=initial,
+            desc=f"epoch {epoch}",
+            unit="step",
+            dynamic_ncols=True,
+            disable=None,
+        )
 
     # -- logging ------------------------------------------------------------------------
     def _log_train(self, epoch: int, bar: tqdm | None) -> None:
