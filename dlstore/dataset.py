@@ -340,8 +340,8 @@ class Dataset(torch.utils.data.Dataset):
         need = (2 * self.cfg.shuffle_window + self.prefetch_ahead) * largest
         log.warning(
             "cache_limit %s holds %d of this dataset's shards (up to %s each), fewer than two shuffle windows of %d "
-            "and the %d fetched ahead: shards will be fetched several times an epoch. Give cache_limit at least %s, "
-            "or shuffle_window=%d",
+            "and the %d fetched ahead: shards will be fetched several times an epoch. Give cache_limit "
+            "(--cache-limit) at least %s, or shuffle_window=%d (--shuffle-window)",
             format_size(self.cfg.cache_limit),
             held,
             format_size(largest),

@@ -35,7 +35,7 @@ from dlstore.cli import main as cli
 from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
-from dlstore.errors import ConfigError, DlstoreError, FormatError, NoSpace
+from dlstore.errors import ConfigError, DlstoreError, FormatError, NoSpace, NotFound
 from dlstore.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
@@ -48,7 +48,7 @@ from dlstore.train import (
     measure_training_rate,
     read_metrics,
 )
-from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_url
+from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_at, load_checkpoint_url
 from dlstore.train.config import config_from_args
 from dlstore.train.demand import precision_name
 from dlstore.train.dist import Rendezvous, first_slurm_host
@@ -326,6 +326,27 @@ def test_a_foreign_file_is_not_taken_for_a_checkpoint(tmp_path):
     torch.save({"model": {}}, tmp_path / checkpoint_key(1))
     with pytest.raises(ConfigError, match="not a dlstore training checkpoint"):
         CheckpointStore(f"file://{tmp_path}").load(checkpoint_key(1))
+
+
+def test_a_resume_url_may_name_the_checkpoint_folder_or_its_latest_and_junk_says_so_in_a_line(tmp_path):
+    """`--resume` given the checkpoint folder (the --checkpoint-url) was a bare 404, and given
+    its `latest` pointer (JSON), or any other file, torch's page of unpickler advice ("Please
+    file an issue", "weights_only=False will likely succeed"). The folder and its pointer now
+    load the checkpoint published there; what is not a checkpoint says so in a line."""
+    ckpts = CheckpointStore(f"file://{tmp_path}/run", keep=5)
+    for step in (3, 4):
+        ckpts.save({"x": torch.full((2,), float(step))}, step)
+    for url in (f"file://{tmp_path}/run", f"file://{tmp_path}/run/", f"file://{tmp_path}/run/latest"):
+        state, where = load_checkpoint_at(url)
+        assert torch.equal(state["x"], torch.full((2,), 4.0)) and where.endswith(checkpoint_key(4)), url
+    assert torch.equal(load_checkpoint_url(f"file://{tmp_path}/run/{checkpoint_key(3)}")["x"], torch.full((2,), 3.0))
+    (tmp_path / "junk.bin").write_bytes(b'{"key": "not a checkpoint"}')
+    with pytest.raises(FormatError) as caught:
+        load_checkpoint_url(f"file://{tmp_path}/junk.bin")
+    assert "not a whole torch.save archive" in str(caught.value) and "\n" not in str(caught.value)
+    assert "weights_only" not in str(caught.value)
+    with pytest.raises(NotFound, match="no such object, and no checkpoint"):
+        load_checkpoint_url(f"file://{tmp_path}/nothing-here")
 
 
 # -- configuration, schedule, launch environment -------------------------------------------
@@ -741,7 +762,8 @@ def test_a_run_resumed_from_another_runs_checkpoint_does_not_say_its_own_store_h
     monkeypatch.setattr(Trainer, "_train", interrupted)
     with pytest.raises(KeyboardInterrupt):
         main(second)
-    assert "no checkpoint was written" in caplog.text
+    # It has a --checkpoint-url: "(--checkpoint-url, ...)" read as if it were missing.
+    assert "no checkpoint was written to file://" in caplog.text and "--checkpoint-every-minutes)" in caplog.text
     assert "the last checkpoint is step 4" not in caplog.text
 
 

@@ -40,6 +40,7 @@ from dlstore.cache.prefetch import (
 )
 from dlstore.cache.runtime import _Runtime
 from dlstore.cache.slots import node_slots
+from dlstore.config import format_size
 from dlstore.errors import ConfigError, NoSpace, TransientError
 from dlstore.sample_index import SampleIndex
 from dlstore.storage.base import Store
@@ -171,10 +172,10 @@ class ShardCache:
             )
         if readers > 1 and readers * max_shard_size > room:
             log.warning(
-                "cache limit %d bytes holds fewer than %d shards of %d bytes: readers will wait for each other",
-                self.config.limit_bytes,
+                "cache limit %s holds fewer than %d shards of %s: readers will wait for each other",
+                format_size(self.config.limit_bytes),
                 readers,
-                max_shard_size,
+                format_size(max_shard_size),
             )
 
     @contextlib.contextmanager
@@ -409,10 +410,10 @@ class ShardCache:
             previous = data.get("limit_bytes")
             if previous not in (None, self.config.limit_bytes):
                 log.warning(
-                    "cache %s was used with limit %s bytes; now %d bytes (processes sharing it should agree)",
+                    "cache %s was used with limit %s; now %s (processes sharing it should agree)",
                     self.config.cache_dir,
-                    previous,
-                    self.config.limit_bytes,
+                    format_size(previous) if isinstance(previous, (int, float)) else previous,
+                    format_size(self.config.limit_bytes),
                 )
             data["limit_bytes"] = self.config.limit_bytes
             self._dir.write_stats(data)

@@ -41,7 +41,14 @@ from dlstore.errors import ConfigError, DamagedObject, DlstoreError, FormatError
 from dlstore.logs import redact_url
 from dlstore.storage import Store, open_object, open_store
 
-__all__ = ["CHECKPOINT_FORMAT", "CheckpointStore", "checkpoint_key", "load_checkpoint_url", "to_cpu"]
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CheckpointStore",
+    "checkpoint_key",
+    "load_checkpoint_at",
+    "load_checkpoint_url",
+    "to_cpu",
+]
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +98,15 @@ def _load_bytes(data: bytes, where: str) -> dict:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises what its parsers meet: ValueError, KeyError, UnicodeDecodeError...
         if archive and "Weights only load failed" in str(exc):  # whole, but holding what may run code
-            raise ConfigError(f"checkpoint {where} holds objects a safe load refuses: {exc}") from None
+            # torch's page of advice, down to its line that says what was refused
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            refused = next((line for line in lines if "Unpickler error" in line), lines[0] if lines else "")
+            raise ConfigError(f"checkpoint {where} holds objects a safe load refuses: {refused}") from None
+        if not archive:  # torch's unpickler's page of advice: not what this is
+            raise FormatError(
+                f"checkpoint {where} cannot be read ({len(data)} bytes): not a whole torch.save archive "
+                "(cut short, or not a checkpoint: give a ckpt-*.pt URL, or the folder that holds them)"
+            ) from None
         # torch's own errors for a file cut short or damaged: say which file
         raise FormatError(
             f"checkpoint {where} cannot be read ({len(data)} bytes): {type(exc).__name__}: {exc}"
@@ -316,9 +331,31 @@ class CheckpointStore:
 
 
 def load_checkpoint_url(url: str) -> dict:
-    """Load one checkpoint by its full URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`."""
+    """Load one checkpoint by its full URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`; the URL
+    of a checkpoint folder (a `--checkpoint-url`), or of its `latest`, loads the checkpoint
+    published there."""
+    return load_checkpoint_at(url)[0]
+
+
+def load_checkpoint_at(url: str) -> tuple[dict, str]:
+    """`load_checkpoint_url`'s state, and the checkpoint's URL (credentials hidden): given a
+    folder or its pointer, `--resume` showed torch's page-long error for the pointer's JSON,
+    or a bare 404 for the folder."""
+    url = url.rstrip("/")
     store, key = open_object(url)
-    return _load_bytes(_damaged_is_unreadable(store, key), redact_url(url))
+    if key.rsplit("/", 1)[-1] == LATEST:
+        folder = url[: -len(LATEST)].rstrip("/")
+    elif store.exists(key):
+        return _load_bytes(_damaged_is_unreadable(store, key), redact_url(url)), redact_url(url)
+    else:
+        folder = url  # no such object: a folder of checkpoints?
+    ckpts = CheckpointStore(folder)
+    found = ckpts.latest_key()
+    if found is None:
+        raise NotFound(f"no checkpoint at {redact_url(url)}: no such object, and no checkpoint (ckpt-*.pt) under it")
+    where = redact_url(ckpts.store.join(found))
+    log.info("%s: resuming from the checkpoint it publishes, %s", redact_url(url), where)
+    return ckpts.load(found), where
 
 
 def _damaged_is_unreadable(store: Store, key: str) -> bytes:

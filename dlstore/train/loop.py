@@ -332,8 +332,13 @@ class Trainer:
         saved = self.schedule.saved_step
         if self.ckpts is not None and saved is not None:
             kept = f"the last checkpoint is step {saved} in {redact_url(self.ckpts.store.url)}: rerun with --resume auto to go on"
+        elif self.ckpts is not None:
+            kept = (
+                f"no checkpoint was written to {redact_url(self.ckpts.store.url)} yet "
+                "(the first comes after --checkpoint-every-steps or --checkpoint-every-minutes)"
+            )
         else:
-            kept = "no checkpoint was written (--checkpoint-url, --checkpoint-every-steps)"
+            kept = "no checkpoint was written (no --checkpoint-url)"
         log.warning("interrupted at step %d; %s. SIGTERM or SIGUSR1 checkpoint before they stop a run", self.step, kept)
 
     def _train(self) -> int:

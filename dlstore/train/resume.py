@@ -9,7 +9,7 @@ import time
 
 from dlstore.errors import DlstoreError
 from dlstore.logs import redact_url
-from dlstore.train.checkpoint import CheckpointStore, load_checkpoint_url
+from dlstore.train.checkpoint import CheckpointStore, load_checkpoint_at
 from dlstore.train.config import TrainConfig
 from dlstore.train.dist import DistContext
 
@@ -113,4 +113,4 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
             log.info("no checkpoint under %s yet: starting fresh", redact_url(cfg.checkpoint_url or ""))
             return None
         return (found[1] if found is not None else ckpts.load(key)), ckpts.store.join(key)
-    return load_checkpoint_url(cfg.resume), redact_url(cfg.resume)
+    return load_checkpoint_at(cfg.resume)
