@@ -236,7 +236,7 @@ _CLI: dict[str, tuple[Any, str]] = {
     "min_lr_factor": (float, "cosine floor, as a fraction of the peak rate"),
     "step_milestones": (int, "step decay: epochs at which the rate is multiplied by --step-gamma"),
     "step_gamma": (float, "step decay factor"),
-    "max_steps": (int, "stop after this many optimiser steps (smoke tests)"),
+    "max_steps": (int, "stop after this many optimiser steps (smoke tests); the lr schedule then ends there"),
     "checkpoint_url": (str, "store URL for checkpoints, e.g. swift://ckpt/run1 or file:///scratch/run1"),
     "checkpoint_every_steps": (int, "checkpoint every N steps (0: off)"),
     "checkpoint_every_minutes": (float, "checkpoint every M minutes (0: off)"),

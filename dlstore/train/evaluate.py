@@ -28,7 +28,6 @@ def sibling_val_url(train_url: str, store_config: StoreConfig | None = None) -> 
     candidate = train_url.rstrip("/")[: -len("train")] + "val"
     if not open_store(candidate, store_config).exists(MANIFEST_NAME):
         return None
-    log.info("evaluating on %s (the val split beside the train split)", candidate)
     return candidate
 
 

@@ -187,6 +187,8 @@ class Trainer:
         self.train_loader = self._loader(self.train_set)
         self.val_set = self.val_loader = None
         self.val_url = cfg.val_url or sibling_val_url(cfg.data.url, cfg.data.store)
+        if self.val_url is not None and not cfg.val_url and self.ctx.is_main:
+            log.info("evaluating on %s (the val split beside the train split)", redact_url(self.val_url))
         if self.val_url:
             # return_keys: the loader then says which samples are padding (repeats that keep
             # the ranks equal), so evaluation can count each real sample exactly once.
@@ -804,7 +806,10 @@ class Trainer:
         # Another world size: the data position carries over exactly (the plan re-deals it),
         # the windows' sums add up, but per-rank RNG streams cannot carry over.
         self.window.load_merged([rank["window"] for rank in ranks], first=self.ctx.is_main)
-        log.warning("checkpoint from %d ranks resumed on %d: RNG streams are reseeded", len(ranks), self.ctx.world_size)
+        if self.ctx.is_main:
+            log.warning(
+                "checkpoint from %d ranks resumed on %d: RNG streams are reseeded", len(ranks), self.ctx.world_size
+            )
         seed_everything(self.cfg.data.seed + 1_000_003 * self.step + self.ctx.rank)
 
     def close(self) -> None:

@@ -110,7 +110,8 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
         if why is not None:
             raise DlstoreError(f"rank 0 found no checkpoint to resume from: {why}")
         if key is None:
-            log.info("no checkpoint under %s yet: starting fresh", redact_url(cfg.checkpoint_url or ""))
+            if ctx.is_main:
+                log.info("no checkpoint under %s yet: starting fresh", redact_url(cfg.checkpoint_url or ""))
             return None
         return (found[1] if found is not None else ckpts.load(key)), ckpts.store.join(key)
     return load_checkpoint_at(cfg.resume)
