@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import io
 import json
+import logging
 import multiprocessing
 import os
 import pickle
@@ -201,6 +202,23 @@ def test_limit_smaller_than_a_shard_is_a_config_error_at_once(tmp_path, remote):
         cache.fetch(*specs[0])
     assert time.monotonic() - started < 1.0
     cache.check_fits(5000 - STATS_FILE_BYTES)  # exactly fits
+
+
+def test_a_limit_beyond_what_the_disk_can_hold_is_said_at_once(tmp_path, remote, caplog):
+    """A cache limit of 1 GB on a 3 MB disk ran until the disk filled, then failed with NoSpace
+    and no word of the limit. The limit is compared with the disk's room (its free space and
+    what the cache holds) when the cache is checked; a limit within it says nothing."""
+    import shutil
+
+    store, _, _ = remote([8000])
+    free = shutil.disk_usage(tmp_path).free
+    with caplog.at_level(logging.WARNING, logger="dlstore.cache"):
+        ShardCache(config(tmp_path, free * 4), store).check_fits(8000)
+    assert "more than its disk can hold" in caplog.text and "--cache-limit" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dlstore.cache"):
+        ShardCache(config(tmp_path, min(free // 2, 10**9)), store).check_fits(8000)
+    assert "more than its disk can hold" not in caplog.text
 
 
 # -- basics ----------------------------------------------------------------------------------------

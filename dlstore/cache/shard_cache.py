@@ -14,6 +14,7 @@ import logging
 import multiprocessing
 import multiprocessing.util
 import os
+import shutil
 import threading
 import time
 import weakref
@@ -166,9 +167,19 @@ class ShardCache:
         room = self.config.limit_bytes - STATS_FILE_BYTES
         if max_shard_size > room:
             raise ConfigError(
-                f"cache limit {self.config.limit_bytes} bytes ({self.config.cache_dir}) is smaller than the "
-                f"largest shard ({max_shard_size} bytes) plus the {STATS_FILE_BYTES}-byte stats file; "
+                f"cache limit {format_size(self.config.limit_bytes)} ({self.config.cache_dir}) is smaller than the "
+                f"largest shard ({format_size(max_shard_size)}) plus the {STATS_FILE_BYTES}-byte stats file; "
                 "raise the cache limit or write smaller shards"
+            )
+        disk = self._disk_room()
+        if disk is not None and self.config.limit_bytes > disk:
+            # Said now: the run otherwise failed with NoSpace once the disk filled, with no word of the limit.
+            log.warning(
+                "cache limit %s is more than its disk can hold: %s free there, with what the cache holds (%s); "
+                "lower cache_limit (--cache-limit), or downloads will fail when the disk fills",
+                format_size(self.config.limit_bytes),
+                format_size(disk),
+                self.config.cache_dir,
             )
         if readers > 1 and readers * max_shard_size > room:
             log.warning(
@@ -177,6 +188,20 @@ class ShardCache:
                 readers,
                 format_size(max_shard_size),
             )
+
+    def _disk_room(self) -> int | None:
+        """The bytes the cache could hold on its disk: the free space there and its shards'."""
+        folder = os.path.abspath(self.config.cache_dir)
+        while not os.path.isdir(folder) and os.path.dirname(folder) != folder:
+            folder = os.path.dirname(folder)  # the folder the cache will be made in
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            return None
+        held = 0
+        with contextlib.suppress(OSError), os.scandir(self._dir.shards) as entries:
+            held = sum(entry.stat().st_size for entry in entries if entry.is_file())
+        return free + held
 
     @contextlib.contextmanager
     def hold(
