@@ -13,7 +13,9 @@ import errno
 import fcntl
 import functools
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -960,6 +962,22 @@ def test_a_resume_urls_credentials_stay_out_of_the_saved_configs(tmp_path, caplo
         assert "hunter2" not in text and "SECRETSIG" not in text
         assert "alice:***@127.0.0.1" in text  # still says where it resumed from
     assert "resumed from http://alice:***@127.0.0.1" in caplog.text and "step 2" in caplog.text
+
+
+@pytest.mark.parametrize("cut", ["epochs", "max_steps"])
+def test_a_checkpoint_due_at_the_runs_last_step_is_written_once(tmp_path, caplog, cut):
+    """A save due at the run's last step (every 3 steps, 6 in all) was written, and then the
+    run's final one, of the same step, again: a second upload of the whole checkpoint. The
+    final one alone is written now, and a resume from it finds the run finished."""
+    url = f"file://{tmp_path}/data"
+    write_dataset(open_store(url), [8, 8, 8])  # 6 batches of 4 an epoch
+    limits = dict(epochs=1) if cut == "epochs" else dict(epochs=3, max_steps=6)
+    run = _cpu_run(tmp_path, url, checkpoint_every_steps=3, checkpoint_every_minutes=0, **limits)
+    with caplog.at_level(logging.INFO, logger="dlstore.train"):
+        assert main(run) == 0
+    written = re.findall(r"checkpoint \S+/(ckpt-\d+\.pt) \([\d.]+ MB\) written", caplog.text)
+    assert written == [checkpoint_key(3), checkpoint_key(6)], written
+    assert torch.load(tmp_path / "ckpt" / checkpoint_key(6), weights_only=True)["finished"]
 
 
 def _two_ranks_checkpoint_at_epoch_1(tmp_path: Path, url: str) -> TrainConfig:

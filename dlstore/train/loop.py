@@ -623,9 +623,17 @@ class Trainer:
         stop, due = self._control()
         if stop:
             return self._preempt()
-        if due:
+        if due and not self._no_step_follows():
             self._checkpoint()
         return None
+
+    def _no_step_follows(self) -> bool:
+        """The run's last step is done: a checkpoint due now is left to the run's final one, a
+        moment later (after the evaluation), which would otherwise upload the same step again.
+        (`len(train_loader)` is the batches left in the epoch; asked only when a save is due.)"""
+        if self._reached_max_steps() or self.epoch >= self.cfg.epochs:
+            return True
+        return self.epoch == self.cfg.epochs - 1 and len(self.train_loader) == 0
 
     def _control(self) -> tuple[bool, bool]:
         """(stop now, checkpoint now), the same on every rank."""
