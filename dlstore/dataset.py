@@ -97,6 +97,8 @@ class Dataset(torch.utils.data.Dataset):
         )
         self.cache = ShardCache(cache_cfg, self.store)
         self.cache.check_fits(max((s.size for s in self.manifest.shards), default=0))
+        if self.world.local_rank == 0:
+            self.cache.check_disk_room(self.manifest.total_size)
         self._warn_of_refetches()
         self.samples = SamplePath(self.cfg, self.manifest, self.cache, self.store.url)
         if not self.samples.image_fields:

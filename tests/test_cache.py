@@ -206,19 +206,21 @@ def test_limit_smaller_than_a_shard_is_a_config_error_at_once(tmp_path, remote):
 
 def test_a_limit_beyond_what_the_disk_can_hold_is_said_at_once(tmp_path, remote, caplog):
     """A cache limit of 1 GB on a 3 MB disk ran until the disk filled, then failed with NoSpace
-    and no word of the limit. The limit is compared with the disk's room (its free space and
-    what the cache holds) when the cache is checked; a limit within it says nothing."""
+    and no word of the limit. What the cache would hold (the limit, or the dataset if smaller)
+    is compared with the disk's room (its free space and what the cache holds) when a dataset
+    is opened; a limit or a dataset within it says nothing."""
     import shutil
 
     store, _, _ = remote([8000])
     free = shutil.disk_usage(tmp_path).free
     with caplog.at_level(logging.WARNING, logger="dlstore.cache"):
-        ShardCache(config(tmp_path, free * 4), store).check_fits(8000)
-    assert "more than its disk can hold" in caplog.text and "--cache-limit" in caplog.text
+        ShardCache(config(tmp_path, free * 4), store).check_disk_room(free * 2)
+    assert "its disk has room for" in caplog.text and "--cache-limit" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="dlstore.cache"):
-        ShardCache(config(tmp_path, min(free // 2, 10**9)), store).check_fits(8000)
-    assert "more than its disk can hold" not in caplog.text
+        ShardCache(config(tmp_path, min(free // 2, 10**9)), store).check_disk_room(free * 2)  # a limit within it
+        ShardCache(config(tmp_path, free * 4), store).check_disk_room(8000)  # a dataset within it (50 GB default)
+    assert "its disk has room for" not in caplog.text
 
 
 # -- basics ----------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ from dlstore.train import (
     measure_training_rate,
     read_metrics,
 )
-from dlstore.train.checkpoint import checkpoint_key, load_checkpoint_at, load_checkpoint_url
+from dlstore.train.checkpoint import checkpoint_key, checkpoint_named, load_checkpoint_at, load_checkpoint_url
 from dlstore.train.config import config_from_args
 from dlstore.train.demand import precision_name
 from dlstore.train.dist import Rendezvous, first_slurm_host
@@ -339,7 +339,8 @@ def test_a_resume_url_may_name_the_checkpoint_folder_or_its_latest_and_junk_says
     for step in (3, 4):
         ckpts.save({"x": torch.full((2,), float(step))}, step)
     for url in (f"file://{tmp_path}/run", f"file://{tmp_path}/run/", f"file://{tmp_path}/run/latest"):
-        state, where = load_checkpoint_at(url)
+        assert checkpoint_named(url) == (f"file://{tmp_path}/run", checkpoint_key(4)), url
+        state, where = load_checkpoint_at(*checkpoint_named(url))
         assert torch.equal(state["x"], torch.full((2,), 4.0)) and where.endswith(checkpoint_key(4)), url
     assert torch.equal(load_checkpoint_url(f"file://{tmp_path}/run/{checkpoint_key(3)}")["x"], torch.full((2,), 3.0))
     (tmp_path / "junk.bin").write_bytes(b'{"key": "not a checkpoint"}')
@@ -432,10 +433,13 @@ def test_an_optimiser_setting_out_of_range_is_refused_before_the_run(flag, value
     assert flag in err and "must be in" in err and "Traceback" not in err, err
 
 
-def test_step_milestones_must_rise():
-    with pytest.raises(ConfigError, match="--step-milestones .* rising, not \\[5, 1\\]"):
-        TrainConfig("x", step_milestones=(5, 1))
-    assert TrainConfig("x", step_milestones=(1, 5)).step_milestones == (1, 5)
+def test_step_milestones_must_rise_for_the_step_schedule():
+    with pytest.raises(ConfigError, match="--step-milestones .* rising order, not \\[5, 1\\]"):
+        TrainConfig("x", schedule="step", step_milestones=(5, 1))
+    # repeated (gamma twice), from 0, or unused by the cosine schedule (an old config.json): as they were
+    for milestones, schedule in (((1, 5), "step"), ((3, 3), "step"), ((0,), "step"), ((5, 1), "cosine")):
+        assert TrainConfig("x", schedule=schedule, step_milestones=milestones).step_milestones == milestones
+    assert TrainConfig("x", warmup_start_factor=0).warmup_start_factor == 0  # warm-up from 0
 
 
 def test_launch_env_from_torchrun_and_slurm():
@@ -630,11 +634,16 @@ def test_sigterm_during_evaluation_then_resume_matches_an_uninterrupted_run(tmp_
     )
 
 
-def test_a_group_sigterm_that_ends_the_val_workers_still_checkpoints_and_the_resume_evaluates(tmp_path, monkeypatch):
+@pytest.mark.parametrize("broken", [0, 1])
+def test_a_group_sigterm_that_ends_the_val_workers_still_checkpoints_and_the_resume_evaluates(
+    tmp_path, monkeypatch, broken
+):
     """Slurm signals every process of the job: with worker processes, the val loader's workers
     died of the SIGTERM too, and the run crashed in evaluation ("DataLoader worker exited
     unexpectedly"), with no checkpoint and exit 1, so it was not requeued. Now it checkpoints and
-    exits 75, and the resumed run evaluates the broken-off epoch first: records as one run's."""
+    exits 75, and the resumed run evaluates the broken-off epoch first: records as one run's.
+    The last epoch's too (1 of 0-1): its checkpoint is of a finished run, and the resume said
+    "nothing to do", without that evaluation."""
     import multiprocessing
 
     url, val_url = f"file://{tmp_path}/data", f"file://{tmp_path}/val"
@@ -647,8 +656,9 @@ def test_a_group_sigterm_that_ends_the_val_workers_still_checkpoints_and_the_res
     real_evaluate = Trainer._evaluate
 
     def group_sigterm_during_the_first(self, epoch, *args):
-        if epoch != 0:
+        if epoch != broken or getattr(self, "_signalled", False):
             return real_evaluate(self, epoch, *args)
+        self._signalled = True
         val_loader = self.val_loader
 
         class SignalledAfterOneBatch:

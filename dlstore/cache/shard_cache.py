@@ -171,22 +171,28 @@ class ShardCache:
                 f"largest shard ({format_size(max_shard_size)}) plus the {STATS_FILE_BYTES}-byte stats file; "
                 "raise the cache limit or write smaller shards"
             )
-        disk = self._disk_room()
-        if disk is not None and self.config.limit_bytes > disk:
-            # Said now: the run otherwise failed with NoSpace once the disk filled, with no word of the limit.
-            log.warning(
-                "cache limit %s is more than its disk can hold: %s free there, with what the cache holds (%s); "
-                "lower cache_limit (--cache-limit), or downloads will fail when the disk fills",
-                format_size(self.config.limit_bytes),
-                format_size(disk),
-                self.config.cache_dir,
-            )
         if readers > 1 and readers * max_shard_size > room:
             log.warning(
                 "cache limit %s holds fewer than %d shards of %s: readers will wait for each other",
                 format_size(self.config.limit_bytes),
                 readers,
                 format_size(max_shard_size),
+            )
+
+    def check_disk_room(self, dataset_size: int) -> None:
+        """Warn when the disk cannot hold what the cache will (the limit, or the whole dataset if
+        smaller): a run on a small disk failed with NoSpace once it filled, with no word of the
+        limit. Asked once per dataset, by one rank of the node."""
+        wanted = min(self.config.limit_bytes, dataset_size + STATS_FILE_BYTES)
+        disk = self._disk_room()
+        if disk is not None and wanted > disk:
+            log.warning(
+                "cache %s: its disk has room for %s (free space and the shards it holds), and it would hold %s "
+                "(cache_limit %s): lower cache_limit (--cache-limit), or downloads will fail when the disk fills",
+                self.config.cache_dir,
+                format_size(disk),
+                format_size(wanted),
+                format_size(self.config.limit_bytes),
             )
 
     def _disk_room(self) -> int | None:

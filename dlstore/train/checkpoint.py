@@ -334,28 +334,36 @@ def load_checkpoint_url(url: str) -> dict:
     """Load one checkpoint by its full URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`; the URL
     of a checkpoint folder (a `--checkpoint-url`), or of its `latest`, loads the checkpoint
     published there."""
-    return load_checkpoint_at(url)[0]
+    return load_checkpoint_at(*checkpoint_named(url))[0]
 
 
-def load_checkpoint_at(url: str) -> tuple[dict, str]:
-    """`load_checkpoint_url`'s state, and the checkpoint's URL (credentials hidden): given a
-    folder or its pointer, `--resume` showed torch's page-long error for the pointer's JSON,
-    or a bare 404 for the folder."""
+def checkpoint_named(url: str) -> tuple[str, str | None]:
+    """Where `--resume URL` points: `(url, None)` for a checkpoint object; for a checkpoint folder
+    or its `latest`, `(the folder's URL, the key of the checkpoint published there)`. Given a
+    folder or its pointer, `--resume` was a bare 404, or torch's page-long error for the JSON."""
     url = url.rstrip("/")
     store, key = open_object(url)
     if key.rsplit("/", 1)[-1] == LATEST:
         folder = url[: -len(LATEST)].rstrip("/")
     elif store.exists(key):
-        return _load_bytes(_damaged_is_unreadable(store, key), redact_url(url)), redact_url(url)
+        return url, None
     else:
         folder = url  # no such object: a folder of checkpoints?
-    ckpts = CheckpointStore(folder)
-    found = ckpts.latest_key()
+    found = CheckpointStore(folder).latest_key()
     if found is None:
         raise NotFound(f"no checkpoint at {redact_url(url)}: no such object, and no checkpoint (ckpt-*.pt) under it")
-    where = redact_url(ckpts.store.join(found))
-    log.info("%s: resuming from the checkpoint it publishes, %s", redact_url(url), where)
-    return ckpts.load(found), where
+    return folder, found
+
+
+def load_checkpoint_at(url: str, published: str | None = None) -> tuple[dict, str]:
+    """The state of the checkpoint `checkpoint_named` found, and its URL (credentials hidden)."""
+    if published is None:
+        store, key = open_object(url)
+        return _load_bytes(_damaged_is_unreadable(store, key), redact_url(url)), redact_url(url)
+    ckpts = CheckpointStore(url)
+    where = redact_url(ckpts.store.join(published))
+    log.info("%s: resuming from the checkpoint published there, %s", redact_url(url), where)
+    return ckpts.load(published), where
 
 
 def _damaged_is_unreadable(store: Store, key: str) -> bytes:

@@ -130,22 +130,21 @@ class TrainConfig:
             "weight_decay": (0.0, math.inf, True),
             "label_smoothing": (0.0, 1.0, True),
             "warmup_epochs": (0.0, math.inf, True),
-            "warmup_start_factor": (0.0, 1.0, False),
+            "warmup_start_factor": (0.0, 1.0, True),
             "min_lr_factor": (0.0, 1.0, True),
             "step_gamma": (0.0, 1.0, False),
             "dist_timeout_minutes": (0.0, math.inf, False),
         }
         for name, (low, high, low_allowed) in bounds.items():
             value = getattr(self, name)
-            above = value >= low if low_allowed else value > low
-            if not (isinstance(value, (int, float)) and above and value <= high):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not (number and (value >= low if low_allowed else value > low) and value <= high):
                 where = f"{'[' if low_allowed else '('}{low:g}, {high:g}]".replace("inf]", "inf)")
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} ({name}) must be in {where}, not {value!r}")
-        if list(self.step_milestones) != sorted(set(self.step_milestones)) or any(m < 1 for m in self.step_milestones):
-            raise ConfigError(
-                f"--step-milestones (step_milestones) must be epochs from 1 on, rising, not {list(self.step_milestones)}"
-            )
+        milestones = list(self.step_milestones)
+        if self.schedule == "step" and (milestones != sorted(milestones) or any(m < 0 for m in milestones)):
+            raise ConfigError(f"--step-milestones (step_milestones) must be epochs in rising order, not {milestones}")
 
     @property
     def image_size(self) -> int:

@@ -300,10 +300,13 @@ class Trainer:
             previous = self._resume()
             self._write_config()
             self.metrics.start(previous or [], resume_step=self.step if previous is not None else None)
-            if self.finished:
-                log.info("the checkpoint at step %d is of a finished run: nothing to do", self.step)
-                return 0
             self.signals.note_only()
+            if self.finished:
+                # A stop during the last epoch's evaluation checkpointed the finished run without it.
+                if previous is not None and self._evaluate_a_broken_off_epoch(previous):
+                    self._checkpoint(force=True)
+                log.info("the checkpoint at step %d is of a finished run: nothing more to do", self.step)
+                return 0
             if previous is not None:
                 self._evaluate_a_broken_off_epoch(previous)
             try:
@@ -312,20 +315,21 @@ class Trainer:
                 self._say_where_to_go_on()
                 raise
 
-    def _evaluate_a_broken_off_epoch(self, records: list[dict]) -> None:
+    def _evaluate_a_broken_off_epoch(self, records: list[dict]) -> bool:
         """The epoch before the resumed one, when the run stands at its end (the loader at the next
         epoch's start) and it has no val record: a stop signal broke its evaluation off (a
         SIGTERM to the process group ends the val loader's worker processes). Evaluated now,
         with the weights it ended with, as the uninterrupted run did. The same on every rank:
-        the records come from the checkpoint."""
+        the records come from the checkpoint. Whether it evaluated."""
         last = self.epoch - 1
         at_its_end = self.train_loader.state.epoch == self.epoch and len(self.train_loader) == self.steps_per_epoch
         if self.val_loader is None or last < 0 or not at_its_end:
-            return
+            return False
         if any(r.get("split") == "val" and r.get("epoch") == last and r.get("epoch_done") for r in records):
-            return
+            return False
         log.info("epoch %d's evaluation was broken off: evaluating it now", last)
         self._evaluate(last)
+        return True
 
     def _say_where_to_go_on(self) -> None:
         """After Ctrl-C (no checkpoint first: that is SIGTERM's or SIGUSR1's), what is kept."""

@@ -9,7 +9,7 @@ import time
 
 from dlstore.errors import DlstoreError
 from dlstore.logs import redact_url
-from dlstore.train.checkpoint import CheckpointStore, load_checkpoint_at
+from dlstore.train.checkpoint import CheckpointStore, checkpoint_named, load_checkpoint_at
 from dlstore.train.config import TrainConfig
 from dlstore.train.dist import DistContext
 
@@ -114,4 +114,16 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
                 log.info("no checkpoint under %s yet: starting fresh", redact_url(cfg.checkpoint_url or ""))
             return None
         return (found[1] if found is not None else ckpts.load(key)), ckpts.store.join(key)
-    return load_checkpoint_at(cfg.resume)
+    # Rank 0 finds what the URL names (a folder's `latest` may move meanwhile), the others load that.
+    named, failure = None, None
+    if ctx.is_main:
+        try:
+            named = checkpoint_named(cfg.resume)
+        except Exception as exc:
+            failure = exc
+    named, why = ctx.broadcast_object((named, f"{type(failure).__name__}: {failure}" if failure else None))
+    if failure is not None:
+        raise failure
+    if why is not None:
+        raise DlstoreError(f"rank 0 could not find the checkpoint to resume from: {why}")
+    return load_checkpoint_at(*named)
