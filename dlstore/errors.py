@@ -82,9 +82,9 @@ class NoSpace(DlstoreError):
 
 
 class ProgramExiting(DlstoreError):
-    """The program's main thread has ended, so its exit now joins every other non-daemon thread
-    (a decode pool's among them): a wait in one for a shard another process holds, or for room in
-    the cache, would hold that exit for up to `CacheConfig.wait_timeout_s`, and each batch still
+    """The program's exit has begun, and it joins every non-daemon thread (a decode pool's among
+    them): a wait in one for a shard another process holds, for room in the cache or for a
+    download would hold that exit (up to `CacheConfig.wait_timeout_s`), and each batch still
     queued would run in full first. Such work gives up instead (`raise_if_exiting`)."""
 
 
