@@ -25,13 +25,13 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from dlstore.cache import cache_report, clear_cache
-from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM
 from dlstore.config import DataConfig, format_size, parse_size, writable_file
 from dlstore.convert import ConvertOptions, ConvertProgress, convert, index_dataset, verify_dataset
 from dlstore.doctor import add_doctor_arguments, exit_code, format_check, options_from_args, run_doctor
 from dlstore.errors import ConfigError, DlstoreError, StoppedBySignal
+from dlstore.format.checksums import ALGORITHMS, DEFAULT_ALGORITHM
+from dlstore.format.manifest import MANIFEST_NAME, describe_dataset
 from dlstore.logs import configure_logging, printable
-from dlstore.manifest import MANIFEST_NAME, describe_dataset
 from dlstore.storage import open_object, open_store
 from dlstore.storage.transfer import copy_object
 from dlstore.train.config import add_train_arguments, config_from_args

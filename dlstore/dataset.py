@@ -19,9 +19,8 @@ import torch
 from dlstore.cache import CacheConfig, SampleRange, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig, format_size
 from dlstore.errors import ConfigError, DlstoreError
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest, load_sample_index
 from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
-from dlstore.sample_index import load_sample_index
 from dlstore.sample_path import BatchRequest, SamplePath, StageClock, direct_shards
 from dlstore.storage import open_store
 from dlstore.world import World

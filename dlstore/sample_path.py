@@ -33,10 +33,10 @@ import torch
 from dlstore.cache import SampleRange, ShardCache, ShardSpec
 from dlstore.config import DataConfig
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, TransientError
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest, load_sample_index
+from dlstore.format.sample_index import SampleIndex
+from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
 from dlstore.plan import locate
-from dlstore.sample_index import SampleIndex, load_sample_index
-from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
 from dlstore.transforms import (
     CropSource,
     SampleRngs,

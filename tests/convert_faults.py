@@ -24,8 +24,8 @@ from pathlib import Path
 
 from dlstore.convert import ConvertOptions, ConvertProgress, convert
 from dlstore.errors import DlstoreError
-from dlstore.sample_index import index_name
-from dlstore.shards import shard_name
+from dlstore.format.sample_index import index_name
+from dlstore.format.shards import shard_name
 from dlstore.storage import open_store
 
 OPTIONS = ConvertOptions(samples_per_shard=3, workers=1)

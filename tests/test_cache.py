@@ -44,13 +44,13 @@ from dlstore.cache import (
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.prefetch import _next_prefetch, advance_window
 from dlstore.cache.runtime import _Runtime
-from dlstore.checksums import checksum_of
 from dlstore.cli import main
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound, TransientError
-from dlstore.sample_index import SampleIndex, sample_digest
-from dlstore.shard_writer import TarShardWriter
-from dlstore.shards import read_sample_from_file
+from dlstore.format.checksums import checksum_of
+from dlstore.format.sample_index import SampleIndex, sample_digest
+from dlstore.format.shard_writer import TarShardWriter
+from dlstore.format.shards import read_sample_from_file
 from dlstore.storage.local import LocalStore
 
 FORK = multiprocessing.get_context("fork")

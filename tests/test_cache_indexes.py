@@ -16,7 +16,7 @@ from loader_support import write_dataset
 
 import dlstore
 import dlstore.cache.indexes as indexes
-from dlstore.sample_index import SampleIndex
+from dlstore.format.sample_index import SampleIndex
 from dlstore.storage import open_store
 from dlstore.world import World
 

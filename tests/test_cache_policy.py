@@ -20,7 +20,7 @@ from bench_cache_policy import fetched_per_epoch, node_fetched_per_epoch, offlin
 import dlstore
 from dlstore.cache import STATS_FILE_BYTES, CacheConfig, ShardCache, _CacheDir, cache_report
 from dlstore.cache.policy import HINTS_DIR, read_next_use, victim_order
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
 from dlstore.world import World

@@ -191,7 +191,7 @@ def test_names_from_a_manifest_cannot_drive_the_terminal(tmp_path, capsys):
     from loader_support import write_dataset
 
     from dlstore.cli import main
-    from dlstore.manifest import Manifest
+    from dlstore.format.manifest import Manifest
 
     url = f"file://{tmp_path}/data"
     store = open_store(url)

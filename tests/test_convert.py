@@ -26,7 +26,6 @@ from convert_faults import FAULTS
 from loader_support import folder_with_a_jpeg_damaged_below
 from PIL import Image
 
-from dlstore.checksums import checksum_of
 from dlstore.cli import main as cli
 from dlstore.config import StoreConfig
 from dlstore.convert import (
@@ -42,9 +41,10 @@ from dlstore.convert.build import BuildContext, BuildStopped, Counters, ShardBui
 from dlstore.convert.shard_plan import plan_tasks
 from dlstore.demo.datagen import make_cifar10, make_imagefolder, make_imagenet, make_mnist
 from dlstore.errors import ConfigError, CorruptSample, CorruptShard, DlstoreError, FormatError
-from dlstore.manifest import MANIFEST_NAME, Manifest
-from dlstore.sample_index import SampleIndex, load_sample_index, sample_digest
-from dlstore.shards import IMAGE_FIELDS, image_field, iter_samples, read_sample
+from dlstore.format.checksums import checksum_of
+from dlstore.format.manifest import MANIFEST_NAME, Manifest, load_sample_index
+from dlstore.format.sample_index import SampleIndex, sample_digest
+from dlstore.format.shards import IMAGE_FIELDS, image_field, iter_samples, read_sample
 from dlstore.storage import open_store
 
 SMALL = (48, 40)
@@ -950,10 +950,10 @@ def test_verify_catches_a_flipped_byte_and_a_missing_shard(data, tmp_path, capsy
 
 
 def test_deep_verify_catches_labels_out_of_range_and_undecodable_images(tmp_path):
-    from dlstore.checksums import checksum_of
-    from dlstore.manifest import CreationInfo, ShardInfo
-    from dlstore.sample_index import index_name
-    from dlstore.shard_writer import TarShardWriter
+    from dlstore.format.checksums import checksum_of
+    from dlstore.format.manifest import CreationInfo, ShardInfo
+    from dlstore.format.sample_index import index_name
+    from dlstore.format.shard_writer import TarShardWriter
 
     store = open_store(f"file://{tmp_path}")
     buffer = io.BytesIO()

@@ -27,9 +27,9 @@ from dlstore.config import StoreConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import CorruptShard
+from dlstore.format.manifest import load_sample_index
+from dlstore.format.shards import read_sample
 from dlstore.plan import locate
-from dlstore.sample_index import load_sample_index
-from dlstore.shards import read_sample
 from dlstore.storage import open_store
 from dlstore.world import World
 

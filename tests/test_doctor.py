@@ -10,7 +10,6 @@ import uuid
 
 import pytest
 
-from dlstore.checksums import checksum_of
 from dlstore.cli import main as cli_main
 from dlstore.config import DataConfig, StoreConfig
 from dlstore.convert import ConvertOptions, convert
@@ -21,7 +20,8 @@ from dlstore.doctor.credentials import credentials_check
 from dlstore.doctor.gpu import TorchFacts, cuda_check, nccl_check, torch_check
 from dlstore.doctor.launch import distributed_check
 from dlstore.doctor.node import LoaderShape, cache_check, decode_check, filesystem_type, shm_check
-from dlstore.manifest import Manifest, ShardInfo
+from dlstore.format.checksums import checksum_of
+from dlstore.format.manifest import Manifest, ShardInfo
 
 
 def by_name(checks: list[Check]) -> dict[str, Check]:

@@ -31,8 +31,8 @@ from dlstore.cache import cache_report
 from dlstore.cache.marks import NodeMarks
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptSample, CorruptShard, DlstoreError, NoSpace
+from dlstore.format.manifest import Manifest
 from dlstore.loader import LoaderConfig, choose_engine, resolve_auto
-from dlstore.manifest import Manifest
 from dlstore.sample_path import BatchRequest
 from dlstore.storage import open_store
 from dlstore.world import World

@@ -11,10 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlstore.checksums import PassingHashes, checksum_of
 from dlstore.errors import ConfigError, FormatError, NotFound
-from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest, ShardInfo, describe_dataset
-from dlstore.sample_index import SampleIndex, digest_field, index_name, load_sample_index, sample_digest
+from dlstore.format.checksums import PassingHashes, checksum_of
+from dlstore.format.manifest import (
+    MANIFEST_NAME,
+    CreationInfo,
+    Manifest,
+    ShardInfo,
+    describe_dataset,
+    load_sample_index,
+)
+from dlstore.format.sample_index import SampleIndex, digest_field, index_name, sample_digest
 from dlstore.storage import open_store
 
 
@@ -457,7 +464,7 @@ def test_a_shard_said_to_hold_more_samples_than_its_bytes_can_is_refused():
 
 def test_a_sample_index_object_longer_than_its_samples_allow_is_not_read_whole(tmp_path, monkeypatch):
     """A manifest naming a 1.5 GB object as a shard's index had it read into memory whole."""
-    from dlstore.sample_index import read_index_bytes
+    from dlstore.format.manifest import read_index_bytes
 
     store = open_store(f"file://{tmp_path}/d")
     store.put("shard-000000.idx", b"")

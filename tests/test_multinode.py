@@ -30,7 +30,7 @@ from multinode_rank import EPOCHS
 
 from dlstore.cache import STATS_FILE_BYTES, cache_report
 from dlstore.config import StoreConfig
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 
 NODES, RANKS_PER_NODE = 2, 2

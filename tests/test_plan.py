@@ -19,11 +19,13 @@ from hypothesis import strategies as st
 
 import dlstore
 from dlstore.cache import cache_report
-from dlstore.checksums import checksum_of
 from dlstore.config import StoreConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import ConfigError
+from dlstore.format.checksums import checksum_of
+from dlstore.format.manifest import load_sample_index
+from dlstore.format.sample_index import SampleIndex
 from dlstore.plan import (
     EpochState,
     PlanConfig,
@@ -37,7 +39,6 @@ from dlstore.plan import (
     shard_order,
     world_plans,
 )
-from dlstore.sample_index import SampleIndex, load_sample_index
 from dlstore.storage import open_store
 from dlstore.world import World
 

@@ -31,12 +31,12 @@ from test_shards import MALICIOUS
 
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache, cache_report
-from dlstore.checksums import checksum_of
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, NoSpace
-from dlstore.manifest import Manifest, ShardInfo
-from dlstore.sample_index import SampleIndex, index_name
-from dlstore.shard_writer import TarShardWriter
-from dlstore.shards import read_sample_from_file, read_shard_index, scan_shard, shard_name
+from dlstore.format.checksums import checksum_of
+from dlstore.format.manifest import Manifest, ShardInfo
+from dlstore.format.sample_index import SampleIndex, index_name
+from dlstore.format.shard_writer import TarShardWriter
+from dlstore.format.shards import read_sample_from_file, read_shard_index, scan_shard, shard_name
 from dlstore.storage import open_store
 from dlstore.world import World
 

@@ -33,7 +33,7 @@ from launch_support import REPO, launch_ranks, logs, wait_all
 from loader_support import write_dataset
 
 from dlstore.config import StoreConfig
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 
 pytestmark = pytest.mark.swift
@@ -59,7 +59,7 @@ def clean_env(extra: dict[str, str]) -> dict[str, str]:
 # -- case 8: 8 processes, one cache directory --------------------------------------------------------
 FETCHER = r"""
 import json, os, sys, time
-from dlstore.checksums import checksum_of
+from dlstore.format.checksums import checksum_of
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.storage import open_store
 args = json.loads(sys.argv[1])

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dlstore.errors import CorruptShard
-from dlstore.sample_index import SampleIndex
-from dlstore.shard_writer import TarShardWriter, _header, _pax_record
-from dlstore.shards import (
+from dlstore.format.sample_index import SampleIndex
+from dlstore.format.shard_writer import TarShardWriter, _header, _pax_record
+from dlstore.format.shards import (
     iter_members,
     iter_samples,
     parse_samples,
@@ -322,7 +322,7 @@ def test_header_checksums_are_summed_exactly():
 def test_a_huge_label_is_quoted_cut_short_in_its_error():
     """A 20 MB .cls member was quoted whole in the error (and in every epoch's skip warning)."""
     from dlstore.errors import CorruptSample
-    from dlstore.shards import parse_label
+    from dlstore.format.shards import parse_label
 
     for raw in (b"x" * 20_000_000, b"7" * 20_000_000):
         with pytest.raises(CorruptSample) as caught:

@@ -28,7 +28,7 @@ from dlstore.cli import main as cli_main
 from dlstore.config import RetryConfig, S3Config, Secret, StoreConfig, SwiftConfig
 from dlstore.demo.datagen import make_imagefolder
 from dlstore.errors import AuthError, ConfigError, NotFound
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.train.checkpoint import CheckpointStore
 

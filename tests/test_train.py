@@ -38,7 +38,7 @@ from dlstore.config import DataConfig
 from dlstore.convert import ConvertOptions, convert
 from dlstore.demo.datagen import make_cifar10
 from dlstore.errors import ConfigError, DlstoreError, FormatError, NoSpace, NotFound
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.storage.local import LocalStore
 from dlstore.train import (

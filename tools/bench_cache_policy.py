@@ -41,8 +41,8 @@ from loader_support import write_dataset  # noqa: E402
 import dlstore  # noqa: E402
 from dlstore.cache import STATS_FILE_BYTES, cache_report  # noqa: E402
 from dlstore.cache.policy import HINTS_DIR  # noqa: E402
+from dlstore.format.manifest import Manifest  # noqa: E402
 from dlstore.loader import ENGINES  # noqa: E402
-from dlstore.manifest import Manifest  # noqa: E402
 from dlstore.plan import PlanConfig, RankPlan, node_ranges  # noqa: E402
 from dlstore.storage import open_store  # noqa: E402
 from dlstore.world import World  # noqa: E402

@@ -82,8 +82,8 @@ from bench_storage import curl, make_payload, read_env_file
 from wan_proxy import WanProxyProcess
 
 from dlstore.cache import CacheConfig, ShardCache
-from dlstore.checksums import ALGORITHMS, DEFAULT_ALGORITHM, checksum_of, new_hasher
 from dlstore.config import StoreConfig, parse_size
+from dlstore.format.checksums import ALGORITHMS, DEFAULT_ALGORITHM, checksum_of, new_hasher
 from dlstore.storage import Store, open_store
 
 CONTAINER = "dlstore-bench"

@@ -59,8 +59,8 @@ from bench_loader import spread
 from swift_server import read_env_file
 
 from dlstore.cache import CacheConfig, ShardCache
-from dlstore.checksums import new_hasher
 from dlstore.config import StoreConfig
+from dlstore.format.checksums import new_hasher
 from dlstore.storage import Store, open_store
 
 

@@ -49,8 +49,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import dlstore  # noqa: E402
-from dlstore.checksums import DEFAULT_ALGORITHM  # noqa: E402
 from dlstore.config import StoreConfig  # noqa: E402
+from dlstore.format.checksums import DEFAULT_ALGORITHM  # noqa: E402
 from dlstore.sample_path import SamplePath  # noqa: E402
 from dlstore.world import World  # noqa: E402
 

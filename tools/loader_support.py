@@ -13,10 +13,10 @@ from PIL import Image
 
 import dlstore
 from dlstore.config import StoreConfig
-from dlstore.manifest import Manifest, ShardInfo
-from dlstore.sample_index import index_name
-from dlstore.shard_writer import TarShardWriter
-from dlstore.shards import shard_name
+from dlstore.format.manifest import Manifest, ShardInfo
+from dlstore.format.sample_index import index_name
+from dlstore.format.shard_writer import TarShardWriter
+from dlstore.format.shards import shard_name
 from dlstore.storage import Store
 from dlstore.world import World
 

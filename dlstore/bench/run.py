@@ -14,7 +14,7 @@ from dlstore.bench.measure import measure_demand, measure_loader, measure_stages
 from dlstore.bench.report import BenchReport, demand_for, verdict_for
 from dlstore.bench.scaling import check_procs_fit, measure_scaling
 from dlstore.config import writable_dir
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.train.step import check_model_name, resolve_device
 from dlstore.world import available_cores

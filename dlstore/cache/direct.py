@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent import futures
 from contextlib import AbstractContextManager
 
-from dlstore.sample_index import SampleIndex, sample_digest
+from dlstore.format.sample_index import SampleIndex, sample_digest
 from dlstore.storage.base import Store
 
 __all__ = ["DIRECT_RETRY", "read_samples", "sample_runs"]

@@ -14,8 +14,8 @@ from typing import Protocol
 
 from dlstore.cache.config import CacheConfig, ShardSpec
 from dlstore.cache.engine import DownloadEngine
-from dlstore.checksums import new_hasher
 from dlstore.errors import ConfigError, CorruptShard
+from dlstore.format.checksums import new_hasher
 from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)

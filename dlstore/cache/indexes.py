@@ -23,8 +23,8 @@ import os
 import secrets
 
 from dlstore.errors import ConfigError, FormatError
-from dlstore.sample_index import SampleIndex, digest_field
-from dlstore.shards import read_shard_index
+from dlstore.format.sample_index import SampleIndex, digest_field
+from dlstore.format.shards import read_shard_index
 
 __all__ = ["cached_sample_index"]
 

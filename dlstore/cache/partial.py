@@ -6,7 +6,7 @@ a shard whole makes a node fetch up to two shards more than its share each epoch
 share on 128 nodes of ImageNet); fetching only the node's samples keeps it at 1.00x.
 
 What: a `SampleRange` names the samples and carries their byte offsets and digests from the
-shard's version 2 sample index (`dlstore.sample_index`). Its cache entry is keyed by
+shard's version 2 sample index (`dlstore.format.sample_index`). Its cache entry is keyed by
 `SampleRange.key` (the shard's name and the range), so it is locked, reserved, counted
 against the limit, published atomically and evicted exactly like a shard (`ShardCache`
 treats the key as a name); only the download differs (`write_verified_range`): one or more
@@ -31,7 +31,7 @@ import numpy as np
 from dlstore.cache.config import CacheConfig, ShardSpec
 from dlstore.cache.download import DownloadReport, fetch_checked
 from dlstore.cache.engine import DownloadEngine
-from dlstore.sample_index import SAMPLE_DIGEST_SIZE, SampleIndex, SampleSpan, sample_digest
+from dlstore.format.sample_index import SAMPLE_DIGEST_SIZE, SampleIndex, SampleSpan, sample_digest
 from dlstore.storage.base import Store
 
 __all__ = ["SampleRange", "write_verified_range"]

@@ -43,7 +43,7 @@ from dlstore.cache.runtime import _Runtime
 from dlstore.cache.slots import node_slots
 from dlstore.config import format_size
 from dlstore.errors import ConfigError, NoSpace, TransientError
-from dlstore.sample_index import SampleIndex
+from dlstore.format.sample_index import SampleIndex
 from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import numpy as np
 from dlstore.convert.inputs import Source, SourceItem, describe_found
 from dlstore.convert.options import ConvertOptions
 from dlstore.errors import ConfigError, CorruptShard, FormatError
-from dlstore.shards import iter_members
+from dlstore.format.shards import iter_members
 
 __all__ = ["ArrayReader", "cifar10_source", "mnist_source"]
 

@@ -20,16 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from dlstore.checksums import DEFAULT_ALGORITHM, PassingHashes, checksum_of, new_hasher
 from dlstore.convert.encode import encode_input
 from dlstore.convert.inputs import Source
 from dlstore.convert.options import ConvertOptions, SkippedInput
 from dlstore.convert.shard_plan import ShardTask, sample_key, sample_metadata
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, FormatError, NotFound
-from dlstore.manifest import ShardInfo
-from dlstore.sample_index import SampleIndex, index_name, sample_digest
-from dlstore.shard_writer import TarShardWriter
-from dlstore.shards import scan_shard
+from dlstore.format.checksums import DEFAULT_ALGORITHM, PassingHashes, checksum_of, new_hasher
+from dlstore.format.manifest import ShardInfo
+from dlstore.format.sample_index import SampleIndex, index_name, sample_digest
+from dlstore.format.shard_writer import TarShardWriter
+from dlstore.format.shards import scan_shard
 from dlstore.storage import Store
 
 __all__ = ["BuildContext", "BuildStopped", "Built", "Counters", "ShardBuilder", "existing_shard", "shard_info"]

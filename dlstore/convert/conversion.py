@@ -14,7 +14,6 @@ import time
 from collections.abc import Callable
 
 from dlstore import __version__
-from dlstore.checksums import DEFAULT_ALGORITHM
 from dlstore.config import StoreConfig
 from dlstore.convert.arrays import ArrayReader
 from dlstore.convert.build import Built, Counters, existing_shard
@@ -25,10 +24,11 @@ from dlstore.convert.shard_plan import ShardTask, plan_tasks
 from dlstore.convert.sources import list_source
 from dlstore.convert.workers import build_shards
 from dlstore.errors import ConfigError, DlstoreError, FormatError, NotFound
-from dlstore.manifest import MANIFEST_NAME, CreationInfo, Manifest
-from dlstore.sample_index import SampleIndex, index_name
-from dlstore.shard_writer import is_dlstore_header
-from dlstore.shards import IMAGE_FIELDS
+from dlstore.format.checksums import DEFAULT_ALGORITHM
+from dlstore.format.manifest import MANIFEST_NAME, CreationInfo, Manifest
+from dlstore.format.sample_index import SampleIndex, index_name
+from dlstore.format.shard_writer import is_dlstore_header
+from dlstore.format.shards import IMAGE_FIELDS
 from dlstore.storage import Store, open_store
 from dlstore.transforms import can_check_decodes
 

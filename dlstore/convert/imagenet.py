@@ -24,7 +24,7 @@ from dlstore.convert.inputs import (
 )
 from dlstore.convert.options import ConvertOptions, SkippedInput
 from dlstore.errors import ConfigError, CorruptShard, FormatError
-from dlstore.shards import TarMember, iter_members
+from dlstore.format.shards import TarMember, iter_members
 
 __all__ = ["imagenet_source"]
 

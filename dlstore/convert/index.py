@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dlstore import __version__
-from dlstore.checksums import DEFAULT_ALGORITHM, PassingHashes
 from dlstore.config import StoreConfig
 from dlstore.convert.build import shard_info
 from dlstore.errors import ConfigError, CorruptSample, CorruptShard, FormatError, NotFound
-from dlstore.manifest import CreationInfo, Manifest, ShardInfo, is_field_name
-from dlstore.sample_index import SampleIndex, index_name
-from dlstore.shards import parse_label, scan_shard
+from dlstore.format.checksums import DEFAULT_ALGORITHM, PassingHashes
+from dlstore.format.manifest import CreationInfo, Manifest, ShardInfo, is_field_name
+from dlstore.format.sample_index import SampleIndex, index_name
+from dlstore.format.shards import parse_label, scan_shard
 from dlstore.storage import Store, open_store
 
 __all__ = ["index_dataset"]
@@ -44,7 +44,7 @@ def index_dataset(
     (class names are then `"0"`, `"1"`, …), unless a manifest there before describes the same
     shards byte for byte: its class names and `created` stay. Shards without labels give an
     unlabelled manifest.
-    Checksums are in `checksum_algorithm` (`dlstore.checksums`); None keeps the algorithm of
+    Checksums are in `checksum_algorithm` (`dlstore.format.checksums`); None keeps the algorithm of
     the manifest already there (indexed before: a checkpoint names the manifest's checksums),
     else XXH3-128.
 

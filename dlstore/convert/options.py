@@ -7,9 +7,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from dlstore.checksums import ALGORITHMS
 from dlstore.errors import ConfigError
-from dlstore.manifest import Manifest
+from dlstore.format.checksums import ALGORITHMS
+from dlstore.format.manifest import Manifest
 
 __all__ = ["ConvertOptions", "ConvertProgress", "ConvertSummary", "SkippedInput"]
 
@@ -23,7 +23,7 @@ class ConvertOptions:
     `keep_format` (imagefolder) stores non-JPEG images as they are instead of re-encoding
     them as JPEG; `val_labels` points at an ImageNet ground-truth file when it is not found
     beside the data. `checksum_algorithm`: the shards' and indexes' checksums
-    (`dlstore.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them); None
+    (`dlstore.format.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them); None
     (the default) keeps the one of the dataset already at the destination (a conversion run
     again or resumed), else XXH3-128. `check_decode`: every JPEG input is decoded
     (at 1/8 scale) as the loader's first decode of it would be, and one that fails is skipped

@@ -19,7 +19,7 @@ from dlstore.convert.encode import encode_input
 from dlstore.convert.inputs import Source, SourceItem
 from dlstore.convert.options import ConvertOptions
 from dlstore.errors import CorruptSample, FormatError
-from dlstore.shards import shard_name
+from dlstore.format.shards import shard_name
 
 __all__ = ["ShardTask", "plan_shards", "plan_tasks", "sample_key", "sample_metadata"]
 

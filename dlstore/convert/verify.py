@@ -14,12 +14,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dlstore.checksums import checksum_of, new_hasher
 from dlstore.config import StoreConfig
 from dlstore.errors import CorruptSample, CorruptShard, FormatError, NotFound
-from dlstore.manifest import MANIFEST_NAME, Manifest, ShardInfo
-from dlstore.sample_index import SampleIndex, read_index_bytes
-from dlstore.shards import IMAGE_FIELDS, image_field, parse_label, scan_shard, shown
+from dlstore.format.checksums import checksum_of, new_hasher
+from dlstore.format.manifest import MANIFEST_NAME, Manifest, ShardInfo, read_index_bytes
+from dlstore.format.sample_index import SampleIndex
+from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, scan_shard, shown
 from dlstore.storage import Store, open_store
 from dlstore.transforms import check_decodes
 

@@ -12,7 +12,7 @@ from dlstore.cache import STATS_FILE_BYTES, cache_report
 from dlstore.config import format_size
 from dlstore.doctor.check import FAIL, OK, WARN, Check
 from dlstore.errors import DlstoreError
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 
 __all__ = ["LoaderShape", "cache_check", "decode_check", "shm_check"]
 

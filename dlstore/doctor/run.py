@@ -15,7 +15,7 @@ from dlstore.doctor.launch import distributed_check
 from dlstore.doctor.node import LoaderShape, cache_check, decode_check, shm_check
 from dlstore.doctor.store_probe import endpoint_check, probe_store
 from dlstore.errors import ConfigError
-from dlstore.manifest import Manifest
+from dlstore.format.manifest import Manifest
 from dlstore.world import World
 
 __all__ = ["DoctorOptions", "add_doctor_arguments", "options_from_args", "run_doctor"]

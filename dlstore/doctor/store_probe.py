@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 from dlstore.config import RetryConfig, StoreConfig, format_size
 from dlstore.doctor.check import FAIL, OK, WARN, Check
 from dlstore.errors import AuthError, ConfigError, DlstoreError, FormatError, NotFound
-from dlstore.manifest import MANIFEST_NAME, Manifest
+from dlstore.format.manifest import MANIFEST_NAME, Manifest
 from dlstore.storage import ObjectInfo, Store, open_store
 
 __all__ = ["ProbeResult", "endpoint_check", "probe_store"]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dlstore.config import StoreConfig
-from dlstore.manifest import MANIFEST_NAME
+from dlstore.format.manifest import MANIFEST_NAME
 from dlstore.storage import open_store
 from dlstore.train.dist import DistContext
 from dlstore.train.step import autocast

@@ -1,6 +1,6 @@
 """The per-shard sample index (`shard-000000.idx`): where each sample of a shard starts and
 ends, and from version 2 on each sample's digest. It sits beside its shard; the manifest
-(`dlstore.manifest`) names it and holds its size and checksum.
+(`dlstore.format.manifest`) names it and holds its size and checksum.
 
 File layout (little-endian, 88-byte header, `n + 1` offsets, and from version 2 on `n`
 sample digests)::
@@ -21,7 +21,7 @@ sample digests)::
             of the SHA-256 of each sample's bytes [offsets[i], offsets[i+1]) (`sample_digest`)
 
 Samples i..j-1 are therefore one ranged GET of `[offsets[i], offsets[j])`, which
-`dlstore.shards.parse_samples` turns back into samples. The recipe lets an interrupted
+`dlstore.format.shards.parse_samples` turns back into samples. The recipe lets an interrupted
 conversion recognise a finished shard without reading it again.
 
 Why per-sample digests: the shard's checksum verifies a whole shard only, so a cache that
@@ -51,23 +51,17 @@ import hashlib
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from dlstore.checksums import ALGORITHMS, checksum_of, parse_checksum
 from dlstore.errors import ConfigError, FormatError
-
-if TYPE_CHECKING:  # only a type hint: the manifest imports this module
-    from dlstore.manifest import ShardInfo
+from dlstore.format.checksums import ALGORITHMS, parse_checksum
 
 __all__ = [
     "SampleIndex",
     "SampleSpan",
     "digest_field",
     "index_name",
-    "load_sample_index",
-    "read_index_bytes",
     "sample_digest",
 ]
 
@@ -202,7 +196,7 @@ class SampleIndex:
 
     @property
     def checksum_algorithm(self) -> str:
-        """The algorithm of `checksum` (`dlstore.checksums`)."""
+        """The algorithm of `checksum` (`dlstore.format.checksums`)."""
         return self.checksum.partition(":")[0]
 
     def with_checksum(self, checksum: str) -> SampleIndex:
@@ -301,39 +295,3 @@ class SampleIndex:
         if magic == cls.MAGIC and index.checksum_algorithm == "sha256":
             raise FormatError("a version 3 sample index holds a SHA-256 shard digest, which version 2 holds")
         return index
-
-
-def read_index_bytes(store, shard: ShardInfo) -> bytes:
-    """The stored sample index of `shard`, read no further than an index of its samples can be
-    long (or the manifest's `index_size`, if more): `FormatError` for a longer object. An
-    index object of 1.5 GB was read whole into memory before any check."""
-    assert shard.index is not None
-    most = max(shard.index_size or 0, SampleIndex.file_size(shard.samples, 3))
-    data = b"".join(store.get(shard.index, 0, most + 1))
-    if len(data) > most:
-        raise FormatError(
-            f"sample index {shard.index!r} is longer than an index of {shard.samples} samples ({most} bytes)"
-        )
-    return data
-
-
-def load_sample_index(store, shard: ShardInfo) -> SampleIndex:
-    """Fetch the sample index of one shard of a manifest, and check it against the manifest
-    (its checksum when the manifest has one, and the shard's size, samples and checksum)."""
-    if shard.index is None:
-        raise FormatError(f"shard {shard.name!r} has no sample index in the manifest")
-    data = read_index_bytes(store, shard)
-    if shard.index_checksum is not None:
-        # The sample digests are only as trustworthy as the index: check it against the manifest.
-        actual = checksum_of(data, parse_checksum(shard.index_checksum)[0])
-        if actual != shard.index_checksum:
-            raise FormatError(
-                f"sample index {shard.index!r} fails its checksum: {actual[:21]}…, manifest {shard.index_checksum[:21]}…"
-            )
-    index = SampleIndex.from_bytes(data)
-    if len(index) != shard.samples or index.shard_size != shard.size or index.checksum != shard.checksum:
-        raise FormatError(
-            f"sample index {shard.index!r} describes a shard of {index.shard_size} bytes and {len(index)} samples "
-            f"(checksum {index.checksum[:21]}…), the manifest one of {shard.size} bytes and {shard.samples} samples"
-        )
-    return index

@@ -27,12 +27,12 @@ A dataset is a store prefix holding tar shards, one sample index beside each sha
       "extra": {}                                      # free-form, kept as is
     }
 
-Checksums are XXH3-128 or SHA-256, one algorithm per dataset (`dlstore.checksums`: why
+Checksums are XXH3-128 or SHA-256, one algorithm per dataset (`dlstore.format.checksums`: why
 XXH3 is the default, and when to ask for SHA-256). Format 2 is format 1 with XXH3 allowed;
 a dataset checked with SHA-256 is still written as format 1, which every dlstore reads.
 
 Each shard has a sample index beside it (`shard-000000.idx`): its format and
-`load_sample_index`, which checks one against the manifest, are in `dlstore.sample_index`.
+`load_sample_index`, which checks one against the manifest, are in `dlstore.format.sample_index`.
 
 >>> m = Manifest.load(open_store("file:///data/imagenet/train"))      # doctest: +SKIP
 >>> m.total_samples, len(m.shards), m.classes[:2]                     # doctest: +SKIP
@@ -47,11 +47,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dlstore.checksums import ALGORITHMS, checksum_of, is_checksum
 from dlstore.config import format_size
 from dlstore.errors import ConfigError, FormatError, NotFound
+from dlstore.format.checksums import ALGORITHMS, checksum_of, is_checksum, parse_checksum
+from dlstore.format.sample_index import SampleIndex
 from dlstore.logs import printable
-from dlstore.sample_index import SampleIndex
 
 __all__ = [
     "FORMAT_VERSION",
@@ -60,6 +60,8 @@ __all__ = [
     "Manifest",
     "ShardInfo",
     "describe_dataset",
+    "load_sample_index",
+    "read_index_bytes",
 ]
 
 MANIFEST_NAME = "index.json"
@@ -106,7 +108,7 @@ class CreationInfo:
 class Manifest:
     """The dataset manifest; see the module docstring for the JSON.
 
-    >>> from dlstore.checksums import checksum_of
+    >>> from dlstore.format.checksums import checksum_of
     >>> m = Manifest(shards=(ShardInfo("a.tar", 2048, 1, checksum_of(b"x", "xxh3_128")),), classes=("cat",),
     ...              fields=("cls", "jpg"), label_field="cls")
     >>> Manifest.from_json(m.to_json()) == m, m.checksum_algorithm, m.format_version
@@ -461,3 +463,40 @@ def describe_dataset(store) -> str:
         lines.append(f"  options  {_describe_options(c.options, c.source_format)}")
     # Every line as a terminal shows it: the manifest's names and source are anyone's.
     return "\n".join(printable(line) for line in lines)
+
+
+# -- sample indexes, checked against the manifest --------------------------------------------
+def read_index_bytes(store, shard: ShardInfo) -> bytes:
+    """The stored sample index of `shard`, read no further than an index of its samples can be
+    long (or the manifest's `index_size`, if more): `FormatError` for a longer object. An
+    index object of 1.5 GB was read whole into memory before any check."""
+    assert shard.index is not None
+    most = max(shard.index_size or 0, SampleIndex.file_size(shard.samples, 3))
+    data = b"".join(store.get(shard.index, 0, most + 1))
+    if len(data) > most:
+        raise FormatError(
+            f"sample index {shard.index!r} is longer than an index of {shard.samples} samples ({most} bytes)"
+        )
+    return data
+
+
+def load_sample_index(store, shard: ShardInfo) -> SampleIndex:
+    """Fetch the sample index of one shard of a manifest, and check it against the manifest
+    (its checksum when the manifest has one, and the shard's size, samples and checksum)."""
+    if shard.index is None:
+        raise FormatError(f"shard {shard.name!r} has no sample index in the manifest")
+    data = read_index_bytes(store, shard)
+    if shard.index_checksum is not None:
+        # The sample digests are only as trustworthy as the index: check it against the manifest.
+        actual = checksum_of(data, parse_checksum(shard.index_checksum)[0])
+        if actual != shard.index_checksum:
+            raise FormatError(
+                f"sample index {shard.index!r} fails its checksum: {actual[:21]}…, manifest {shard.index_checksum[:21]}…"
+            )
+    index = SampleIndex.from_bytes(data)
+    if len(index) != shard.samples or index.shard_size != shard.size or index.checksum != shard.checksum:
+        raise FormatError(
+            f"sample index {shard.index!r} describes a shard of {index.shard_size} bytes and {len(index)} samples "
+            f"(checksum {index.checksum[:21]}…), the manifest one of {shard.size} bytes and {shard.samples} samples"
+        )
+    return index

@@ -4,14 +4,14 @@ Every header field that could vary between runs is fixed (mtime 0, uid/gid 0, mo
 empty user/group names), so the same samples in the same order give byte-identical shards.
 The writer hashes (`checksum_algorithm`, XXH3-128 by default) while writing and returns
 the shard's `SampleIndex`. Names longer than 100 bytes and members of 8 GiB or more get a
-pax header. `dlstore.shards` describes the format and reads it back.
+pax header. `dlstore.format.shards` describes the format and reads it back.
 
 >>> import io
 >>> buffer = io.BytesIO()
 >>> writer = TarShardWriter(buffer)
 >>> writer.write("000000", {"jpg": b"...", "cls": b"3"})
 SampleSpan(offset=0, size=2048)
->>> index = writer.close()   # `dlstore.shards` reads the samples back (its example)
+>>> index = writer.close()   # `dlstore.format.shards` reads the samples back (its example)
 >>> len(index), index.shard_size == len(buffer.getvalue()) == 10240
 (1, True)
 """
@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import BinaryIO
 
-from dlstore.checksums import DEFAULT_ALGORITHM, new_hasher
-from dlstore.sample_index import SampleIndex, SampleSpan, digest_field
-from dlstore.shards import BLOCK
+from dlstore.format.checksums import DEFAULT_ALGORITHM, new_hasher
+from dlstore.format.sample_index import SampleIndex, SampleSpan, digest_field
+from dlstore.format.shards import BLOCK
 
 __all__ = ["TarShardWriter"]
 

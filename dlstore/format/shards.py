@@ -6,7 +6,7 @@ WebDataset's: the key is everything up to the first dot of the file's basename, 
 extension the rest, lowercased. GNU tar and the `webdataset` package read these shards as
 they are.
 
-The writer is `dlstore.shard_writer` (`TarShardWriter`): deterministic, byte for byte.
+The writer is `dlstore.format.shard_writer` (`TarShardWriter`): deterministic, byte for byte.
 
 Reader (`iter_samples`, `parse_samples`, `read_sample_from_file`): parses the 512-byte
 headers itself, which is several times faster per sample than `tarfile` and never touches
@@ -17,7 +17,7 @@ FIFOs, sparse or unknown member types, negative or oversized sizes, bad header c
 truncated headers or data, a field twice in one sample.
 
 >>> import io
->>> from dlstore.shard_writer import TarShardWriter
+>>> from dlstore.format.shard_writer import TarShardWriter
 >>> buffer = io.BytesIO()
 >>> writer = TarShardWriter(buffer)
 >>> writer.write("000000", {"jpg": b"...", "cls": b"3"})
@@ -38,9 +38,9 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import BinaryIO, NamedTuple
 
-from dlstore.checksums import DEFAULT_ALGORITHM, new_hasher
 from dlstore.errors import CorruptSample, CorruptShard
-from dlstore.sample_index import SampleIndex, SampleSpan, digest_field, sample_digest
+from dlstore.format.checksums import DEFAULT_ALGORITHM, new_hasher
+from dlstore.format.sample_index import SampleIndex, SampleSpan, digest_field, sample_digest
 from dlstore.storage.base import IterReader
 
 __all__ = [
@@ -463,7 +463,7 @@ def scan_shard(
     checksum_algorithm: str = DEFAULT_ALGORITHM,
 ) -> SampleIndex:
     """Walk a whole shard (a stream is fine) and build its `SampleIndex`, hashing it on the way
-    (with `checksum_algorithm`: `dlstore.checksums`).
+    (with `checksum_algorithm`: `dlstore.format.checksums`).
 
     `on_sample` sees each sample (e.g. to collect labels and fields, or to decode it). With
     `sample_digests`, the index is version 2: each sample's digest too, hashed from the bytes
