@@ -1,4 +1,4 @@
-"""`tools/bench_cold.py loader` end to end, at toy size, against the local Swift: the cold and
+"""`python -m benchmarks.cold loader` end to end, at toy size, against the local Swift: the cold and
 warm epochs, the WAN emulator, WebDataset streaming the same shards (`--peers`) and the store
 side kept on cores of its own (`--store-cores`). Its figures are not checked (no timed
 assertion): that it runs, reports every setting, gives Swift its cores back, and never prints or writes
@@ -14,16 +14,16 @@ from pathlib import Path
 
 import psutil
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bench(swift_server, tmp_path: Path, *options: str) -> subprocess.CompletedProcess:
     env_file = tmp_path / "env.sh"
     env_file.write_text("".join(f"export {name}={value}\n" for name, value in swift_server.env().items()))
-    args = [sys.executable, str(TOOLS / "bench_cold.py"), "loader", "--images", "48", "--shards", "3"]
+    args = [sys.executable, "-m", "benchmarks.cold", "loader", "--images", "48", "--shards", "3"]
     args += ["--batch-size", "8", "--workers", "1", "--rounds", "1", "--workdir", str(tmp_path / "work")]
     args += ["--env-file", str(env_file), *options]
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
 
 
 def _swift_affinities(swift_server) -> dict[int, set[int]]:
@@ -68,30 +68,3 @@ def test_bench_cold_refuses_store_cores_that_leave_the_loader_none(swift_server,
     every = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
     run = _bench(swift_server, tmp_path, "--rates", "", "--store-cores", every)
     assert run.returncode != 0 and "leaves no core" in run.stderr
-
-
-def test_bench_fetch_cpu_reports_every_stage_and_leaks_no_secret(swift_server, tmp_path):
-    """`tools/bench_fetch_cpu.py` at toy size: each stage's CPU, the streamed stages' bytes
-    checked against the manifest's checksum (it exits otherwise), no credential printed."""
-    env_file = tmp_path / "env.sh"
-    env_file.write_text("".join(f"export {name}={value}\n" for name, value in swift_server.env().items()))
-    report = tmp_path / "report.json"
-    args = [sys.executable, str(TOOLS / "bench_fetch_cpu.py"), "--images", "48", "--shards", "3", "--rounds", "1"]
-    args += ["--batch-size", "8", "--workdir", str(tmp_path / "work"), "--env-file", str(env_file)]
-    run = subprocess.run([*args, "--json", str(report)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    result = json.loads(report.read_text())
-    stages = [
-        "warm epoch",
-        "GET",
-        "GET + write",
-        "GET + write + xxh3_128",
-        "GET + splice",
-        "cache, 1 part",
-        "cache, 8 parts",
-    ]
-    assert list(result["cpu_s"])[: len(stages)] == stages
-    assert all(len(runs) == 1 and runs[0] >= 0 for runs in result["cpu_s"].values())
-    assert result["cpu_s"]["warm epoch"][0] > 0 and result["bytes"] > 0
-    printed = run.stdout + run.stderr + report.read_text()
-    assert swift_server.key not in printed and "AUTH_tk" not in printed

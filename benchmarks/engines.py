@@ -1,36 +1,23 @@
-#!/usr/bin/env python3
-"""dlstore's thread engine against the same work built on SPDL and on torchdata.nodes (issue 11).
+"""dlstore's thread engine against the same work built on SPDL and on torchdata.nodes.
 
-Issue 11 asks to try a well-kept pipeline library before keeping our own small
-`concurrent.futures` design. Every engine here does the same work on the same shards, with the
-same threads and lookahead: this rank's batches in plan order (`Dataset.plan`), the samples of a
-batch read from the node cache (`SamplePath.read`: one `pread` each), each sample through
-`SamplePath.image` (decode + augment, its own RNG) and written into its row of a uint8 batch
-buffer taken from a pool (a buffer goes back once the loop drops the batch: fresh 38 MB batches
-cost page faults), the batch handed on as `(images, labels)`.
+Every engine does the same work on the same shards, with the same threads and lookahead.
+It takes this rank's batches in plan order, reads each batch's samples from the node cache,
+and sends each sample through `SamplePath.image` into its row of a pooled uint8 buffer.
+A buffer goes back to the pool once the loop drops its batch.
 
-* dlstore_threads: `dlstore.Loader(ds, engine="threads", device="cpu", dtype="uint8")` as it is
-  (each batch cut into per-thread chunks on a `ThreadPoolExecutor`).
-* spdl: `spdl.pipeline.PipelineBuilder` the way its docs build an image pipeline: a light source
-  (the plan's batches), an I/O stage (`read`), `disaggregate`, the CPU stage
-  `pipe(image, concurrency=threads, output_order="input")`, an `Aggregator` that closes each
-  batch, a collate stage, `add_sink(lookahead)`, `build(num_threads=threads)`; one pipeline for
-  all epochs (`continuous=True`, one `get_iterator()` per epoch), so it runs on into the next
-  epoch as dlstore's engine does.
-* torchdata: `torchdata.nodes` the way its migration guide builds a loader: a source node of
-  samples (`IterableWrapper`, the batch's read in its generator) -> `ParallelMapper(image,
-  num_workers=threads, in_order=True, method="thread")` -> `Batcher(batch_size, drop_last=False)`
-  -> `Mapper(collate)` -> `Prefetcher(lookahead)` -> `Loader`.
+* dlstore_threads: `dlstore.Loader(ds, engine="threads", device="cpu", dtype="uint8")`.
+* spdl: a `spdl.pipeline.PipelineBuilder` as its docs build an image pipeline, one for all
+  epochs (``continuous=True``), so it runs on into the next epoch as dlstore's engine does.
+* torchdata: `torchdata.nodes` as its migration guide builds a loader: source, a threaded
+  `ParallelMapper`, `Batcher`, collate, `Prefetcher`, `Loader`.
 
-Rounds interleave the engines (the machine may be shared): a fresh engine per run, 1 warm-up
-epoch, then timed epochs (`bench_peers.time_run`): img/s, CPU ms/img, time to the first batch
-(from `iter()` on the fresh engine), epoch pause. `--check` first compares each engine's first
-batches with dlstore's, pixel for pixel. SPDL and torchdata are not dlstore dependencies: an
-engine whose library does not import is skipped with a message.
+Rounds interleave the engines; each run is a fresh engine, one warm-up epoch, then timed
+epochs. ``--check`` first compares each engine's first batches with dlstore's, pixel for
+pixel. SPDL and torchdata are not dlstore dependencies: a missing one is skipped, said why.
 
-Example (reuses the data of `bench_peers.py` under --workdir)::
+Example (reuses the data of `benchmarks.peers` under --workdir)::
 
-    python tools/bench_engines.py --workdir /tmp/dlstore-peers --rounds 3 --check
+    python -m benchmarks.engines --workdir /tmp/dlstore-peers --rounds 3 --check
 """
 
 from __future__ import annotations
@@ -39,18 +26,13 @@ import argparse
 import dataclasses
 import gc
 import importlib
-import json
 import os
 import sys
-import tempfile
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
-import bench_loader
-import bench_peers
 import numpy as np
 import torch
 
@@ -59,12 +41,17 @@ from dlstore.errors import CorruptSample
 from dlstore.sample_path import BatchRequest
 from dlstore.world import World
 
+from . import pipelines
+from .data import Data, prepare_data
+from .pipelines import Candidate, RunTimes
+from .runner import interleave, show, spread, workdir, write_json
+
 LIBRARIES = {"spdl": "spdl.pipeline", "torchdata": "torchdata.nodes"}
 
 
 # -- the work every engine shares ------------------------------------------------------------------
 class BufferPool:
-    """uint8 batch arrays, each back in the pool once the tensor handed over over it is garbage."""
+    """uint8 batch arrays; one goes back to the pool once the tensor over it is garbage."""
 
     def __init__(self, shape: tuple[int, ...]) -> None:
         self.shape = shape
@@ -143,14 +130,14 @@ class Work:
         return images, torch.tensor([r.label for r in rows if r.label is not None], dtype=torch.int64)
 
 
-def make_dataset(data: bench_peers.Data, args) -> dlstore.Dataset:
-    """The dataset `bench_loader.dlstore_loader` builds for dlstore's own runs."""
+def make_dataset(data: Data, args) -> dlstore.Dataset:
+    """The dataset `pipelines.dlstore_loader` builds for dlstore's own runs."""
     return dlstore.Dataset(data.url, cache_dir=data.cache_dir, cache_limit="4GB", transform="train",
                            image_size=args.image_size, batch_size=args.batch_size, seed=0, world=World())  # fmt: skip
 
 
 class EpochCounter:
-    """Epoch numbers as the benchmark asks for them must match those the engine runs."""
+    """Checks that the epochs asked for are the ones the engine runs: 0, 1, 2, ..."""
 
     def __init__(self) -> None:
         self.next = 0
@@ -162,15 +149,15 @@ class EpochCounter:
 
 
 # -- dlstore ----------------------------------------------------------------------------------------
-def dlstore_candidate(data: bench_peers.Data, args) -> bench_peers.Candidate:
+def dlstore_candidate(data: Data, args) -> Candidate:
     """dlstore's Loader with its thread engine, uint8 batches on the CPU."""
-    loader, batches = bench_loader.dlstore_loader(data.url, data.cache_dir, args, "uint8", engine="threads",
-                                                  prefetch_factor=args.lookahead, timeout_s=args.batch_timeout)  # fmt: skip
-    return bench_peers.Candidate(batches, loader.close)
+    options = {"engine": "threads", "prefetch_factor": args.lookahead, "timeout_s": args.batch_timeout}
+    loader, batches = pipelines.dlstore_loader(data.url, data.cache_dir, args, "uint8", **options)
+    return Candidate(batches, loader.close)
 
 
 # -- SPDL ------------------------------------------------------------------------------------------
-def spdl_candidate(data: bench_peers.Data, args) -> bench_peers.Candidate:
+def spdl_candidate(data: Data, args) -> Candidate:
     spdl_pipeline = importlib.import_module("spdl.pipeline")
     spdl_defs = importlib.import_module("spdl.pipeline.defs")
     work = Work(make_dataset(data, args))
@@ -227,11 +214,11 @@ def spdl_candidate(data: bench_peers.Data, args) -> bench_peers.Candidate:
         if started:
             pipeline.stop()
 
-    return bench_peers.Candidate(batches, close)
+    return Candidate(batches, close)
 
 
 # -- torchdata.nodes -------------------------------------------------------------------------------
-def torchdata_candidate(data: bench_peers.Data, args) -> bench_peers.Candidate:
+def torchdata_candidate(data: Data, args) -> Candidate:
     nodes = importlib.import_module("torchdata.nodes")
     work = Work(make_dataset(data, args))
 
@@ -261,11 +248,11 @@ def torchdata_candidate(data: bench_peers.Data, args) -> bench_peers.Candidate:
         held.clear()
         gc.collect()
 
-    return bench_peers.Candidate(batches, close)
+    return Candidate(batches, close)
 
 
 # -- the runs --------------------------------------------------------------------------------------
-def engine_makers(data: bench_peers.Data, args) -> dict[str, Callable[[], bench_peers.Candidate]]:
+def engine_makers(data: Data, args) -> dict[str, Callable[[], Candidate]]:
     """dlstore's engine and each library whose package imports (the others skipped, said why)."""
     makers = {"dlstore_threads": lambda: dlstore_candidate(data, args)}
     builders = {"spdl": spdl_candidate, "torchdata": torchdata_candidate}
@@ -280,7 +267,7 @@ def engine_makers(data: bench_peers.Data, args) -> dict[str, Callable[[], bench_
     return makers
 
 
-def first_batches(make: Callable[[], bench_peers.Candidate], count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def first_batches(make: Callable[[], Candidate], count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     candidate = make()
     try:
         out = []
@@ -308,32 +295,14 @@ def check_same_batches(makers: dict, count: int = 2) -> None:
         print(f"check: {name}'s first {count} batches equal dlstore's", flush=True)
 
 
-def summarize(rounds: list[dict[str, bench_peers.RunTimes]]) -> dict:
-    spread = bench_loader.spread
-    out: dict = {"loaders": {}, "ratios": {}}
-    for name in rounds[0]:
-        out["loaders"][name] = {
-            "images_per_s": spread([r[name].images_per_s for r in rounds]),
-            "cpu_ms_per_image": spread([r[name].cpu_ms_per_image for r in rounds]),
-            "setup_s": spread([r[name].setup_s for r in rounds]),
-            "first_batch_s": spread([r[name].first_batch_s for r in rounds]),
-            "epoch_pause_s": spread([p for r in rounds for p in r[name].pauses_s] or [0.0]),
-        }
-        if name != "dlstore_threads":
-            values = [r[name].images_per_s / r["dlstore_threads"].images_per_s for r in rounds]
-            out["ratios"][f"{name} / dlstore_threads img/s"] = spread(values)
-    return out
+def summarize(rounds: list[dict[str, RunTimes]]) -> dict:
+    ratios = {f"{name} / dlstore_threads img/s": spread([r[name].images_per_s / r["dlstore_threads"].images_per_s
+                                                         for r in rounds]) for name in list(rounds[0])[1:]}  # fmt: skip
+    return {"loaders": pipelines.summarize_runs(rounds), "ratios": ratios}
 
 
 def print_report(results: dict) -> None:
-    show = bench_loader.show
-    rows = [("img/s", "images_per_s", "{:.0f}"), ("CPU ms/img", "cpu_ms_per_image", "{:.2f}"),
-            ("first batch s", "first_batch_s", "{:.3f}"), ("epoch pause s", "epoch_pause_s", "{:.3f}"),
-            ("setup s", "setup_s", "{:.3f}")]  # fmt: skip
-    print(f"\nper engine, median [min .. max] over {results['settings']['rounds']} rounds")
-    for name, measures in results["loaders"].items():
-        for label, key, fmt in rows:
-            print(show(f"{name} {label}", measures[key]["runs"], fmt=fmt))
+    pipelines.print_runs(results["loaders"], results["settings"]["rounds"], "engine")
     print("\nratios, each taken within one round")
     for label, values in results["ratios"].items():
         print(show(label, values["runs"]))
@@ -361,29 +330,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dlstore-bench-engines-")).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
-    data = bench_peers.prepare_data(workdir, args.images, args.shards)
-    path, _ = bench_loader.read_all_samples(data.url, data.cache_dir, args.image_size, 1)
-    bench_peers.warm_caches(path, data)
-    makers = engine_makers(data, args)
-    print(f"engines: {', '.join(makers)}; batch {args.batch_size}, {args.workers} threads, lookahead "
-          f"{args.lookahead}, {len(os.sched_getaffinity(0))} cores", flush=True)  # fmt: skip
-    if args.check:
-        check_same_batches(makers)
-    started = time.perf_counter()
-    rounds = []
-    for number in range(args.rounds):
-        rounds.append({name: bench_peers.time_run(make, args.epochs) for name, make in makers.items()})
-        rates = ", ".join(f"{k} {v.images_per_s:.0f}" for k, v in rounds[-1].items())
-        print(f"round {number + 1}: img/s {rates}", flush=True)
+    with workdir(args.workdir, "dlstore-bench-engines-") as root:
+        data = prepare_data(root, args.images, args.shards)
+        path, _ = pipelines.read_all_samples(data.url, data.cache_dir, args.image_size, 1)
+        pipelines.warm_caches(path, data)
+        makers = engine_makers(data, args)
+        print(f"engines: {', '.join(makers)}; batch {args.batch_size}, {args.workers} threads, lookahead "
+              f"{args.lookahead}, {len(os.sched_getaffinity(0))} cores", flush=True)  # fmt: skip
+        if args.check:
+            check_same_batches(makers)
+        started = time.perf_counter()
+
+        runs = {name: (lambda make=make: pipelines.time_run(make, args.epochs)) for name, make in makers.items()}
+        rounds = interleave(args.rounds, runs, rotate=False, done=pipelines.print_rates)
     results = {"settings": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
                **summarize(rounds), "rounds": [{k: v._asdict() for k, v in r.items()} for r in rounds],
                "seconds": time.perf_counter() - started}  # fmt: skip
     print_report(results)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
 
 

@@ -1,29 +1,22 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, on a CUDA node: the CUDA tests (tests/test_gpu.py, and the CUDA cases
-# of tests/test_transforms.py), the synthetic-vs-fed training rates (tools/bench_gpu.py), and
-# `dlstore bench` on the same shards (the stage split and verdict on this GPU). Results go to $OUT
+# The GPU checks in one run, on a CUDA node: the CUDA tests (tests/test_gpu.py and the CUDA cases of
+# tests/test_transforms.py), the synthetic-vs-fed training rates (benchmarks.gpu), and `dlstore bench`
+# on the same shards. Then the peers on the node's cores (benchmarks.peers, one round) where webdataset
+# is there, and decode threads against worker processes (benchmarks.gpu workers). Results go to $OUT
 # (default ./gpu-check).
 #
-#   bash tools/gpu_check.sh --wheels               # here, with pip: wheels a bare GPU image lacks -> .whl/
-#   bash tools/gpu_check.sh --wheels --with-torch  # ... and the pinned torch pair with its CUDA libraries
-#   bash tools/gpu_check.sh                        # on the GPU node (installs what .whl/ holds and it lacks)
+#   bash benchmarks/gpu_check.sh --wheels               # here, with pip: wheels a bare GPU image lacks -> .whl/
+#   bash benchmarks/gpu_check.sh --wheels --with-torch  # ... and the pinned torch pair with its CUDA libraries
+#   bash benchmarks/gpu_check.sh                        # on the GPU node (installs what .whl/ holds and it lacks)
 #
-# It fails (non-zero, with the reason) when there is no GPU, when torch sees no CUDA device (e.g. a
-# CUDA 13 wheel on an older driver), when torch and torchvision are not the pinned pair of
-# tools/setup.sh (or DLSTORE_TORCH_SPEC, e.g. "torch torchvision" for any), when a CUDA test is
-# skipped for want of a device, or when a step fails.
+# It fails, with the reason, when there is no GPU or torch sees none, when torch and torchvision are
+# not tools/setup.sh's pinned pair (or DLSTORE_TORCH_SPEC, e.g. "torch torchvision" for any), when a
+# CUDA test is skipped for want of a device, or when a step fails.
 # The interpreter is setup.sh's: .venv/bin/python when there is one, else python3 (or $PYTHON).
-# Budget: about 7 minutes on an H100 node with 16 cores (2026-11-27: 6 minutes before the threads
-# against processes step, which took 50 s alone); on an H200 node the steps before the peers took
-# 3.5 minutes. The steps' timeouts add up to 10 minutes, a lent machine's limit for one command. Without webdataset in .whl/ the peers
-# round is skipped. The CUDA tests run each device-decode case through nvImageCodec too when its
-# wheels are there (--wheels fetches them).
-# On the lent device machine: run `bash tools/gpu_check.sh` with carry [".whl"] (ignored by git);
-# it writes ~10 files, more than such a machine sends back: OUT=/tmp/gc, then tar /tmp/gc into $OUT;
-# the torch wheels (GBs) do not travel there: its image's torch must be the pair, or say which is.
-# Then the peers on that node's cores (tools/bench_peers.py, one round), where webdataset is there,
-# and last decode threads against worker processes at 4, 8 and 14 (tools/bench_workers.py): where
-# the README says to ask for processes on the CPU.
+# The steps' timeouts add up to 10 minutes, a lent machine's limit for one command.
+# On a lent device machine: carry [".whl"] (ignored by git). It writes more files than such a
+# machine sends back: set OUT=/tmp/gc, then tar /tmp/gc into $OUT. The torch wheels do not travel
+# there: the image's torch must be the pair, or DLSTORE_TORCH_SPEC must say which it is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -46,7 +39,8 @@ if [[ ${1:-} == "--wheels" ]]; then
     # dependencies are in any torch image), then the test tools with theirs.
     "$PYTHON" -m pip download -q --no-deps "${target[@]}" -d .whl \
         "tenacity==$(version tenacity)" "simplejpeg==$(version simplejpeg)" "xxhash==$(version xxhash)" \
-        "webdataset==$(version webdataset)" "braceexpand==$(version braceexpand)"  # for tools/bench_peers.py
+        "webdataset==$(version webdataset)" "braceexpand==$(version braceexpand)" \
+        "psutil==$(version psutil)"  # for benchmarks/
     "$PYTHON" -m pip download -q "${target[@]}" -d .whl \
         "pytest==$(version pytest)" "pytest-timeout==$(version pytest-timeout)"
     # nvImageCodec for the CUDA tests of device_decoder="nvimgcodec" (~29 MB), with the nvJPEG it
@@ -108,8 +102,8 @@ export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DLSTO
 # and libjpeg-turbo's headers; without them dlstore decodes whole JPEGs (versions.txt says which).
 "$PYTHON" setup.py -q build_ext --inplace >"$OUT/build_ext.txt" 2>&1 ||
     echo "gpu_check: dlstore._jpeg_region not built here (see $OUT/build_ext.txt): whole JPEGs are decoded"
-"$PYTHON" -c "import tenacity, simplejpeg, xxhash, pytest, pytest_timeout" ||
-    { echo "gpu_check: packages missing: bash tools/gpu_check.sh --wheels (with pip), then carry .whl/" >&2; exit 1; }
+"$PYTHON" -c "import tenacity, simplejpeg, xxhash, psutil, pytest, pytest_timeout" ||
+    { echo "gpu_check: packages missing: bash benchmarks/gpu_check.sh --wheels (with pip), then carry .whl/" >&2; exit 1; }
 "$PYTHON" - <<'EOF' | tee "$OUT/versions.txt"
 import sys
 
@@ -160,7 +154,7 @@ fi
 
 echo "== synthetic vs fed training rate"
 bench=0
-timeout -k 15 230 "$PYTHON" tools/bench_gpu.py --workdir "$work" --stored full,341 --steps 200 --json "$OUT/bench_gpu.json" 2>&1 |
+timeout -k 15 230 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full,341 --steps 200 --json "$OUT/bench_gpu.json" 2>&1 |
     tee "$OUT/bench_gpu.txt" || bench=$?
 
 echo "== dlstore bench (stage split, verdict)"
@@ -169,19 +163,19 @@ workers=$(($(nproc) - 2))
 timeout -k 15 60 "$PYTHON" -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" \
     --batches 10 --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt" || verdict=$?
 
-echo "== the peers on this node's cores (tools/bench_peers.py)"
+echo "== the peers on this node's cores (benchmarks.peers)"
 peers=0
 if "$PYTHON" -c "import webdataset" 2>/dev/null; then
-    timeout -k 15 130 "$PYTHON" tools/bench_peers.py --workdir "$work/peers" --workers "$workers" --images 8000 \
+    timeout -k 15 130 "$PYTHON" -m benchmarks.peers --workdir "$work/peers" --workers "$workers" --images 8000 \
         --shards 32 --rounds 1 --epochs 2 --batch-size 256 --rss-workers "$workers" --single-core-samples 300 \
         --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.txt" || peers=$?
 else
-    echo "no webdataset here: skipped (bash tools/gpu_check.sh --wheels fetches it)"
+    echo "no webdataset here: skipped (bash benchmarks/gpu_check.sh --wheels fetches it)"
 fi
 
-echo "== decode threads against worker processes (tools/bench_workers.py)"
+echo "== decode threads against worker processes (benchmarks.gpu workers)"
 engines=0
-timeout -k 10 80 "$PYTHON" tools/bench_workers.py --workers "4,8,$workers" --images 4000 --rounds 1 \
+timeout -k 10 80 "$PYTHON" -m benchmarks.gpu workers --workers "4,8,$workers" --images 4000 --rounds 1 \
     --json "$OUT/workers.json" 2>&1 | tee "$OUT/workers.txt" || engines=$?
 
 echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict, peers $peers, engines $engines"
