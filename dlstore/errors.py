@@ -46,19 +46,17 @@ class TransientError(DlstoreError):
 
 
 class StalledRead(TransientError):
-    """A streamed read whose next chunk took longer than `RetryConfig.stall_timeout_s`: a server
-    that trickles bytes, each within the read timeout. The read was cut; it resumes from its
-    next byte; cuts that move less than a chunk between them are no progress for the retry budget."""
+    """A streamed read whose next chunk took longer than `RetryConfig.stall_timeout_s`.
+
+    The read was cut, and resumes from its next byte."""
 
 
 class ObjectChanged(DlstoreError):
-    """The object was replaced while it was read (a resumed read found another version, or
-    fewer bytes): what was read so far is not one object's. Not retried."""
+    """The object was replaced while it was read, so what was read is not one object's. Not retried."""
 
 
 class DamagedObject(DlstoreError):
-    """The store lists the object but cannot serve it whole: a large object whose segments are
-    missing or were changed (Swift answers 409). Never retried."""
+    """The store lists the object but cannot serve it whole, e.g. a large object's lost segment."""
 
 
 class CorruptShard(DlstoreError):
@@ -82,17 +80,19 @@ class NoSpace(DlstoreError):
 
 
 class ProgramExiting(DlstoreError):
-    """The program's exit has begun, and it joins every non-daemon thread (a decode pool's among
-    them): a wait in one for a shard another process holds, for room in the cache or for a
-    download would hold that exit (up to `CacheConfig.wait_timeout_s`), and each batch still
-    queued would run in full first. Such work gives up instead (`raise_if_exiting`)."""
+    """The program's exit has begun: waits and queued work in dlstore's threads give up.
+
+    The exit joins every non-daemon thread. A wait there for a shard, for room or for a
+    download would hold the exit, so it raises this instead (`raise_if_exiting`).
+    """
 
 
 def raise_if_exiting(what: str) -> None:
-    """`ProgramExiting` in dlstore's own threads (and daemon ones) once the program's exit has
-    begun: `threading` raises its flag before the exit's first hooks, one of which joins every
-    `ThreadPoolExecutor`'s threads (private, there from 3.9 on). A thread of the program's own
-    may go on working past the main thread's end, and is left to."""
+    """`ProgramExiting` in dlstore's own threads and daemon ones, once the exit has begun.
+
+    `threading` sets its flag before the exit's hook that joins every pool's threads. A thread
+    of the program's own may work on past the main thread's end, and is left to.
+    """
     if not getattr(threading, "_SHUTTING_DOWN", False):
         return
     thread = threading.current_thread()
@@ -101,8 +101,9 @@ def raise_if_exiting(what: str) -> None:
 
 
 class StoppedBySignal(BaseException):
-    """A stop signal (SIGTERM, SIGUSR1) ended a command where it stood, as Ctrl-C does: not an
-    error, and a BaseException, so that no `except Exception` on its way (a retry) holds it."""
+    """A stop signal (SIGTERM, SIGUSR1) ended a command, as Ctrl-C does.
+
+    A BaseException, so no `except Exception` on its way, a retry say, holds it."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signal.Signals(signum).name)

@@ -1,6 +1,6 @@
-"""Log output a user can read: dlstore's own lines at the asked level, the libraries under
-it (HTTP clients, storage SDKs) at WARNING unless `-vv`, so a run prints what it does, not
-every request, and expected misses (a checkpoint that does not exist yet) stay silent."""
+"""Log output a user can read: dlstore's lines at the asked level, its libraries at WARNING.
+
+So a run prints what it does, not every request, unless `-vv`."""
 
 from __future__ import annotations
 
@@ -33,13 +33,9 @@ def configure_logging(verbosity: int = 0, level: int | None = None) -> None:
         logging.getLogger(name).setLevel(logging.DEBUG if verbosity >= 2 else logging.WARNING)
 
 
-# Secrets the storage SDKs write into their own log lines, and the loggers that write them (a
-# filter on a logger sees only the records logged on that very logger, hence the lists).
-# python-swiftclient logs failed requests at INFO as `curl -H "X-Auth-Token: AUTH_tk0123..."` and
-# response headers as a dict, with a token's first 16 characters. At DEBUG, botocore.auth logs
-# the canonical request (`x-amz-security-token:<token>`) and botocore.endpoint the headers
-# (`'X-Amz-Security-Token': b'<token>'`): a temporary credential in clear (the secret key itself
-# is never logged, only what is signed with it). Group 1 is what is kept before each secret.
+# Secrets the storage SDKs write into their own log lines, and the loggers that write them; a
+# filter sees only its own logger's records. python-swiftclient logs `X-Auth-Token` headers;
+# botocore at DEBUG logs `x-amz-security-token`. Group 1 is what is kept before each secret.
 STORAGE_SECRETS: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = (
     (
         ("swiftclient",),

@@ -26,8 +26,7 @@ LAUNCHERS = ("torchrun", "env", "slurm", "torch.distributed", "none")
 
 
 def _tasks_per_node(layout: str) -> int:
-    """The tasks on every node from Slurm's list ("4(x2)", "4,4", "4"); an uneven layout
-    ("2,1") is refused: each node's ranks share its cache and one share of the data."""
+    """The tasks on every node from Slurm's list ("4(x2)", "4,4", "4"); uneven ones are refused."""
     counts = set()
     for part in layout.split(","):
         count, _, _repeat = part.partition("(")
@@ -101,9 +100,7 @@ class World:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> World:
-        """torchrun's variables (`RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`), else Slurm's
-        (`World.from_slurm`), else an initialised torch.distributed group, else a single
-        process.
+        """From torchrun's variables, else Slurm's, else a torch.distributed group, else alone.
 
         >>> World.from_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}).node
         0
@@ -122,11 +119,9 @@ class World:
 
     @classmethod
     def from_slurm(cls, env: Mapping[str, str]) -> World:
-        """This task of an srun step: its size and tasks per node are the step's
-        (`SLURM_STEP_NUM_TASKS`, `SLURM_STEP_TASKS_PER_NODE`), not the job's, which an
-        `srun -n 1` in a larger job does not have. A batch script itself (a job's variables
-        but no step's: no srun) is one process, whatever `SLURM_NTASKS` says: it took rank 0
-        of them, and training waited for ranks that never came.
+        """This task of an srun step: the step's size and tasks per node, not the job's.
+
+        A batch script itself, with a job's variables but no step's, is one process.
 
         >>> World.from_slurm({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4",
         ...                   "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "SLURM_LOCALID": "1"}).node

@@ -139,9 +139,9 @@ def test_world_rejects_inconsistent_sizes():
         World.from_env({"RANK": "9", "WORLD_SIZE": "4"})
 
 
-def test_every_flag_the_readme_shows_for_a_command_is_one_of_its_flags():
-    """The README's command list (it named `convert --image-format`, a flag that never existed)."""
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
+def test_every_flag_the_docs_show_for_a_command_is_one_of_its_flags():
+    """The command list in docs/cli.md (it named `convert --image-format`, a flag that never existed)."""
+    readme = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
     block = readme[readme.index("\ndlstore ls URL") : readme.index("\n```", readme.index("\ndlstore ls URL"))]
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
@@ -188,10 +188,9 @@ def test_verbose_goes_before_or_after_the_subcommand():
 def test_names_from_a_manifest_cannot_drive_the_terminal(tmp_path, capsys):
     """Class names, the source and shard names are anyone's: printed raw by `ls` and `verify`,
     ESC[2J cleared the screen and a shard named with CR LF forged an "OK" line in verify."""
-    from loader_support import write_dataset
-
     from dlstore.cli import main
     from dlstore.format.manifest import Manifest
+    from tests.support.loader_support import write_dataset
 
     url = f"file://{tmp_path}/data"
     store = open_store(url)

@@ -249,7 +249,7 @@ def test_secrets_given_as_plain_strings_are_wrapped():
 
 
 def test_a_live_swift_token_is_not_in_the_stores_state_reprs():
-    from dlstore.storage.swift import _Token
+    from dlstore.storage.swift.auth import SwiftToken as _Token
 
     assert SECRET_TEXT not in repr(_Token("http://127.0.0.1/v1/AUTH_x", SECRET_TEXT, proven=True))
 
@@ -328,7 +328,8 @@ def test_data_config_reads_the_environment_only_in_from_env():
 def test_a_data_setting_reaches_train_and_bench_from_one_flag():
     # --shuffle-window is one DataConfig field and one DATA_FLAGS line; both commands take it.
     from dlstore.bench import BenchConfig
-    from dlstore.cli import _BENCH_OWN, build_parser
+    from dlstore.cli import build_parser
+    from dlstore.cli.apps import BENCH_OWN_SETTINGS as _BENCH_OWN
     from dlstore.train.config import config_from_args
 
     train = build_parser().parse_args(["train", "file:///d/train", "--shuffle-window", "7", "--image-size", "96"])
@@ -344,7 +345,8 @@ def test_the_fetch_settings_reach_the_cache_from_one_flag_each():
     # both take, and that Dataset hands to its CacheConfig; left out, the cache's defaults hold.
     from dlstore.bench import BenchConfig
     from dlstore.cache import CacheConfig
-    from dlstore.cli import _BENCH_OWN, build_parser
+    from dlstore.cli import build_parser
+    from dlstore.cli.apps import BENCH_OWN_SETTINGS as _BENCH_OWN
     from dlstore.dataset import fetch_settings
     from dlstore.train.config import config_from_args
 
@@ -367,7 +369,8 @@ def test_the_node_connection_cap_reaches_the_cache_from_one_flag():
     # (CacheConfig.node_connections), from train and bench alike; 0 turns it off.
     from dlstore.bench import BenchConfig
     from dlstore.cache import CacheConfig
-    from dlstore.cli import _BENCH_OWN, build_parser
+    from dlstore.cli import build_parser
+    from dlstore.cli.apps import BENCH_OWN_SETTINGS as _BENCH_OWN
     from dlstore.dataset import fetch_settings
     from dlstore.train.config import config_from_args
 

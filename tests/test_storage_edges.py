@@ -17,14 +17,11 @@ from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import AuthError, ConfigError, NotFound, ObjectChanged, TransientError
 from dlstore.storage import open_store
 from dlstore.storage import s3 as s3_module
-from dlstore.storage import swift as swift_module
 from dlstore.storage.stall import ConnectionRegistry, StallWatch
+from dlstore.storage.swift import SwiftStore
+from dlstore.storage.swift.upload import MAX_SEGMENT_SIZE
 from dlstore.storage.transfer import copy_object
-
-try:  # tests/ as a package
-    from .test_store_contract import payload, swift_store_config
-except ImportError:  # tests/ on sys.path (pytest's default "prepend" import mode)
-    from test_store_contract import payload, swift_store_config
+from tests.test_store_contract import payload, swift_store_config
 
 FAST_RETRY = RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.05, deadline_s=5)
 BODY = (bytes(range(256)) * 20)[:5000]
@@ -165,11 +162,11 @@ def _manifest(conn, container: str, name: str) -> list[dict]:
 SEGMENT = 2**20  # Swift's smallest SLO segment in older releases (min_segment_size)
 
 
-def cluster_limits(monkeypatch, segments: int, segment_size: int = swift_module._MAX_SEGMENT_SIZE) -> None:
+def cluster_limits(monkeypatch, segments: int, segment_size: int = MAX_SEGMENT_SIZE) -> None:
     """A Swift cluster whose /info says a manifest lists at most `segments` segments of at most
     `segment_size` bytes (the local server says Swift's defaults; `test_reliability_faults`
     tests the asking of /info itself)."""
-    monkeypatch.setattr(swift_module.SwiftStore, "_slo_limits", lambda self: (segments, segment_size))
+    monkeypatch.setattr(SwiftStore, "_slo_limits", lambda self: (segments, segment_size))
 
 
 def test_swift_streamed_put_past_the_segment_limit(swift_server, swift_container, monkeypatch):

@@ -1,32 +1,25 @@
 """The `Store` interface every backend implements, and its contract.
 
-Contract (every backend passes `tests/test_store_contract.py` unchanged):
+Every backend passes `tests/test_store_contract.py` unchanged:
 
-* A store is rooted at a URL `scheme://container/prefix`; keys are relative to that
-  root, use `/` as separator, and never start with `/`.
-* `list(prefix)` yields `ObjectInfo` in lexicographic key order, lazily, page by page,
-  for any number of objects (well past 10,000).
-* `get(key, start, end)` streams bytes; a read cut off mid-body resumes from the last
-  byte received, so the caller sees each byte once; the retry budget (attempts and
-  deadline) starts again each time the failed attempts have moved a chunk (`chunk_size`).
-  A read whose next chunk takes longer than `stall_timeout_s` is cut (`StalledRead`) and
-  resumed the same way.
-  `get_range` returns exactly the bytes asked for.
-* `put(key, data)` takes bytes, a path, a binary file or an iterator of bytes and
-  streams it; objects larger than `segment_size` go as S3 multipart uploads or Swift
-  static large objects. A put is atomic: readers see the old object or the new one.
-* A put into a container or bucket that does not exist is `NotFound` (a typo in a URL
-  must not make a container); writers that make a dataset call `ensure_container()`
-  first, which creates it, as `swift upload` and `rclone copy` do.
-* Errors are `NotFound`, `AuthError`, `TransientError` (retried here, with jittered
-  backoff and a deadline, then raised), `NoSpace`, `ConfigError` (a host name that does not
-  exist: not retried), or `DlstoreError`.
+* A store is rooted at a URL `scheme://container/prefix`. Keys are relative to that root,
+  use `/` as separator, and never start with `/`.
+* `list(prefix)` yields `ObjectInfo` in key order, lazily, page by page, for any number of objects.
+* `get(key, start, end)` streams bytes. A read cut off mid-body resumes from the last byte
+  received, so the caller sees each byte once. The retry budget starts again each time the
+  failed attempts have moved a chunk. A read whose next chunk stalls past `stall_timeout_s`
+  is cut and resumed the same way. `get_range` returns exactly the bytes asked for.
+* `put(key, data)` streams bytes, a path, a binary file or an iterator of bytes. Large
+  objects go as S3 multipart uploads or Swift static large objects. A put is atomic.
+* A put into a missing container or bucket is `NotFound`: a typo must not make one.
+  Writers that make a dataset call `ensure_container()` first, as `swift upload` does.
+* Errors are `NotFound`, `AuthError`, `TransientError`, `NoSpace`, `ConfigError` or
+  `DlstoreError`. Only transient ones are retried, with jittered backoff and a deadline.
 * Credentials never appear in logs, errors or reprs.
-* Stores pickle: clients are made lazily and dropped in `__getstate__`, so a store
-  crosses into DataLoader workers and forked processes safely.
+* Stores pickle: clients are made lazily and dropped in `__getstate__`.
 
-Backends implement the underscore methods; the public methods add key checks, retries
-and resumption once, here.
+Backends implement the underscore methods. The public methods add key checks, retries and
+resumption once, here.
 """
 
 from __future__ import annotations
@@ -74,8 +67,7 @@ class ObjectInfo:
 
 
 class IterReader(io.RawIOBase):
-    """A read-only, non-seekable file over an iterator of byte chunks (no extra copies
-    when the caller reads whole chunks)."""
+    """A read-only, non-seekable file over an iterator of byte chunks."""
 
     def __init__(self, chunks: Iterable[bytes]) -> None:
         self._chunks = iter(chunks)
@@ -97,7 +89,7 @@ class IterReader(io.RawIOBase):
 
 
 def read_block(stream: BinaryIO, size: int) -> bytes:
-    """Up to `size` bytes; fewer only at the end of the stream (a pipe may return short reads)."""
+    """Up to `size` bytes; fewer only at the end of the stream, though a pipe reads short."""
     data = stream.read(size)
     if not data or len(data) == size:
         return data or b""
@@ -113,8 +105,7 @@ def read_block(stream: BinaryIO, size: int) -> bytes:
 
 
 def read_chunks(file: BinaryIO, length: int | None, chunk_size: int) -> Iterator[bytes]:
-    """`length` bytes of `file` from where it stands (all that is left if None), in chunks of
-    up to `chunk_size`: the file-like backends' streamed read."""
+    """`length` bytes of `file` from where it stands, all if None, in chunks of `chunk_size`."""
     while length is None or length > 0:
         chunk = file.read(chunk_size if length is None else min(chunk_size, length))
         if not chunk:
@@ -143,10 +134,10 @@ _CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)")
 def answered_range(
     what: str, start: int, end: int | None, status: int, content_range: str | None, content_length: int | None
 ) -> tuple[int, int | None]:
-    """For the answer (HTTP `status`) to a GET of bytes `[start, end)` (no Range header sent
-    when `start` is 0 and `end` None): (bytes of its body to skip before byte `start`, the
-    object's size if the answer tells it). A server may ignore the Range header and send the
-    whole object (200): its first `start` bytes are then skipped, never taken for the range's.
+    """(body bytes to skip before byte `start`, the object's size if told) of a GET's answer.
+
+    The GET asked for bytes `[start, end)`, and the answer has HTTP `status`. A server may
+    ignore the Range header and send the whole object: its first `start` bytes are skipped.
     An answer of another range than the one asked for is an error.
 
     >>> answered_range("x", 10, 20, 206, "bytes 10-19/100", 10), answered_range("x", 10, 20, 200, None, 100)
@@ -164,8 +155,7 @@ def answered_range(
 
 
 def split_bucket_url(url: str, scheme: str, what: str) -> tuple[str, str, str]:
-    """`(bucket, prefix, canonical URL)` of `scheme://bucket/prefix`; `what` names the bucket
-    in the error ("bucket", "container")."""
+    """`(bucket, prefix, canonical URL)` of `scheme://bucket/prefix`; `what` names the bucket."""
     parts = urlsplit(url)
     if parts.scheme != scheme or not parts.netloc:
         raise ConfigError(f"{url!r} is not a {scheme}://{what}/prefix URL")
@@ -183,9 +173,10 @@ def check_key(key: str) -> str:
 
 @dataclass
 class ReadPin:
-    """What the first answer of one streamed read said about the object (its ETag, sent as
-    If-Match when the read resumes, and its size), so that a resumed read cannot splice two
-    versions of an object that was replaced in between."""
+    """The ETag and size the first answer of one streamed read gave.
+
+    A resume sends the ETag as If-Match, so it cannot splice two versions of an object.
+    """
 
     etag: str | None = None
     size: int | None = None
@@ -203,12 +194,11 @@ def skip_prefix(chunk: bytes, skip: int) -> tuple[bytes, int]:
 
 
 class Store(ABC):
-    """A bucket/container (or directory) with a key prefix. See the module docstring for the
-    contract::
+    """A bucket, container or directory with a key prefix; the module docstring has the contract::
 
-        store = open_store("file:///tmp/data")
-        store.put("a/b.txt", b"hello")
-        store.get_bytes("a/b.txt")  # b'hello'
+    store = open_store("file:///tmp/data")
+    store.put("a/b.txt", b"hello")
+    store.get_bytes("a/b.txt")  # b'hello'
     """
 
     scheme: str = ""
@@ -253,17 +243,14 @@ class Store(ABC):
         if start < 0 or (end is not None and end < start):
             raise ConfigError(f"invalid byte range [{start}, {end}) for {key!r}")
         position = start
-        # The budget restarts after every chunk that failed attempts moved (`ProgressRetry`): one
-        # budget for a whole stream would kill a healthy but slow download of a large object,
-        # and a restart after any byte let a server that trickles or cuts early hold it forever.
+        # The budget restarts after each chunk that failed attempts moved: one budget for a
+        # stream would kill a slow large download, and a restart per byte lets a trickle hold it.
         retry = ProgressRetry(self.config.retry, least=self.config.chunk_size)
-        # A resume must read the version the first answer came from (`ReadPin`).
         pin = ReadPin()
         while end is None or position < end:
             reached = position
             try:
-                # `_read` compares what arrived with the length the server announced, so
-                # ending before `end` here means the object ended first, not a short read.
+                # `_read` checks the announced length: ending early here means the object ended.
                 chunks = self._read(key, position, end, pin) if self.reads_versions else self._read(key, position, end)
                 for chunk in chunks:
                     if end is not None and position + len(chunk) > end:  # never past `end`
@@ -283,8 +270,7 @@ class Store(ABC):
             return
 
     def _stall_watch(self) -> StallWatch:
-        """This process's watch over this store's streamed reads (see `dlstore.storage.stall`);
-        backends whose reads it can cut use it in `_read`."""
+        """This process's watch over this store's streamed reads, for backends that can cut them."""
         watch = self.__dict__.get("_client_stall_watch")
         timeout_s = self.config.retry.stall_timeout_s
         if watch is None or watch.pid != os.getpid() or watch.timeout_s != timeout_s:
@@ -297,12 +283,12 @@ class Store(ABC):
 
     @contextlib.contextmanager
     def _answer_watched(self, what: str) -> Iterator[WatchedRead]:
-        """Around a call whose answer the client library awaits (a HEAD, a listing page, a GET's
-        response head), sent on a connection of the `_connections` pools: one that takes longer
-        than `stall_timeout_s` is cut and fails as `StalledRead` (a server that sends its head
-        a byte at a time never trips the read timeout). An upload's body given as a
-        `ProgressBody` of the yielded read restarts the wait at each block: it is its answer,
-        or a block that the server does not take, that must not take longer."""
+        """Cut a call whose awaited answer takes longer than `stall_timeout_s`: `StalledRead`.
+
+        The call must send on a connection of the `_connections` pools. A server that sends a
+        head a byte at a time never trips the read timeout; this catches it. An upload's body
+        wrapped in a `ProgressBody` of the yielded read restarts the wait at each block.
+        """
         read = self._stall_watch().watch(self._connections().cutter())
         stalled = StalledRead(
             f"{what}: no answer within {self.config.retry.stall_timeout_s:g} s, nor a block of an upload taken "
@@ -327,7 +313,7 @@ class Store(ABC):
         )
 
     def get_range(self, key: str, start: int, length: int) -> bytes:
-        """Exactly `length` bytes from offset `start` (fewer only if the object ends first)."""
+        """Exactly `length` bytes from offset `start`; fewer only if the object ends first."""
         if length <= 0:
             return b""
         return b"".join(self.get(key, start, start + length))
@@ -336,9 +322,10 @@ class Store(ABC):
         return b"".join(self.get(key))
 
     def with_retry(self, retry: RetryConfig) -> Store:
-        """This store under another retry policy: e.g. a short deadline for reads that have a
-        fallback, which must not wait out the default one. The copy makes its own clients (as
-        an unpickled store does: `copy` goes through `__getstate__`), with its own timeouts."""
+        """This store under another retry policy, e.g. a short deadline for reads with a fallback.
+
+        The copy makes its own clients, as an unpickled store does.
+        """
         other = copy.copy(self)
         other.config = dataclasses.replace(self.config, retry=retry)
         return other
@@ -347,9 +334,10 @@ class Store(ABC):
     ranges_per_get: int = 1
 
     def get_ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
-        """The bytes of each `(start, length)` of `spans` (ascending, apart) of `key`: one GET
-        per span here; a store whose GETs take several ranges (`ranges_per_get`) asks for up
-        to that many at once, which saves the store a request per span."""
+        """The bytes of each `(start, length)` of `spans`, ascending and apart, of `key`.
+
+        One GET per span here; a store whose GETs take `ranges_per_get` ranges asks for more at once.
+        """
         return [self.get_range(key, start, length) for start, length in spans]
 
     def put(self, key: str, data: PutSource) -> None:
@@ -388,10 +376,11 @@ class Store(ABC):
         self._ensure_container()
 
     def remove_abandoned_uploads(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
-        """Remove what uploads of objects under `prefix`, begun over `older_than_s` seconds ago and
-        never completed, left: a writer killed mid-upload (kill -9, a lost node) leaves S3
-        multipart parts, or Swift segments that no manifest names, which cost space for good.
-        Returns how many uploads' leftovers went; a store whose writes leave none has none."""
+        """Remove what uploads under `prefix` left, begun over `older_than_s` ago and never done.
+
+        A writer killed mid-upload leaves S3 multipart parts, or Swift segments no manifest
+        names. They cost space for good. Returns how many uploads' leftovers went.
+        """
         return 0
 
     def delete(self, key: str) -> None:
@@ -400,9 +389,10 @@ class Store(ABC):
         call_with_retry(self.config.retry, lambda: self._delete(key))
 
     def _deleted_once(self, delete: Callable[[], object]) -> None:
-        """`delete()` (a backend's DELETE request) retried on its own: after an attempt whose
-        answer was lost (a cut, a reset), which may have deleted the object, a `NotFound` is
-        the object gone, as asked."""
+        """A backend's DELETE, retried on its own.
+
+        After an attempt whose answer was lost, a `NotFound` is the object gone, as asked.
+        """
         sent = False
 
         def attempt() -> None:
@@ -433,19 +423,19 @@ class Store(ABC):
 
     @abstractmethod
     def _read(self, key: str, start: int, end: int | None) -> Iterator[bytes]:
-        """Stream `[start, end)`. Raise `TransientError` if the body ends before the length
-        the server announced (a short read). A backend that can tell versions apart sets
-        `reads_versions` and takes a fourth argument, a `ReadPin`: it fills it from its first
-        answer and, on the later calls of one read (resumes), asks for that version only,
-        raising `ObjectChanged` when another one is there now."""
+        """Stream `[start, end)`; a body shorter than announced is a `TransientError`.
+
+        A backend that tells versions apart sets `reads_versions` and takes a `ReadPin`. It
+        fills the pin from its first answer, and its resumes ask for that version only. Another
+        version there now is `ObjectChanged`.
+        """
 
     #: Whether `_read` takes a `ReadPin` (see there).
     reads_versions: bool = False
 
     @abstractmethod
     def _write(self, key: str, stream: BinaryIO) -> None:
-        """Write everything `stream.read()` yields. Called again from the start on a transient
-        error when the source is seekable; a backend that buffers segments may retry each."""
+        """Write everything `stream.read()` yields; a seekable source is retried from the start."""
 
     @abstractmethod
     def _delete(self, key: str) -> None: ...
@@ -456,9 +446,10 @@ class Store(ABC):
 
 
 def connection_failure(exc: BaseException) -> str:
-    """Where a connection failed and why, for an error message: `" (127.0.0.1:1: Connection
-    refused)"`, or "" when the exception says neither. Only the host, the port and the system's
-    reason are taken from its text: never a path or a query (a signed URL's signature)."""
+    """Where a connection failed and why, as `" (127.0.0.1:1: Connection refused)"`, or "".
+
+    Only the host, port and reason are taken from the text: never a path or a signed query.
+    """
     text = str(exc)
     host = None
     endpoint = (
@@ -475,15 +466,12 @@ def connection_failure(exc: BaseException) -> str:
     return f" ({detail})" if detail else ""
 
 
-#: getaddrinfo's answers that a name does not exist (NXDOMAIN, or no address for it), as
-#: against EAI_AGAIN, a resolver that could not be asked (which passes, and is retried).
+#: getaddrinfo's answers that a name does not exist. EAI_AGAIN, a resolver not reached, is retried.
 _NO_SUCH_NAME = {socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)}
 
 
 def unknown_host(exc: BaseException) -> bool:
-    """Whether `exc` (or an error in its chain) says the store's host name does not exist: a
-    typo in an endpoint, which no retry mends. Retried until the deadline, it cost a user two
-    minutes of warnings before the error."""
+    """Whether `exc` or its chain says the store's host name does not exist: no retry mends it."""
     seen: set[int] = set()
     pending: list[BaseException | None] = [exc]
     while pending:
@@ -505,11 +493,11 @@ def unknown_host(exc: BaseException) -> bool:
 
 
 def grown_part_size(part_size: int, index: int, max_parts: int, max_size: int) -> int:
-    """The size of part `index` of an upload of unknown length (an SLO's segments, an S3
-    multipart upload's parts), for a store that takes at most `max_parts` parts of at most
-    `max_size` bytes: the size asked for, doubled after each tenth of `max_parts`. A stream
-    that fits keeps the size asked for; 1,000 parts hold ~100,000 of it (2.2 TiB at 64 MiB,
-    where a 5 GiB cap binds); a part, buffered in memory, stays near 1% of what came before it.
+    """The size of part `index` of an upload of unknown length, in at most `max_parts` parts.
+
+    It is the size asked for, doubled after each tenth of `max_parts`, up to `max_size`. A
+    stream that fits keeps the size asked for. A part, buffered in memory, stays near 1% of
+    what came before it.
 
     >>> [grown_part_size(1, i, 1000, 2**30) for i in (0, 99, 100, 200, 999)]
     [1, 1, 2, 4, 512]

@@ -105,8 +105,7 @@ class FsspecStore(Store):
     """Objects are files of an fsspec file system under a root path.
 
     Puts write a temporary file beside the target and copy it into place, so readers never
-    see half an object (on object stores that costs a server-side copy: use the native
-    backends there).
+    see half an object. On object stores that costs a server-side copy: use the native backends.
     """
 
     def __init__(self, url: str, config: StoreConfig | None = None) -> None:
@@ -139,10 +138,11 @@ class FsspecStore(Store):
         return fs
 
     def _fs_options(self) -> dict[str, Any]:
-        """http(s)://: aiohttp's timeouts from the retry config. Its default waited 5 minutes
-        on a stalled answer, and cut any answer longer than that (a whole shard streamed from a
-        server without range requests): no byte for `read_timeout_s` now fails the attempt,
-        which is retried from the next byte, and a long answer is not cut."""
+        """http(s)://: aiohttp's timeouts from the retry config.
+
+        No byte for `read_timeout_s` fails the attempt, retried from the next byte. A long
+        answer is not cut.
+        """
         if self.scheme not in ("http", "https"):
             return {}
         try:

@@ -41,9 +41,7 @@ def _log_retry(state: tenacity.RetryCallState) -> None:
 def retrying(policy: RetryConfig) -> tenacity.Retrying:
     """A tenacity controller: `for attempt in retrying(p): with attempt: ...`.
 
-    Only `TransientError` is retried; `NotFound`, `AuthError` and everything else go
-    straight to the caller. When attempts or the deadline run out, the last
-    `TransientError` is raised as is.
+    Only `TransientError` is retried. When attempts or the deadline run out, the last one is raised.
     """
     return tenacity.Retrying(
         stop=tenacity.stop_after_attempt(policy.max_attempts) | tenacity.stop_after_delay(policy.deadline_s),
@@ -60,10 +58,10 @@ def call_with_retry(policy: RetryConfig, fn: Callable[[], T]) -> T:
 
 
 class ProgressRetry:
-    """The retry budget of one resumable stream: `max_attempts` failed attempts in a row, within
-    `deadline_s` of the last progress (or of the start). Progress is `least` bytes moved, by one
-    attempt or by the failed attempts since the last progress together: a server that sent a
-    thousand bytes and closed, every time, held a download for days on end.
+    """The retry budget of one resumable stream, renewed by progress.
+
+    It allows `max_attempts` failures in a row, within `deadline_s` of the last progress.
+    Progress is `least` bytes moved by the attempts since then, so a trickle is no progress.
 
     >>> retry = ProgressRetry(RetryConfig(deadline_s=30), least=2**20)
     >>> while True:                                            # doctest: +SKIP
@@ -83,9 +81,9 @@ class ProgressRetry:
         self._since = clock()
 
     def failed(self, exc: TransientError, moved: int) -> None:
-        """Count a failed attempt that `moved` bytes; sleep the backoff and return, or raise `exc`
-        when the budget is spent. Once the attempts since the last progress have moved `least`
-        bytes, a fresh budget starts (this attempt is not counted)."""
+        """Count a failed attempt that `moved` bytes: sleep the backoff, or raise `exc` when spent.
+
+        Once attempts since the last progress have moved `least` bytes, a fresh budget starts."""
         self._moved += moved
         if self._moved >= self.least:
             self._failures, self._moved, self._since = 0, 0, self._clock()

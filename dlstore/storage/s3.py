@@ -135,9 +135,7 @@ _AWAITED = frozenset({"head_object", "head_bucket", "create_multipart_upload", "
 
 
 def _watch_connections(client: Any, registry: ConnectionRegistry) -> None:
-    """botocore's HTTP pools (private: `_endpoint.http_session`) made to note in `registry`
-    which connection each thread sends on; a botocore without them is left as it is, its
-    stalled answers then uncut."""
+    """Make botocore's HTTP pools note in `registry` which connection each thread sends on."""
     session = getattr(getattr(client, "_endpoint", None), "http_session", None)
     manager = getattr(session, "_manager", None)
     if manager is None or not hasattr(session, "_pool_classes_by_scheme"):
@@ -482,9 +480,7 @@ class S3Store(Store):
         self._multipart(key, first, stream, part_size, grow=size is None)
 
     def _multipart(self, key: str, first: bytes, stream: BinaryIO, first_size: int, grow: bool) -> None:
-        """Parts of `first_size` bytes, from `first` (what was read to decide on a multipart
-        upload) and then the stream; when the stream's length is unknown (`grow`), the parts
-        grow as it goes (`grown_part_size`) so that `_MAX_PARTS` is not reached."""
+        """Parts of `first_size` bytes, `first` then the stream; with `grow` the parts grow."""
         what = self.join(key)
         name = self._name(key)
         retry = self.config.retry

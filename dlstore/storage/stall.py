@@ -1,7 +1,7 @@
-"""Cutting streamed reads that stopped moving: a server that sends a byte a second never trips
-a socket's read timeout, and urllib3 waits for a whole chunk, so only another thread can end
-such a read (`urllib3.HTTPResponse.shutdown`, made for this). The read then fails as
-`StalledRead` and `Store.get` resumes it from its next byte on a fresh connection.
+"""Cutting streamed reads that stopped moving, from another thread.
+
+A server that sends a byte a second never trips a socket's read timeout, so a watch thread
+shuts the response. The read fails as `StalledRead`, and `Store.get` resumes it.
 
 >>> read = StallWatch(timeout_s=60.0).watch(response.shutdown)   # doctest: +SKIP
 >>> try:                                                          # doctest: +SKIP
@@ -14,10 +14,8 @@ such a read (`urllib3.HTTPResponse.shutdown`, made for this). The read then fail
 ... finally:
 ...     read.done()
 
-A call whose answer is awaited inside the client library (a HEAD, a listing page, a GET's
-response head, a login) has no response object yet to shut: its socket is found instead.
-Pools made by `watched_pools` note in a `ConnectionRegistry` which socket each thread sends
-its request on, and `ConnectionRegistry.cutter` shuts it.
+A call awaited inside the client library has no response yet to shut, so its socket is
+shut: pools made by `watched_pools` note each thread's socket in a `ConnectionRegistry`.
 """
 
 from __future__ import annotations
@@ -77,9 +75,7 @@ class WatchedRead:
         return not self.cut and since is not None and now - since > timeout_s
 
     def shut(self) -> None:
-        """Cut the read if it still waits (it may have moved on since the watch looked). A cut
-        that finds nothing to shut (`False`: no socket yet, during a slow name lookup or
-        connect) leaves the read uncut, to be tried again while the wait lasts."""
+        """Cut the read if it still waits; with no socket yet, try again while the wait lasts."""
         with self._lock:
             if self.since is None or self.cut:
                 return
@@ -90,10 +86,9 @@ class WatchedRead:
 
 
 class ProgressBody:
-    """An upload's body that tells its `WatchedRead` each time a block is taken to be sent:
-    the client sends a block before it takes the next one, so a server that takes the body a
-    byte at a time (or not at all) shows as a wait that does not end. Otherwise it is the file
-    it wraps (seek, tell and the rest, for the client's checksums and length)."""
+    """An upload's body that tells its `WatchedRead` each time a block is taken to be sent.
+
+    A server that takes the body a byte at a time shows as a wait that does not end."""
 
     def __init__(self, raw: BinaryIO, read: WatchedRead) -> None:
         self._raw = raw
@@ -112,10 +107,9 @@ class ProgressBody:
 
 
 class StallWatch:
-    """One daemon thread for a store's reads, running only while reads are watched: every
-    quarter of `timeout_s` (at most a second) it cuts each read whose wait for the server has
-    lasted longer than `timeout_s`. Made again in a forked child (`pid`), whose copy of the
-    thread does not run."""
+    """One daemon thread that cuts each of a store's reads whose wait passes `timeout_s`.
+
+    It runs only while reads are watched, and is made again in a forked child."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -154,10 +148,9 @@ class StallWatch:
 
 
 class ConnectionRegistry:
-    """The socket each thread last sent a request on (through the pools `watched_pools`
-    makes), so that a call stalled inside a client library can be cut from the watch's thread.
-    The socket itself, not its connection: http.client lets go of a connection's socket once an
-    answer says `Connection: close`, and the answer's body is still read from it."""
+    """The socket each thread last sent a request on, so a stalled call can be cut.
+
+    The socket, not its connection: http.client drops the socket of a closing connection."""
 
     def __init__(self) -> None:
         self._by_thread: dict[int, tuple[weakref.ref, float]] = {}
@@ -166,9 +159,7 @@ class ConnectionRegistry:
         self._by_thread[threading.get_ident()] = (weakref.ref(sock), time.monotonic())
 
     def cutter(self) -> Callable[[], bool]:
-        """A cut for the calling thread's call that starts now: it shuts the socket the thread
-        sent its request on, if it sent one since (never an older one, which may be another
-        thread's by then); False when there is none yet."""
+        """A cut of the socket this thread sends its next request on; False while there is none."""
         thread, since = threading.get_ident(), time.monotonic()
 
         def cut() -> bool:
@@ -183,9 +174,7 @@ class ConnectionRegistry:
 
 
 def watched_pools(pools: Mapping[str, type], registry: ConnectionRegistry) -> dict[str, type]:
-    """Subclasses of urllib3 connection pool classes (scheme: class, as a `PoolManager`'s
-    `pool_classes_by_scheme`) whose connections note themselves in `registry` as each request
-    goes out; they behave as their bases otherwise (botocore's add its own to urllib3's)."""
+    """Pool classes, by scheme, whose connections note themselves in `registry` as requests go."""
     out = {}
     for scheme, pool in pools.items():
 

@@ -60,10 +60,10 @@ def copy_object(
 
 
 class _SourceReader(io.RawIOBase):
-    """An object of a store as a read-only file of known size: a put takes it as it takes a
-    local file (the size known, the whole put retried from the start), and a seek re-opens
-    the object where asked. The object must keep the size it had: else `ObjectChanged`.
-    `progress` hears of each byte once, however often a retry reads it."""
+    """An object of a store as a read-only file of known size, which a put takes as a file.
+
+    A seek re-opens the object where asked; a changed size is `ObjectChanged`. `progress`
+    hears of each byte once."""
 
     def __init__(self, store: Store, key: str, size: int, progress: Callable[[int], object] | None) -> None:
         self._store, self._key, self._size, self._progress = store, key, size, progress

@@ -1,14 +1,12 @@
-"""The bundled distributed trainer: torchvision classification models trained from a dlstore
-dataset with DDP, evaluated every epoch, checkpointed to any store URL and resumed exactly.
+"""The bundled trainer: torchvision models trained with DDP from a dataset, resumed exactly.
 
 >>> from dlstore.train import TrainConfig, main
 >>> main(TrainConfig(train_url="swift://imagenet/train", val_url="swift://imagenet/val",
 ...                  model="resnet50", checkpoint_url="swift://ckpt/run1", resume="auto"))  # doctest: +SKIP
 0
 
-Launch one process per GPU with `torchrun` or `srun`; `dlstore train --help` lists the options.
-Names are imported on first use, so `dlstore.train.config` (and the CLI's parser) loads
-without torch.
+Launch one process per GPU with `torchrun` or `srun`. Names are imported on first use, so
+`dlstore.train.config` loads without torch.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ _EXPORTS = {
     "build_model": "step",
     "image_size_for_epoch": "config",
     "load_checkpoint_url": "checkpoint",
-    "lr_factor": "step",
+    "lr_factor": "schedule",
     "main": "loop",
     "measure_training_rate": "demand",
     "read_metrics": "metrics",

@@ -8,15 +8,12 @@ Layout under the checkpoint URL::
     config.json           the run's resolved config
     metrics.jsonl         the metrics so far (a convenience copy; the checkpoint holds them too)
 
-Publication is atomic in two steps: a store `put` is atomic (readers see the whole object
-or none), and `latest` is written only after the checkpoint's put has returned, so the
-object it names is always complete. A crash between the two leaves a complete but
-unpublished checkpoint, which `latest_key` still finds (with a warning) when `latest` is
-missing. Pruning runs after publication and never deletes what `latest` names.
+A store `put` is atomic, and `latest` is written only after the checkpoint's put returned,
+so the object it names is complete. A crash between the two leaves an unpublished checkpoint
+that `latest_key` still finds. Pruning never deletes what `latest` names.
 
-A checkpoint is a plain `dict` of tensors, numbers, strings, lists and dicts saved with
-`torch.save`, so `torch.load(path, weights_only=True)` reads it with nothing from dlstore
-imported; every tensor is on the CPU.
+A checkpoint is a plain `dict` saved with `torch.save`, every tensor on the CPU, so
+`torch.load(path, weights_only=True)` reads it without dlstore.
 """
 
 from __future__ import annotations
@@ -125,9 +122,10 @@ _FULL_BELOW_BYTES = 64 * 2**20
 
 
 def _remove_what_killed_saves_left(tmp_dir: str) -> None:
-    """Delete the temp files of saves that were killed (kill -9, a node's OOM killer): each
-    was a whole checkpoint's size, on a lease's small local disk, and nothing removed them. A
-    save holds its file's lock until its upload is done, so an unlocked one is a dead save's."""
+    """Delete the temp files of saves that were killed, each a whole checkpoint's size.
+
+    A save holds its file's lock until its upload is done, so an unlocked one is a dead save's.
+    """
     try:
         names = [n for n in os.listdir(tmp_dir) if n.startswith(_TEMP_PREFIX) and n.endswith(".pt")]
     except OSError:
@@ -247,9 +245,7 @@ class CheckpointStore:
         self._put(name, text.encode())
 
     def _put(self, name: str, data: bytes | str) -> None:
-        """`store.put`, making the container again when it was deleted during the run (found or
-        made at the first write): the checkpoint is kept, not the run ended with a hint to make
-        a container that the run makes itself."""
+        """`store.put`, making the container again if it was deleted during the run."""
         try:
             self.store.put(name, data)
         except NotFound:
@@ -312,10 +308,12 @@ class CheckpointStore:
         return _load_bytes(_damaged_is_unreadable(self.store, key), self.store.join(key))
 
     def newest_loadable(self) -> tuple[str, dict] | None:
-        """The newest checkpoint that loads, and its state: `latest_key`'s, else the next older
-        one listed, each unreadable one (cut short, damaged) named in a warning. None when there
-        is no checkpoint; FormatError when none of them loads. A store error is raised as it is:
-        a dropped connection must not send a run back to an older checkpoint."""
+        """The newest checkpoint that loads, and its state: `latest_key`'s, else the next older.
+
+        Each unreadable one is named in a warning. None when there is no checkpoint, and
+        `FormatError` when none loads. A store error is raised as it is: a dropped connection
+        must not send a run back to an older checkpoint.
+        """
         first = self.latest_key()
         if first is None:
             return None
@@ -331,16 +329,18 @@ class CheckpointStore:
 
 
 def load_checkpoint_url(url: str) -> dict:
-    """Load one checkpoint by its full URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`; the URL
-    of a checkpoint folder (a `--checkpoint-url`), or of its `latest`, loads the checkpoint
-    published there."""
+    """Load one checkpoint by its URL, e.g. `swift://ckpt/run1/ckpt-000001200.pt`.
+
+    A checkpoint folder's URL, or its `latest`'s, loads the checkpoint published there.
+    """
     return load_checkpoint_at(*checkpoint_named(url))[0]
 
 
 def checkpoint_named(url: str) -> tuple[str, str | None]:
-    """Where `--resume URL` points: `(url, None)` for a checkpoint object; for a checkpoint folder
-    or its `latest`, `(the folder's URL, the key of the checkpoint published there)`. Given a
-    folder or its pointer, `--resume` was a bare 404, or torch's page-long error for the JSON."""
+    """Where `--resume URL` points: `(url, None)` for a checkpoint object.
+
+    For a checkpoint folder or its `latest`, it is `(the folder's URL, the published key)`.
+    """
     url = url.rstrip("/")
     store, key = open_object(url)
     if key.rsplit("/", 1)[-1] == LATEST:

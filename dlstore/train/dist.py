@@ -36,9 +36,8 @@ DEFAULT_PORT = 29500
 class Rendezvous:
     """Where this process meets the others: the `World` it is in and rank 0's address.
 
-    torchrun sets `MASTER_ADDR` and `MASTER_PORT`; under `srun` the address is the first host
-    of `SLURM_JOB_NODELIST` and the port `MASTER_PORT`, else derived from the job id so two
-    jobs sharing a node do not collide.
+    torchrun sets `MASTER_ADDR` and `MASTER_PORT`. Under `srun` the address is the job's first
+    host, and the port, unless given, comes from the job id.
     """
 
     world: World
@@ -122,9 +121,7 @@ class DistContext:
         return self.world_size > 1
 
     def any_flags(self, *flags: bool) -> list[bool]:
-        """Each flag OR-ed over all ranks: a stop signal or a due checkpoint seen by one rank
-        is acted on by all, at the same step, or the ranks would deadlock in different
-        collectives."""
+        """Each flag OR-ed over all ranks, so that all act on what one saw, at the same step."""
         if not self.distributed:
             return [bool(f) for f in flags]
         values = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
@@ -201,11 +198,12 @@ _PARENT_AT_IMPORT = os.getppid()
 
 
 def stop_when_the_parent_dies() -> bool:
-    """Have the kernel send this process SIGTERM when its parent ends: under torchrun that is
-    the node's agent, and an agent killed (kill -9, the OOM killer) left its ranks training
-    and checkpointing with no one to stop them. The SIGTERM is a stop signal like any other
-    (a checkpoint, then exit 75). Only for a launcher's child: a run started from a shell
-    that then exits (nohup) must go on. Whether it is set (Linux only)."""
+    """Have the kernel send this process SIGTERM when its parent, the launcher, ends.
+
+    Ranks of a killed torchrun agent would train on with no one to stop them. The SIGTERM is
+    a stop signal like any other. A run started from a shell that exits must go on, so only a
+    launcher's child asks. Whether it is set; Linux only.
+    """
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -227,8 +225,7 @@ def setup_distributed(
 ) -> DistContext:
     """Join the job's process group (if there is more than one process) and pick the device.
 
-    `device`: "auto" (this rank's GPU when there is one, else CPU), "cuda" or "cpu".
-    The backend follows the device: NCCL for CUDA, gloo for CPU.
+    `device` is "auto", "cuda" or "cpu"; the backend follows it: NCCL for CUDA, gloo for CPU.
 
     >>> ctx = setup_distributed()                          # doctest: +SKIP
     >>> ctx.rank, ctx.world_size, ctx.device               # doctest: +SKIP

@@ -39,14 +39,11 @@ def score(
     num_classes: int,
     stopping: Callable[[], bool] = lambda: False,
 ) -> dict[str, float] | None:
-    """Loss, top-1 and top-5 of `model` over one pass of `loader` (every rank's share, summed),
-    and the number of real samples. The loader must return keys: padded samples (repeats that
-    keep the ranks equal) are masked out of the sums.
+    """Loss, top-1, top-5 and real samples of `model` over one pass of every rank's `loader`.
 
-    None, on every rank, when the pass broke on some rank while `stopping()` (a stop signal
-    came): a SIGTERM to the whole process group (Slurm's) ends the loader's worker processes
-    too, and the run must still reach its checkpoint rather than die of the dead workers.
-    The caller sets the epoch and the model's mode; the training RNG stream is left as it was.
+    The loader must return keys: padded samples are masked out of the sums. None on every
+    rank when the pass broke on some rank while `stopping()`: a group's SIGTERM ends the
+    loader's workers too, and the run must still reach its checkpoint.
     """
     k = min(5, num_classes)
     # loss, top1, top5, samples, and the ranks whose pass broke off for a stop

@@ -69,11 +69,9 @@ class MetricsLog:
         self._tb = None
 
     def start(self, previous: Iterable[dict] = (), resume_step: int | None = None) -> None:
-        """Rewrite the files to hold exactly `previous` (the checkpoint's records), then append.
+        """Rewrite the files to hold exactly `previous`, the checkpoint's records, then append.
 
-        TensorBoard events cannot be rewritten, so the writer purges every event from
-        `resume_step` on (`purge_step`) and the checkpoint's records at that step are written
-        again; when there are no events yet (a fresh node), all of them are.
+        TensorBoard events cannot be rewritten: the writer purges those from `resume_step` on.
         """
         self.records = [dict(r) for r in previous]
         if not self.enabled:

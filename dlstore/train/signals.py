@@ -27,8 +27,7 @@ START_UP_STOP_GRACE_S = 10.0
 
 
 class StopSignals:
-    """Notes a stop signal for the training loop, which acts on it at the next step boundary,
-    together with the other ranks.
+    """Notes a stop signal; the loop acts on it at the next step boundary, with the other ranks.
 
     >>> signals = StopSignals()
     >>> with signals:           # handlers installed, the previous ones restored on exit
@@ -84,11 +83,10 @@ class StopSignals:
         self._previous.clear()
 
     def _watch_start_up(self) -> None:
-        """A handler runs only once the main thread is back in Python: a start-up held in C++
-        (the rendezvous waiting for a rank, a collective) held a stop for up to the collective
-        timeout, 30 minutes by default. The signal's number also comes to a thread through
-        Python's wakeup pipe; when start-up has not taken the stop `START_UP_STOP_GRACE_S`
-        later, that thread says so and ends the process with `EXIT_PREEMPTED` itself."""
+        """End a start-up held in C++ that does not take a stop within `START_UP_STOP_GRACE_S`.
+
+        A handler runs only once the main thread is back in Python. So a thread hears the
+        signal through Python's wakeup pipe, and ends the process with `EXIT_PREEMPTED`."""
         read, write = os.pipe()
         os.set_blocking(write, False)
         try:

@@ -1,25 +1,24 @@
-"""One training step and what it is made of: the model, its parameter groups, the precision,
-the learning-rate schedule. The trainer runs these; the bench and `train.demand` time the
-very same step on synthetic data, so "what the GPU demands" is what training asks for."""
+"""One training step and what it is made of: the model, its parameter groups, the precision.
+
+The trainer runs these. The bench and `train.demand` time the very same step on synthetic
+data, so "what the GPU demands" is what training asks for.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import math
 
 import torch
 from torch import nn
 
 from dlstore.errors import ConfigError
-from dlstore.train.config import TrainConfig
 
 __all__ = [
     "amp_dtype_for",
     "autocast",
     "build_model",
     "image_dtype_for",
-    "lr_factor",
     "param_groups",
     "resolve_device",
     "training_step",
@@ -38,24 +37,6 @@ def resolve_device(device: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device 'cuda' was asked for, but torch sees no CUDA device")
     return dev
-
-
-def lr_factor(step: int, cfg: TrainConfig, steps_per_epoch: int, total_steps: int) -> float:
-    """The learning rate of optimiser step `step` (0-based), as a fraction of the peak:
-    linear warm-up from `warmup_start_factor`, then cosine to `min_lr_factor` or step decay.
-
-    >>> cfg = TrainConfig("x", epochs=10, warmup_epochs=1, warmup_start_factor=0.0)
-    >>> [round(lr_factor(s, cfg, 10, 100), 3) for s in (0, 5, 10, 55, 100)]
-    [0.0, 0.5, 1.0, 0.5, 0.0]
-    """
-    warmup = int(round(cfg.warmup_epochs * steps_per_epoch))
-    if step < warmup:
-        return cfg.warmup_start_factor + (1.0 - cfg.warmup_start_factor) * step / warmup
-    if cfg.schedule == "cosine":
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
-        return cfg.min_lr_factor + (1.0 - cfg.min_lr_factor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    epoch = step // max(1, steps_per_epoch)
-    return cfg.step_gamma ** sum(epoch >= m for m in cfg.step_milestones)
 
 
 def check_model_name(name: str) -> None:

@@ -84,9 +84,9 @@ class StepWindow:
         self.data_s, self.compute_s = state["data_s"], state["compute_s"]
 
     def load_merged(self, states: list[dict], first: bool) -> None:
-        """The saved windows of another number of ranks: their sums all on the `first` rank
-        (zeros on the others), so that the all-reduce of the next log line gives the means
-        of an uninterrupted run; steps and timings as the saved rank 0 had them."""
+        """The saved windows of another number of ranks, their sums all on the `first` rank.
+
+        The next log line's all-reduce then gives the means of an uninterrupted run."""
         self.load({**states[0], "loss_sum": 0.0, "correct": 0.0, "samples": 0})
         if first:
             self.loss_sum.fill_(sum(state["loss_sum"] for state in states))
