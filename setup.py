@@ -1,4 +1,4 @@
-"""The one compiled part: dlstore._jpeg_region, the crop-only JPEG decode (see its source).
+"""The one compiled part: dlstore.transforms.jpeg_region, the crop-only JPEG decode (see its source).
 
 Optional: without a C compiler or libjpeg-turbo's headers (Debian/Ubuntu `libjpeg-dev`) the
 install goes on without it, and dlstore decodes whole images instead (`dlstore doctor` says which).
@@ -8,6 +8,11 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=[
-        Extension("dlstore._jpeg_region", ["dlstore/_jpeg_region.c"], libraries=["jpeg"], optional=True),
+        Extension(
+            "dlstore.transforms.jpeg_region",
+            ["dlstore/transforms/jpeg_region.c"],
+            libraries=["jpeg"],
+            optional=True,
+        ),
     ]
 )

@@ -289,8 +289,8 @@ def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
         return types.SimpleNamespace(
             simplejpeg=types.SimpleNamespace(__version__="1.9.0") if simplejpeg else None,
             cv2=types.SimpleNamespace(__version__="5.0.0") if cv2 else None,
-            _jpeg_region=types.SimpleNamespace(libjpeg_turbo_version="2.1.5") if region else None,
-            _torch_resizes_uint8=lambda: torch_resize,
+            jpeg_region=types.SimpleNamespace(libjpeg_turbo_version="2.1.5") if region else None,
+            torch_resizes_uint8=lambda: torch_resize,
         )
 
     check = decode_check(parts())
@@ -308,7 +308,7 @@ def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
 
 def test_decode_reports_this_install():
     """The real module: this checkout's setup builds every part (tools/setup.sh installs libjpeg-dev)."""
-    from dlstore import transforms
+    from dlstore.transforms import cpu_decode as transforms
 
     check = decode_check(transforms)
     assert check.status == OK, check

@@ -13,7 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-from dlstore import transforms as transforms_module
 from dlstore.config import DataConfig
 from dlstore.errors import ConfigError, CorruptSample
 from dlstore.transforms import (
@@ -31,6 +30,7 @@ from dlstore.transforms import (
     sample_rng,
     transform_image,
 )
+from dlstore.transforms import cpu_decode as transforms_module
 
 # The on-device decode runs on the CPU everywhere (torchvision's CPU decoder stands in for
 # nvJPEG) and on CUDA where there is one (tools/gpu_check.sh runs this file on a GPU node), by
@@ -42,8 +42,8 @@ _NO_NVIMGCODEC = pytest.mark.skipif(
 )
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=_NO_CUDA),
-    pytest.param("cuda/nvimgcodec", marks=[_NO_CUDA, _NO_NVIMGCODEC]),
+    pytest.param("cuda", marks=[pytest.mark.gpu, _NO_CUDA]),
+    pytest.param("cuda/nvimgcodec", marks=[pytest.mark.gpu, _NO_CUDA, _NO_NVIMGCODEC]),
 ]
 # Quadrant colours: top-left, top-right, bottom-left, bottom-right.
 QUADRANTS = np.array([[[220, 30, 30], [30, 220, 30]], [[30, 30, 220], [220, 220, 220]]], dtype=np.uint8)
@@ -648,7 +648,7 @@ def test_resize_crop_into_a_row_of_a_batch_gives_the_same_pixels(preset):
 
 # -- the crop-only decode (dlstore/_jpeg_region.c) -------------------------------------------
 _NO_REGION = pytest.mark.skipif(
-    transforms_module._jpeg_region is None, reason="dlstore._jpeg_region was not built (no libjpeg-turbo headers)"
+    transforms_module.jpeg_region is None, reason="dlstore._jpeg_region was not built (no libjpeg-turbo headers)"
 )
 
 
@@ -676,7 +676,7 @@ def _photo_jpeg(width: int, height: int, seed: int = 0, **save) -> bytes:
 
 def _whole_image_transform(monkeypatch, data: bytes, cfg: TransformConfig, rng) -> np.ndarray:
     with monkeypatch.context() as patch:
-        patch.setattr(transforms_module, "_jpeg_region", None)
+        patch.setattr(transforms_module, "jpeg_region", None)
         return transform_image(data, cfg, rng)
 
 
@@ -714,8 +714,8 @@ def test_the_crop_only_decode_gives_the_pixels_of_the_whole_image_decode(monkeyp
     every edge and every decode scale; the whole-pixel ones (the train preset's at the stored
     scale, and a scaled one that lands on whole pixels) made by the crop-only decoder, the
     fractional ones (the eval preset's centre box, most scaled ones) by the whole decode."""
-    counting = _CountingRegionDecoder(transforms_module._jpeg_region)
-    monkeypatch.setattr(transforms_module, "_jpeg_region", counting)
+    counting = _CountingRegionDecoder(transforms_module.jpeg_region)
+    monkeypatch.setattr(transforms_module, "jpeg_region", counting)
     cfg = TransformConfig(preset, image_size=24, scale=(0.004, 1.0))
     whole_pixel_boxes = 0
     for width, height in [(333, 250), (250, 333), (97, 61), (64, 64)]:
@@ -748,7 +748,7 @@ def test_a_jpeg_damaged_outside_the_box_is_refused_as_the_whole_decode_refuses_i
     with pytest.raises(CorruptSample):
         decode_image(bad)
     with pytest.raises(ValueError):
-        transforms_module._jpeg_region.decode_region(bad, 40, 16, 100, 30, 1)
+        transforms_module.jpeg_region.decode_region(bad, 40, 16, 100, 30, 1)
     cfg = TransformConfig("train", image_size=32, scale=(0.01, 0.02))  # small boxes, many above the damage
     plans = [crop_plan(320, 240, cfg, sample_rng(0, 0, i)) for i in range(16)]
     assert any(box[3] < 100 for box, _ in plans)
@@ -762,10 +762,10 @@ def test_check_decodes_refuses_exactly_what_a_first_crop_decode_refuses(monkeypa
     """What `dlstore convert` checks once (`check_decodes`) is what the loader's first decode
     of a sample refuses, with the crop-only decoder or without it: JPEGs damaged below any
     box, in every encoding; never an intact one; PNGs and other bytes as `decode_image`."""
-    if crop_only_decoder and transforms_module._jpeg_region is None:
+    if crop_only_decoder and transforms_module.jpeg_region is None:
         pytest.skip("dlstore._jpeg_region is not built here")
     if not crop_only_decoder:
-        monkeypatch.setattr(transforms_module, "_jpeg_region", None)
+        monkeypatch.setattr(transforms_module, "jpeg_region", None)
     cfg = TransformConfig("train", image_size=32, scale=(0.01, 0.02))
     for encoding in ({"subsampling": 2}, {"subsampling": 0}, {"progressive": True}, {"grey": True}):
         data = _photo_jpeg(320, 240, quality=90, **encoding)
@@ -793,10 +793,10 @@ def test_a_jpeg_known_to_decode_is_not_read_below_the_box():
     below the box: the box's pixels are those of the intact JPEG."""
     data = _photo_jpeg(320, 240, subsampling=2, quality=90)
     cut = data[: len(data) // 2]
-    buffer, x0, width = transforms_module._jpeg_region.decode_region(cut, 40, 16, 100, 60, 1, False)
-    intact, _, _ = transforms_module._jpeg_region.decode_region(data, 40, 16, 100, 60, 1, False)
+    buffer, x0, width = transforms_module.jpeg_region.decode_region(cut, 40, 16, 100, 60, 1, False)
+    intact, _, _ = transforms_module.jpeg_region.decode_region(data, 40, 16, 100, 60, 1, False)
     assert bytes(buffer) == bytes(intact) and bytes(intact) == bytes(
-        transforms_module._jpeg_region.decode_region(data, 40, 16, 100, 60, 1)[0]
+        transforms_module.jpeg_region.decode_region(data, 40, 16, 100, 60, 1)[0]
     )
     cfg = TransformConfig("train", image_size=64, scale=(0.01, 0.03))
     plans = [crop_plan(320, 240, cfg, sample_rng(0, 0, i)) for i in range(32)]
@@ -818,7 +818,7 @@ def test_narrow_regions_are_decoded_as_whole_rows(sampling):
     data = _photo_jpeg(40, 24, **sampling)
     whole = np.asarray(decode_image(data))
     for left, width in [(0, 1), (0, 2), (1, 2), (38, 2), (39, 1), (16, 4), (3, 31), (0, 40)]:
-        buffer, x0, region_width = transforms_module._jpeg_region.decode_region(data, left, 0, width, 24, 1)
+        buffer, x0, region_width = transforms_module.jpeg_region.decode_region(data, left, 0, width, 24, 1)
         pixels = np.frombuffer(buffer, np.uint8).reshape(24, region_width, 3)
         inner = slice(max(left, 1) if left else 0, left + width - (1 if left + width < 40 else 0))
         assert np.array_equal(pixels[:, inner.start - x0 : inner.stop - x0], whole[:, inner]), (left, width)
@@ -829,8 +829,8 @@ def test_what_the_crop_only_decode_does_not_take_is_decoded_whole(monkeypatch):
     """A CMYK JPEG (libjpeg has no CMYK-to-RGB conversion) and a region outside the image are
     ValueErrors of the module; the transform then decodes the whole image as it did before,
     and corrupt bytes stay a CorruptSample."""
-    counting = _CountingRegionDecoder(transforms_module._jpeg_region)
-    monkeypatch.setattr(transforms_module, "_jpeg_region", counting)
+    counting = _CountingRegionDecoder(transforms_module.jpeg_region)
+    monkeypatch.setattr(transforms_module, "jpeg_region", counting)
     cmyk = io.BytesIO()
     Image.new("CMYK", (120, 90), (10, 200, 30, 0)).save(cmyk, "JPEG")
     cfg = TransformConfig("train", image_size=96)  # every box grows: decoded at the stored scale
@@ -840,14 +840,14 @@ def test_what_the_crop_only_decode_does_not_take_is_decoded_whole(monkeypatch):
     data = _photo_jpeg(64, 48)
     for args in [(60, 0, 8, 8, 1), (0, 0, 33, 8, 2), (-1, 0, 8, 8, 1), (0, 0, 8, 8, 3)]:
         with pytest.raises(ValueError):
-            transforms_module._jpeg_region.decode_region(data, *args)
+            transforms_module.jpeg_region.decode_region(data, *args)
     with pytest.raises(CorruptSample):
         transform_image(data[:200] + bytes(300), cfg, sample_rng(0, 0, 0))
 
 
 # -- the resize of a whole-pixel box: torch's SIMD kernel, else OpenCV --------------------------
 _NO_TORCH_RESIZE = pytest.mark.skipif(
-    not transforms_module._torch_resizes_uint8(), reason="torch has no SIMD uint8 resize on this CPU (AVX2)"
+    not transforms_module.torch_resizes_uint8(), reason="torch has no SIMD uint8 resize on this CPU (AVX2)"
 )
 
 
@@ -883,8 +883,8 @@ def test_without_torchs_resize_opencv_resizes_near_pillow(monkeypatch):
     assert _decode_scales(plans, size) == {1.0}
     references = [_pillow_reference(data, box, flip, size).astype(int) for box, flip in plans]
     default = [transform_image(data, cfg, sample_rng(4, 0, i)) for i in range(len(plans))]
-    torch_resizes = transforms_module._torch_resizes_uint8()
-    monkeypatch.setattr(transforms_module, "_torch_resizes_uint8", lambda: False)
+    torch_resizes = transforms_module.torch_resizes_uint8()
+    monkeypatch.setattr(transforms_module, "torch_resizes_uint8", lambda: False)
     opencv = [transform_image(data, cfg, sample_rng(4, 0, i)) for i in range(len(plans))]
     assert np.mean([np.abs(o - r).mean() for o, r in zip(opencv, references)]) < 4
     if torch_resizes:

@@ -151,7 +151,7 @@ def cifar10_source(src: Path, options: ConvertOptions) -> Source:
 
 
 # MNIST -------------------------------------------------------------------------------------------
-# EMNIST, the largest MNIST-like set, holds ~0.7 GB of images.
+# A bound well above EMNIST, the largest MNIST-like set.
 _IDX_MAX_BYTES = 4 * 2**30
 
 

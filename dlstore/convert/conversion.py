@@ -119,10 +119,10 @@ def _dataset_there(store: Store) -> _DatasetThere:
 
 
 def _split_as_recorded(previous: _DatasetThere, source: Source, options: ConvertOptions) -> ConvertOptions:
-    """The source's default split named (`--split train`) or left out is the same conversion,
-    but the options (and with them every shard's recipe) record it as given: a rerun in the
-    other form was refused as "other options". Where the dataset at the destination is this
-    source's same split, its form is taken, so that the rerun keeps it."""
+    """The source's default split named (`--split train`) or left out is the same conversion, but
+    the options, and with them every shard's recipe, record it as given. Where the dataset at the
+    destination is this source's same split, its form is taken, so a rerun in the other form is
+    not refused as "other options"."""
     if options.split not in (None, source.split) or previous.manifest is None:
         return options
     created = previous.manifest.created
@@ -292,11 +292,10 @@ class _ProgressReport:
 
 
 def _check_shards_are_there(store: Store, prefix: str, results: list[Built]) -> None:
-    """Every shard and index the manifest will name is in the store at its size, or no manifest
-    is written: an object deleted or replaced while the conversion ran (by hand, by a lifecycle
-    rule, by a second conversion into the same place) made a dataset that failed only later,
-    at `verify` or in training. One listing; what it lacks is asked for (HEAD), since a Swift
-    container listing may lag behind the objects just written."""
+    """Every shard and index the manifest will name is in the store at its size, or no manifest is
+    written. An object deleted or replaced while the conversion ran would make a dataset that
+    fails only later, at `verify` or in training. One listing; what it lacks is asked for (HEAD),
+    since a Swift container listing may lag behind the objects just written."""
     listed = {info.key: info.size for info in store.list(prefix)}
     expected = {b.info.name: b.info.size for b in results}
     expected |= {b.info.index: b.info.index_size for b in results if b.info.index and b.info.index_size is not None}
@@ -353,10 +352,10 @@ def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
 def _refuse_to_overwrite_foreign_objects(
     store: Store, todo: list[ShardTask], listed: dict[str, int], replaced: frozenset[str]
 ) -> None:
-    """`ConfigError` before anything is written when a shard about to be written would replace
-    an object that neither the dataset there (its manifest) nor an earlier run of a conversion
-    (a dlstore sample index beside it) accounts for: another tool's shards, say WebDataset tars
-    waiting for `dlstore index`, were overwritten without a word."""
+    """`ConfigError` before anything is written when a shard about to be written would replace an
+    object that neither the dataset there (its manifest) nor an earlier run of a conversion (a
+    dlstore sample index beside it) accounts for: another tool's shards, such as WebDataset tars
+    waiting for `dlstore index`."""
     foreign = [task.name for task in todo if task.name in listed and task.name not in replaced]
     foreign = [name for name in foreign if not _written_by_dlstore(store, name, listed)]
     if foreign:
@@ -386,11 +385,10 @@ def _written_by_dlstore(store: Store, name: str, listed: dict[str, int]) -> bool
 def _remove_stale_shards(
     store: Store, listed: dict[str, int], tasks: list[ShardTask], replaced: frozenset[str]
 ) -> None:
-    """Delete the shards (and their indexes) of the dataset this one replaced (`replaced`: what
-    its manifest named) that it does not reuse: e.g. shards 2-5 after a 6-shard dataset was
-    converted again into 2. Left behind, `dlstore index` took them into a manifest (stale
-    duplicates, wrong classes), and they held the store's space. Anything else under the shard
-    prefix (foreign shards, say) is only named in a warning. The manifest is already the new one."""
+    """Delete the shards and indexes of the dataset this one replaced (`replaced`: what its manifest
+    named) that it does not reuse, e.g. shards 2-5 after a 6-shard dataset was converted again
+    into 2. Left behind, `dlstore index` would take them into a manifest, and they hold space.
+    Anything else under the shard prefix is only named in a warning. The manifest is already new."""
     names = {task.name for task in tasks}
     stale = sorted(set(listed) - names - {index_name(n) for n in names} - {MANIFEST_NAME})
     old = [key for key in stale if key in replaced]

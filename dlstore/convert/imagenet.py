@@ -141,9 +141,8 @@ class _FileWindow:
         return self.pos
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        """Seek as a file does. Without `tell` and `SEEK_END`, the tar reader took this for a
-        stream and read every member's bytes to list them (the whole 147 GB train tar, at each
-        start), and found no truncated member: a window knows its end."""
+        """Seek as a file does. Without `tell` and `SEEK_END` the tar reader would take this for a
+        stream, read every member's bytes to list them, and find no truncated member."""
         base = {os.SEEK_SET: 0, os.SEEK_CUR: self.pos, os.SEEK_END: self.size}[whence]
         self.pos = max(0, min(self.size, base + offset))
         return self.pos

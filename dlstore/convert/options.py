@@ -24,12 +24,11 @@ class ConvertOptions:
     them as JPEG; `val_labels` points at an ImageNet ground-truth file when it is not found
     beside the data. `checksum_algorithm`: the shards' and indexes' checksums
     (`dlstore.format.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them); None
-    (the default) keeps the one of the dataset already at the destination (a conversion run
-    again or resumed), else XXH3-128. `check_decode`: every JPEG input is decoded
-    (at 1/8 scale) as the loader's first decode of it would be, and one that fails is skipped
-    like any unreadable input; the manifest then says so (`Manifest.decode_checked`), and the
-    loader decodes only each crop's rows from the first epoch on, where it would otherwise
-    read every row of a sample once per node (~8% of a first epoch's CPU here).
+    (the default) keeps the one of the dataset already at the destination, else XXH3-128.
+    `check_decode`: every JPEG input is decoded at 1/8 scale as the loader's first decode of it
+    would be, and one that fails is skipped like any unreadable input. The manifest then says so
+    (`Manifest.decode_checked`), and the loader decodes only each crop's rows from the first
+    epoch on, instead of every row of a sample once per node.
     """
 
     split: str | None = None
@@ -91,7 +90,7 @@ class ConvertOptions:
             "shuffle": self.shuffle,
             "prefix": self.prefix,
             # Only when set: a conversion without the check keeps the recipes, and so the
-            # shards, of a dataset converted before the check existed.
+            # shards, of datasets converted by versions without it.
             **({"check_decode": True} if self.check_decode else {}),
         }
 

@@ -1,26 +1,25 @@
-"""Running the shard builders: in this process for one worker, otherwise in a pool of spawned
-worker processes, and stopping them all on the first failure.
+"""Running the shard builders: in this process for one worker, else in a pool of spawned worker
+processes; the first failure stops them all.
 
 How a failing conversion ends (the first error wins, and reaches the caller promptly):
 
 1. The error arrives in this process: a worker's (re-raised from its future), one the
    progress callback raises, or a stop: Ctrl-C, SIGTERM or SIGUSR1 (workers ignore them; this
    process decides).
-2. Shards not yet started are cancelled, and the shared `stop` event is set: a running build
+2. Shards not yet started are cancelled, and the shared `stop` event is set. A running build
    checks it before every sample and ends through its normal exception path, which removes
    its half-written object (the local store's temp file, the temp tar, an S3 multipart upload).
 3. Workers still busy after `_STOP_GRACE_S` (stuck in an upload, say) are killed; then the
    pool is joined, so no worker outlives `convert`, and a resume never races an old worker.
 
-Workers install no Python signal handlers: a handler runs only when the main thread executes
-Python code, so a worker blocked in a lock never ran one, and the pool's join waited forever.
+Workers install no Python signal handlers: a handler runs only when the main thread runs
+Python code, so a worker blocked in a lock would never run one, and the join would hang.
 
-A worker that dies before it starts (a script that calls `convert` without an
-`if __name__ == "__main__":` guard: a spawned worker imports the main module, and its own
-`convert` stops it) ends the conversion with an error that says so. The listing reaches the
-workers through a file, not in their start-up message: a message larger than the pipe's
-buffer (64 KB, a few thousand inputs) left this process blocked forever writing it to a
-worker that had died.
+A worker that dies before it starts ends the conversion with an error that says so. That is a
+script calling `convert` without an `if __name__ == "__main__":` guard: a spawned worker
+imports the main module, and its own `convert` stops it. The listing reaches the workers
+through a file, not their start-up message: a message larger than the pipe's buffer would
+block this process for ever, writing to a worker that had died.
 """
 
 from __future__ import annotations

@@ -153,11 +153,11 @@ def shm_check(shape: LoaderShape, shm_dir: str = "/dev/shm") -> Check:
     return Check("shm", OK, seen)
 
 
-def decode_check(transforms) -> Check:
-    """Which native parts the CPU decode found (`transforms`: the module `dlstore.transforms`,
-    or what stands for it): each one missing costs images per core, none breaks a run."""
-    simplejpeg, cv2, region = transforms.simplejpeg, transforms.cv2, transforms._jpeg_region
-    if transforms._torch_resizes_uint8():
+def decode_check(cpu_decode) -> Check:
+    """Which native parts the CPU decode found (`cpu_decode`: `dlstore.transforms.cpu_decode`, or
+    what stands for it). Each one missing costs images per core; none breaks a run."""
+    simplejpeg, cv2, region = cpu_decode.simplejpeg, cpu_decode.cv2, cpu_decode.jpeg_region
+    if cpu_decode.torch_resizes_uint8():
         resizer = "torch's SIMD kernel"
     else:
         resizer = f"OpenCV {cv2.__version__}" if cv2 else "Pillow (no OpenCV)"

@@ -137,9 +137,9 @@ def run_doctor(
     world = _world(env)
     cache_dir = options.data.cache_dir or default_cache_dir(env)
     emit(cache_check(cache_dir, options.data.cache_limit, manifest, world.num_nodes))
-    from dlstore import transforms  # numpy and Pillow: imported only by the one check that needs them
+    from dlstore.transforms import cpu_decode  # numpy and Pillow: imported only by the check that needs them
 
-    emit(decode_check(transforms))
+    emit(decode_check(cpu_decode))
     facts = _torch_checks(options, env, world, emit)
     emit(distributed_check(env, len(facts.devices) or None))
     return checks

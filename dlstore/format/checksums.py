@@ -2,14 +2,13 @@
 
 Two algorithms, one per dataset (the manifest's `checksum_algorithm`):
 
-* `xxh3_128` (the default of `dlstore convert` and `dlstore index` since manifest format 2):
-  XXH3's 128-bit hash, ~0.04 ms per MB on one core here against SHA-256's ~0.58 (with SHA
-  extensions). A cold cache hashes every byte it fetches before it serves a shard: on a node
-  fetching 2.6 GB/s that is ~1.5 cores with SHA-256 and ~0.1 with XXH3, taken from decoding.
-  It catches damage (a flipped bit, a cut or spliced object) as surely as SHA-256 does, but it
-  is not cryptographic: bytes can be crafted to match a given XXH3.
-* `sha256`: for datasets whose manifest is pinned by digest to vouch for every byte (a
-  manifest's SHA-256 then vouches for each shard's), and for manifests of format 1.
+* `xxh3_128`, the default of `dlstore convert` and `dlstore index` from manifest format 2 on:
+  XXH3's 128-bit hash, many times cheaper than SHA-256. A cold cache hashes every byte it
+  fetches before it serves a shard, and those cores are taken from decoding. It catches damage
+  (a flipped bit, a cut or spliced object) as surely as SHA-256, but it is not cryptographic:
+  bytes can be crafted to match a given XXH3.
+* `sha256`: for datasets whose manifest is pinned by digest to vouch for every byte, and for
+  manifests of format 1.
 
 Sample digests in version 2 indexes (`sample_index.sample_digest`) stay SHA-256 either way.
 """

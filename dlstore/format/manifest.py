@@ -228,9 +228,8 @@ class Manifest:
         return cls.from_json(data)
 
     def save(self, store, key: str = MANIFEST_NAME) -> None:
-        """Write the manifest; converters call this last, once every shard is in place. One
-        that its reader would refuse (duplicate class names, say) is a `FormatError` here: it
-        was written, and every later command on the dataset failed."""
+        """Write the manifest; converters call this last, once every shard is in place. One that its
+        reader would refuse (duplicate class names, say) is a `FormatError` here, not written."""
         text = self.to_json()
         type(self).from_json(text)  # the reader's checks
         store.put(key, text)
@@ -316,7 +315,7 @@ def _parse_shard(value: Any, where: str, algorithm: str) -> ShardInfo:
     index = raw.get("index")
     samples, size = _int(raw["samples"], f"{where}.samples"), _int(raw["size"], f"{where}.size")
     if samples > size // 512:  # a sample is a tar member at least: a 512-byte header
-        # (A count of 10**9 went on to a plan of 7 GiB; 2**61 to numpy's "array is too big".)
+        # A huge count would go on to a huge plan, or to numpy's "array is too big".
         raise FormatError(f"{where}.samples: {samples} samples do not fit in a shard of {size} bytes")
     return ShardInfo(
         name=_key(raw["name"], f"{where}.name"),
@@ -468,8 +467,8 @@ def describe_dataset(store) -> str:
 # -- sample indexes, checked against the manifest --------------------------------------------
 def read_index_bytes(store, shard: ShardInfo) -> bytes:
     """The stored sample index of `shard`, read no further than an index of its samples can be
-    long (or the manifest's `index_size`, if more): `FormatError` for a longer object. An
-    index object of 1.5 GB was read whole into memory before any check."""
+    long (or the manifest's `index_size`, if more). A longer object is a `FormatError`, found
+    before it is read whole into memory."""
     assert shard.index is not None
     most = max(shard.index_size or 0, SampleIndex.file_size(shard.samples, 3))
     data = b"".join(store.get(shard.index, 0, most + 1))

@@ -20,29 +20,23 @@ sample digests)::
             keeps version 3 indexes without; the file's size tells): the first 16 bytes
             of the SHA-256 of each sample's bytes [offsets[i], offsets[i+1]) (`sample_digest`)
 
-Samples i..j-1 are therefore one ranged GET of `[offsets[i], offsets[j])`, which
+Samples i..j-1 are one ranged GET of `[offsets[i], offsets[j])`, which
 `dlstore.format.shards.parse_samples` turns back into samples. The recipe lets an interrupted
 conversion recognise a finished shard without reading it again.
 
-Why per-sample digests: the shard's checksum verifies a whole shard only, so a cache that
-fetches part of a shard (a node's share of a shard it splits with its neighbour,
-`dlstore.cache.partial`) could not verify what it fetched. From version 2 on each sample of a
-range is checked on its own; the index itself is trusted through the manifest's
-`index_checksum`. 16 bytes of SHA-256 per sample (2^-128 odds of missing a damaged one) add
-~20 MB to ImageNet's indexes (1.28 M samples), next to its 147 GB of shards. `dlstore
-convert` and `dlstore index` write version 3 (version 2 with `--checksum sha256`); readers
-accept all three, and a version 1 index only means that its shard is always fetched whole.
+Why per-sample digests: the shard's checksum verifies a whole shard only. A cache that fetches
+part of a shard (`dlstore.cache.partial`) checks each sample of its range on its own; the index
+itself is trusted through the manifest's `index_checksum`. `dlstore convert` and `dlstore index`
+write version 3, or version 2 with `--checksum sha256`. Readers accept all three; a version 1
+index only means that its shard is always fetched whole.
 
-Why version 3: its layout is version 2's, but a dlstore that knows only SHA-256 would take
-an XXH3 digest for the first half of a SHA-256 one (and a conversion it resumes would write
-a wrong checksum into its manifest); the new magic makes it refuse the index instead (a
-conversion then rebuilds the shard). An index written as version 2 with an XXH3 digest (by
-the dlstore before version 3) is still read, and rewritten as version 3 by the next
-`convert` that keeps its shard.
+Why version 3: its layout is version 2's, but a reader that knows only SHA-256 would take an
+XXH3 digest for the first half of a SHA-256 one. The new magic makes it refuse the index
+instead, and a conversion then rebuilds the shard. A version 2 index with an XXH3 digest is
+still read, and rewritten as version 3 by the next `convert` that keeps its shard.
 
-The shard's digest names its algorithm (`digest_field`) so that an index never passes for
-another algorithm's: the tag after an XXH3 digest stands where a SHA-256 digest has 16 more
-bytes of its own (2^-128 odds of one ending so).
+The shard's digest names its algorithm (`digest_field`), so an index never passes for another
+algorithm's: the tag after an XXH3 digest stands where a SHA-256 digest has 16 more bytes.
 """
 
 from __future__ import annotations

@@ -117,8 +117,8 @@ def parse_label(sample: Mapping[str, object], num_classes: int, field: str = "cl
 
 
 def shown(value: object, limit: int = 40) -> str:
-    """`repr(value)` for a message, cut to `limit` characters or bytes: a 20 MB label member
-    was quoted whole, in an error line and in every epoch's skip warning.
+    """`repr(value)` for a message, cut to `limit` characters or bytes: a huge label member must
+    not be quoted whole in an error line and in every epoch's skip warning.
 
     >>> shown(b"7" * 100, limit=4)
     "b'7777'... (100 bytes)"
@@ -175,8 +175,8 @@ def _number(field: bytes, what: str, offset: int) -> int:
 
 
 def _byte_sum(block: bytes) -> int:
-    """`sum(block)` of a 512-byte block, ~6x faster: Adler-32's low half is 1 + the sum of the
-    bytes modulo 65521, exact for 256 bytes (at most 65,280); one per half."""
+    """`sum(block)` of a 512-byte block, faster: Adler-32's low half is 1 + the sum of the bytes
+    modulo 65521, exact for 256 bytes (at most 65,280); one per half."""
     return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
 
 
@@ -513,12 +513,9 @@ def scan_shard(
 
 
 def read_shard_index(path: str | os.PathLike[str]) -> SampleIndex:
-    """The sample index of a local shard file: from `<shard>.idx` beside it when that exists
-    and matches the file's size, otherwise by walking the tar's headers (seeking over data).
-
-    The second way reads one 512-byte header per member, ~5 us each from page cache here:
-    ~10 ms for a 64 MB shard of 100 KB JPEGs (three members per sample). Such an index has no
-    checksum (zeros). The node cache keeps the indexes it walks (`dlstore.cache.indexes`)."""
+    """The sample index of a local shard file: from `<shard>.idx` beside it when that exists and
+    matches the file's size, else by walking the tar's headers, seeking over data. Such an index
+    has no checksum (zeros). The node cache keeps the indexes it walks (`dlstore.cache.indexes`)."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     beside = path[:-4] + ".idx" if path.endswith(".tar") else path + ".idx"

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dlstore.loader.config import ENGINES, LoaderConfig, default_workers
 
 # The rest pulls in torch: imported on first use, so that the settings (`dlstore.loader.config`,
-# which the CLI's parsers read) do not make `dlstore ls` wait ~2 s for it.
+# which the CLI's parsers read) do not make `dlstore ls` wait for it.
 _LAZY = {
     "Loader": "dlstore.loader.loader",
     "choose_engine": "dlstore.loader.loader",

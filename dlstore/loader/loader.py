@@ -80,10 +80,9 @@ class Loader:
         self.engine: ThreadEngine | ProcessEngine = engine(dataset, self.cfg, self.slots)
 
     def _slots(self, count: int) -> BatchSlots | None:
-        """Slots pay where the batch is copied out of them anyway: to the GPU, into the float
-        batch on a CPU device, or, from worker processes, into a reused uint8 buffer (without
-        slots a worker's batch went through a fresh shared-memory file each time: ~12% of the
-        workers' CPU). A uint8 batch of the decode threads on the CPU is handed over as it is."""
+        """Slots pay where the batch is copied out of them anyway: to the GPU, into the float batch on a
+        CPU device, or, from worker processes, into a reused uint8 buffer instead of a fresh
+        shared-memory file each time. A uint8 batch of the decode threads on the CPU goes as it is."""
         cfg, data = self.cfg, self.dataset.cfg
         copied_out = self.device.type == "cuda" or cfg.dtype != "uint8" or cfg.engine == "processes"
         in_process = cfg.engine == "processes" and cfg.num_workers == 0
@@ -152,10 +151,9 @@ class Loader:
         self.close()
 
     def state_dict(self) -> dict:
-        """The exact position: epoch and the steps done in it (per world layout), with the
-        fingerprint of what decides the order (the manifest's shards, the plan settings).
-        Version 2 with the window ramp: a dlstore before it (which reads version 1 only)
-        refuses such a state rather than resume it in another order."""
+        """The exact position: epoch and the steps done in it per world layout, with the fingerprint
+        of what decides the order (the manifest's shards, the plan settings). Version 2 has the
+        window ramp; a reader of version 1 only refuses it rather than resume in another order."""
         version = 2 if self.dataset.cfg.window_ramp else 1
         return {"version": version, "seed": self.dataset.cfg.seed, **self.state.to_dict(), "data": self._fingerprint()}
 
@@ -202,11 +200,9 @@ class Loader:
         }
 
     def _follow_saved_order(self, window_ramp: bool, epoch: int) -> None:
-        """The epoch a state was saved in goes on in its order: a state saved with the other
-        window ramp (or before dlstore had one: without) has this loader plan `epoch` on a copy
-        of its dataset with the state's setting (`loader.dataset` meanwhile), with a new engine
-        (one already started may hold batches built in the other order). The epochs after it
-        are planned as the caller's dataset says, as in a run that started on this dlstore."""
+        """The epoch a state was saved in goes on in its order. A state saved with the other window
+        ramp setting has this loader plan `epoch` on a copy of its dataset with the state's setting,
+        with a new engine. The epochs after it are planned as the caller's dataset says."""
         self._back_to_configured()  # from the copy of an earlier load
         if window_ramp == self.dataset.cfg.window_ramp:
             return
@@ -241,25 +237,16 @@ class Loader:
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
-    """What `engine="auto"` means: worker processes when the batches go to a GPU, decode
-    threads otherwise.
-
-    Why: beside a GPU training loop the decode threads and the loop share one GIL, and every
-    decode call and every kernel launch hands it over: on an H100 node (16 cores, 14 workers,
-    ResNet-50 bf16) threads fed 1,045-1,828 img/s where worker processes fed 3,445 (a switch
-    interval of 0.5 ms instead of 5 gave the threads 1,251). On the CPU (no loop in between)
-    threads are as fast on a few cores (2 cores, `tools/bench_peers.py`: 0.97-1.02x the processes
-    in one run, 0.87x in one on a busier box) and spare what
-    processes cost (/dev/shm, a fork, 5x the resident memory at 8 of each, 1.8x counting shared
-    pages once, and the `__main__` guard a fork server needs). On many cores the GIL holds threads back
-    (16 cores, uint8 batches, `tools/bench_workers.py`: 0.89x the processes at 4 workers, 0.52x
-    at 8, 0.36x at 14, since each image got cheaper for the processes; 0.33x at 14 in
-    `tools/bench_peers.py`), yet they stay the CPU default: a script that ran on threads must
-    not fail for want of that guard because its machine has more cores (`num_workers` defaults
-    to the cores); `resolve_auto` warns, and says to ask for processes. Processes need room in
-    `/dev/shm` for the batches in flight (the ranks of a node together): without it, threads,
-    with a warning, rather than a loader that fails: `/dev/shm` must be as large as the node's
-    need, and hold this rank's in what is free."""
+    """What `engine="auto"` means: worker processes when the batches go to a GPU, decode threads
+    otherwise.
+    Why: beside a GPU training loop, threads and the loop share one GIL, handed over at every
+    decode call and kernel launch; processes feed far more there. On the CPU, threads are as fast
+    on a few cores and spare what processes cost: /dev/shm, a fork, more resident memory, and the
+    `__main__` guard a fork server needs. On many cores the GIL holds threads back, yet they stay
+    the CPU default: a script that ran on threads must not fail for want of that guard because its
+    machine has more cores. `resolve_auto` warns then, and says to ask for processes. Processes
+    need room in `/dev/shm` for the node's batches in flight: without it, threads, with a warning.
+    `docs/performance.md` has the figures."""
     if device.type != "cuda" or cfg.num_workers == 0:
         return "threads"
     data = dataset.cfg
@@ -290,10 +277,10 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
 
 
 def resolve_auto(cfg: LoaderConfig, dataset: Dataset, device: torch.device, shm: str = "/dev/shm") -> LoaderConfig:
-    """`cfg` with `engine="auto"` resolved (`choose_engine`); worker processes it chooses start
-    from a fork server unless `start_method` says otherwise: the loader's process runs the
-    cache's threads, and a fork can copy a lock one of them holds (issue 11 saw a worker hang
-    in `os.fork()` that way). A script that starts them needs `if __name__ == "__main__":`."""
+    """`cfg` with `engine="auto"` resolved (`choose_engine`). Worker processes it chooses start from
+    a fork server unless `start_method` says otherwise: the loader's process runs the cache's
+    threads, and a fork can copy a lock one of them holds. A script that starts them needs
+    `if __name__ == "__main__":`."""
     engine = choose_engine(dataset, cfg, device, shm)
     # Threads that decode at once: no more than the cores this rank gets.
     decoding = min(cfg.num_workers, max(1, available_cores() // dataset.world.local_world_size))

@@ -1,23 +1,19 @@
 """The process engine: DataLoader worker processes, each building whole batches.
 
-The default for a GPU (`choose_engine`: decode threads would share the training loop's GIL),
-and for Python-heavy custom transforms that hold the GIL. The main process owns the epoch plan:
-a sampler walks this rank's batches in order and hands each worker a whole batch request;
-persistent workers decode and collate into a slot of a shared-memory ring (`BatchSlots`,
-page-locked on a GPU node); the DataLoader returns batches in plan order.
+The default for a GPU (`choose_engine`), and for custom transforms that hold the GIL. The main
+process owns the epoch plan: a sampler walks this rank's batches in order and hands each worker
+a whole batch request. Persistent workers decode and collate into a slot of a shared-memory
+ring (`BatchSlots`, page-locked on a GPU node); the DataLoader returns batches in plan order.
 
-The first batch of each pass (loader start, each epoch, a resume) is the exception: built
-whole by one worker, it kept the loop waiting a whole batch's decode (~1 s for 256 images on
-an H100 node's worker) while the others built later batches. It goes out as one chunk of
-consecutive samples per worker instead, all written into the batch's slot, and the engine
-joins the chunks into the batch a whole build would give. Later batches stay whole: handing
-a worker a whole batch costs the least per image.
+The first batch of each pass (loader start, each epoch, a resume) is the exception. Built whole
+by one worker, it would keep the loop waiting a whole batch's decode. It goes out as one chunk
+of consecutive samples per worker instead, all written into the batch's slot, and the engine
+joins the chunks. Later batches stay whole: that costs the least per image.
 
-Epochs follow on without a pause: after a fresh epoch's last batch request the sampler goes on
-with the next epoch's (its plan is known: a pure function of the epoch), so the workers never
-run dry at an epoch's end, and the loop's next `iter()` finds that epoch's first batches built
-(before, the DataLoader drained at every epoch's end: ~1 s lost per epoch on an H100 node).
-Anything else (a resumed epoch, another epoch, a pass left early) starts a fresh pass.
+Epochs follow on without a pause. After a fresh epoch's last batch request the sampler goes on
+with the next epoch's, whose plan is a pure function of the epoch. The workers never run dry at
+an epoch's end, and the loop's next `iter()` finds that epoch's first batches built. Anything
+else (a resumed epoch, another epoch, a pass left early) starts a fresh pass.
 """
 
 from __future__ import annotations
@@ -48,16 +44,14 @@ __all__ = ["ProcessEngine"]
 
 
 def start_fork_server() -> None:
-    """Start the fork server that `start_method="forkserver"` workers come from, with torch and
-    this module imported in it once, now (at the loader's construction): it starts while the
-    model is built, and each worker is then a fork of it instead of a fresh interpreter
-    importing torch (1.2 s less to the first batch on a 2-core box). Idempotent; the preload
-    list is this process's `multiprocessing` setting.
-
-    The server and multiprocessing's resource tracker start with SIGUSR1 ignored (an ignored
-    signal stays ignored across their exec): Slurm's pre-emption warning
-    (`--signal=USR1@180`) goes to every process of the step, and its default action would end
-    the server, and with it the workers, before the training process checkpoints."""
+    """Start the fork server that `start_method="forkserver"` workers come from, now, with torch and
+    this module imported in it once. It starts while the model is built, and each worker is then a
+    fork of it, not a fresh interpreter importing torch. Idempotent; the preload list is this
+    process's `multiprocessing` setting.
+    The server and multiprocessing's resource tracker start with SIGUSR1 ignored, which stays
+    ignored across their exec. Slurm's pre-emption warning (`--signal=USR1@180`) goes to every
+    process of the step; its default action would end the server and the workers before the
+    training process checkpoints."""
     multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
     if threading.current_thread() is not threading.main_thread():  # signal() works only there
         multiprocessing.forkserver.ensure_running()
@@ -136,10 +130,8 @@ class _BatchWriter(torch.utils.data.Dataset):
 
 def _into_shared_memory(batch: dict) -> None:
     """Move the batch's tensors into /dev/shm here, in the worker, as its hand-off would.
-
-    Why: the hand-off does it in the queue's feeder thread, which only prints a failure and
-    drops the batch, and the loop then waits for that batch for ever (/dev/shm filled by the
-    node's other ranks, NCCL, another job). Raised here, the error reaches the loop."""
+    Why: the hand-off does it in the queue's feeder thread, which only prints a failure and drops
+    the batch; the loop would then wait for that batch for ever. Raised here, the error reaches it."""
     for name, value in _tensors(batch):
         if not value.is_shared():
             try:

@@ -81,14 +81,11 @@ class BatchSlots:
 
 
 class HandedBuffers:
-    """Buffers for uint8 batches on the CPU, reused once the loop has let go of them: the
-    decode threads write batches into them, and worker processes' batches are copied into them
-    out of their slots.
-
-    Why: a fresh 38 MB batch (256 x 224 px) is mapped anew by the allocator and faulted in page
-    by page as the threads write it, ~6% of the decode time. Each batch is a tensor made with
-    `torch.from_numpy` over a pooled array, so it is the root of every view the loop takes of it
-    (views keep their root alive); when that tensor is garbage, no view of it is left, and its
+    """Buffers for uint8 batches on the CPU, reused once the loop has let go of them. The decode
+    threads write batches into them; worker processes' batches are copied into them.
+    Why: a fresh batch is mapped anew by the allocator and faulted in page by page as the threads
+    write it. Each batch is a tensor made with `torch.from_numpy` over a pooled array, so it is
+    the root of every view the loop takes. When that tensor is garbage, no view is left, and its
     array goes back to the pool."""
 
     def __init__(self, keep: int) -> None:

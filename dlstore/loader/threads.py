@@ -1,34 +1,25 @@
-"""The thread engine: a pool of decode threads in the training process builds this rank's
-batches in plan order, with a bounded lookahead.
+"""The thread engine: decode threads in the training process build this rank's batches in plan
+order, with a bounded lookahead.
 
-Why threads: JPEG decode (libjpeg-turbo) and the resize (OpenCV or Pillow) release the GIL, so threads
-do the work of worker processes without what processes cost: a fork of a threaded process
-(unsafe: a child can inherit a lock held by another thread), a torch import per worker,
-shared memory for every batch (a container's 64 MB `/dev/shm` stalls them), a pickled
-hand-off per batch, and a restart at every epoch and resize.
+Why threads: JPEG decode and the resize release the GIL, so threads do the work of worker
+processes without their costs. Processes need a fork of a threaded process, where a child can
+inherit a held lock; a torch import each; shared memory for every batch; a pickled hand-off
+per batch; and a restart at every epoch and resize.
 
-Where threads lose: beside a GPU training loop. The loop's Python (kernel launches) and the
-threads share the GIL, handed over at every decode call and every launch: on an H100 node (16
-cores, 14 threads, ResNet-50 bf16) the threads fed 1,045-1,828 img/s where worker processes fed
-3,445. `engine="auto"` therefore takes processes for a GPU. And on many cores: each image
-takes the GIL a few times, so on that node (uint8 CPU batches, `tools/bench_workers.py`) 4, 8
-and 14 threads fed 1,554, 1,704 and 1,521 img/s where as many processes fed 1,751, 3,271 and
-4,233 (the README says when to ask for processes on the CPU).
+Where threads lose: beside a GPU training loop, whose Python shares the GIL with them, and on
+many cores, since each image takes the GIL a few times. `engine="auto"` takes processes for a
+GPU; `docs/performance.md` has the figures.
 
-How: each batch is cut into `threads` chunks of consecutive samples; a chunk reads its samples
-from the node cache (one `pread` each) and writes each decoded, augmented image straight into
-its row of the batch's buffer. The first batch is therefore built by every thread at once
-(time to first batch), and later batches queue behind it in plan order. The loop takes batch
-`j` when all its chunks are done; by then batches `j+1 .. j+lookahead` are in the pool.
+How: each batch is cut into `threads` chunks of consecutive samples. A chunk reads its samples
+from the node cache, one `pread` each, and writes each augmented image straight into its row
+of the batch's buffer. Every thread builds the first batch at once, and later batches queue
+behind it in plan order. The loop takes batch `j` when all its chunks are done; by then
+batches `j+1 .. j+lookahead` are in the pool.
 
-Why our own pool and not a pipeline library: the same work built on SPDL (`PipelineBuilder`, a
-threaded pipe per sample) and on `torchdata.nodes` (`ParallelMapper` threads, `Batcher`,
-`Prefetcher`), each as its docs build an image pipeline (per sample; a stage per batch chunk,
-as this engine does, was not tried), cost ~19% and ~5% more CPU per image in a run of
-`tools/bench_engines.py` on the 2-core VM (their per-sample hand-offs), and neither
-gives what this engine needs from it: SPDL drops a sample whose stage raises (or, when told to
-stop, raises its own `PipelineFailure`), neither resumes from our plan's (epoch, history), and
-torchdata has no `close()`. `tools/bench_engines.py` measures the three on the same shards.
+Why our own pool and not a pipeline library: SPDL and `torchdata.nodes`, built as their docs
+build an image pipeline, cost more CPU per image through per-sample hand-offs. Neither gives
+what this engine needs: SPDL drops a sample whose stage raises, neither resumes from our
+plan's (epoch, history), and torchdata has no `close()`.
 """
 
 from __future__ import annotations
@@ -59,8 +50,8 @@ _CLOSE_GRACE_S = 1.0
 
 @dataclass
 class _Row:
-    """One sample's outcome: its image went into its row of the buffer (or, for the device,
-    `image` holds its JPEG and crop row); None in a chunk's list marks a corrupt sample."""
+    """One sample's outcome: its image went into its row of the buffer, or, for the device, `image`
+    holds its JPEG and crop row. None in a chunk's list marks a corrupt sample."""
 
     label: int
     key: str | None
@@ -107,14 +98,10 @@ class ThreadEngine:
         return max(1, cfg.lookahead) + 2
 
     def batches(self, epoch: int, history: tuple) -> Iterator[dict]:
-        """This epoch's batches after `history`, in plan order. Leaving early (a break, an
-        error) cancels what is queued and waits only for the chunks already running.
-
-        Near the end of an epoch the lookahead runs on into the next one (from its start), so
-        a loop that goes on to it finds its first batches built: no pause between epochs.
-
-        A pass may run in another thread than `close()` (device decode's prefetch thread):
-        after a `close()` it starts nothing more and raises at its next batch."""
+        """This epoch's batches after `history`, in plan order. Leaving early cancels what is queued
+        and waits only for the chunks already running. Near an epoch's end the lookahead runs on into
+        the next epoch from its start: no pause between epochs. A pass may run in another thread than
+        `close()`; after a `close()` it starts nothing more and raises at its next batch."""
         plan = self.dataset.plan(epoch, history)
         with self._guard:
             closes, closed = self._closes, self._closed
@@ -284,14 +271,11 @@ class ThreadEngine:
         return batch
 
     def _abandon(self, pending: deque[_Job], wait: bool = True) -> None:
-        """Cancel queued chunks, wait for running ones (they write into slots), free their slots
-        (only theirs: jobs started for the next epoch keep their own). Not `wait`ing (after a
-        close(), which gave them `_CLOSE_GRACE_S`), running chunks (a download) are left to end
-        on their own, and the next pass waits for them first.
-
-        Only the chunks that could not be cancelled are waited for: a cancelled future counts as
-        done for `futures.wait` only once a pool thread has taken it off the queue, and after
-        `close()` (the pool shut down, its queue dropped) none ever will."""
+        """Cancel queued chunks, wait for running ones (they write into slots), free their slots.
+        Jobs started for the next epoch keep their own. Without `wait` (after a close(), which gave
+        them `_CLOSE_GRACE_S`), running chunks end on their own and the next pass waits for them.
+        Only chunks that could not be cancelled are waited for: after `close()` no pool thread takes
+        a cancelled future off the queue, so `futures.wait` would never count it done."""
         started = [chunk for job in pending for chunk in job.chunks if not chunk.cancel()]
         _, running = futures.wait(started, timeout=None if wait else 0)
         if running:

@@ -1,27 +1,23 @@
-/* Decode only the rows and columns of a JPEG that a crop needs (libjpeg-turbo's
- * jpeg_skip_scanlines and jpeg_crop_scanline, as djpeg -crop and DALI's ROI decode do).
+/* dlstore.transforms.jpeg_region: decode only the rows and columns of a JPEG that a crop needs
+ * (libjpeg-turbo's jpeg_skip_scanlines and jpeg_crop_scanline, as djpeg -crop and DALI's ROI decode do).
  *
- * Why: a RandomResizedCrop box covers about half of the image on average, yet a full decode
- * runs the inverse DCT, upsampling and colour conversion over every pixel. No maintained Python binding offers this decode
- * (simplejpeg and OpenCV decode whole images; PyTurboJPEG's crop is a lossless transform that
- * re-encodes, and its TurboJPEG 3 cropping needs a libturbojpeg that stock images lack), so it
- * is this small module against the system's libjpeg-turbo. dlstore.transforms falls back to a
- * whole-image decode when the module is not built or a JPEG is one it does not take.
+ * Why: a RandomResizedCrop box covers about half of the image on average, yet a full decode runs the
+ * inverse DCT, upsampling and colour conversion over every pixel. No maintained Python binding offers
+ * this decode, so it is this small module against the system's libjpeg-turbo. dlstore.transforms
+ * falls back to a whole-image decode when the module is not built or a JPEG is one it does not take.
  *
  *   decode_region(data, left, top, width, height, denom, check_all=True) -> (bytearray, x0, out_width)
  *
  * Rows top .. top+height-1 and columns from x0 (<= left, an iMCU boundary) for out_width
- * (>= left - x0 + width) pixels of the image scaled by 1/denom (libjpeg's DCT scaling), as
- * RGB, row after row. The pixels are those of a whole-image decode at that scale, except in the
- * outermost column on either side, whose horizontal upsampling sees the edge of the decoded
- * columns: ask for one column more on each side than you keep. The rows above the region are
- * entropy-decoded only (the inverse DCT, upsampling and colour conversion are what it saves);
- * with check_all so are those below it, so that the whole stream is checked: it raises
- * ValueError for what libjpeg rejects anywhere in the JPEG (corrupt data, warnings included, as
- * simplejpeg's strict default does; a CMYK image), as a whole-image decode would, and for a
- * region outside the image. Without check_all the rows below are never read (for a JPEG known
- * to decode: about a tenth of a decode's time more saved). The GIL is released while libjpeg
- * works.
+ * (>= left - x0 + width) pixels of the image scaled by 1/denom, as RGB, row after row. The pixels are
+ * those of a whole-image decode at that scale, except in the outermost column on either side, whose
+ * upsampling sees the edge of the decoded columns: ask for one column more on each side than you keep.
+ *
+ * The rows above the region are entropy-decoded only. With check_all so are those below it, so the
+ * whole stream is checked: it raises ValueError for what libjpeg rejects anywhere in the JPEG (corrupt
+ * data, warnings included, as simplejpeg's strict default does; a CMYK image), and for a region outside
+ * the image. Without check_all the rows below are never read: for a JPEG known to decode. The GIL is
+ * released while libjpeg works.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -174,12 +170,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg_region", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "jpeg_region", NULL, -1, methods};
 
 #define STRINGIFY_(x) #x
 #define STRINGIFY(x) STRINGIFY_(x)
 
-PyMODINIT_FUNC PyInit__jpeg_region(void) {
+PyMODINIT_FUNC PyInit_jpeg_region(void) {
     PyObject *m = PyModule_Create(&module);
     /* The libjpeg-turbo it was built against (`dlstore doctor` shows it). */
     if (m != NULL && PyModule_AddStringConstant(m, "libjpeg_turbo_version", STRINGIFY(LIBJPEG_TURBO_VERSION)) < 0) {
