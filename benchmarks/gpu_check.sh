@@ -98,10 +98,10 @@ if ((${#wheels[@]})); then
     "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "${wheels[@]}"
 fi
 export PYTHONPATH=$PWD:$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DLSTORE_SKIP_SWIFT=1
-# The crop-only JPEG decode (dlstore/_jpeg_region.c), built in place where the node has a compiler
+# The crop-only JPEG decode (dlstore/transforms/jpeg_region.c), built in place where the node has a compiler
 # and libjpeg-turbo's headers; without them dlstore decodes whole JPEGs (versions.txt says which).
 "$PYTHON" setup.py -q build_ext --inplace >"$OUT/build_ext.txt" 2>&1 ||
-    echo "gpu_check: dlstore._jpeg_region not built here (see $OUT/build_ext.txt): whole JPEGs are decoded"
+    echo "gpu_check: dlstore.transforms.jpeg_region not built here (see $OUT/build_ext.txt): whole JPEGs are decoded"
 "$PYTHON" -c "import tenacity, simplejpeg, xxhash, psutil, pytest, pytest_timeout" ||
     { echo "gpu_check: packages missing: bash benchmarks/gpu_check.sh --wheels (with pip), then carry .whl/" >&2; exit 1; }
 "$PYTHON" - <<'EOF' | tee "$OUT/versions.txt"
@@ -120,9 +120,9 @@ except ImportError:
     opencv = "missing (dlstore resizes with Pillow then: slower; pip install opencv-python-headless)"
 print("opencv", opencv, "simplejpeg", simplejpeg.__version__)
 try:
-    from dlstore import _jpeg_region
+    from dlstore.transforms import jpeg_region
 
-    print("crop-only decode: libjpeg-turbo", _jpeg_region.libjpeg_turbo_version)
+    print("crop-only decode: libjpeg-turbo", jpeg_region.libjpeg_turbo_version)
 except ImportError:
     print("crop-only decode: not built (whole JPEGs are decoded)")
 EOF

@@ -1,9 +1,8 @@
 """The streaming dataset: manifest + plan + cache + the sample path, one batch at a time.
 
-`Dataset` is a map-style torch dataset whose items are whole batches: the loader's sampler
-(main process) walks this rank's epoch plan and hands a `BatchRequest` to a worker; the
-worker builds the batch through the `SamplePath` (read from the node cache → decode →
-augment → collate into a uint8 NHWC batch).
+`Dataset` is a map-style torch dataset whose items are whole batches. The loader's sampler, in
+the main process, walks this rank's epoch plan and hands a `BatchRequest` to a worker. The
+worker builds the batch through the `SamplePath`: read, decode, augment, collate.
 """
 
 from __future__ import annotations
@@ -30,17 +29,14 @@ __all__ = ["BatchRequest", "Dataset"]
 log = logging.getLogger(__name__)
 
 #: How many batches before the one just requested the loader may still be building: the
-#: thread engine's lookahead (2 by default). Their shards stay in front of the cache's order;
-#: more costs cache room at each change of shuffle window, fewer risks a refetch. The room is
-#: the shards those batches read: where a batch spans a whole window, 4 (as it was) held 4
-#: windows and a cache of half the node's share fetched 0.6-0.7 of it per epoch, 2 fetches 0.5
-#: (`tools/bench_cache_policy.py --ranks-per-node`; the process engine with 2 workers too).
+#: thread engine's default lookahead. Their shards stay in front of the cache's order. More
+#: costs cache room at each change of shuffle window; fewer risks a refetch.
 _BATCHES_IN_FLIGHT = 2
 
 
 def _data_config(data: str | DataConfig, store_config: StoreConfig | None, settings: dict[str, Any]) -> DataConfig:
-    """The `DataConfig` of `Dataset`'s arguments, with what it leaves to the environment read
-    once, here (the entry point of the Python API)."""
+    """The `DataConfig` of `Dataset`'s arguments. What it leaves to the environment is read
+    once, here, at the entry point of the Python API."""
     if store_config is not None:
         settings["store"] = store_config
     if isinstance(data, DataConfig):
@@ -55,8 +51,8 @@ def _last_batches(plan: RankPlan) -> np.ndarray:
 
 
 def fetch_settings(cfg: DataConfig) -> dict[str, int]:
-    """The `CacheConfig` download settings a `DataConfig` sets (those it leaves at None keep the
-    cache's defaults)."""
+    """The `CacheConfig` download settings a `DataConfig` sets; those left at None keep the
+    cache's defaults."""
     given = {
         "parts_in_flight": cfg.fetch_parts,
         "shards_in_flight": cfg.fetch_shards,
@@ -106,25 +102,21 @@ class Dataset(torch.utils.data.Dataset):
         self.samples.partial = self._boundary_ranges()
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self.corrupt_samples = 0
-        # The prefetch held back while a pass's first batch is read straight from the store
-        # (`request`, `prefetch_after`, `first_batch_delivered`), and the list to start after it.
+        # The prefetch held back while a pass's first batch is read straight from the store,
+        # and the list to start after it (`first_batch_delivered`).
         self._prefetch_on_hold = False
         self._held_prefetch: tuple | None = None
 
     @functools.cached_property
     def prefetch_ahead(self) -> int:
         """How many shards the prefetch fetches beyond those in use once the cache is full
-        (`_ahead`): `prefetch_shards`, fewer when this node's share of the data outgrows its
-        cache, so that the window in use and the shards fetched ahead take at most a third of
-        it (one shard at least).
+        (`_ahead`). It is `prefetch_shards`, fewer when this node's share outgrows its cache:
+        the window in use and the shards ahead then take at most a third of it, one at least.
 
-        Why: such a cache streams part of the data every epoch, and keeps from one epoch to the
-        next what the plan needs soonest (`hint_cache`); every shard fetched ahead takes the
-        place of one kept, fetched again later. The issue's case, 24 shards and the cache at
-        half of them (shuffle window 4, `tools/bench_cache_policy.py`): 0.65 of the data per
-        epoch with 4 shards ahead, 0.56 with 2, 0.51 with 1. The cost: on a link slower than
-        the readers, less of the next window comes in ahead of them (over the local Swift at 10
-        MB/s per connection, later epochs ran as fast as with 4 ahead, the cold one 15% slower)."""
+        Why: such a cache streams part of the data every epoch and keeps what the plan needs
+        soonest (`hint_cache`). Every shard fetched ahead takes the place of one kept, which is
+        fetched again later. The cost: on a link slower than the readers, less of the next
+        window comes in ahead of them."""
         ahead, sizes = self.cfg.prefetch_shards, [s.size for s in self.manifest.shards]
         if not ahead or not sizes or sum(sizes) / self.world.num_nodes <= self.cfg.cache_limit:
             return ahead
@@ -137,8 +129,8 @@ class Dataset(torch.utils.data.Dataset):
 
     @functools.cached_property
     def manifest_digest(self) -> str:
-        """A checksum of the shard table (names, sizes, sample counts, checksums): what the
-        plan's sample ids mean. A dataset converted again gets another one."""
+        """A checksum of the shard table: what the plan's sample ids mean. A dataset converted
+        again gets another one."""
         return self.manifest.shard_table_digest
 
     @property
@@ -152,11 +144,10 @@ class Dataset(torch.utils.data.Dataset):
         return state
 
     def _boundary_ranges(self) -> dict[int, SampleRange]:
-        """This node's boundary shards (`dlstore.plan`: those it reads only part of) as the runs
-        of samples its cache fetches instead of the shards; one small GET of each one's sample
-        index. A shard whose index has no sample digests (version 1), fails its checksum or is
-        missing from the store is left out: a part of it could not be verified, so it is fetched
-        whole (reads never needed the index: a damaged one must not stop the dataset opening)."""
+        """This node's boundary shards, those it reads only part of, as the runs of samples its
+        cache fetches instead; one small GET of each one's sample index. A shard whose index
+        has no sample digests, fails its checksum or is missing is left out and fetched whole:
+        a part of it could not be verified, and a damaged index must not stop the opening."""
         parts = node_ranges(self.shard_sizes, self.plan_config, self.world).partial_shards(self.shard_sizes)
         ranges = {}
         for shard, (start, stop) in parts.items():
@@ -204,19 +195,17 @@ class Dataset(torch.utils.data.Dataset):
 
     def request(self, plan: RankPlan, epoch: int, index: int, fresh_pass: bool = False) -> BatchRequest:
         """What batch `index` of `plan` reads, for a loader to build. `fresh_pass`: the loader
-        starts a pass here (its first request, not one made ahead for the pass after), whose
-        prefetch waits for its first batch when that batch reads shards not cached yet
-        straight from the store (`first_batch_delivered`)."""
-        # The cache counts fetches and hits per epoch: those of this batch's entries under its
-        # epoch. A boundary shard's reads go to the node's run of its samples, or (after a re-deal
-        # to another node count) to the whole shard: both are named.
+        starts a pass here, not ahead for the pass after. Its prefetch then waits for its first
+        batch when that batch reads uncached shards straight from the store."""
+        # The cache counts this batch's entries under its epoch. A boundary shard's reads go to
+        # the node's run of its samples, or after a re-deal to the whole shard: both are named.
         shards = plan.batch_shards(index).tolist()
         names = [self.manifest.shards[s].name for s in shards]
         names += [self.samples.partial[s].key for s in shards if s in self.samples.partial]
         self.cache.set_epoch(epoch, names)
         ids, is_padding = plan.batch(index)
-        # A pass's first batch may read the samples of shards not cached yet straight from the
-        # store: from a cold cache it would wait for whole shards (`dlstore.cache.direct`).
+        # A pass's first batch may read uncached shards' samples straight from the store, rather
+        # than wait for whole shards (`dlstore.read.direct`).
         direct = direct_shards(ids, self.shard_sizes) if index == 0 and self.cfg.first_batch_direct else ()
         if index == 0 and fresh_pass:
             self._prefetch_on_hold = any(self.samples.may_read_directly(shard) for shard in direct)
@@ -226,48 +215,33 @@ class Dataset(torch.utils.data.Dataset):
         return BatchRequest(epoch=epoch, index=index, ids=ids, is_padding=is_padding, direct=direct)
 
     def first_batch_delivered(self) -> None:
-        """The loader handed on a pass's first batch (index 0): start the prefetch it held back.
+        """The loader handed on a pass's first batch: start the prefetch it held back.
 
-        Why held back: a cold pass's first batch reads its samples straight from the store
-        (`dlstore.cache.direct`), a few MB, then decodes them. The prefetch's downloads of its
-        shards (a cold start's 32 connections, hundreds of MB) took the link, the store and the
-        loader's CPU from it: with the default shard size, one decode core and the store on
-        another (`tools/bench_cold.py loader`), that batch came in 2.0-2.1 s through the WAN
-        emulator at 40 MB/s per connection beside them, 0.38-0.44 s with them held back. The
-        cost: the shards start ~0.3-0.4 s later, once per cold pass (a cold epoch of 16,000
-        images ran 1-2% longer).
+        Why held back: a cold pass's first batch reads a few MB straight from the store
+        (`dlstore.read.direct`), then decodes them. The prefetch's downloads of its shards,
+        hundreds of MB, would take the link, the store and the loader's CPU from it. The cost:
+        the shards start a little later, once per cold pass.
 
-        Only a fresh pass holds its prefetch back: passes requested ahead (the next epoch's
-        first batches) do not wait for a hand-on. A read that needs the cache (a shard not
-        read directly) fetches its shard at once as a reader's download, never held back."""
+        Only a fresh pass holds its prefetch back, not passes requested ahead. A read that
+        needs the cache fetches its shard at once as a reader's download."""
         held, self._held_prefetch = self._held_prefetch, None
         self._prefetch_on_hold = False
         if held is not None:
             self.cache.prefetch(*held)
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
-        """Ask the cache to fetch in the background the shards batch `index` (just requested)
-        reads, then the next `prefetch_ahead` shards the plan reads after them, in the order
-        it first needs them.
+        """Ask the cache to fetch in the background the shards batch `index`, just requested,
+        reads, then the next `prefetch_ahead` shards the plan reads, by first need.
 
-        Why the shards in use lead the list: from a cold cache, batch 0 needs every shard of
-        the first shuffle window (two with the plan's window ramp), and the prefetch fetches
-        them while the readers wait; and the next window's shards come in while this one is
-        read (a list of only the next `prefetch_shards` shards would hold no more than the
-        window in use, and the readers would fetch each shard of the next one as they reach
-        it). They are the list's `lead`, fetched before any shard after them: fetched side by
-        side with the next window's, they came in when those did (a cold first batch, 1 decode
-        thread, this box: batch 0's shards in 0.37-0.53 s; with the lead and the ramp's two
-        shards, 0.18-0.21 s).
+        Why the shards in use lead the list: from a cold cache batch 0 needs every shard of the
+        first shuffle window, and the prefetch fetches them while the readers wait. They are
+        the list's `lead`, fetched before any shard after them, which would share their link.
+        The next window's shards then come in while this one is read.
 
         The cache keeps the whole list cached (`depth`), not its own `prefetch_shards` from
-        the readers' place: with worker processes the reads never move this process's window
-        on, and the next shuffle window's shards came in only as a batch that reads them was
-        requested (a stall at each window's start on cold epochs); with decode threads the
-        window held the shards in use, so only part of the next one. Only in a cache with room
-        for two shuffle windows and the prefetch (as for `hint_cache`): in a smaller one the
-        deeper window evicted shards that queued batches still needed, and the workers fetched
-        them again (2-3x the downloads, simulated)."""
+        the readers' place: with worker processes, reads never move this process's window on.
+        Only in a cache with room for two shuffle windows and the prefetch: in a smaller one
+        the deeper window evicts shards that queued batches still need."""
         self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
@@ -287,20 +261,17 @@ class Dataset(torch.utils.data.Dataset):
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:
         """Tell the node cache the order this rank needs shards in from batch `index` on: the
-        rest of this epoch, then the whole next epoch (a pure function of the plan's inputs,
-        so known now). Its evictions then drop the shard needed furthest ahead instead of the
-        least recently used one, which against a shuffled sweep is nearly the worst choice.
+        rest of this epoch, then the whole next one, known now since the plan is pure. Its
+        evictions then drop the shard needed furthest ahead instead of the least recently
+        used one, which against a shuffled sweep is nearly the worst choice.
 
-        Called for every batch; the order is written again only when it has gone stale: when
-        a shard it names as needed this epoch is done with (its last batch built), or for a
-        new plan. In between, the shards still needed keep their order (each by its first
-        need), which is all eviction looks at. An order left stale for several batches would
-        keep finished shards in front of those in use: where a batch reads a whole shuffle
-        window, every rank of the node then evicted the shards the others were reading.
+        Called for every batch, it writes the order again only once it is stale: a shard it
+        names as needed this epoch is done with, or the plan is new. In between, the shards
+        still needed keep their order, which is all eviction looks at. A stale order would
+        keep finished shards in front of those in use, for other ranks to evict.
 
-        A cache with no room for two shuffle windows and the prefetch (the window being read
-        and the next one coming in) gets no hints: refetches are unavoidable there, and LRU,
-        which evicts the finished window first, does no worse.
+        A cache with no room for two shuffle windows and the prefetch gets no hints: refetches
+        are unavoidable there, and LRU, which evicts the finished window first, does no worse.
 
         >>> ds.hint_cache(ds.plan(epoch), 0)  # doctest: +SKIP
         """
@@ -310,7 +281,7 @@ class Dataset(torch.utils.data.Dataset):
             return
         order = self._order_from(plan, index)
         # The plan's epoch is the key it is cached under; a plan no longer cached gets no look
-        # beyond its own epoch (the next epoch's plan is cached too, and reused when it comes).
+        # beyond its own epoch.
         epoch = next((key[0] for key, cached in self._plans.items() if cached is plan), None)
         if epoch is not None:
             # The next epoch's order, computed once per epoch (a pure function of its epoch).
@@ -323,15 +294,13 @@ class Dataset(torch.utils.data.Dataset):
 
     def _ahead(self) -> int:
         """Shards the prefetch fetches ahead: `prefetch_shards` until this process's cache has
-        evicted a shard (a cache still filling keeps everything: nothing a deeper prefetch could
-        displace, and a slow link's readers wait less), `prefetch_ahead` from then on."""
+        evicted a shard, since a cache still filling keeps everything; `prefetch_ahead` after."""
         return self.prefetch_ahead if self.cache.stats.evictions else self.cfg.prefetch_shards
 
     def _warn_of_refetches(self) -> None:
-        """Say at the start when this node's share of the data outgrows a cache that has no room
-        for two shuffle windows and the prefetch (`_holds_two_windows`): the batches being built
-        then need more shards at once than it holds, and they are fetched several times an
-        epoch (9 shards of 5 MB, a 22 MB cache, window 4: 3.3-4x the data per epoch, silently)."""
+        """Say at the start when this node's share of the data outgrows a cache without room for
+        two shuffle windows and the prefetch: the batches being built then need more shards at
+        once than it holds, and shards are fetched several times an epoch."""
         sizes = [s.size for s in self.manifest.shards]
         if not sizes or sum(sizes) / self.world.num_nodes <= self.cfg.cache_limit or self._holds_two_windows():
             return
@@ -353,15 +322,14 @@ class Dataset(torch.utils.data.Dataset):
         )
 
     def _holds_two_windows(self) -> bool:
-        """Whether the cache has room for two shuffle windows (the one read, the next coming
-        in) and the prefetch, at the largest shard's size."""
+        """Whether the cache has room for two shuffle windows, the one read and the next, and
+        the prefetch, at the largest shard's size."""
         working_set = 2 * self.cfg.shuffle_window + self.prefetch_ahead
         return self.cfg.cache_limit >= working_set * max((s.size for s in self.manifest.shards), default=0)
 
     def _hint_is_stale(self, plan: RankPlan, first_batch: int) -> bool:
         """Whether the order last written is stale once the batches before `first_batch` are
-        built: it is another plan's, or names a shard as needed this epoch that no batch from
-        `first_batch` on reads. Counts the shards those batches read, in O(log shards)."""
+        built: another plan's, or naming a shard no batch from `first_batch` on reads."""
         memo = self.__dict__.get("_hinted")
         if memo is None or memo[0] is not plan:
             memo = self.__dict__["_hinted"] = [plan, _last_batches(plan), None]
@@ -371,12 +339,10 @@ class Dataset(torch.utils.data.Dataset):
 
     @staticmethod
     def _order_from(plan: RankPlan, index: int) -> list[int]:
-        """This epoch's part of the hinted order, from batch `index` (just requested) on."""
+        """This epoch's part of the hinted order, from batch `index`, just requested, on."""
         ahead = plan.shards_needed(index).tolist()
-        # The loader asks for batch `index` while the batches before it may still be being
-        # built (its lookahead). Shards those batches read last go after the ones in use and
-        # before any not yet started: no prefetch evicts one under a builder, and a reader
-        # short of room evicts one before a shard it reads again soon.
+        # The batches before `index` may still be being built. Shards they read last go after
+        # the ones in use and before any not yet started: no prefetch evicts one under a builder.
         lo, hi = max(index - _BATCHES_IN_FLIGHT, 0) * plan.batch_size, (index + 1) * plan.batch_size
         recent = dict.fromkeys(plan.shards[lo:hi].tolist())
         needed = set(ahead)
@@ -390,18 +356,18 @@ class Dataset(torch.utils.data.Dataset):
     def build_batch(
         self, request: BatchRequest, out: torch.Tensor | None = None, clock: StageClock | None = None
     ) -> dict:
-        """`SamplePath.build_batch` for this dataset's cache epoch; `batch["corrupt"]` says how
-        many samples were skipped (a `Loader` adds them to `corrupt_samples` as it delivers)."""
+        """`SamplePath.build_batch` for this dataset's cache epoch. `batch["corrupt"]` says how
+        many samples were skipped; a `Loader` adds them to `corrupt_samples`."""
         self.cache.set_epoch(request.epoch)  # a worker process knows its epoch from the request
         return self.samples.build_batch(request, out, clock)
 
     def with_transform(self, transform: TransformConfig) -> Dataset:
-        """The same data with another transform (e.g. a progressive-resizing step)."""
+        """The same data with another transform, such as a progressive-resizing step."""
         return self.with_settings(transform=transform)
 
     def with_settings(self, **changes: Any) -> Dataset:
-        """The same data (store, manifest, cache) under a config with `changes`: a transform,
-        or the plan's `window_ramp` for a loader that resumes a state saved in the other order."""
+        """The same store, manifest and cache under a config with `changes`: a transform, or the
+        plan's `window_ramp` for a loader resuming a state saved in the other order."""
         other = self.__new__(type(self))
         other.__dict__.update(self.__getstate__())
         other.cfg = self.cfg.replace(**changes)

@@ -1,15 +1,14 @@
 """The sample path, defined once: read → decode (or plan the crop, for the device) → augment → collate.
 
 `SamplePath` turns a batch's sample ids into a uint8 NHWC batch. `Dataset` composes it with
-the plan; `dlstore bench` times these very stages by passing a `StageClock`; tools call it
-instead of copying it. Each stage is a method with one job:
+the plan; `dlstore bench` times these very stages by passing a `StageClock`. Each stage is a
+method with one job:
 
 * `read`     the samples' bytes: the shard from the node cache (`fetch`), then one `pread`
-             per sample through the shard's sample index (`read`); a cold pass's first
-             batch reads its samples straight from the store instead (`dlstore.cache.direct`);
-* `decode`   the image member and the label (`shards.image_field`, `shards.parse_label`), the
-             crop drawn with the sample's own random generator, and the pixels (decoded at
-             the smallest scale the crop allows);
+             per sample through its sample index (`read`). A cold pass's first batch reads
+             its samples straight from the store instead (`dlstore.read.direct`);
+* `decode`   the image member and the label, the crop drawn with the sample's own random
+             generator, and the pixels, decoded at the smallest scale the crop allows;
 * `augment`  the preset's crop, resize and flip;
 * `plan_on_device`  (for `decode_on="device"`) the JPEG and its crop row, left undecoded;
 * `collate`  the batch dict the loader hands on.
@@ -37,6 +36,7 @@ from dlstore.format.manifest import Manifest, load_sample_index
 from dlstore.format.sample_index import SampleIndex
 from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
 from dlstore.plan import locate
+from dlstore.read import DirectReads, NodeMarks, cached_sample_index, forget_sample_index
 from dlstore.transforms import (
     CropSource,
     SampleRngs,
@@ -54,19 +54,16 @@ log = logging.getLogger(__name__)
 # The stages a batch goes through on the host, in order (`StageClock` keys).
 STAGES = ("fetch", "read", "decode", "augment", "collate")
 # The most of a shard's samples a first batch reads straight from the store rather than wait
-# for the shard. Waiting costs the time to fetch the whole shard, reading directly the time
-# to fetch the batch's part of it, plus GETs, digests and parsing: a quarter of a 33 MB shard
-# (in 16 parts at 40 MB/s each) came 0.06-0.08 s later than the shard itself, 2.5% of a
-# 256 MB shard 0.3-1.2 s sooner (`tools/bench_cold.py loader`).
+# for the shard. Waiting costs the whole shard's fetch; reading directly, the batch's part of
+# it plus GETs, digests and parsing. Past this share the shard itself comes sooner.
 DIRECT_SHARE = 0.125
 
 
 @dataclass(frozen=True)
 class BatchRequest:
-    """What a worker needs to build one batch: the sample ids, the epoch (for augmentation
-    randomness) and the batch's position (for ordering and errors). `direct`: the shards
-    whose samples, when not cached yet, may be read straight from the store (those a pass's
-    first batch reads little of: `direct_shards`)."""
+    """What a worker needs to build one batch: the sample ids, the epoch for augmentation
+    randomness, and the batch's position for ordering and errors. `direct`: the shards whose
+    samples may be read straight from the store when not cached yet (`direct_shards`)."""
 
     epoch: int
     index: int
@@ -76,8 +73,8 @@ class BatchRequest:
 
 
 def direct_shards(ids: np.ndarray, shard_sizes: np.ndarray) -> tuple[int, ...]:
-    """The shards of which the batch of `ids` reads at most `DIRECT_SHARE` of the samples:
-    decided for the whole batch, before it is split among workers.
+    """The shards of which the batch of `ids` reads at most `DIRECT_SHARE` of the samples,
+    decided for the whole batch before it is split among workers.
 
     >>> direct_shards(np.array([0, 1, 2, 3, 4, 5, 40, 41]), np.array([40, 40]))  # 6 and 2 of 40
     (1,)
@@ -126,34 +123,32 @@ class SamplePath:
         # Only the fields this dataset has, in the one order of preference.
         self.image_fields = tuple(f for f in IMAGE_FIELDS if f in manifest.fields)
         self._indexes: OrderedDict[str, Any] = OrderedDict()
-        # Indexes being read now, one thread per shard: {name: (pid, lock)}; an entry of another
-        # pid was copied by a fork from a parent thread that was reading it, and is not waited for.
+        # Indexes being read now, one thread per shard: {name: (pid, lock)}. An entry of another
+        # pid was copied by a fork from a parent thread reading it, and is not waited for.
         self._building: dict[str, tuple[int, threading.Lock]] = {}
-        # The shards this node reads only part of, as the runs of samples its cache holds
-        # (set by `Dataset`; `dlstore.cache.partial`): {shard: SampleRange}.
+        # The shards this node reads only part of, as the runs of samples its cache holds,
+        # set by `Dataset`: {shard: SampleRange}.
         self.partial: dict[int, SampleRange] = {}
-        # Shards whose cached copy this process has checked against the manifest's checksum
-        # after a read failed (see `_recheck`): a second failure is the shard's own.
+        # Shards whose cached copy this process rechecked after a read failed (`_recheck`):
+        # a second failure is the shard's own.
         self._rechecked: set[str] = set()
-        # The store's sample indexes of shards read directly (`_read_direct`), None where a
-        # shard has none with digests: {shard: SampleIndex | None}.
+        # Reads straight from the store, and the store's sample indexes of the shards read so,
+        # None where a shard has none with digests: {shard: SampleIndex | None}.
+        self._direct = DirectReads(cache)
         self._store_indexes: dict[int, SampleIndex | None] = {}
-        # Samples whose image has decoded without error, the whole stream checked: a later
-        # crop of theirs reads only the rows it needs (`decode_for_crop`). The bytes of a
-        # sample never change (checksums), so neither does that verdict. Made at the first
-        # decode in this process, or shared with worker processes (`share_decode_marks`);
-        # what it lacks is asked of the node's marks, which every process of the node
-        # shares through the cache directory (`dlstore.cache.marks`).
+        # Samples whose image decoded without error, the whole stream checked: a later crop
+        # reads only the rows it needs (`decode_for_crop`). A sample's bytes never change, so
+        # neither does the verdict. Made at the first decode here, or shared with worker
+        # processes (`share_decode_marks`); what it lacks is asked of the node's marks.
         self._decodes_cleanly: np.ndarray | None = None
         self._shared_marks: torch.Tensor | None = None
-        self._node_marks = cache.node_marks(manifest.shard_table_digest.partition(":")[2][:32])
+        self._node_marks = NodeMarks(cache.marks_path(manifest.shard_table_digest.partition(":")[2][:32]))
         # Every sample decodes cleanly where `dlstore convert` checked them all and the cache
-        # checks that a shard's bytes are the ones it wrote (its checksum).
+        # checks each shard's checksum.
         self._all_decode_cleanly = manifest.decode_checked and cache.config.verify
         # Each sample's generator (`sample_rng`'s draws), one re-keyed per thread.
         self._rngs = SampleRngs()
-        # The stages run in several threads at once (the loader's decode threads): the two
-        # caches above are shared between them.
+        # The stages run in the loader's decode threads at once: the caches above are shared.
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -171,12 +166,10 @@ class SamplePath:
 
     def share_decode_marks(self) -> None:
         """Keep the marks of samples that decode cleanly in shared memory, which worker
-        processes started after this share (the process engine calls it): each process's own
-        marks knew only the samples it had decoded itself, and with 8 workers on 2 cores a worker
-        spent ~5% more CPU an image (medians of 6 rounds) reading the rows below crops of
-        samples another worker had decoded. One byte a sample (1.3 MB for ImageNet); where
-        shared memory cannot be had, each process keeps its own marks as before. The ranks of
-        a node share theirs through the cache directory (`dlstore.cache.marks`)."""
+        processes started after this share; the process engine calls it. Otherwise a worker
+        knows only the samples it decoded itself. One byte a sample; without shared memory each
+        process keeps its own marks. The ranks of a node share theirs through the cache
+        directory (`dlstore.read.marks`)."""
         if self._shared_marks is not None:
             return
         count = int(self.shard_sizes.sum())
@@ -190,7 +183,7 @@ class SamplePath:
         self._shared_marks, self._decodes_cleanly = marks, marks.numpy()
 
     def with_config(self, cfg: DataConfig) -> SamplePath:
-        """The same data and caches under another config (e.g. a new transform)."""
+        """The same data and caches under another config, such as a new transform."""
         other = self.__new__(type(self))
         other.__dict__.update(self.__dict__)
         other.cfg = cfg
@@ -201,9 +194,9 @@ class SamplePath:
         return info.name, info.size, info.checksum
 
     def cache_spec(self, shard: int, samples: np.ndarray | None = None) -> ShardSpec:
-        """The cache entry that reads of `samples` (indexes within the shard; None: any of this
-        node's) of `shard` go to: the node's run of samples of a boundary shard when it holds
-        them all, else the whole shard."""
+        """The cache entry that reads of `samples` of `shard` go to: the node's run of samples of
+        a boundary shard when it holds them all, else the whole shard. `samples` are indexes
+        within the shard; None stands for any of this node's."""
         part = self.partial.get(shard)
         if part is not None and (samples is None or part.contains(samples)):
             return part.spec
@@ -212,8 +205,7 @@ class SamplePath:
     # -- read ------------------------------------------------------------------------------
     def read(self, ids: np.ndarray, clock: StageClock | None = None, direct: tuple[int, ...] = ()) -> list[dict]:
         """The raw samples of `ids`, in order; each shard is held once for all its samples.
-        Those of the shards in `direct` (a pass's first batch) that are not cached yet are
-        read straight from the store (`_read_direct`)."""
+        Samples of the shards in `direct` not cached yet are read straight from the store."""
         shards, offsets = locate(ids, self.shard_sizes)
         samples: list[dict | None] = [None] * len(ids)
         read_already = set()
@@ -234,9 +226,9 @@ class SamplePath:
         return samples  # type: ignore[return-value]
 
     def _index(self, shard: int, path: str):
-        """The sample index of `shard`, held at `path`: this process's copy, else the cache's
-        (`ShardCache.sample_index`: kept per node, walked from the file only once). One thread
-        reads each shard's; the others wait for it rather than walk the same file."""
+        """The sample index of `shard`, held at `path`: this process's copy, else the one kept
+        in the cache (`dlstore.read.indexes`). One thread reads each shard's; the others wait
+        for it rather than walk the same file."""
         info = self.manifest.shards[shard]
         while True:
             with self._lock:
@@ -256,7 +248,7 @@ class SamplePath:
             with building:  # another thread reads it: wait, then look again (it may have failed)
                 pass
         try:
-            index = self.cache.sample_index(path, info.checksum)  # outside the lock: file reads
+            index = cached_sample_index(self.cache.index_path(info.name), path, info.checksum)  # file reads
             if len(index) != info.samples:
                 # Fewer: an IndexError deep in a read; more: samples dropped without a word.
                 raise CorruptShard(
@@ -282,9 +274,8 @@ class SamplePath:
         clock: StageClock | None,
         spec: ShardSpec,
     ) -> CorruptShard | None:
-        """Read the samples at `positions` from the cache entry `spec` of `shard` (the shard, or
-        a run of its samples) into `samples`; the tar reader's error if the cached file is
-        malformed (errors of the cache itself propagate)."""
+        """Read the samples at `positions` from the cache entry `spec` of `shard` into `samples`.
+        Returns the tar reader's error if the cached file is malformed; the cache's own propagate."""
         with contextlib.ExitStack() as held:
             with _timed(clock, "fetch"):
                 path = held.enter_context(self.cache.hold(*spec))
@@ -300,12 +291,11 @@ class SamplePath:
         return None
 
     def _read_direct(self, shards: np.ndarray, offsets: np.ndarray, samples: list, allowed: tuple) -> set[int]:
-        """Read the samples of `shards` (each sample's shard; `offsets`: its index in it) in
-        `allowed` that are not cached yet straight from the store into `samples`
-        (`ShardCache.read_direct`: each checked against its digest, all shards' at once),
-        rather than wait for the whole shards; the shards so read. Not a shard that is cached,
-        a boundary shard, one whose index has no digests or no checksum in the manifest, or
-        one with a sample that does not match: those are read from the cache as usual."""
+        """Read the samples whose shard is in `allowed` and not cached yet straight from the store
+        into `samples`, each checked by its digest (`DirectReads.read`). `shards` and `offsets`
+        give each sample's shard and its index there. Returns the shards so read. The others
+        are read from the cache as usual: cached or boundary shards, those without a checked
+        index with digests, and those with a sample that does not match."""
         wanted, where = [], {}
         for shard in np.unique(shards).tolist():
             name = self.manifest.shards[shard].name
@@ -321,7 +311,7 @@ class SamplePath:
         if not wanted:
             return set()
         try:
-            got = self.cache.read_direct(wanted)
+            got = self._direct.read(wanted)
             read = {name: [read_sample(got[name][n]) for n in where[name][2]] for name in got}
         except DlstoreError as exc:  # the shards' own reads report it, if it is theirs
             log.info("reading samples straight from the store failed (%s): read from the cache", exc)
@@ -332,18 +322,17 @@ class SamplePath:
         return {where[name][0] for name in read}
 
     def may_read_directly(self, shard: int) -> bool:
-        """Whether `_read_direct` may read samples of `shard` now: not cached yet, a whole
-        shard of this node (not a boundary run), with a sample index the manifest checks."""
+        """Whether `_read_direct` may read samples of `shard` now: a whole shard of this node,
+        not cached yet, with a sample index the manifest checks."""
         info = self.manifest.shards[shard]
         if shard in self.partial or info.index is None or info.index_checksum is None:
             return False
         return not self.cache.cached(info.name)
 
     def _store_index(self, shard: int) -> SampleIndex | None:
-        """The store's sample index of `shard` with sample digests (one small GET, once per
-        process, with direct reads' short retry), or None where it has none or it cannot be
-        had. A failure that may pass (the store unreachable or busy) is not remembered: the
-        next read asks again."""
+        """The store's sample index of `shard` with sample digests, or None where it has none
+        or it cannot be had. One small GET per process, with direct reads' short retry. A
+        failure that may pass is not remembered: the next read asks again."""
         with self._lock:
             if shard in self._store_indexes:
                 return self._store_indexes[shard]
@@ -351,7 +340,7 @@ class SamplePath:
         index = None
         if info.index is not None and info.index_checksum is not None:  # digests as sure as the manifest
             try:
-                index = load_sample_index(self.cache.direct_store, info)
+                index = load_sample_index(self._direct.store, info)
             except TransientError as exc:
                 log.info("shard %r is read from the cache this time: %s", info.name, exc)
                 return None
@@ -364,13 +353,11 @@ class SamplePath:
         return index
 
     def _recheck(self, shard: int, spec: ShardSpec | None = None) -> bool:
-        """After a read of `shard` failed: check its cached copy (`spec`, the whole shard by
-        default) against the manifest's checksum (a run of samples: their digests),
-        which replaces a damaged copy (a bad disk, a stray write after it was verified) with a
-        fresh download. Once per shard and process, outside any hold (a hold of our own would
-        keep the cache from replacing the file); False when done already, or impossible.
-
-        The check costs a hash of the shard, so it runs only after a failure, never per read."""
+        """After a read of `shard` failed: check its cached copy `spec`, the whole shard by
+        default, against the manifest's checksum or its samples' digests. A damaged copy is
+        replaced by a fresh download. Once per shard and process, outside any hold, since our
+        own hold would keep the cache from replacing the file. False when done already, or
+        impossible. The check costs a hash of the shard, so it runs only after a failure."""
         spec = spec or ShardSpec(*self.shard_ref(shard))
         with self._lock:
             if (spec.checksum is None and spec.samples is None) or spec.name in self._rechecked:
@@ -378,7 +365,7 @@ class SamplePath:
             self._rechecked.add(spec.name)
             self._indexes.pop(spec.name, None)  # built from the damaged file, maybe
         if spec.samples is None:
-            self.cache.forget_sample_index(spec.name)  # the node's copy too: it may be the damaged part
+            forget_sample_index(self.cache.index_path(spec.name))  # the node's copy may be the damaged part
         self.cache.fetch(*spec, recheck=True)
         return True
 
@@ -395,7 +382,7 @@ class SamplePath:
     def decode(
         self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None
     ) -> tuple[CropSource, int]:
-        """The sample's pixels with its crop drawn (its own random generator), decoded at the
+        """The sample's pixels with its crop drawn by its own random generator, decoded at the
         smallest scale the crop allows, and its label; `CorruptSample` when either is bad."""
         data, label = self.image_bytes(sample), self.label(sample)
         if self.cfg.transform.preset == "none":
@@ -414,7 +401,7 @@ class SamplePath:
 
     def augment(self, source: CropSource, clock: StageClock | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The crop, resize and flip drawn by `decode`: uint8 HWC at the preset's size, written
-        into `out` when given (a row of the batch buffer: no copy of the image afterwards)."""
+        into `out` when given, a row of the batch buffer."""
         with _timed(clock, "augment"):
             return resize_crop(source, self.cfg.transform, out)
 
@@ -427,8 +414,8 @@ class SamplePath:
         return (data, (*box, float(flip))), label
 
     def image(self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None, out=None):
-        """One sample through decode and augment: its uint8 HWC array (in `out` when given) or,
-        with `decode_on="device"`, its JPEG and crop row; and its label. `CorruptSample` if bad."""
+        """One sample through decode and augment, and its label. The image is a uint8 HWC array,
+        in `out` when given, or its JPEG and crop row with `decode_on="device"`."""
         on_device = self.cfg.decode_on == "device"
 
         def first_step(sample: dict):
@@ -453,18 +440,16 @@ class SamplePath:
     def build_batch(
         self, request: BatchRequest, out: torch.Tensor | None = None, clock: StageClock | None = None
     ) -> dict:
-        """The batch of `request`: uint8 NHWC images, labels, padding marks, and (with
-        `decode_on="device"`) the encoded JPEGs (one byte tensor and each JPEG's length) and crop
-        rows instead of images. `batch["corrupt"]` counts the samples skipped as corrupt.
+        """The batch of `request`: uint8 NHWC images, labels and padding marks.
+        `batch["corrupt"]` counts the samples skipped as corrupt. With `decode_on="device"` it
+        holds the encoded JPEGs and their crop rows instead of images (`join_encoded`).
 
         `out`, a uint8 tensor of shape (batch_size, size, size, 3), receives the images, and
-        the batch's "images" is a view of its first rows: the loader passes a slot of a
-        shared-memory buffer, so a worker's batch reaches the training process uncopied."""
+        "images" is a view of its first rows. The loader passes a slot of a shared-memory
+        buffer, so a worker's batch reaches the training process uncopied."""
         samples = self.read(request.ids, clock, direct=request.direct)
         images, labels, keys, padding = [], [], [], []
-        # Each image resized straight into its row of `out` (the next free one: a corrupt
-        # sample leaves none), as the decode threads do: no array per image, no copy after
-        # (~1% of a worker's CPU here, within the noise of 7 rounds).
+        # Each image is resized straight into the next free row of `out`: no copy after.
         rows = out.numpy() if out is not None and self.cfg.decode_on != "device" else None
         for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), samples):
             try:
@@ -485,8 +470,8 @@ class SamplePath:
         return batch
 
     def collate(self, index: int, images: list, labels: list, keys: list, padding: list, out=None) -> dict:
-        """One batch dict from the samples' images (arrays, or device rows), labels and marks;
-        with `out`, the images are its first rows already (`build_batch` resizes into them)."""
+        """One batch dict from the samples' images, labels and marks. With `out`, the images
+        are its first rows already."""
         if self.cfg.decode_on == "device":
             batch = self.batch_dict(index, self.empty_images(), labels, keys, padding)
             batch["encoded"], batch["boxes"] = join_encoded(images)
@@ -516,10 +501,8 @@ class SamplePath:
 
 
 def join_encoded(rows: list[tuple[bytes, tuple]]) -> tuple[tuple[torch.Tensor, list[int]], torch.Tensor]:
-    """The batch's JPEGs as one byte tensor with each one's length, and their crop rows.
-
-    One tensor for the batch: each tensor a worker returns costs a shared-memory file and a
-    file descriptor while in flight (and a pinning copy on GPU nodes)."""
+    """The batch's JPEGs as one byte tensor with each one's length, and their crop rows. One
+    tensor: each tensor a worker returns costs a shared-memory file and a descriptor."""
     lengths = [len(data) for data, _ in rows]
     joined = bytearray(b"".join(data for data, _ in rows))
     encoded = torch.frombuffer(joined, dtype=torch.uint8) if joined else torch.empty(0, dtype=torch.uint8)

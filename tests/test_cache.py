@@ -38,12 +38,14 @@ from dlstore.cache import (
     SampleRange,
     ShardCache,
     ShardSpec,
-    _CacheDir,
     cache_report,
 )
+from dlstore.cache.fetcher import Fetcher
+from dlstore.cache.layout import CacheDir
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.prefetch import _next_prefetch, advance_window
-from dlstore.cache.runtime import _Runtime
+from dlstore.cache.room import Room
+from dlstore.cache.runtime import Runtime
 from dlstore.cli import main
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NoSpace, NotFound, TransientError
@@ -433,7 +435,7 @@ def test_a_download_published_during_a_scan_is_counted_once(tmp_path, monkeypatc
     downloader.start()
     wait_for(lambda: os.listdir(cache_dir / "tmp"))  # reserved; waiting at the gate
 
-    original = _CacheDir._temp_owner_dead
+    original = CacheDir._temp_owner_dead
 
     def slow_check(path):  # mid-scan: past tmp/, before shards/; the download finishes now
         dead = original(path)
@@ -441,7 +443,7 @@ def test_a_download_published_during_a_scan_is_counted_once(tmp_path, monkeypatc
         downloader.join(0.5)
         return dead
 
-    monkeypatch.setattr(_CacheDir, "_temp_owner_dead", staticmethod(slow_check))
+    monkeypatch.setattr(CacheDir, "_temp_owner_dead", staticmethod(slow_check))
     report = cache_report(cache_dir)
     monkeypatch.undo()
     downloader.join(10)
@@ -455,13 +457,13 @@ def test_a_download_published_during_a_scan_is_counted_once(tmp_path, monkeypatc
 def _sleeps_noted(monkeypatch) -> threading.Event:
     """An event set when a thread of the cache starts a poll's sleep (`sleep_unless_released`)."""
     sleeping = threading.Event()
-    original = _Runtime.sleep_unless_released
+    original = Runtime.sleep_unless_released
 
     def noted(self, seen, seconds):
         sleeping.set()
         return original(self, seen, seconds)
 
-    monkeypatch.setattr(_Runtime, "sleep_unless_released", noted)
+    monkeypatch.setattr(Runtime, "sleep_unless_released", noted)
     return sleeping
 
 
@@ -469,7 +471,7 @@ def test_a_reader_waiting_for_another_threads_download_wakes_when_it_is_in(tmp_p
     """A reader whose shard another thread of its process downloads polls the shard's lock;
     the download's end wakes it at once, not at the end of its poll's sleep (here an hour:
     without the wake-up it sleeps through the test)."""
-    monkeypatch.setattr("dlstore.cache.shard_cache._LOCK_POLL_S", (3600.0, 3600.0))
+    monkeypatch.setattr("dlstore.cache.fetcher._LOCK_POLL_S", (3600.0, 3600.0))
     sleeping = _sleeps_noted(monkeypatch)
     specs, contents = make_remote(tmp_path / "remote", [8000])
     store = GatedStore(str(tmp_path / "remote"))
@@ -498,7 +500,7 @@ def test_a_reader_waiting_for_another_threads_download_wakes_when_it_is_in(tmp_p
 def test_a_download_waiting_for_room_wakes_when_a_reader_lets_go(tmp_path, monkeypatch):
     """A download that waits for room (the only shard that could go is held) starts as soon as
     a reader of its process lets go, not at the end of its poll's sleep (here an hour)."""
-    monkeypatch.setattr("dlstore.cache.shard_cache._ROOM_POLL_S", (3600.0, 3600.0))
+    monkeypatch.setattr("dlstore.cache.room._ROOM_POLL_S", (3600.0, 3600.0))
     sleeping = _sleeps_noted(monkeypatch)
     specs, contents = make_remote(tmp_path / "remote", [8000, 8000])
     cache = ShardCache(config(tmp_path, STATS_FILE_BYTES + 12_000), LocalStore(str(tmp_path / "remote")))
@@ -523,13 +525,13 @@ def test_prefetch_threads_without_room_do_not_wake_each_other(tmp_path, monkeypa
         LocalStore(str(tmp_path / "remote")),
     )
     tries = collections.Counter()
-    original = ShardCache._reserve
+    original = Room.reserve
 
     def counted(self, rt, name, *args, **kwargs):
         tries[name] += 1
         return original(self, rt, name, *args, **kwargs)
 
-    monkeypatch.setattr(ShardCache, "_reserve", counted)
+    monkeypatch.setattr(Room, "reserve", counted)
     with cache.hold(*specs[0]):
         cache.prefetch(specs[1:])
         time.sleep(1.0)
@@ -568,7 +570,7 @@ def test_a_prefetched_shard_evicted_before_its_shared_lock_is_not_fetched_again(
     it be: fetching it again is for a reader that still wants it."""
     store, specs, _ = remote([6000] * 3)
     cache = ShardCache(config(tmp_path, 10**6, prefetch=3), store)
-    original = ShardCache._fetch_exclusively
+    original = Fetcher.fetch_exclusively
     evicted = []
 
     def evicted_at_once(self, rt, spec, stem, path, *args):
@@ -578,7 +580,7 @@ def test_a_prefetched_shard_evicted_before_its_shared_lock_is_not_fetched_again(
             evicted.append(spec.name)
         return fetched
 
-    monkeypatch.setattr(ShardCache, "_fetch_exclusively", evicted_at_once)
+    monkeypatch.setattr(Fetcher, "fetch_exclusively", evicted_at_once)
     cache.prefetch(specs)
     wait_for(lambda: {specs[0][0], specs[2][0]} <= cached_names(tmp_path / "cache"))
     time.sleep(0.5)  # a prefetch without room tries again every 0.2 s: this one is done
@@ -774,15 +776,15 @@ def test_corrupt_cached_copy_is_replaced(tmp_path, remote):
 
 def _recheck_counting_hashes(cache_config, store, spec, start, results) -> None:
     """In a forked process: wait for the others, recheck `spec`, report (ok, whole-shard hashes)."""
-    import dlstore.cache.shard_cache as shard_cache
+    import dlstore.cache.fetcher as fetcher
 
-    hashes, digest = [0], shard_cache._file_digest
+    hashes, digest = [0], fetcher.file_digest
 
     def counting(path, algo):
         hashes[0] += 1
         return digest(path, algo)
 
-    shard_cache._file_digest = counting
+    fetcher.file_digest = counting
     try:
         start.wait()
         path = ShardCache(cache_config, store).fetch(*spec, recheck=True)
@@ -1028,7 +1030,7 @@ def test_a_prefetch_lead_is_the_lists_first_shards_not_the_next_after_the_reader
     once they read the list's second shard (lead 1), the prefetch takes the shards after it
     side by side, instead of one at a time behind the next shard the readers would reach."""
     specs = [ShardSpec(f"s{i}.tar", 1000, None) for i in range(5)]
-    rt = _Runtime()
+    rt = Runtime()
     rt.upcoming, rt.depth, rt.lead = specs, 5, 1
     caps = Concurrency(shards=4, parts=1)
     assert _next_prefetch(rt, rt.depth, caps)[0] is specs[0]  # the lead first,
@@ -1044,7 +1046,7 @@ def test_a_prefetch_lead_is_the_lists_first_shards_not_the_next_after_the_reader
     assert taken == ["s1.tar", "s2.tar", "s3.tar", "s4.tar"]
 
 
-def _prefetch_takes(rt: _Runtime, caps: Concurrency) -> list[str]:
+def _prefetch_takes(rt: Runtime, caps: Concurrency) -> list[str]:
     """The shards the prefetch threads would start now, in order (none of them finishes)."""
     names = []
     while (job := _next_prefetch(rt, rt.depth, caps)) is not None:
@@ -1061,7 +1063,7 @@ def test_a_reader_reaching_one_shard_in_use_passes_none_of_the_others():
     past it gave its bandwidth to later shards: a cold first batch waited for its second shard
     until its first had come in: 0.81 s instead of 0.45 s at 40 MB/s, 24 shards, 1 thread.)"""
     specs = [ShardSpec(f"s{i}.tar", 1000, None) for i in range(5)]
-    rt = _Runtime()
+    rt = Runtime()
     rt.upcoming, rt.depth, rt.lead = specs, 5, 2
     caps = Concurrency(shards=4, parts=1)
     window = advance_window(rt, "s1.tar", 5)  # the reader fetches s1 itself
@@ -1079,7 +1081,7 @@ def test_the_window_counts_from_the_leads_end_once_the_readers_are_in_it():
     lead while the readers are in it; and a reader of a later batch that reaches a shard after
     the lead before the lead is in passes none of the lead's shards either."""
     specs = [ShardSpec(f"s{i}.tar", 1000, None) for i in range(7)]
-    rt = _Runtime()
+    rt = Runtime()
     rt.upcoming, rt.depth, rt.lead = specs, 2, 2
     caps = Concurrency(shards=4, parts=1)
     assert _prefetch_takes(rt, caps) == ["s0.tar", "s1.tar"]

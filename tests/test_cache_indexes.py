@@ -1,4 +1,4 @@
-"""The sample indexes the node cache keeps beside its shards (`dlstore.cache.indexes`): walked
+"""The sample indexes the node cache keeps beside its shards (`dlstore.read.indexes`): walked
 from a shard once per node, reused by every later reader, never another shard's, removed
 with the shard; and walked by one thread of a process at a time."""
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from loader_support import write_dataset
 
 import dlstore
-import dlstore.cache.indexes as indexes
+import dlstore.read.indexes as indexes
 from dlstore.format.sample_index import SampleIndex
 from dlstore.storage import open_store
 from dlstore.world import World
+from tests.support.loader_support import write_dataset
 
 
 @pytest.fixture

@@ -17,15 +17,16 @@ import sys
 import threading
 import time
 
-from test_cache import config, make_remote, read
-from test_download import PartStore
+import pytest
 
 from dlstore.cache import ShardCache
-from dlstore.cache.config import ShardSpec
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.pace import Concurrency, PrefetchPace
 from dlstore.cache.prefetch import start_prefetch, stop_prefetch
-from dlstore.cache.runtime import _Runtime
+from dlstore.cache.runtime import Runtime
+from dlstore.cache.spec import ShardSpec
+from tests.test_cache import config, make_remote, read
+from tests.test_download import PartStore
 
 MIB = 2**20
 CAPS = Concurrency(shards=4, parts=8)
@@ -88,7 +89,7 @@ def test_the_pace_widens_while_readers_wait_and_settles_on_a_shared_link():
 def test_lists_that_move_on_tell_the_pace_how_far_the_readers_are():
     """With worker processes the readers hold shards in other processes: the lists the loader
     gives (each led by the shards of the batch just requested) tell this process's pace."""
-    rt = _Runtime()
+    rt = Runtime()
     specs = [ShardSpec(f"shard-{i:02d}.tar", 10_000_000) for i in range(16)]
     caps = Concurrency(shards=1, parts=1)
     try:
@@ -275,6 +276,7 @@ def _narrowed_prefetch(tmp_path):
         cache.close()
 
 
+@pytest.mark.slow
 def test_a_prefetched_shard_gets_the_connections_its_readers_need_and_full_width_once_waited_for(tmp_path):
     """A prefetched shard that a reader reaches while it is in flight (narrowed to one
     connection by the pace) is widened to all 4."""
@@ -299,6 +301,7 @@ sys.exit(0 if "sha256:" + digest == checksum else 3)
 """
 
 
+@pytest.mark.slow
 def test_a_prefetch_is_widened_when_a_reader_of_another_process_waits_for_it(tmp_path):
     """A reader in another process (a DataLoader worker, another rank) waits on the shard's
     lock, not in this process's prefetch: it says so on the shard's `.wanted` lock, and the

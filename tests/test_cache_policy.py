@@ -15,10 +15,11 @@ import random
 import signal
 import time
 
-from bench_cache_policy import fetched_per_epoch, node_fetched_per_epoch, offline_optimum, write_bench_dataset
-
 import dlstore
-from dlstore.cache import STATS_FILE_BYTES, CacheConfig, ShardCache, _CacheDir, cache_report
+from benchmarks.cache_policy import fetched_per_epoch, node_fetched_per_epoch, offline_optimum
+from benchmarks.data import write_bench_dataset
+from dlstore.cache import STATS_FILE_BYTES, CacheConfig, ShardCache, cache_report
+from dlstore.cache.layout import CacheDir
 from dlstore.cache.policy import HINTS_DIR, read_next_use, victim_order
 from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
@@ -162,7 +163,7 @@ def test_hints_of_every_live_process_count_and_a_dead_ones_are_removed(tmp_path)
         os.kill(child.pid, signal.SIGKILL)
         child.join(30)
     # The dead process's hint file is removed and its order no longer counts.
-    assert set(read_next_use(_CacheDir(cache.config.cache_dir))) == set(hint_stems(cache, specs, 3, 0, 2, 1))
+    assert set(read_next_use(CacheDir(cache.config.cache_dir))) == set(hint_stems(cache, specs, 3, 0, 2, 1))
     assert len(hint_files(cache)) == 1
     cache.fetch(*specs[2])
     assert cached(cache, specs) == {0, 2, 3}  # shard 1, needed last, went

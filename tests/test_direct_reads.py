@@ -1,4 +1,4 @@
-"""A pass's first batch from a cold cache, read straight from the store (`dlstore.cache.direct`),
+"""A pass's first batch from a cold cache, read straight from the store (`dlstore.read.direct`),
 over the local Swift: it comes while its shards cannot be downloaded yet, it is the batch
 the cached shards give, its bytes are counted (apart from the cache's fetches), and bytes that fail their digests
 are never used (the shard's own checksum then fails as without direct reads)."""
@@ -19,7 +19,6 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
-from fault_proxy import FaultProxy
 
 import dlstore
 from dlstore.cache import cache_report
@@ -32,6 +31,7 @@ from dlstore.format.shards import read_sample
 from dlstore.plan import locate
 from dlstore.storage import open_store
 from dlstore.world import World
+from tests.support.fault_proxy import FaultProxy
 
 BATCH = 4
 

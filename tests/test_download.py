@@ -16,10 +16,9 @@ import threading
 import time
 
 import pytest
-from bench_cache_policy import write_bench_dataset
-from test_cache import FORK, _fetch_under_file_size_limit, cached_names, config, make_remote, read
 
 import dlstore
+from benchmarks.data import write_bench_dataset
 from dlstore.cache import CacheConfig, ShardCache
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.pace import PrefetchPace
@@ -29,6 +28,7 @@ from dlstore.errors import CorruptShard, NotFound, TransientError
 from dlstore.storage.local import LocalStore
 from dlstore.storage.retry import ProgressRetry
 from dlstore.world import World
+from tests.test_cache import FORK, _fetch_under_file_size_limit, cached_names, config, make_remote, read
 
 QUICK = RetryConfig(max_attempts=3, initial_backoff_s=0.0, max_backoff_s=0.0, deadline_s=30)
 

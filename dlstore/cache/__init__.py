@@ -1,5 +1,5 @@
-"""The node-local shard cache: one directory on local SSD shared by every rank and
-DataLoader worker of a node (many processes, no shared memory, only files and `flock`).
+"""The node-local shard cache: one directory on local SSD shared by every rank and DataLoader
+worker of a node. The processes share no memory, only files and `flock`.
 
     cache = ShardCache(CacheConfig("/mnt/ssd/dlstore", "150GB"), store)
     cache.check_fits(max_shard_size)              # a limit below one shard fails here, not later
@@ -11,104 +11,88 @@ DataLoader worker of a node (many processes, no shared memory, only files and `f
 Layout of the directory::
 
     cache.lock          cache-wide lock: reservations, eviction, stats (held for milliseconds)
-    stats.json          counters summed over every process, in all and per epoch (the
-                        latest 16), padded to exactly 1 KiB
-    shards/<stem>       published shards, complete and verified; mtime = last access (LRU);
-                        a partial entry (`partial`: a run of samples of a boundary shard) is
-                        one too, under the stem of its key `<shard>#samples=<start>-<stop>`
+    stats.json          counters summed over every process, in all and per epoch, padded to 1 KiB
+    shards/<stem>       published entries, complete and verified; mtime = last access (LRU).
+                        A run of samples of a shard is an entry too (`spec.SampleRange`)
     locks/<stem>.lock   per-shard lock: readers hold LOCK_SH, a downloader or evictor LOCK_EX
-    indexes/<stem>.idx  the sample index of a cached shard, walked from it once per node
-                        (`indexes`); written by a reader holding the shard, removed with it
+    indexes/<stem>.idx  the sample index of a cached shard, kept by its readers (`dlstore.read`)
     tmp/<stem>.<pid>.<token>.<size>.part
-                        downloads in flight; the name records the bytes reserved, the
-                        downloader holds LOCK_EX on the file itself while it lives
+                        downloads in flight; the name records the bytes reserved, and the
+                        downloader holds LOCK_EX on the file while it lives
     hints/<namespace>.<pid>.<token>.json
-                        each reader's order of upcoming shards (`ShardCache.hint`); its
-                        writer holds LOCK_SH on it while it lives (`policy`)
-    slots/slot-<i>.lock the node's connection slots (`slots`): each GET to the store holds
-                        one with LOCK_EX; readers-waiting.lock: LOCK_SH while a reader waits
+                        each reader's order of upcoming shards; its writer holds LOCK_SH (`policy`)
+    slots/slot-<i>.lock the node's connection slots: each GET holds one with LOCK_EX (`slots`)
     marks/<namespace>-<dataset>.bin
-                        one byte a sample: 1 once some process of the node has decoded it
-                        cleanly (`marks`); `clear_cache` leaves them (a dataset's bytes, named
-                        by `<dataset>`, never change, nor do their marks)
+                        one byte a sample, set once it decoded cleanly (`dlstore.read`); kept by
+                        `clear_cache`, since a dataset's bytes never change
 
 Invariants (DESIGN.md, "Cache invariants") and how they hold:
 
-* **Byte limit.** Bytes on disk = published shards + reservations of downloads in flight
-  + the 1 KiB stats file (not counted: the readers' hint files, about 60 bytes per shard
-  of a reader's share, the kept sample indexes, 8 bytes per sample, a 4 KiB block at
-  least each, and the decode marks, one byte per sample of a dataset). A download reserves its full size under the cache-wide lock
-  (creating its temp file, whose name carries the size) after evicting shards that no
-  reader holds (in `policy`'s order); if they cannot make room it waits, and raises `CacheFull`
-  after `wait_timeout_s`. So the directory never exceeds the limit, not even by the shard
-  being fetched. Every scan holds the cache-wide lock, and a download moves from `tmp/` to
-  `shards/` only under that lock too, so a scan counts it exactly once: were the rename
-  free to land between a scan's pass over `tmp/` and its pass over `shards/`, the scan
-  would count the shard twice and a reservation or `cache_report` would see the directory
-  over the limit when it is not. A failed download gives up its temp file's lock before
-  unlinking it, so no scan misses bytes still allocated to an open, unlinked file.
-* **Atomic publish.** A shard is fetched into its temp file as ranged GETs written at their
-  offsets (`engine`), its contiguous prefix hashed as it grows, its size and checksum
-  verified (a copy that fails its checksum is fetched once more, then `CorruptShard`),
-  fsynced, then `os.replace`d to its final name (under the cache-wide lock, see above): a
-  name under `shards/` always holds a complete, verified file. No part writes past the
-  reserved size, and a failed download waits until none of its parts can write any more
-  before it gives up its temp file.
-* **One download per node.** The downloader holds the shard's lock exclusively (however
-  many parts and connections it uses); other processes poll it (shared, non-blocking) and
-  find the published file when it is released.
+* **Byte limit.** Bytes on disk = published entries + reservations of downloads in flight +
+  the 1 KiB stats file. Hint files, kept sample indexes and decode marks are small and not
+  counted. A download reserves its full size under the cache-wide lock, by creating its temp
+  file, after evicting entries no reader holds (`room`). If that cannot make room it waits,
+  and raises `CacheFull` after `wait_timeout_s`. So the directory never exceeds the limit,
+  not even by the shard being fetched. Every scan holds the cache-wide lock, and a download
+  moves from `tmp/` to `shards/` only under it, so a scan counts it exactly once. A failed
+  download gives up its temp file's lock before unlinking it, so no scan misses its bytes.
+* **Atomic publish.** An entry is fetched into its temp file as ranged GETs written at their
+  offsets (`engine`), hashed as its prefix grows, and its size and checksum verified
+  (`download`). A copy that fails is fetched once more, then `CorruptShard`. It is fsynced,
+  then `os.replace`d to its final name under the cache-wide lock. A name under `shards/`
+  always holds a complete, verified file. No part writes past the reserved size, and a
+  failed download waits until none of its parts can write before it gives up its file.
+* **One download per node.** The downloader holds the shard's lock exclusively, however many
+  parts it uses. Other processes poll it, shared and non-blocking, and find the published
+  file once it is released (`fetcher.Step`).
 * **Crash safety.** `flock`s die with their process. A temp file whose lock can be taken
-  belongs to a dead process and is removed (at start and at every scan); lock files are
-  empty and kept (deleting a lock file others may have open would split the lock).
+  belongs to a dead process and is removed, at start and at every scan. Lock files are empty
+  and kept: deleting a lock file others may have open would split the lock.
 * **Readers are safe.** Eviction takes the shard's lock with `LOCK_EX | LOCK_NB`; a reader's
   `LOCK_SH` makes that fail, so a held shard is skipped. `flock` conflicts between separate
   open files even within one process, so a thread's eviction respects its own process's
-  readers. Locks are released explicitly (`LOCK_UN`) because a forked child shares open file
-  descriptions: closing alone would leave the lock held by the child's copy.
+  readers. Locks are released with `LOCK_UN` before closing, because a forked child shares
+  open file descriptions: closing alone would leave the lock held by the child's copy.
 
 Locking order: a thread holding the cache-wide lock only ever *tries* shard and temp-file
-locks (never blocks on them), so their holders may take the cache-wide lock without
-deadlock (a downloader does, to publish).
+locks, never blocks on them. So their holders may take the cache-wide lock without deadlock,
+as a downloader does to publish.
 
 The directory must be on a local file system: over NFS `flock` becomes a POSIX lock with
-per-process semantics and the in-process guarantees above no longer hold.
+per-process semantics, and the guarantees above no longer hold within a process.
 
-A `ShardCache` pickles into DataLoader workers and survives `fork`: it holds no open file,
-lock or thread in its pickled state, and rebuilds its per-process state (counters, prefetch
-thread) the first time it is used in a new process.
+A `ShardCache` pickles into DataLoader workers and survives `fork`. Its pickled state holds
+no open file, lock or thread; it rebuilds its per-process state on first use (`runtime`).
 
-Eviction (`policy`): with hints, the shard needed furthest ahead goes first (Belady's
-rule), shards no hint names before any hinted one, and a prefetch never evicts a shard
-needed no later than its own; without hints, the least recently used goes first.
+Eviction (`policy`): with hints, the shard needed furthest ahead goes first (Belady's rule),
+and shards no hint names before any hinted one. A prefetch never evicts a shard needed no
+later than its own. Without hints, the least recently used goes first.
 
-Downloads: each process has one `engine.DownloadEngine` (worker threads, at most
-`CacheConfig.connections`), shared by its reader and its prefetch threads: a shard is
-fetched as up to `parts_in_flight` ranged GETs at once, each retried on its own and
-resumed from its next byte; the prefetch keeps up to `shards_in_flight` shards of its
-window in flight, as many as the rates measured call for, each on as many connections as
-they call for (`pace`); the shard a reader waits for goes first, at full width. All the processes of a node together hold at most
-`CacheConfig.node_connections` GETs at once (`slots`), a waiting reader's before any prefetch's. Each in-flight shard holds its
-own reservation, so the limit holds with several shards in flight.
+Downloads: each process has one `engine.DownloadEngine`, at most `CacheConfig.connections`
+worker threads, shared by its reader and its prefetch. A shard comes as up to
+`parts_in_flight` ranged GETs at once, each retried on its own from its next byte. The
+prefetch keeps up to `shards_in_flight` shards in flight, as many and as wide as the
+measured rates call for (`pace`). The shard a reader waits for goes first, at full width.
+The node's processes together hold at most `CacheConfig.node_connections` GETs (`slots`),
+a waiting reader's first. Each shard in flight holds its own reservation.
 
-The modules, in the order data flows through them: `config` (`CacheConfig`, `ShardSpec`),
-`layout` (the directory: paths, locks, temp files, the scan that counts bytes, the stats
-file), `shard_cache` (`ShardCache`: hold, fetch, reserve, evict), `download` (fetch one
-shard into its temp file and verify it) on `engine` (parallel ranged GETs, each holding
-one of the node's `slots`), `partial` (a
-run of samples of a shard as an entry of its own, each sample verified by its digest), `policy`
-(which shard to evict, from the readers' hint files), `prefetch`
-(the background threads, paced by `pace`) with `runtime` (the per-process state it shares with the
-reader), and `report` (`cache_report`, `clear_cache` for the CLI).
+The modules, in the order data flows through them: `config` and `spec` (what the cache is
+configured with and asked for), `layout` (the directory: paths, locks, temp files, scan,
+stats), `shard_cache` (the facade), `fetcher` (an entry's lock, as a state machine, and its
+download), `room` (reservations and eviction), `policy` (eviction order from the hints),
+`download` (fetch one entry and verify it) on `engine` (parallel ranged GETs, each holding
+one of the node's `slots`), `prefetch` (the background threads, paced by `pace`), `runtime`
+(the state of one process), and `report` (`cache_report`, `clear_cache` for the CLI).
 """
 
 from __future__ import annotations
 
-from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig, ShardSpec
+from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig
 from dlstore.cache.layout import CacheStats, EpochStats
-from dlstore.cache.layout import _CacheDir as _CacheDir  # for the tests of the directory layout
-from dlstore.cache.partial import SampleRange
 from dlstore.cache.report import CacheReport, ClearResult, cache_report, clear_cache
-from dlstore.cache.shard_cache import CacheFull, ShardCache
+from dlstore.cache.room import CacheFull
+from dlstore.cache.shard_cache import ShardCache
+from dlstore.cache.spec import SampleRange, ShardSpec
 
 __all__ = [
     "STATS_FILE_BYTES",

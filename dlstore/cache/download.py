@@ -1,10 +1,11 @@
-"""One download: fetch a shard from the store into its reserved temp file through the
-process's `DownloadEngine` (parallel ranged GETs), hash it as its prefix grows, and check
-its size and checksum before the cache publishes it."""
+"""One download: fetch an entry into its reserved temp file through the process's
+`DownloadEngine`, and check it as its written prefix grows, before the cache publishes it.
+A whole shard is checked by its size and checksum; a run of samples by each sample's digest."""
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import time
@@ -12,19 +13,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from dlstore.cache.config import CacheConfig, ShardSpec
+from dlstore.cache.config import CacheConfig
 from dlstore.cache.engine import DownloadEngine
+from dlstore.cache.spec import SampleRange, ShardSpec
 from dlstore.errors import ConfigError, CorruptShard
 from dlstore.format.checksums import new_hasher
 from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)
 
-_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: What a full disk or quota fails with.
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _HASH_BLOCK = 4 * 2**20
 
 
-def _parse_checksum(checksum: str) -> tuple[str, str]:
+def split_checksum(checksum: str) -> tuple[str, str]:
+    """(algorithm, hex digest) of "algo:hexdigest", for any algorithm hashlib knows."""
     algo, sep, digest = checksum.partition(":")
     if not sep or not digest:
         raise ConfigError(f"checksum {checksum!r} is not 'algo:hexdigest' (e.g. 'sha256:9f86d0...')")
@@ -35,7 +39,8 @@ def _parse_checksum(checksum: str) -> tuple[str, str]:
     return algo, digest.lower()
 
 
-def _file_digest(path: str, algo: str) -> str:
+def file_digest(path: str, algo: str) -> str:
+    """The hex digest of the file at `path`."""
     hasher = new_hasher(algo)
     with open(path, "rb") as file:
         while chunk := file.read(4 * 2**20):
@@ -44,10 +49,9 @@ def _file_digest(path: str, algo: str) -> str:
 
 
 class _PrefixHash:
-    """Hash a file's bytes as its written prefix grows, reading them back with `pread` (from
-    the page cache: they were written moments ago). Runs in the thread that waits for the
-    download, so the parts' threads only write; after the last byte, only the parts that
-    ended last remain to hash."""
+    """Hash a file's bytes as its written prefix grows, read back with `pread` from the page
+    cache. It runs in the thread that waits, so the parts' threads only write; after the
+    last byte only the parts that ended last remain to hash."""
 
     def __init__(self, fd: int, algo: str) -> None:
         self.fd = fd
@@ -68,7 +72,7 @@ class _PrefixHash:
 
 @dataclass(frozen=True)
 class DownloadReport:
-    """How one shard was fetched: for the log line and the benchmarks."""
+    """How one entry was fetched, for the log line and the benchmarks."""
 
     parts: int
     connections: int  # parts in flight at once, at most
@@ -111,15 +115,13 @@ def fetch_checked(
     object_offset: int | None = None,
     reader_waits: Callable[[], bool] | None = None,
 ) -> DownloadReport:
-    """Fetch `size` bytes of object `name` (from `object_offset`, default the whole object)
-    into `fd` through `engine`, checked as they arrive by `new_check()` (one per attempt; None:
-    no check). Bytes that fail are fetched once more, since they may have been damaged on the
-    way; a second failure raises `CorruptShard`. The one fetch loop of the cache's entries:
-    whole shards (`write_verified`) and runs of samples (`dlstore.cache.partial`).
+    """Fetch `size` bytes of object `name` into `fd` through `engine`, from `object_offset`
+    (default: the whole object). `new_check()` makes each attempt's check; None checks nothing.
+    Bytes that fail are fetched once more, since they may have been damaged on the way. A
+    second failure raises `CorruptShard`. The one fetch loop of whole shards and sample runs.
 
-    `reader_waits` (a prefetch's, `priority` above 0): whether a reader of another process
-    waits for these bytes now. Looked at while the download runs; when it says so, the
-    download is hurried (`DownloadEngine.hurry`): that reader's own `hurry` cannot reach it."""
+    `reader_waits`, a prefetch's: whether a reader of another process waits for these bytes.
+    When it says so, the download is hurried (`DownloadEngine.hurry`); that reader cannot."""
     started = time.monotonic()
     hurried = False
 
@@ -163,6 +165,10 @@ def fetch_checked(
     )
 
 
+def _no_check() -> None:
+    return None
+
+
 def write_verified(
     fd: int,
     engine: DownloadEngine,
@@ -173,32 +179,56 @@ def write_verified(
     priority: int,
     reader_waits: Callable[[], bool] | None = None,
 ) -> DownloadReport:
-    """Fetch shard `spec` of `store` into `fd` (exactly `size` bytes, never more) through
-    `engine`, then check its size and, when `config.verify`, its checksum, which the bytes
-    are hashed for as they arrive. A copy that fails its checksum is fetched once more (the
-    bytes may have been damaged on the way); a second failure, or a size that differs from
-    the manifest's, raises `CorruptShard` naming the shard. `reader_waits`: `fetch_checked`'s."""
-    if config.preallocate and size:
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as exc:
-            if exc.errno in _NO_SPACE_ERRNOS:
-                raise
-            # EOPNOTSUPP, EINVAL: the file system cannot preallocate; writing still works.
-    if not config.verify or spec.checksum is None:
-        return fetch_checked(
-            fd, engine, store, spec.name, size, config, priority, lambda: None, reader_waits=reader_waits
-        )
-    algo, expected = _parse_checksum(spec.checksum)
-    what = f"shard {spec.name!r} in {store.url}"
+    """Fetch entry `spec` into `fd`, exactly `size` bytes, checked as the bytes arrive. A shard
+    is checked by its size and, when `config.verify`, its checksum. A run of samples is checked
+    by each sample's digest whatever `config.verify` says: it has no other check. A bad copy is
+    fetched once more; a second failure, or a size unlike the manifest's, raises `CorruptShard`."""
+    samples, offset = spec.samples, None
+    what = f"shard {spec.name if samples is None else samples.shard!r} in {store.url}"
+    new_check: Callable[[], EntryCheck | None] = _no_check
+    if samples is not None:  # a run is not preallocated: its reservation already counts it
+        name, size, offset = samples.shard, samples.size, samples.byte_start
+        new_check = functools.partial(_SampleCheck, fd, samples, what)
+    else:
+        name = spec.name
+        if config.preallocate and size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno in NO_SPACE_ERRNOS:
+                    raise
+                # EOPNOTSUPP, EINVAL: the file system cannot preallocate; writing still works.
+        if config.verify and spec.checksum is not None:
+            algo, expected = split_checksum(spec.checksum)
+            new_check = functools.partial(_ChecksumCheck, fd, algo, expected, what)
     return fetch_checked(
-        fd,
-        engine,
-        store,
-        spec.name,
-        size,
-        config,
-        priority,
-        lambda: _ChecksumCheck(fd, algo, expected, what),
-        reader_waits=reader_waits,
+        fd, engine, store, name, size, config, priority, new_check, object_offset=offset, reader_waits=reader_waits
     )
+
+
+class _SampleCheck:
+    """A run's check for `fetch_checked`: each sample against its digest once the written
+    prefix passes its end, read back with `pread` from the page cache."""
+
+    def __init__(self, fd: int, samples: SampleRange, what: str) -> None:
+        self.fd, self.samples, self.what = fd, samples, what
+        self.next = samples.start  # the first sample not checked yet
+        self.bad: list[int] = []
+
+    def update(self, _start: int, end: int) -> None:
+        samples = self.samples
+        while self.next < samples.stop and samples.offsets[self.next + 1 - samples.start] - samples.byte_start <= end:
+            span = samples.span(self.next)
+            data = os.pread(self.fd, span.size, span.offset)
+            if len(data) != span.size or not samples.matches(self.next, data):
+                self.bad.append(self.next)
+            self.next += 1
+
+    def failure(self) -> str | None:
+        if not self.bad and self.next == self.samples.stop:
+            return None
+        if not self.bad:  # the download ended before the range did: the engine says why, normally
+            return f"{self.what}: samples {self.next}-{self.samples.stop - 1} of {self.samples.key} never arrived"
+        return (
+            f"{self.what}: samples {self.bad[:5]} of {self.samples.key} fail their digests in the shard's sample index"
+        )

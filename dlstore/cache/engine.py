@@ -1,6 +1,6 @@
 """The download engine of one process: worker threads that fetch shards as ranged GETs,
-several parts of a shard and several shards at once, each part written into the shard's
-temp file at its own offset.
+several parts of a shard and several shards at once, each part written into the shard's temp
+file at its own offset.
 
     engine = DownloadEngine(connections=16)
     job = engine.start(store, "train/shard-000003.tar", fd, size, priority=0, parts_in_flight=8, part_size=16 * 2**20)
@@ -9,58 +9,42 @@ temp file at its own offset.
 
 How it works, and why:
 
-* **Parts are cut when a worker takes one**, in offset order, not all up front: the written
-  prefix grows steadily behind the parts in flight, so the caller can hash it as it grows
-  and only the last parts remain to hash once the bytes are in; and a part's size can use
-  what the parts before it measured.
+* **Parts are cut when a worker takes one**, in offset order. The written prefix then grows
+  steadily behind the parts in flight, so the caller hashes it as it grows, and a part's size
+  can use what the parts before it measured.
 * **Part size**: a shard that parts of `part_size` would spread over fewer than
-  `parts_in_flight` connections (one of at most `(parts_in_flight - 1) * part_size` bytes)
-  is cut into `parts_in_flight` equal parts (none under 1 MiB), so that it arrives as fast
-  as its connections allow: a reader waits for a whole shard (its checksum), and the time that
-  takes is what a cold epoch's first batch and every shard the prefetch is late with cost.
-  A larger shard's parts are at least `part_size`, and large enough that waiting for a
-  part's first byte (a round trip, plus the server's latency) costs at most 1/32 of its
-  transfer at the rate one connection has been getting (`_LinkEstimate`), but no larger
-  than the shard's share of `parts_in_flight` connections. With `parts_in_flight=1` a
-  shard is one GET.
-* **Scheduling**: downloads by (priority, arrival); an idle worker takes the next part of
-  the first download that has bytes left and fewer parts running than its width: its
-  `parts_in_flight`, or for a prefetch (priority above 0) at most `background_parts`, which
-  the prefetch sets from its pace (`pace.PrefetchPace.concurrency`: a fast link and slow
-  readers need few connections). The reader's shard (priority 0) goes before the
-  prefetch's, on its `parts_in_flight` connections, twice that at a cold start (before a
-  rate is measured; the prefetch gives the shards in use priority 0 too): a large shard's
-  parts then all run at once, on connections the prefetch does not use before those
-  shards are in. `hurry` makes a prefetch that a reader now waits for one. Parts are cut
-  for `parts_in_flight` either way, so a narrowed download can widen again.
-* **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes
-  from the next byte after a cut, and whose retry budget starts again each time its cut
-  attempts have moved a chunk (`storage.retry.ProgressRetry`).
-* **The last part asks for one byte more** than the manifest's size, so an object longer
-  than its manifest shows (`CorruptShard`) without a stat; a part that ends early shows
-  one that is shorter. Nothing is ever written past `size`: the reservation holds. A
-  download of a byte range of the object (`object_offset`, for the cache's partial entries)
-  asks for exactly its bytes: the object goes on after them.
-* **Errors**: the first part that fails for good fails the download: no new part starts,
-  running parts stop at their next chunk, and `Download.wait` raises that error (store
-  errors re-raised naming the shard and the part's bytes) only once no part can write to
-  the file any more, so the caller may close and unlink it.
-* **Rates** the prefetch paces itself by (`pace.PrefetchPace`): the bytes per second one
-  connection moves, its wait for the first byte included (`connection_rate`, smoothed over
-  parts), and those a whole shard's download got (`shard_rate`, start to last byte,
-  smoothed over shards).
-* **Workers** are made on demand, at most `connections`, and end after `idle_s` without
-  work. A backend's per-thread connection (Swift) therefore stays open across parts.
-* **Node slots** (`slots.NodeSlots`, when given): a part starts only once it holds one of
-  the node's connection slots, which it gives back when its GET ends or fails, so the
-  processes of a node together open at most `CacheConfig.node_connections`. A worker takes
-  the slot with the part, under the engine's lock, so a part is cut only once it can run
-  (its size still uses the latest estimate) and the downloads keep their order. While the
-  first download with work waits for a slot, one worker polls the node's slots every
-  `_SLOT_POLL_S` (a slot freed in this process wakes the workers at once); the others wait.
-  A reader's download waiting for a slot (priority 0) makes every prefetch on the node
-  yield the slots that free to it. GETs made outside the engine (direct reads of samples)
-  hold a slot the same way (`node_slot`); `close` keeps the slot files open while they do.
+  `parts_in_flight` connections is cut into `parts_in_flight` equal parts of 1 MiB at least.
+  It then arrives as fast as its connections allow, and a reader waits for the whole shard.
+  A larger shard's parts are at least `part_size`. They are also large enough that the wait
+  for a part's first byte costs at most 1/32 of its transfer (`pace.LinkEstimate`), and no larger
+  than the shard's share of its connections. With `parts_in_flight=1` a shard is one GET.
+* **Scheduling**: downloads go by (priority, arrival). An idle worker takes the next part of
+  the first download with bytes left and fewer parts running than its width (`_width`). A
+  reader's shard (priority 0) runs `parts_in_flight` wide, twice that before a rate is
+  measured. A prefetch runs at most `background_parts` wide, which its pace sets
+  (`pace.PrefetchPace`). `hurry` makes a prefetch a reader's download. Parts are cut for
+  `parts_in_flight` either way, so a narrowed download can widen again.
+* **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes from
+  the next byte after a cut (`storage.retry.ProgressRetry`).
+* **The last part asks for one byte more** than the manifest's size, so an object longer than
+  its manifest shows (`CorruptShard`) without a stat; a short part shows a shorter one.
+  Nothing is written past `size`: the reservation holds. A download of a byte range
+  (`object_offset`, for runs of samples) asks for exactly its bytes.
+* **Errors**: the first part that fails for good fails the download. No new part starts,
+  running parts stop at their next chunk, and `Download.wait` raises the error, naming the
+  shard and the part's bytes, only once no part can write to the file, so the caller may
+  close and unlink it.
+* **Rates** for the prefetch's pace: the bytes per second one connection moves, its wait for
+  the first byte included (`connection_rate`), and a whole shard's (`shard_rate`), both smoothed.
+* **Workers** are made on demand, at most `connections`, and end after `idle_s` without work,
+  so a backend's per-thread connection stays open across parts.
+* **Node slots** (`slots.NodeSlots`): a part starts only once it holds one of the node's
+  connection slots, given back when its GET ends. A worker takes the slot with the part, under
+  the engine's lock, so a part is cut only once it can run, and downloads keep their order.
+  While the first download with work waits for a slot, one worker polls the node's slots
+  every `_SLOT_POLL_S`; the others wait. A reader's download waiting for a slot makes every
+  prefetch on the node yield to it. GETs made outside the engine hold a slot the same way
+  (`node_slot`).
 
 No state survives a fork: the engine lives in the cache's per-process runtime.
 """
@@ -70,7 +54,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -78,25 +61,19 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+from dlstore.cache.pace import MIN_SAMPLE_BYTES, LinkEstimate
 from dlstore.cache.slots import NodeSlots
 from dlstore.errors import CorruptShard, DlstoreError, TransientError, raise_if_exiting
 from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)
 
-#: A part is sized so that waiting for its first byte costs at most 1/_LATENCY_SHARE of it.
-_LATENCY_SHARE = 32
-_ALIGN = 64 * 1024
-_MIN_SAMPLE_BYTES = 1 << 20
-#: A shard spread over its connections is cut no finer than this: below it a part's round
-#: trip outweighs its transfer.
+#: A shard spread over its connections is cut no finer than this: a round trip would outweigh it.
 _MIN_SPREAD_PART = 1 << 20
-#: How often a worker looks for a node slot freed by another process (one worker per process
-#: polls; a scan of 64 taken slots is 64 failed non-blocking flocks, some 30 us).
+#: How often a worker looks for a node slot freed by another process; one worker per process polls.
 _SLOT_POLL_S = 0.01
-#: The other workers waiting for a slot look again at least this often (they are woken
-#: whenever a part ends in this process, or the poller gets a slot; a scan that found every
-#: slot taken is repeated only after a slot is given back here or the poller's next tick).
+#: The other workers waiting for a slot look again at least this often. They are also woken
+#: whenever a part ends in this process, or the poller gets a slot.
 _SLOT_RECHECK_S = 1.0
 #: How often a download's waiting thread looks whether a reader of another process waits for it.
 _POLL_S = 0.1
@@ -114,37 +91,6 @@ class _Part:
     end: int  # exclusive; the manifest's size bounds it
     written: int  # bytes [start, written) are in the file
     slot: int | None = None  # the node slot its GET holds (`NodeSlots`), if the node has a cap
-
-
-class _LinkEstimate:
-    """Time to first byte and bytes per second of one connection, smoothed over recent parts:
-    `rate` while bytes flow (what a part's size is chosen by), `connection_rate` over the
-    whole GET, its wait for the first byte included (what a connection is worth to the
-    prefetch's pace: it is held all that time)."""
-
-    def __init__(self) -> None:
-        self.first_byte_s: float | None = None
-        self.rate: float | None = None
-        self.connection_rate: float | None = None
-
-    def add(self, first_byte_s: float, nbytes: int, transfer_s: float) -> None:
-        if nbytes < _MIN_SAMPLE_BYTES or transfer_s <= 0.005:
-            return
-        rate = nbytes / transfer_s
-        connection_rate = nbytes / (max(first_byte_s, 0.0) + transfer_s)
-        if self.rate is None or self.first_byte_s is None or self.connection_rate is None:
-            self.first_byte_s, self.rate, self.connection_rate = first_byte_s, rate, connection_rate
-        else:
-            self.first_byte_s = 0.7 * self.first_byte_s + 0.3 * first_byte_s
-            self.rate = 0.7 * self.rate + 0.3 * rate
-            self.connection_rate = 0.7 * self.connection_rate + 0.3 * connection_rate
-
-    def part_size(self, floor: int, ceiling: int) -> int:
-        if self.rate is None or self.first_byte_s is None:
-            return floor
-        want = _LATENCY_SHARE * self.first_byte_s * self.rate
-        want = math.ceil(want / _ALIGN) * _ALIGN
-        return max(floor, min(ceiling, want))
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -232,10 +178,9 @@ class Download:
     def wait(
         self, on_prefix: Callable[[int, int], None] | None = None, on_poll: Callable[[], None] | None = None
     ) -> None:
-        """Block until every part has ended, calling `on_prefix(start, end)` (in this thread)
-        for each new stretch of the contiguous prefix written, and `on_poll()` about every
-        `_POLL_S` while it waits. Raises the first part's error, or a callback's, once no part
-        writes to the file any more."""
+        """Block until every part has ended. Calls `on_prefix(start, end)` in this thread for
+        each new stretch of the written prefix, and `on_poll()` about every `_POLL_S`. Raises
+        the first part's error, or a callback's, once no part writes to the file any more."""
         done = 0
         polled = time.monotonic()
         try:
@@ -285,7 +230,7 @@ class Download:
 
 class DownloadEngine:
     """Worker threads fetching the parts of the downloads started on it; see the module
-    docstring. Thread-safe; one per process (it does not survive a fork)."""
+    docstring. Thread-safe; one per process, since it does not survive a fork."""
 
     def __init__(self, connections: int, idle_s: float = 30.0, slots: NodeSlots | None = None) -> None:
         self.connections = connections
@@ -293,7 +238,7 @@ class DownloadEngine:
         self.slots = slots  # the node's cap on connections; None: this process's `connections` only
         self._slot_wanted = False  # the first download with work waits for a node slot
         self._slot_poller = False  # a worker polls for one
-        self.link = _LinkEstimate()
+        self.link = LinkEstimate()
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._downloads: list[Download] = []
@@ -329,9 +274,8 @@ class DownloadEngine:
         part_size: int,
         object_offset: int | None = None,
     ) -> Download:
-        """Begin fetching object `name` of `store` (`size` bytes, as the manifest says) into
-        `fd`, or with `object_offset` its bytes [object_offset, object_offset + size); lower
-        `priority` goes first. Call `wait` on the result."""
+        """Begin fetching object `name` of `store`, `size` bytes, into `fd`; with `object_offset`,
+        its bytes from there. Lower `priority` goes first. Call `wait` on the result."""
         download = Download(
             self._lock,
             self._forget,
@@ -356,9 +300,8 @@ class DownloadEngine:
         return download
 
     def set_background_parts(self, parts: int) -> None:
-        """The most parts a prefetch runs at once (the prefetch's pace sets it). When it widens,
-        the parts it now allows start at once: idle workers are woken (none would otherwise
-        look before a part ends) and made again where they have ended."""
+        """The most parts a prefetch runs at once, set by its pace. When it widens, the parts it
+        now allows start at once: idle workers are woken, and made again where they ended."""
         with self._lock:
             widened = self.background_parts is not None and parts > self.background_parts
             self.background_parts = parts
@@ -374,10 +317,9 @@ class DownloadEngine:
             self._hurried.pop((name, object_offset), None)
 
     def hurry(self, name: str, object_offset: int | None = None) -> None:
-        """A reader now waits for the prefetch of object `name` (from `object_offset`): make
-        it a reader's download, which goes first, at its full `parts_in_flight`. A download of
-        it that has not begun yet (its prefetch still reserving room) begins as one, and so
-        does a second attempt after a failed checksum (the last few objects hurried are kept)."""
+        """A reader now waits for the prefetch of object `name` from `object_offset`: make it a
+        reader's download, first and at full width. A download of it not begun yet, or a
+        second attempt after a failed checksum, begins as one: the last few are remembered."""
         with self._lock:
             self._hurried[name, object_offset] = None
             while len(self._hurried) > _HURRIED_KEPT:
@@ -394,13 +336,11 @@ class DownloadEngine:
 
     @contextlib.contextmanager
     def node_slot(self, timeout_s: float) -> Iterator[None]:
-        """Hold one of the node's connection slots around a GET made outside the engine (a
-        reader's direct read of samples, `dlstore.cache.direct`), as a reader's part would:
-        such GETs count against `CacheConfig.node_connections` too. Waits for a free slot
-        (polling every `_SLOT_POLL_S`, sooner when a part of this process ends) at most
-        `timeout_s`, then raises `TransientError`; no wait without a node cap. Its waiters
-        have the node's slots scanned at most every `_SLOT_POLL_S` between them (a scan that
-        finds none free leaves them all waiting: `NodeSlots.try_take`)."""
+        """Hold one of the node's connection slots around a GET made outside the engine, as a
+        reader's part would: a direct read of samples (`dlstore.read.direct`) counts against
+        `CacheConfig.node_connections` too. Waits at most `timeout_s` for a free slot, then
+        raises `TransientError`; no wait without a node cap. The waiters have the node's
+        slots scanned at most every `_SLOT_POLL_S` between them."""
         if self.slots is None:
             yield
             return
@@ -431,7 +371,7 @@ class DownloadEngine:
             raise TransientError(f"cannot take a node connection slot: {exc}") from exc
 
     def close(self) -> None:
-        """Let idle workers end now (running parts finish; a later `start` makes new workers)."""
+        """Let idle workers end now. Running parts finish; a later `start` makes new workers."""
         with self._lock:
             self._closing = True
             if self.slots is not None and not self._outside_slots and not any(d.running for d in self._downloads):
@@ -450,14 +390,14 @@ class DownloadEngine:
             self._downloads.remove(download)
             # From its first GET: time queued behind other downloads or node slots is not the link's.
             seconds = time.monotonic() - (download.first_part_at or download.started)
-            if not download.stopped and download.size >= _MIN_SAMPLE_BYTES and seconds > 0.005:
+            if not download.stopped and download.size >= MIN_SAMPLE_BYTES and seconds > 0.005:
                 rate = download.size / seconds
                 self.shard_rate = rate if self.shard_rate is None else 0.7 * self.shard_rate + 0.3 * rate
         self._work.notify_all()
 
     def _take(self) -> tuple[Download, _Part] | None:
-        """The next part to run, holding its node slot; None when there is none, or when the
-        first download with work gets no slot (`_slot_wanted`; the later ones would not either)."""
+        """The next part to run, holding its node slot. None when there is none, or when the
+        first download with work gets no slot (`_slot_wanted`): the later ones would not either."""
         self._slot_wanted = False
         for download in self._downloads:
             if download._has_work() and download.running < self._width(download):
@@ -480,12 +420,10 @@ class DownloadEngine:
         return download, part
 
     def _width(self, download: Download) -> int:
-        """Parts of `download` that may run at once: a prefetch's as its pace allows; one that
-        readers wait for (priority 0) its `parts_in_flight`, twice that at a cold start (no
-        rate measured yet): the shards in use then have all their parts in flight (a default
-        256 MB shard is 16 parts of 16 MB) while the prefetch waits for them. Later, the
-        connections' CPU (threads taking the GIL for every receive) costs the readers more
-        than the width gains them."""
+        """Parts of `download` that may run at once. A prefetch's: as its pace allows. One that
+        readers wait for: its `parts_in_flight`, twice that before a rate is measured, so the
+        shards in use have all their parts in flight at a cold start. Later, the connections'
+        CPU would cost the readers more than the width gains them."""
         if download.order[0] == 0:
             cold = self.link.rate is None
             return download.parts_in_flight * (_COLD_START_WIDTH if cold else 1)
@@ -494,8 +432,8 @@ class DownloadEngine:
         return max(1, min(download.parts_in_flight, self.background_parts))
 
     def _slot_for(self, slots: NodeSlots, download: Download) -> int | None:
-        """A node slot for a part of `download`, or None when none is free now (or the slot
-        files cannot be opened: the download then fails with that error)."""
+        """A node slot for a part of `download`, or None when none is free now. If the slot
+        files cannot be opened, the download fails with that error."""
         try:
             slot = slots.try_take(urgent=download.order[0] == 0)
         except OSError as exc:
@@ -543,9 +481,9 @@ class DownloadEngine:
                     self._work.notify_all()
 
     def _next_job(self) -> tuple[Download, _Part] | None:
-        """Under the lock: wait for a part to run (and its node slot); None when this worker
-        ends (idle for `idle_s`, or the engine closing). A worker never ends while a part
-        waits for a slot: no other event would start it."""
+        """Under the lock: wait for a part to run and its node slot. None when this worker ends,
+        idle for `idle_s` or the engine closing. A worker never ends while a part waits for a
+        slot: no other event would start it."""
         idle_until = time.monotonic() + self.idle_s
         while (job := self._take()) is None:
             if self._slot_wanted:
@@ -572,7 +510,7 @@ class DownloadEngine:
         return job
 
     def _fetch(self, download: Download, part: _Part) -> None:
-        """One part: a ranged GET written at its offset; the last part of a whole object asks for
+        """One part: a ranged GET written at its offset. The last part of a whole object asks for
         one byte more."""
         base = download.object_offset
         if base is None:
@@ -612,7 +550,7 @@ class DownloadEngine:
 
 
 def _naming_the_part(exc: BaseException, download: Download, part: _Part) -> BaseException:
-    """A store error re-raised with the shard and the part's bytes in its message (same type)."""
+    """A store error re-raised, same type, with the shard and the part's bytes in its message."""
     if not isinstance(exc, DlstoreError) or isinstance(exc, CorruptShard):
         return exc  # CorruptShard names the shard already; OSError (a full disk) is the cache's to map
     try:

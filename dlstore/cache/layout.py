@@ -1,12 +1,13 @@
-"""The cache directory on disk: its paths and names, the cache-wide and per-shard locks, temp
-files that record reservations, the scan that counts bytes (removing dead downloads' temp
-files), and the stats file. No per-process state; the package docstring has the layout."""
+"""The cache directory on disk: paths and names, the cache-wide and per-shard locks, the temp
+files that record reservations, the scan that counts bytes, and the stats file. It keeps no
+per-process state; the package docstring shows the layout."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import logging
 import operator
@@ -15,28 +16,27 @@ import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from urllib.parse import quote
 
 from dlstore.cache.config import STATS_FILE_BYTES
 from dlstore.errors import ConfigError, DlstoreError
 
 log = logging.getLogger(__name__)
 
-#: stats.json keeps the per-epoch counters of this many epochs (the latest ones): the file
-#: has a fixed size (`STATS_FILE_BYTES`), and one epoch's entry takes about 30 bytes.
+#: stats.json keeps the counters of the latest this many epochs: the file has a fixed size.
 EPOCHS_KEPT = 16
 
 
 @dataclass
 class CacheStats:
     """Counters of one process (`ShardCache.stats`), or summed over all (`cache_report`).
-    A miss is one shard fetched (by a reader or the prefetch). `max_connections` is the
-    most connections one process had open to the store at once (parts in flight over all
-    its downloads); it is merged as a maximum, the others as sums."""
+    A miss is one shard fetched, by a reader or the prefetch. `max_connections` is the most
+    connections one process had open at once; it merges as a maximum, the others as sums."""
 
     hits: int = 0
     misses: int = 0
     bytes_fetched: int = 0
-    # Samples read straight from the store, not into the cache (a cold pass's first batch).
+    # Samples read straight from the store, not into the cache: a cold pass's first batch.
     bytes_direct: int = 0
     evictions: int = 0
     wait_time_s: float = 0.0
@@ -63,8 +63,8 @@ class CacheStats:
 
 @dataclass
 class EpochStats:
-    """The counters of one epoch, summed over every process of the node: `ShardCache.set_epoch`
-    says which epoch a process is in. Stored in stats.json as ``[hits, misses, bytes_fetched]``."""
+    """The counters of one epoch, summed over the node's processes (`ShardCache.set_epoch`).
+    Stored in stats.json as ``[hits, misses, bytes_fetched]``."""
 
     hits: int = 0
     misses: int = 0
@@ -99,7 +99,8 @@ def read_epochs(data: dict) -> dict[int, EpochStats]:
 
 
 # -- flock helpers ------------------------------------------------------------------------------
-def _try_flock(fd: int, mode: int) -> bool:
+def try_flock(fd: int, mode: int) -> bool:
+    """Take `mode` on `fd` without blocking; whether it was had."""
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -107,7 +108,7 @@ def _try_flock(fd: int, mode: int) -> bool:
     return True
 
 
-def _release(fd: int) -> None:
+def unlock_and_close(fd: int) -> None:
     """Unlock, then close. Unlock first: a forked child may share this open file description,
     and closing our descriptor alone would leave the lock held through the child's."""
     try:
@@ -116,15 +117,28 @@ def _release(fd: int) -> None:
         os.close(fd)
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
 
 
+def entry_stem(namespace: str, name: str) -> str:
+    """The file name of entry `name` of the store `namespace` names, under every folder."""
+    if not name or name.startswith("/"):
+        raise ConfigError(f"invalid shard name {name!r}: names are keys relative to the store root")
+    stem = f"{namespace}-{quote(name, safe='')}"
+    if len(stem) > 180:  # file names stop at 255 bytes; temp names add ~45
+        digest = hashlib.sha256(name.encode()).hexdigest()[:24]
+        stem = f"{namespace}-{digest}-{stem[-100:]}"
+    return stem
+
+
 @dataclass
-class _Usage:
+class Usage:
+    """What a scan found: the shards, the downloads in flight and their bytes."""
+
     shards: list[tuple[int, str, int]]  # (mtime_ns, stem, size), unsorted
     in_flight: int
     in_flight_bytes: int
@@ -142,7 +156,7 @@ class _Usage:
         return sum(size for stem, size in wanted if stem not in there)
 
 
-class _CacheDir:
+class CacheDir:
     """The files of one cache directory and the operations on them; no per-process state."""
 
     def __init__(self, root: str) -> None:
@@ -150,8 +164,8 @@ class _CacheDir:
         self.shards = os.path.join(root, "shards")
         self.tmp = os.path.join(root, "tmp")
         self.locks = os.path.join(root, "locks")
-        self.indexes = os.path.join(root, "indexes")  # sample indexes of cached shards (`indexes.py`)
-        self.marks = os.path.join(root, "marks")  # samples known to decode cleanly (`marks.py`)
+        self.indexes = os.path.join(root, "indexes")  # kept sample indexes (`dlstore.read.indexes`)
+        self.marks = os.path.join(root, "marks")  # samples known to decode cleanly (`dlstore.read.marks`)
         self.lock_path = os.path.join(root, "cache.lock")
         self.stats_path = os.path.join(root, "stats.json")
 
@@ -167,11 +181,11 @@ class _CacheDir:
         return os.path.join(self.shards, stem)
 
     def marks_path(self, name: str) -> str:
-        """Where the node's decode marks `name` are kept (`marks.NodeMarks`)."""
+        """Where the node's decode marks `name` are kept (`dlstore.read.NodeMarks`)."""
         return os.path.join(self.marks, name + ".bin")
 
     def index_path(self, stem: str) -> str:
-        """Where the sample index of cached shard `stem` is kept (`indexes.cached_sample_index`)."""
+        """Where the sample index of cached shard `stem` is kept (`dlstore.read.indexes`)."""
         return os.path.join(self.indexes, stem + ".idx")
 
     @contextlib.contextmanager
@@ -187,22 +201,21 @@ class _CacheDir:
         try:
             yield
         finally:
-            _release(fd)
+            unlock_and_close(fd)
 
     def open_lock(self, stem: str) -> int:
         return os.open(os.path.join(self.locks, stem + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
 
-    # A reader that waits for another process's download of a shard holds a shared lock on the
-    # shard's `.wanted` file while it waits; the process downloading it for its prefetch probes
-    # it (`reader_waits`) and, when held, widens that download to a reader's (`hurry`).
+    # A reader waiting for another process's download holds the shard's `.wanted` file shared.
+    # The process prefetching it probes the file (`reader_waits`) and hurries the download.
     def mark_wanted(self, stem: str) -> int | None:
-        """Hold `stem`'s wanted lock shared (release with `_release`); None if it cannot be now."""
+        """Hold `stem`'s wanted lock shared (`unlock_and_close` it); None if it cannot be now."""
         try:
             fd = os.open(os.path.join(self.locks, stem + ".wanted"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError:
             return None  # e.g. no descriptors left: the download is not hurried, nothing else changes
         try:
-            if _try_flock(fd, fcntl.LOCK_SH):
+            if try_flock(fd, fcntl.LOCK_SH):
                 return fd
         except OSError:  # a hint only: a file system without flock costs the hurry, not the read
             pass
@@ -216,7 +229,7 @@ class _CacheDir:
         except OSError:
             return False  # never wanted (or unreadable)
         try:
-            if _try_flock(fd, fcntl.LOCK_EX):
+            if try_flock(fd, fcntl.LOCK_EX):
                 fcntl.flock(fd, fcntl.LOCK_UN)
                 return False
             return True
@@ -226,15 +239,14 @@ class _CacheDir:
             os.close(fd)
 
     # -- under the cache-wide lock -----------------------------------------------------------------
-    def scan(self) -> _Usage:
-        """Bytes on disk, removing temp files of dead processes. Exact because downloads
-        publish (move from `tmp/` to `shards/`) only under the cache-wide lock, which the
-        caller holds: a scan never sees a download in both places, nor in neither."""
+    def scan(self) -> Usage:
+        """Bytes on disk, removing temp files of dead processes. Exact because downloads move
+        from `tmp/` to `shards/` only under the cache-wide lock, which the caller holds."""
         in_flight = in_flight_bytes = stale = 0
         stems = set()
         for entry in os.scandir(self.tmp):
             if self._temp_owner_dead(entry.path):
-                _unlink_quietly(entry.path)
+                unlink_quietly(entry.path)
                 stale += 1
                 log.info("removed stale temp file %s (its download died)", entry.path)
                 continue
@@ -253,12 +265,12 @@ class _CacheDir:
             except FileNotFoundError:
                 continue
             shards.append((stat.st_mtime_ns, entry.name, stat.st_size))
-        return _Usage(shards, in_flight, in_flight_bytes, stale, frozenset(stems))
+        return Usage(shards, in_flight, in_flight_bytes, stale, frozenset(stems))
 
     def remove_stale_index_temps(self, max_age_s: float = 600.0) -> int:
-        """Remove the temp files of kept sample indexes (`indexes.py`) whose writer died before
-        renaming them; how many. A writer takes milliseconds, so one older than `max_age_s` is
-        stale. By age, not by pid: the processes sharing a cache may not share a pid namespace."""
+        """Remove kept sample indexes' temp files whose writer died; how many. A writer takes
+        milliseconds, so a file older than `max_age_s` is stale. By age, not by pid: the
+        processes sharing a cache may not share a pid namespace."""
         removed = 0
         try:
             entries = list(os.scandir(self.indexes))
@@ -274,7 +286,7 @@ class _CacheDir:
                 continue  # renamed or removed meanwhile
             if age < max_age_s:
                 continue
-            _unlink_quietly(entry.path)
+            unlink_quietly(entry.path)
             removed += 1
             log.info("removed stale sample index temp file %s (its writer died)", entry.path)
         return removed
@@ -294,9 +306,9 @@ class _CacheDir:
         except FileNotFoundError:
             return False  # just published or removed: nothing to clean
         try:
-            return _try_flock(fd, fcntl.LOCK_EX)
+            return try_flock(fd, fcntl.LOCK_EX)
         finally:
-            _release(fd)
+            unlock_and_close(fd)
 
     def create_temp(self, stem: str, size: int) -> tuple[int, str]:
         """A new temp file recording the reservation of `size` bytes, locked by us."""
@@ -308,18 +320,18 @@ class _CacheDir:
     def try_evict(self, stem: str) -> int | None:
         """Remove one shard unless a reader or downloader holds it: bytes freed, or None if held."""
         fd = self.open_lock(stem)
-        if not _try_flock(fd, fcntl.LOCK_EX):
+        if not try_flock(fd, fcntl.LOCK_EX):
             os.close(fd)
             return None
         try:
             return self.remove_shard(stem)
         finally:
-            _release(fd)
+            unlock_and_close(fd)
 
     def remove_shard(self, stem: str) -> int:
         """Unlink a shard whose lock the caller holds exclusively, and its sample index; bytes freed."""
         path = self.shard_path(stem)
-        _unlink_quietly(self.index_path(stem))
+        unlink_quietly(self.index_path(stem))
         try:
             size = os.stat(path).st_size
             os.unlink(path)
@@ -339,8 +351,7 @@ class _CacheDir:
             return {}
 
     def write_stats(self, data: dict) -> None:
-        """Rewrite stats.json. Per-epoch counters are kept for the latest `EPOCHS_KEPT`
-        epochs, and fewer if they would not fit: the oldest give way first."""
+        """Rewrite stats.json with the latest `EPOCHS_KEPT` epochs, fewer if they do not fit."""
         epochs = data.get("epochs")
         if isinstance(epochs, dict) and len(epochs) > EPOCHS_KEPT:
             data["epochs"] = {k: epochs[k] for k in sorted(epochs, key=_epoch_number)[-EPOCHS_KEPT:]}
@@ -351,7 +362,7 @@ class _CacheDir:
             text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         if len(text) >= STATS_FILE_BYTES:
             raise DlstoreError(f"cache stats do not fit in {STATS_FILE_BYTES} bytes: {text[:80]}...")
-        # Rewritten in place at a fixed size: no second file, no growth beyond what the limit counts.
+        # In place at a fixed size: no second file, no growth beyond what the limit counts.
         payload = (text.ljust(STATS_FILE_BYTES - 1) + "\n").encode()
         fd = os.open(self.stats_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         try:

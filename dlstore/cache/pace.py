@@ -1,5 +1,6 @@
-"""How much the background prefetch downloads at once (`PrefetchPace`): shards in flight, and
-connections (parts) per prefetched shard."""
+"""Rates and pace: what one connection gets (`LinkEstimate`, kept by the download engine), and
+how much the background prefetch downloads at once (`PrefetchPace`): shards in flight, and
+parts, one connection each, per prefetched shard."""
 
 from __future__ import annotations
 
@@ -7,13 +8,47 @@ import math
 from collections import OrderedDict, deque
 from typing import NamedTuple
 
+#: A part is sized so that waiting for its first byte costs at most 1/_LATENCY_SHARE of it.
+_LATENCY_SHARE = 32
+_ALIGN = 64 * 1024
+#: Transfers smaller than this say little about the link, and are not counted.
+MIN_SAMPLE_BYTES = 1 << 20
 #: The prefetch aims to bring shards in at this many times the rate the readers reach them.
 HEADROOM = 2.0
 #: Steps of the readers that the consumption rate is measured over.
 _STEPS = 8
-#: Shard names remembered as reached, so that a shard reached again (a new list that starts
-#: with the shards in use) is not counted twice.
+#: Shard names remembered as reached, so that a shard reached again is not counted twice.
 _REMEMBERED = 64
+
+
+class LinkEstimate:
+    """Time to first byte and bytes per second of one connection, smoothed over recent parts.
+    `rate` counts while bytes flow, and sizes parts. `connection_rate` counts the whole GET,
+    its wait for the first byte included: what a connection is worth to the prefetch's pace."""
+
+    def __init__(self) -> None:
+        self.first_byte_s: float | None = None
+        self.rate: float | None = None
+        self.connection_rate: float | None = None
+
+    def add(self, first_byte_s: float, nbytes: int, transfer_s: float) -> None:
+        if nbytes < MIN_SAMPLE_BYTES or transfer_s <= 0.005:
+            return
+        rate = nbytes / transfer_s
+        connection_rate = nbytes / (max(first_byte_s, 0.0) + transfer_s)
+        if self.rate is None or self.first_byte_s is None or self.connection_rate is None:
+            self.first_byte_s, self.rate, self.connection_rate = first_byte_s, rate, connection_rate
+        else:
+            self.first_byte_s = 0.7 * self.first_byte_s + 0.3 * first_byte_s
+            self.rate = 0.7 * self.rate + 0.3 * rate
+            self.connection_rate = 0.7 * self.connection_rate + 0.3 * connection_rate
+
+    def part_size(self, floor: int, ceiling: int) -> int:
+        if self.rate is None or self.first_byte_s is None:
+            return floor
+        want = _LATENCY_SHARE * self.first_byte_s * self.rate
+        want = math.ceil(want / _ALIGN) * _ALIGN
+        return max(floor, min(ceiling, want))
 
 
 class Concurrency(NamedTuple):
@@ -25,28 +60,21 @@ class Concurrency(NamedTuple):
 
 class PrefetchPace:
     """How much the prefetch downloads at once: enough connections to bring its window in at
-    `HEADROOM` times the rate the readers reach its shards (bytes per second over their last
-    few steps), and no more.
+    `HEADROOM` times the rate the readers reach its shards over their last few steps, and no more.
 
-    Given the rate one connection gets (`DownloadEngine.connection_rate`, its wait for the
-    first byte included), the prefetch needs N = ceil(HEADROOM * consumed / connection_rate)
-    connections, spread over as few shards as hold them: ceil(N / parts cap) shards, each
-    ceil(N / shards) parts wide, within the caps (`CacheConfig.shards_in_flight`,
-    `parts_in_flight`). Fewer, full-width shards rather than many narrow ones: the shard
-    needed soonest comes in first, and fewer shards hold a reservation in the cache. Until
-    both rates are known (a cold start, where the readers wait for the first shuffle window)
-    it is the caps; with no connection measured yet, the shards are paced by the rate a whole
-    shard's download gets (`shards_at_once`), each at full width.
+    Given the rate one connection gets (`DownloadEngine.connection_rate`), the prefetch needs
+    N = ceil(HEADROOM * consumed / connection_rate) connections. They go on as few shards as
+    hold them, within the caps: ceil(N / parts cap) shards, each ceil(N / shards) parts wide.
+    Fewer, full-width shards bring the shard needed soonest in first, and hold fewer
+    reservations. Until both rates are known, at a cold start, it is the caps. With no
+    connection measured yet, shards are paced by a whole shard's rate (`shards_at_once`).
 
-    Why: every connection is a socket of a store that every rank of every node reaches, and
-    (with `CacheConfig.node_connections`) a slot the node's readers may need; a fast link
-    keeps up with slow readers on a connection or two. It corrects itself: readers that
-    wait on downloads reach shards as fast as they come in, so the aim (twice that) widens
-    the prefetch until the readers stop waiting or the caps are reached. It settles rather
-    than swings: both rates are smoothed, and on a link that the connections share, fewer of
-    them each get more, so the connections needed stay the same. Only the prefetch narrows:
-    a reader's shard is fetched at full width, and a prefetched shard a reader reaches while
-    it is in flight is widened to full width (`DownloadEngine.hurry`).
+    Why: every connection is a socket of a store that every rank of every node reaches, and a
+    node slot its readers may need. A fast link keeps up with slow readers on a connection
+    or two. It corrects itself: readers that wait reach shards as fast as they come in, so
+    the aim, twice that, widens the prefetch until they stop waiting. It settles: both rates
+    are smoothed, and on a shared link fewer connections each get more. Only the prefetch
+    narrows: a reader's shard, or one it reaches in flight, is fetched at full width.
 
     >>> pace = PrefetchPace()
     >>> for second, name in enumerate("abcd"):
@@ -93,7 +121,7 @@ class PrefetchPace:
         self, caps: Concurrency, connection_rate: float | None, shard_rate: float | None = None
     ) -> Concurrency:
         """Shards at once and parts at once in each, within `caps`, given the rate one
-        connection gets (and, until that is known, the rate one shard's download gets)."""
+        connection gets; until that is known, the rate one shard's download gets."""
         consumed = self.consumed_rate()
         if consumed is None or not connection_rate:
             return Concurrency(self.shards_at_once(caps.shards, shard_rate), caps.parts)

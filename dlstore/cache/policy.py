@@ -1,43 +1,33 @@
 """Plan-aware eviction: which cached shards go first when the cache must make room.
 
-The epoch plan is a pure function, so a reader knows the order in which it will need
-shards for the rest of this epoch and for the whole next one. `ShardCache.hint` records that
-order where every process of the node sees it, and eviction follows Belady's rule: evict
-the shard needed furthest in the future. With a cache that holds a fraction f of the node's
-share, a node then fetches about (1 - f) of its share per epoch, where LRU, against a
-shuffled sweep it cannot see, refetches nearly all of it. What it takes: room for the window
-being read, the one coming in and the prefetch beside the shards kept (`Dataset.hint_cache`
-gives no hints to a smaller cache); the window change costs a little more where that room is
-a large part of the cache (`tools/bench_cache_policy.py`: one rank, f = 0.5, 24 shards:
-0.54-0.67 per epoch, 48 shards: 0.50; LRU 0.8-0.9; `--ranks-per-node 1 2 4`, a node's share
-of 48 shards: 0.46-0.54 where a step of the node reads up to 4 shards, 0.54-0.67 at 8).
+The epoch plan is a pure function, so a reader knows the order in which it will need shards
+for the rest of this epoch and for the whole next one. `ShardCache.hint` records that order
+where every process of the node sees it. Eviction then follows Belady's rule: evict the shard
+needed furthest in the future. With a cache that holds a fraction f of the node's share, a
+node fetches about (1 - f) of its share per epoch. LRU, against a shuffled sweep it cannot
+see, refetches nearly all of it. It takes room for the window being read, the one coming in
+and the prefetch beside the shards kept; `Dataset.hint_cache` gives no hints to a smaller cache.
 
-How the hints are kept (the cache is multi-process: only files and `flock` are shared)::
+How the hints are kept, in files, since the processes share nothing else::
 
     hints/<namespace>.<pid>.<token>.json    {"version": 1, "order": [stem, ...]}, soonest first
 
-* One file per writer (a `ShardCache` in one process, normally each rank's main process),
-  rewritten in place, always under the cache-wide lock; eviction reads them under the same
-  lock, so it never sees a half-written file.
-* The writer holds `LOCK_SH` on its file for as long as it lives (the lock is taken under
-  the cache-wide lock when the file is made, so no reader ever finds it unlocked). A file
-  whose lock can be taken belongs to a dead process: the reader removes it. A writer's
-  file is removed when its `ShardCache` is collected or the process exits.
+* One file per writer, a `ShardCache` in one process, rewritten in place under the cache-wide
+  lock. Eviction reads them under the same lock, so it never sees a half-written file.
+* The writer holds `LOCK_SH` on its file while it lives, taken under the cache-wide lock when
+  the file is made. A file whose lock can be taken belongs to a dead process: the reader
+  removes it. A writer's file goes when its `ShardCache` is collected or the process exits.
 * A shard's next use is its smallest position over all writers' orders. The ranks of a node
-  read the same window of shards at the same time (`dlstore.plan`), so their positions
-  agree to within a few shards and the smallest is the node's next need of it. That holds
-  while every order is fresh: a writer rewrites its order as soon as a shard it names as
-  needed this epoch is done with (`Dataset.hint_cache`). An order left stale keeps finished
-  shards in front of those in use, and the other ranks' evictions then take the shards this
-  one reads (2 ranks, a batch spanning a window: 1.2 of the share fetched cold, up to 1.2 later).
-* A hint file holds about 60 bytes per shard of the writer's share (this epoch's rest plus
-  the next epoch). These bytes are not counted against the cache limit.
+  read the same window of shards at the same time (`dlstore.plan`), so the smallest is the
+  node's next need of it. That holds while every order is fresh: a writer rewrites its order
+  as soon as a shard it names as needed this epoch is done with. A stale order keeps
+  finished shards in front of those in use, and other ranks' evictions take this one's.
+* A hint file holds about 60 bytes per shard of the writer's share, not counted in the limit.
 
-Victim order, given the hints (`victim_order`): first the shards no hint names (not needed
-this epoch or the next: another dataset's, or left from an earlier run), least recently used
-first; then the hinted ones, furthest next use first. With no live hints at all the order is
-plain LRU, as before. A prefetch (which may wait) never evicts a shard needed no later than
-the one it fetches; a reader that needs a shard now may evict any shard no one holds.
+Victim order, given the hints (`victim_order`): first the shards no hint names, least recently
+used first; then the hinted ones, furthest next use first. With no live hints the order is
+plain LRU. A prefetch, which may wait, never evicts a shard needed no later than its own; a
+reader that needs a shard now may evict any shard no one holds.
 """
 
 from __future__ import annotations
@@ -51,7 +41,7 @@ import secrets
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 
-from dlstore.cache.layout import _CacheDir, _try_flock, _unlink_quietly
+from dlstore.cache.layout import CacheDir, try_flock, unlink_quietly
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +52,15 @@ _HINT_VERSION = 1
 CachedShard = tuple[int, str, int]
 
 
-def hints_dir(directory: _CacheDir) -> str:
+def hints_dir(directory: CacheDir) -> str:
     return os.path.join(directory.root, HINTS_DIR)
 
 
 class HintWriter:
     """The hint file of one `ShardCache` in one process. Not shared across a fork: the child
-    makes its own (and never unlocks the parent's, whose lock its inherited descriptor shares)."""
+    makes its own, and never unlocks the parent's, whose lock its inherited descriptor shares."""
 
-    def __init__(self, directory: _CacheDir, namespace: str, stem_of: Callable[[str], str]) -> None:
+    def __init__(self, directory: CacheDir, namespace: str, stem_of: Callable[[str], str]) -> None:
         self.pid = os.getpid()
         self._dir = directory
         self._stem_of = stem_of
@@ -81,7 +71,7 @@ class HintWriter:
         self._finalizer: weakref.finalize | None = None
 
     def write(self, names: Iterable[str]) -> None:
-        """Record the order of shard `names` (soonest first), replacing this writer's earlier
+        """Record the order of shard `names`, soonest first, replacing this writer's earlier
         order; an empty order removes the file."""
         stems = self._stems
         order = list(dict.fromkeys(stems.get(n) or stems.setdefault(n, self._stem_of(n)) for n in names))
@@ -99,8 +89,7 @@ class HintWriter:
         self._last = order
 
     def _open(self) -> int:
-        """Create the file and lock it shared; called under the cache-wide lock, so no reader
-        sees the file before it is locked."""
+        """Create the file and lock it shared, under the cache-wide lock: no reader sees it unlocked."""
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new file: nobody else holds it
@@ -115,23 +104,23 @@ class HintWriter:
 
 
 def _remove_hint_file(fd: int, path: str, owner_pid: int) -> None:
-    """Remove a writer's file and release its lock; in a forked child only close the
-    descriptor (unlocking there would release the parent's lock too)."""
+    """Remove a writer's file and release its lock. A forked child only closes the descriptor:
+    unlocking there would release the parent's lock too."""
     if os.getpid() != owner_pid:
         with contextlib.suppress(OSError):
             os.close(fd)
         return
     with contextlib.suppress(OSError):
-        _unlink_quietly(path)
+        unlink_quietly(path)
     with contextlib.suppress(OSError):
         fcntl.flock(fd, fcntl.LOCK_UN)
     with contextlib.suppress(OSError):
         os.close(fd)
 
 
-def read_next_use(directory: _CacheDir) -> dict[str, int]:
-    """Under the cache-wide lock: each hinted stem's next use (its smallest position over the
-    live writers' orders). Removes the files of dead writers; skips unreadable ones."""
+def read_next_use(directory: CacheDir) -> dict[str, int]:
+    """Under the cache-wide lock: each hinted stem's next use, its smallest position over the
+    live writers' orders. Removes the files of dead writers; skips unreadable ones."""
     try:
         entries = list(os.scandir(hints_dir(directory)))
     except FileNotFoundError:
@@ -154,8 +143,8 @@ def _read_live_order(path: str) -> list[str]:
     except FileNotFoundError:
         return []
     try:
-        if _try_flock(fd, fcntl.LOCK_EX):  # no writer holds it: a dead process's hints
-            _unlink_quietly(path)
+        if try_flock(fd, fcntl.LOCK_EX):  # no writer holds it: a dead process's hints
+            unlink_quietly(path)
             fcntl.flock(fd, fcntl.LOCK_UN)
             log.debug("removed the hint file %s of a dead process", path)
             return []
@@ -175,9 +164,9 @@ def victim_order(
 ) -> list[CachedShard]:
     """The cached shards in the order eviction should try them (see the module docstring).
 
-    `incoming` is the stem a prefetch makes room for: shards needed no later than it are left
-    out (with hints; an unhinted incoming shard may then only displace unhinted ones). Without
-    hints the order is LRU and `incoming` changes nothing.
+    `incoming` is the stem a prefetch makes room for: with hints, shards needed no later than
+    it are left out, and an unhinted one may only displace unhinted ones. Without hints the
+    order is LRU and `incoming` changes nothing.
 
     >>> victim_order([(1, "a", 9), (2, "b", 9), (3, "c", 9)], {"a": 0, "b": 5})
     [(3, 'c', 9), (2, 'b', 9), (1, 'a', 9)]

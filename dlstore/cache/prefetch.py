@@ -1,10 +1,9 @@
-"""The background prefetch of one process: daemon threads (`CacheConfig.shards_in_flight`
-of them, each fetching one shard at a time) that keep the next `CacheConfig.prefetch`
-shards of the reader's list cached, sooner shards first, and the window that the reader
-moves on as it reaches each shard. How many of the threads download at once, and on how
-many connections each, is paced by the rates measured (`pace.PrefetchPace`); a shard the
-reader reaches while it is still in flight is widened to a reader's download
-(`DownloadEngine.hurry`). All of its state lives in the process's `_Runtime`."""
+"""The background prefetch of one process: `CacheConfig.shards_in_flight` daemon threads,
+each fetching one shard at a time, keep the next shards of the reader's list cached, sooner
+ones first. The reader moves the window on as it reaches each shard. The rates measured pace
+how many download at once, and how wide (`pace.PrefetchPace`). A shard the reader reaches
+while in flight becomes a reader's download (`DownloadEngine.hurry`). The state lives in the
+process's `Runtime`."""
 
 from __future__ import annotations
 
@@ -13,34 +12,31 @@ import threading
 import time
 from collections.abc import Callable
 
-from dlstore.cache.config import ShardSpec
-from dlstore.cache.layout import _release
+from dlstore.cache.layout import unlock_and_close
 from dlstore.cache.pace import Concurrency
-from dlstore.cache.runtime import _Runtime
+from dlstore.cache.runtime import Runtime
+from dlstore.cache.spec import ShardSpec
 from dlstore.errors import ProgramExiting
 
 log = logging.getLogger(__name__)
 
 _PACE_RECHECK_S = 0.25
 
-#: Fetch a shard for the prefetch: (shard, the shards its eviction must spare, its download's
-#: priority) -> the shard's lock descriptor held shared, None when there is no room for it now,
-#: or `PREFETCH_DROPPED`.
+#: Fetch a shard for the prefetch: (shard, the shards its eviction must spare, its priority)
+#: -> its lock descriptor held shared, None when there is no room now, or `PREFETCH_DROPPED`.
 PrefetchFetch = Callable[[ShardSpec, frozenset[str], int], "int | None"]
-# What a `PrefetchFetch` returns when it let the shard go (`ShardCache._acquire`): the readers
-# had passed it before its download began, or an evictor took it once fetched (a reader that
-# passed it, or room for a sooner one). Done, not tried again: fetching it is a reader's call.
+#: What a `PrefetchFetch` returns when it let the shard go (`Fetcher.acquire`): the readers had
+#: passed it, or an evictor took it once fetched. Done, not tried again: it is a reader's call.
 PREFETCH_DROPPED = -1
 
 
 def start_prefetch(
-    rt: _Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, caps: Concurrency, lead: int = 0
+    rt: Runtime, specs: list[ShardSpec], depth: int, fetch: PrefetchFetch, caps: Concurrency, lead: int = 0
 ) -> None:
-    """Replace the list of upcoming shards, and start the threads that do not run already
-    (`caps.shards`; `caps.parts`: the most connections a shard of theirs uses). The threads
-    keep `depth` shards from the readers' place cached; the list's first `lead` ones (shards
-    in use: readers wait for them) before any later one. The same list again keeps the
-    readers' place in it (only its depth and lead may change)."""
+    """Replace the list of upcoming shards and start the threads not running yet, `caps.shards`
+    of them. The threads keep `depth` shards from the readers' place cached. The list's first
+    `lead` shards, those in use, go before any later one. The same list again keeps the
+    readers' place in it; only its depth and lead may change."""
     with rt.lock:
         same = specs == rt.upcoming and not rt.closing
         if same and (depth, lead) == (rt.depth, rt.lead):
@@ -64,11 +60,10 @@ def start_prefetch(
         rt.wake.notify_all()
 
 
-def _count_passed(rt: _Runtime, specs: list[ShardSpec]) -> None:
-    """A new list that starts further along the old one: the shards of the old list before
-    its first one were reached, for the pace. Why: with worker processes the readers hold
-    shards in other processes, so this process learns how far they are only from the lists
-    its loader gives (each led by the shards of the batch just requested)."""
+def _count_passed(rt: Runtime, specs: list[ShardSpec]) -> None:
+    """A new list that starts further along the old one: the old list's shards before it were
+    reached, for the pace. With worker processes, this process learns how far the readers are
+    only from the lists its loader gives."""
     if not specs or not rt.upcoming:
         return
     names = [spec.name for spec in rt.upcoming]
@@ -81,7 +76,7 @@ def _count_passed(rt: _Runtime, specs: list[ShardSpec]) -> None:
         rt.pace.reached(spec.name, spec.size, now)
 
 
-def stop_prefetch(rt: _Runtime, timeout_s: float) -> None:
+def stop_prefetch(rt: Runtime, timeout_s: float) -> None:
     """Stop the threads after their current downloads (waiting up to `timeout_s`)."""
     with rt.lock:
         rt.closing = True
@@ -93,27 +88,22 @@ def stop_prefetch(rt: _Runtime, timeout_s: float) -> None:
         thread.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
-def raise_prefetch_error(rt: _Runtime, name: str, moot: Callable[[], bool]) -> None:
-    """Raise the error the prefetch of `name` failed with, once, unless `moot()` (asked only
-    then): the shard is in the cache after all (a reader fetched it itself while the prefetch
-    failed), when that error would end a run that has already recovered."""
+def raise_prefetch_error(rt: Runtime, name: str, moot: Callable[[], bool]) -> None:
+    """Raise the error the prefetch of `name` failed with, once, unless `moot()`: the shard is
+    in the cache after all, and the error would end a run that has recovered."""
     with rt.lock:
         error = rt.errors.pop(name, None)
     if error is not None and not moot():
         raise error
 
 
-def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
+def advance_window(rt: Runtime, name: str, depth: int) -> frozenset[str]:
     """The reader reached `name`: move the prefetch window past it, and hurry its download if
-    the prefetch is still fetching it (the reader waits for it now; the pace may have made it
-    narrow). Returns the window, which the reader's own evictions spare when they can.
+    the prefetch is still fetching it. Returns the window, which the reader's evictions spare.
 
-    The window never moves past a shard of the list's lead (the shards in use) that is not in
-    yet: a batch reads them all at once and in any order (a reader takes its shards by index,
-    the list is by first need; readers of the batches queued behind run at the same time), so
-    reaching one, or a shard after them, passes none of the others; the reached shard is
-    marked done instead (its reader fetches it). Moving on gave the lead's other shards' place
-    to later ones: a cold first batch waited for its second shard until its first had come in."""
+    The window never moves past a shard of the lead, the shards in use, that is not in yet.
+    A batch reads them all at once and in any order, so reaching one passes none of the
+    others; the reached shard is marked done instead, and its reader fetches it."""
     in_flight = None
     with rt.lock:
         for index in range(rt.position, len(rt.upcoming)):
@@ -137,42 +127,37 @@ def advance_window(rt: _Runtime, name: str, depth: int) -> frozenset[str]:
     return frozenset(spec.name for spec in window)
 
 
-def still_ahead(rt: _Runtime, name: str) -> bool:
-    """Whether shard `name` is in the prefetch window, or is the one the reader has just reached
-    (it may not hold its lock yet): a prefetch of a shard the readers have passed (it waited for
-    its lock meanwhile, say) lets it go."""
+def still_ahead(rt: Runtime, name: str) -> bool:
+    """Whether shard `name` is in the prefetch window, or is the one the reader has just
+    reached. A prefetch of a shard the readers have passed lets it go."""
     with rt.lock:
         # The lead may reach past the window: it is fetched whole (`_next_prefetch`).
         end = max(_window_end(rt, rt.depth), rt.lead)
         return any(spec.name == name for spec in rt.upcoming[max(rt.position - 1, 0) : end])
 
 
-def _lead_pending(rt: _Runtime, before: int) -> bool:
+def _lead_pending(rt: Runtime, before: int) -> bool:
     """Whether a shard of the lead before list index `before` is not in yet."""
     return any(spec.name not in rt.done for spec in rt.upcoming[rt.position : min(rt.lead, before)])
 
 
-def _window_end(rt: _Runtime, depth: int) -> int:
-    """Where the window ends: `depth` shards past the readers' place, which is the lead's end
-    once they have reached it (the lead's shards do not take the window's places: they held
-    back every shard after them in a window no deeper than the lead). Until then, the list
-    itself starts ahead of the readers (at the batch just requested)."""
+def _window_end(rt: Runtime, depth: int) -> int:
+    """Where the window ends: `depth` shards past the readers' place, or past the lead's end
+    once they have reached it, so the lead takes none of the window's places."""
     return (max(rt.position, rt.lead) if rt.in_lead else rt.position) + depth
 
 
 def _object_of(spec: ShardSpec) -> tuple[str, int | None]:
-    """The store object a spec's download reads, and from which byte (a run of samples: its
-    shard's object, from the run's first byte), as `DownloadEngine.hurry` names it."""
+    """The store object a spec's download reads and its first byte, as `hurry` names it."""
     if spec.samples is None:
         return spec.name, None
     return spec.samples.shard, spec.samples.byte_start
 
 
-def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSpec, frozenset[str]] | None:
-    """The next shard to prefetch, and the shards its eviction must spare: those sooner in
-    the list, and the one the reader has just reached (it may not hold its lock yet). A shard
-    another prefetch thread is fetching is skipped; none while the pace allows no more. Sets
-    the connections each prefetched shard may use to the pace's."""
+def _next_prefetch(rt: Runtime, depth: int, caps: Concurrency) -> tuple[ShardSpec, frozenset[str]] | None:
+    """The next shard to prefetch, and the shards its eviction must spare: those sooner in the
+    list, and the one the reader has just reached. A shard another thread fetches is skipped;
+    none while the pace allows no more. Sets the engine's width for prefetches to the pace's."""
     engine = rt.engine
     if engine is None:
         pace = caps
@@ -192,17 +177,15 @@ def _next_prefetch(rt: _Runtime, depth: int, caps: Concurrency) -> tuple[ShardSp
     return None
 
 
-def _priority(rt: _Runtime, spec: ShardSpec, sooner: frozenset[str]) -> int:
-    """A lead shard's download is a reader's (0: readers wait for the shards in use now, as at a
-    cold start: it goes first, as wide as a reader's, `DownloadEngine._width`); a later one's
-    is 1 + the shards before it in the window, so sooner ones go first. The prefetch threads
-    share `rt.wake` with the readers' waits: a shard let go wakes them too, to look for room."""
+def _priority(rt: Runtime, spec: ShardSpec, sooner: frozenset[str]) -> int:
+    """0 for a lead shard: readers wait for it, so it goes first and as wide as a reader's.
+    A later shard's is 1 + the shards before it in the window, so sooner ones go first."""
     if any(s.name == spec.name for s in rt.upcoming[rt.position : rt.lead]):
         return 0
     return 1 + len(sooner)
 
 
-def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> None:
+def _prefetch_loop(rt: Runtime, fetch: PrefetchFetch, caps: Concurrency) -> None:
     while True:
         with rt.lock:
             job = None
@@ -226,7 +209,7 @@ def _prefetch_loop(rt: _Runtime, fetch: PrefetchFetch, caps: Concurrency) -> Non
             log.warning("prefetch of shard %r failed: %s: %s", spec.name, type(exc).__name__, exc)
             fd, error = None, exc
         if fd is not None and fd != PREFETCH_DROPPED:
-            _release(fd)
+            unlock_and_close(fd)
             rt.announce_release()
         if rt.engine is not None:  # a hurry of it held for this fetch only (its retries too)
             rt.engine.forget_hurry(*_object_of(spec))

@@ -1,6 +1,6 @@
-"""Whole-directory operations for the CLI: what `dlstore cache stats DIR` shows
-(`cache_report`) and `dlstore cache clear DIR` (`clear_cache`). Both are safe while other
-processes use the cache: they work under its cache-wide lock and skip held shards."""
+"""Whole-directory operations for the CLI: `dlstore cache stats DIR` (`cache_report`) and
+`dlstore cache clear DIR` (`clear_cache`). Both are safe while other processes use the cache:
+they work under its cache-wide lock and skip held shards."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import logging
 import os
 from dataclasses import dataclass
 
-from dlstore.cache.layout import CacheStats, EpochStats, _CacheDir, read_epochs
+from dlstore.cache.layout import CacheDir, CacheStats, EpochStats, read_epochs
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class CacheReport:
-    """What `dlstore cache stats DIR` shows. `epochs`: the counters of each epoch the readers
-    said they were in (`ShardCache.set_epoch`; the latest 16 epochs), oldest first."""
+    """What `dlstore cache stats DIR` shows. `epochs`: the counters of each of the latest
+    epochs the readers said they were in (`ShardCache.set_epoch`), oldest first."""
 
     cache_dir: str
     files: int
@@ -41,15 +41,15 @@ class ClearResult:
 
 
 def cache_report(cache_dir: str | os.PathLike[str]) -> CacheReport:
-    """Files, bytes, limit and counters summed over every process that used `cache_dir`,
-    in all and per epoch.
+    """Files, bytes, limit and counters summed over every process that used `cache_dir`, in
+    all and per epoch.
 
     >>> cache_report("/mnt/ssd/dlstore").totals.hits  # doctest: +SKIP
     1234
     >>> cache_report("/mnt/ssd/dlstore").epochs[1].bytes_fetched  # doctest: +SKIP
     150123456789
     """
-    directory = _CacheDir(os.path.abspath(os.fspath(cache_dir)))
+    directory = CacheDir(os.path.abspath(os.fspath(cache_dir)))
     directory.require()
     with directory.locked():
         usage = directory.scan()
@@ -68,13 +68,13 @@ def cache_report(cache_dir: str | os.PathLike[str]) -> CacheReport:
 
 
 def clear_cache(cache_dir: str | os.PathLike[str], reset_stats: bool = False) -> ClearResult:
-    """Remove every shard no reader holds (and stale temp files); safe while the cache is in
-    use. Held shards are left and counted in the result.
+    """Remove every shard no reader holds, and stale temp files; safe while the cache is in use.
+    Held shards are left and counted in the result.
 
     >>> clear_cache("/mnt/ssd/dlstore").removed  # doctest: +SKIP
     40
     """
-    directory = _CacheDir(os.path.abspath(os.fspath(cache_dir)))
+    directory = CacheDir(os.path.abspath(os.fspath(cache_dir)))
     directory.require()
     removed = removed_bytes = skipped = skipped_bytes = 0
     with directory.locked():

@@ -1,32 +1,29 @@
 """A node-wide cap on connections to the store (`CacheConfig.node_connections`): every ranged
-GET of every process that shares the cache directory holds one of `count` slot files,
-locked with a non-blocking `flock`, while it runs.
+GET of every process sharing the cache directory holds one of `count` slot files, locked
+with a non-blocking `flock`, while it runs.
 
     slots = NodeSlots("/mnt/ssd/dlstore", 64)
     index = slots.try_take(urgent=False)     # None: all taken (or a reader waits: see below)
     ...                                      # the GET
     slots.give_back(index)
 
-Why files and `flock`: the processes of a node (ranks, DataLoader workers) share nothing but
-the cache directory, and a lock dies with its holder, so a crashed process's slots free
-themselves; there is no count to repair. A part holds at most one slot, from the start of its
-GET to its end or failure, and never waits for a slot while holding one: no deadlock.
+Why files and `flock`: the processes of a node share nothing but the cache directory, and a
+lock dies with its holder, so a crashed process's slots free themselves. A part holds at most
+one slot, from the start of its GET to its end, and never waits for one while holding one:
+no deadlock.
 
-**The reader's shard first.** A reader waiting for a slot (an `urgent` part: the shard a
-rank needs now) holds a shared lock on ``readers-waiting.lock`` for as long as it waits;
-a prefetch's part takes no slot while anyone holds it (an exclusive non-blocking probe
-fails). So when slots are all taken, each one that frees goes to a waiting reader before
-any prefetch, on every process of the node, and a reader waits at most for one part of
-someone's GET to end, not behind the node's prefetch queue. Slots are not set aside for
-readers: an idle slot would be a connection the node could have used. A reader waiting for
-another process's prefetch of the same shard (the cache's per-shard lock) says so on the
-shard's `.wanted` lock, and that process hurries the download (`_CacheDir.reader_waits`).
+**The reader's shard first.** A reader waiting for a slot, an `urgent` part, holds a shared
+lock on ``readers-waiting.lock`` while it waits. A prefetch's part takes no slot while anyone
+holds it. So each slot that frees goes to a waiting reader before any prefetch, on every
+process of the node. Slots are not set aside for readers: an idle slot would be a connection
+the node could have used. A reader waiting for another process's prefetch of the same shard
+says so on the shard's `.wanted` lock, and that process hurries the download
+(`CacheDir.reader_waits`).
 
-Not thread-safe: the `DownloadEngine` calls it under its own lock. Its descriptors are
-opened when first needed and closed when the engine closes with no part running; an engine
-(and so this) is made anew in each process. A forked child closes the descriptors it
-inherited when it first uses the cache (`forget_after_fork`); until then it keeps a slot its
-parent held at the fork locked, even after the parent dies. All the processes sharing a
+Not thread-safe: the `DownloadEngine` calls it under its own lock. Its descriptors are opened
+when first needed and closed when the engine closes with no part running. A forked child
+closes the descriptors it inherited when it first uses the cache (`forget_after_fork`); until
+then it keeps a slot its parent held at the fork locked. All the processes sharing a
 directory should use the same count.
 """
 
@@ -36,7 +33,7 @@ import fcntl
 import os
 
 from dlstore.cache.config import CacheConfig
-from dlstore.cache.layout import _try_flock
+from dlstore.cache.layout import try_flock
 from dlstore.errors import ConfigError
 
 __all__ = ["NodeSlots", "node_slots"]
@@ -59,26 +56,25 @@ class NodeSlots:
         self._waiting_fd: int | None = None  # LOCK_SH on the waiting file while this process's reader waits
         self._probe_fd: int | None = None
         self.waiting = False
-        # The last scan found every slot taken, and none has been given back here since: the
-        # next scan waits for `look_again` (the engine's poller), so that the workers woken
-        # together do not each scan every slot.
+        # The last scan found every slot taken and none was given back since: the next scan
+        # waits for `look_again`, so that workers woken together do not each scan every slot.
         self._full = False
 
     def try_take(self, urgent: bool) -> int | None:
-        """The index of a free slot, now held, or None. A part that is not `urgent` (a
-        prefetch's) gets none while a reader anywhere on the node waits for one."""
+        """The index of a free slot, now held, or None. A prefetch's part, not `urgent`, gets
+        none while a reader anywhere on the node waits for one."""
         if (not urgent and self._readers_wait()) or self._full:
             return None
         for step in range(self.count):
             index = (self._first + step) % self.count
-            if index not in self._held and _try_flock(self._slot_fd(index), fcntl.LOCK_EX):
+            if index not in self._held and try_flock(self._slot_fd(index), fcntl.LOCK_EX):
                 self._held.add(index)
                 return index
         self._full = True
         return None
 
     def look_again(self) -> None:
-        """Let the next `try_take` scan the slots again (others may have freed some)."""
+        """Let the next `try_take` scan the slots again: others may have freed some."""
         self._full = False
 
     def give_back(self, index: int) -> None:
@@ -90,21 +86,21 @@ class NodeSlots:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def set_waiting(self, waiting: bool) -> None:
-        """Whether this process's reader is waiting for a slot (prefetches yield to it)."""
+        """Whether this process's reader is waiting for a slot; prefetches yield to it."""
         if waiting == self.waiting:
             return
         if waiting:
             if self._waiting_fd is None:
                 self._waiting_fd = self._open(_WAITING)
             # Fails only against a probe's instant of LOCK_EX: the engine asks again at its next try.
-            if not _try_flock(self._waiting_fd, fcntl.LOCK_SH):
+            if not try_flock(self._waiting_fd, fcntl.LOCK_SH):
                 return
         elif self._waiting_fd is not None:
             fcntl.flock(self._waiting_fd, fcntl.LOCK_UN)
         self.waiting = waiting
 
     def close(self) -> None:
-        """Free every slot and close the files (the engine's process is done with them)."""
+        """Free every slot and close the files: the engine's process is done with them."""
         for index, fd in enumerate(self._fds):
             if fd is not None:
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -119,9 +115,8 @@ class NodeSlots:
         self.waiting = False
 
     def forget_after_fork(self) -> None:
-        """In a forked child, before it makes its own: close the descriptors inherited from the
-        parent without unlocking them (an unlock would free the parent's slots; closing this
-        copy does not, the parent's descriptors still hold them)."""
+        """In a forked child: close the descriptors inherited from the parent without unlocking
+        them. An unlock would free the parent's slots; closing this copy does not."""
         for fd in (*self._fds, self._waiting_fd, self._probe_fd):
             if fd is not None:
                 os.close(fd)
@@ -131,11 +126,11 @@ class NodeSlots:
         self.waiting = False
 
     def _readers_wait(self) -> bool:
-        """Whether a reader holds the waiting file (this process's own included: a separate
-        open file of it conflicts even within one process)."""
+        """Whether a reader holds the waiting file, this process's own included: a separate
+        open file of it conflicts even within one process."""
         if self._probe_fd is None:
             self._probe_fd = self._open(_WAITING)
-        if self.waiting or not _try_flock(self._probe_fd, fcntl.LOCK_EX):
+        if self.waiting or not try_flock(self._probe_fd, fcntl.LOCK_EX):
             return True
         fcntl.flock(self._probe_fd, fcntl.LOCK_UN)
         return False

@@ -25,7 +25,7 @@ Samples i..j-1 are one ranged GET of `[offsets[i], offsets[j])`, which
 conversion recognise a finished shard without reading it again.
 
 Why per-sample digests: the shard's checksum verifies a whole shard only. A cache that fetches
-part of a shard (`dlstore.cache.partial`) checks each sample of its range on its own; the index
+part of a shard (`dlstore.cache.download`) checks each sample of its range on its own; the index
 itself is trusted through the manifest's `index_checksum`. `dlstore convert` and `dlstore index`
 write version 3, or version 2 with `--checksum sha256`. Readers accept all three; a version 1
 index only means that its shard is always fetched whole.

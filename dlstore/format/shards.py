@@ -515,7 +515,7 @@ def scan_shard(
 def read_shard_index(path: str | os.PathLike[str]) -> SampleIndex:
     """The sample index of a local shard file: from `<shard>.idx` beside it when that exists and
     matches the file's size, else by walking the tar's headers, seeking over data. Such an index
-    has no checksum (zeros). The node cache keeps the indexes it walks (`dlstore.cache.indexes`)."""
+    has no checksum (zeros). The node cache keeps the indexes it walks (`dlstore.read.indexes`)."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     beside = path[:-4] + ".idx" if path.endswith(".tar") else path + ".idx"

@@ -70,7 +70,7 @@ the steady state, with no partition count fixed in advance. What it costs:
   ``num_nodes - 1`` shards are read in part by two nodes (more, on a tiny dataset).
   `node_ranges(...).partial_shards(...)` names a node's boundary shards and its samples of
   each; the node cache fetches only those samples' bytes, as a partial entry
-  (`dlstore.cache.partial`) verified against the version 2 sample index's digests. Every byte
+  (`dlstore.cache.download`) verified against the version 2 sample index's digests. Every byte
   is then fetched by one node. A boundary shard is two cache entries on two nodes, each a
   ranged GET more per epoch when not cached. With version 1 indexes, which have no per-sample
   digests, both nodes fetch a boundary shard whole: at most ``num_nodes - 1`` extra shard

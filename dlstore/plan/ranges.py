@@ -145,7 +145,7 @@ class NodeRanges:
     def partial_shards(self, shard_sizes: Sequence[int] | np.ndarray) -> dict[int, tuple[int, int]]:
         """The rows that cover only part of their shard, as {shard: (first sample, stop)}: for
         the rows of one node (`of_node`), the boundary shards it reads a range of. A node
-        cache fetches those samples' bytes only (`dlstore.cache.partial`), not the shard.
+        cache fetches those samples' bytes only (`dlstore.cache.download`), not the shard.
 
         >>> assign_ranges([4, 4, 4], 2, seed=0, shuffle=False).of_node(1).partial_shards([4, 4, 4])
         {1: (2, 4)}

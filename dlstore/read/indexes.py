@@ -1,20 +1,17 @@
 """Sample indexes of cached shards, kept in the cache beside them (`indexes/<stem>.idx`).
 
-Why: a sample is read with one `pread` of its span, which its shard's `SampleIndex` gives.
-Built from the cached file, that index is a walk over every tar header of the shard (~5 us
-each here, tens of ms for a 256 MB shard of ImageNet JPEGs, more on a slower core), and it
-was made again in every process that read the shard: each worker process of each rank, again
-each epoch once the process's own few dozen had moved on. Kept in the cache, it is walked
-once per node while the shard stays cached, and read back in well under a millisecond.
+Why: a sample is read with one `pread` of the span its shard's `SampleIndex` gives. Built from
+the cached file, that index is a walk over every tar header of the shard, and every process
+that read the shard made it again. Kept in the cache, it is walked once per node while the
+shard stays cached, and read back in well under a millisecond.
 
-An index kept here carries the shard's checksum from the manifest (the cached copy was
-verified against it), so a shard cached again with other content never meets an old index;
-the index of a shard without a manifest checksum is not kept. Eviction removes it with its
-shard (`_CacheDir.remove_shard`). Indexes are small (8 bytes per sample) and are not counted
-against the cache's limit. Writing one is best effort: a full disk or a read-only cache
-costs the walk again, not the read. A writer that dies before its rename leaves a temp file,
-which a process that opens the cache ten minutes later or more removes
-(`_CacheDir.remove_stale_index_temps`)."""
+A kept index carries the manifest's checksum of its shard, so a shard cached again with other
+content never meets an old index. A shard without a manifest checksum keeps none. Eviction
+removes an index with its shard; indexes are small and not counted against the limit.
+Writing one is best effort: a full disk or a read-only cache costs the walk again, not the
+read. A writer that dies before its rename leaves a temp file, which the cache removes later
+(`CacheDir.remove_stale_index_temps`).
+"""
 
 from __future__ import annotations
 
@@ -26,15 +23,15 @@ from dlstore.errors import ConfigError, FormatError
 from dlstore.format.sample_index import SampleIndex, digest_field
 from dlstore.format.shards import read_shard_index
 
-__all__ = ["cached_sample_index"]
+__all__ = ["cached_sample_index", "forget_sample_index"]
 
 log = logging.getLogger(__name__)
 
 
 def cached_sample_index(index_path: str, shard_path: str, checksum: str | None) -> SampleIndex:
-    """The sample index of the cached shard at `shard_path` (held by the caller, so not evicted
-    meanwhile): the one kept at `index_path` when it is this shard's (its size and
-    `checksum`), else walked from the file and kept there for the next reader."""
+    """The sample index of the cached shard at `shard_path`, which the caller holds. It is the
+    one kept at `index_path` when that matches the shard's size and `checksum`; else it is
+    walked from the file and kept there for the next reader."""
     digest = _digest_field(checksum)
     shard_size = os.path.getsize(shard_path)
     if digest is not None:
@@ -50,8 +47,8 @@ def cached_sample_index(index_path: str, shard_path: str, checksum: str | None) 
 
 
 def _digest_field(checksum: str | None) -> bytes | None:
-    """What an index of the shard of `checksum` holds for it; None for a checksum of none of
-    the manifest's algorithms (given by hand: the index is then not kept)."""
+    """What an index of the shard of `checksum` holds for it; None for a checksum in none of
+    the manifest's algorithms, given by hand: the index is then not kept."""
     try:
         return None if checksum is None else digest_field(checksum)
     except ConfigError:
@@ -76,7 +73,7 @@ def _keep(index_path: str, index: SampleIndex) -> None:
     """Write the index atomically (a temp file renamed over it): readers never see half of one."""
     temp = f"{index_path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        os.makedirs(os.path.dirname(index_path), exist_ok=True)  # caches made before indexes/ was
+        os.makedirs(os.path.dirname(index_path), exist_ok=True)
         with open(temp, "wb") as file:
             file.write(index.to_bytes())
         os.replace(temp, index_path)
@@ -86,3 +83,11 @@ def _keep(index_path: str, index: SampleIndex) -> None:
             os.unlink(temp)
         except OSError:
             pass
+
+
+def forget_sample_index(index_path: str) -> None:
+    """Drop a kept index: a read through it failed, so it is walked again."""
+    try:
+        os.unlink(index_path)
+    except FileNotFoundError:
+        pass

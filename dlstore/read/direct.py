@@ -1,32 +1,34 @@
 """Samples of a shard that is not cached yet, read straight from the store.
 
-Why: from a cold cache the first batch of a pass waits for every shard it draws from (two
-with the plan's window ramp, 512 MB at the default shard size: ~2 s at 40 MB/s per
-connection), although it needs a few MB of them. Its samples are fetched by themselves
-(ranged GETs, several at once), and training starts; the shards' downloads begin once that
-batch is handed on (`Dataset.first_batch_delivered`).
+Why: from a cold cache a pass's first batch waits for every shard it draws from, although it
+needs a few MB of them. Its samples are fetched by themselves, several ranged GETs at once,
+and training starts. The shards' downloads begin once that batch is handed on
+(`Dataset.first_batch_delivered`).
 
 Trust: a sample is used only if its bytes match its digest in the shard's version 2 sample
-index, which itself matched the manifest's checksum of it (`load_sample_index`). Bytes that do
-not match are not used: the caller reads the samples from the shard once it is cached, where
-the shard's checksum decides (a damaged shard raises `CorruptShard` there, as without this).
+index, which matched the manifest's checksum (`load_sample_index`). Bytes that do not match
+are not used: the caller reads those samples from the cached shard, whose checksum decides.
 
-Cost: the batch's bytes twice (here and in its shards), once per pass that starts cold; a
-small GET of each such shard's sample index; and the shards start that much later.
+Cost: the batch's bytes twice, once per pass that starts cold; a small GET of each shard's
+sample index; and the shards start that much later.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Callable, Sequence
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from contextlib import AbstractContextManager
 
+from dlstore.cache import ShardCache
 from dlstore.format.sample_index import SampleIndex, sample_digest
 from dlstore.storage.base import Store
 
-__all__ = ["DIRECT_RETRY", "read_samples", "sample_runs"]
+__all__ = ["DIRECT_RETRY", "DirectReads", "read_samples", "sample_runs"]
 
 #: The most bytes one ranged GET reads: neighbouring samples are read together up to this.
 RUN_BYTES = 4 * 2**20
@@ -68,10 +70,9 @@ def read_samples(
     gate: Callable[[], AbstractContextManager] | None = None,
 ) -> dict[str, dict[int, bytes]]:
     """For each `(name, index, samples)` of `wanted`, the bytes of those samples of shard
-    `name` in `store`, each checked against its digest in `index` (version 2); all shards' runs
-    in about `connections` GETs, all at once. A shard with a sample that fails its digest
-    is left out. Errors of the store propagate. `gate()`: entered around each GET (bounds on
-    GETs at once shared by the calls of several threads, and by the node's processes)."""
+    `name`, each checked against its digest in `index`. All shards' runs go in about
+    `connections` GETs at once. A shard with a sample that fails its digest is left out;
+    errors of the store propagate. `gate()` is entered around each GET, to bound them."""
     runs = [(name, index, sample_runs(index, samples)) for name, index, samples in wanted]
     # As many GETs as connections, each of as many ranges as that takes (the store allowing):
     # fewer requests for the store to serve, and no link slower than its share of them.
@@ -115,3 +116,71 @@ def read_samples(
         else:
             shards.setdefault(name, {}).update(part)
     return {name: samples for name, samples in shards.items() if name not in failed}
+
+
+_lock = threading.Lock()
+
+
+def _new_lock() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
+
+
+os.register_at_fork(after_in_child=_new_lock)
+
+
+class DirectReads:
+    """Direct reads beside one cache, with this process's store and bound on GETs at once.
+    Picklable; a new process makes its own store and bound on first use."""
+
+    def __init__(self, cache: ShardCache) -> None:
+        self.cache = cache
+        self._state: tuple[int, Store, threading.BoundedSemaphore] | None = None  # (pid, store, gets)
+
+    def __getstate__(self) -> dict:
+        return {"cache": self.cache}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["cache"])  # type: ignore[misc]
+
+    @property
+    def connections(self) -> int:
+        return self.cache.config.parts_in_flight * 2
+
+    def _process_state(self) -> tuple[int, Store, threading.BoundedSemaphore]:
+        state = self._state
+        if state is None or state[0] != os.getpid():
+            with _lock:
+                state = self._state
+                if state is None or state[0] != os.getpid():
+                    store = self.cache.store
+                    short = store.with_retry(dataclasses.replace(store.config.retry, **DIRECT_RETRY))
+                    state = self._state = (os.getpid(), short, threading.BoundedSemaphore(self.connections))
+        return state
+
+    @property
+    def store(self) -> Store:
+        """The store with direct reads' short retry, one per process so that what it learns
+        (`Store.ranges_per_get`) holds for later reads. Sample indexes are read through it too."""
+        return self._process_state()[1]
+
+    def read(self, wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]]) -> dict[str, dict[int, bytes]]:
+        """`read_samples` of the shards of `wanted` that are not cached, counted in
+        `CacheStats.bytes_direct`. The GETs, at most `connections` at once in this process, each
+        hold a node connection slot as a download's part does. A slot not had within the short
+        deadline raises `TransientError`, which sends the caller to the cache."""
+        wanted = [w for w in wanted if not self.cache.cached(w[0])]
+        if not wanted:
+            return {}
+        _, store, gets = self._process_state()
+
+        @contextlib.contextmanager
+        def gate() -> Iterator[None]:
+            # The process's bound first: a node slot is never held while waiting for it.
+            with gets, self.cache.node_slot(DIRECT_RETRY["deadline_s"]):
+                yield
+
+        got = read_samples(store, wanted, self.connections, gate)
+        if got:  # recorded at once, as a download is: once per pass
+            self.cache.count_direct(sum(len(data) for samples in got.values() for data in samples.values()))
+        return got

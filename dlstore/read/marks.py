@@ -2,20 +2,18 @@
 cache directory (`marks/<store>-<dataset>.bin`, one byte a sample).
 
 Why: a crop-only decode reads the rows below its crop until a sample has once decoded whole
-without error (`transforms.decode_for_crop`), so that corrupt samples are counted as before;
-from then on it reads only the rows it needs (~12% less decode here). A rank's samples change
-every epoch (the node's stream is dealt to its ranks afresh), so with marks kept per rank a
-node of 8 ranks would decode 7/8 of its samples the slow way in epoch 2, 49/64 in epoch 3, ...
-Kept here, every process of the node (ranks, their worker processes, a job restarted on the
-node) knows what any of them decoded.
+without error (`transforms.decode_for_crop`), so that corrupt samples are still counted. From
+then on it reads only the rows it needs. A rank's samples change every epoch, so marks kept
+per rank would leave most samples to the slow decode for several epochs. Kept here, every
+process of the node knows what any of them decoded, a restarted job's included.
 
-How: `pread` and `pwrite` of one byte, no memory map, so that a full disk or a read-only
-cache is an `OSError`, never a SIGBUS: a file that cannot be written is still read (another
-user's, on a full disk), one that cannot be read is not used, and this process keeps its
-marks in memory from then on. Readers keep what they found in memory (`SamplePath`), so a
-sample costs the file at most a read and a write per process. The bytes of a sample never change (the file's name
-holds the digest of the dataset's shard table, checksums included), so neither does the
-verdict. A damaged file can only make a corrupt sample's damage below its crop go uncounted.
+How: `pread` and `pwrite` of one byte, no memory map, so that a full disk or a read-only cache
+is an `OSError`, never a SIGBUS. A file that cannot be written is still read; one that cannot
+be read is not used, and the process keeps its marks in memory from then on. Readers keep what
+they found in memory (`SamplePath`), so a sample costs the file at most a read and a write per
+process. A sample's bytes never change, since the file name holds the digest of the shard
+table, so neither does the verdict. A damaged file can only leave a corrupt sample's damage
+below its crop uncounted.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
 class NodeMarks:
-    """The node's marks of one dataset in the file at `path`; picklable (a worker process opens
-    the file again), safe to use from several threads and across a fork (no lock is held)."""
+    """The node's marks of one dataset in the file at `path`. Picklable: a worker process opens
+    the file again. Safe from several threads and across a fork: no lock is held."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -90,8 +88,8 @@ class NodeMarks:
         pid = os.getpid()
         if self._pid == pid:
             return self._fd
-        # First use in this process (a fork shares the parent's fd: kept apart). Two threads
-        # may both open it: the one published last wins, the other's descriptor stays open.
+        # First use in this process: a fork's inherited fd is not used. Two threads may both
+        # open it: the one published last wins, the other's descriptor stays open.
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)  # as the cache's shared files
