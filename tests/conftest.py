@@ -1,12 +1,7 @@
 """Shared pytest configuration for dlstore's tests.
 
-The local Swift server fixtures (``swift_server``, ``swift_container``, ``s3_bucket``)
-live in ``swift_fixtures.py``, loaded here as a plugin, so its hooks do not clash with
-hooks defined in this file.
-
-The fault proxy, its loop server and the loader-run helpers (`loader_support`) live in
-``tools/``, where `tools/soak.py` uses them too; tools/ goes on ``sys.path`` here, so tests
-import them by name (tools never import from tests).
+The Swift server fixtures live in ``tests/support/swift_fixtures.py``, loaded here as a
+plugin so that its hooks do not clash with this file's. The markers are in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -25,10 +20,7 @@ import pytest
 
 from dlstore.logs import THIRD_PARTY
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tools"))
-
-# "tests.swift_fixtures" if tests/ is a package, else "swift_fixtures" (tests/ is on sys.path).
-pytest_plugins = [f"{__package__}.swift_fixtures" if __package__ else "swift_fixtures"]
+pytest_plugins = ["tests.support.swift_fixtures"]
 
 #: How long the process may take to exit once the session is over.
 EXIT_GRACE_S = 120
@@ -41,14 +33,13 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    """A process that does not exit after its last test (a thread left blocked, an exit hook
-    waiting) would hold CI until its time limit, with nothing said. After `EXIT_GRACE_S` a
-    watch says where the main thread waits and which threads are alive, and ends the process
-    with the session's own status: every test has run and reported by then, and the report
-    is what the status says (the join of the interpreter's exit, and `atexit` hooks, come
-    after this hook; pytest-timeout's limit covers only tests). faulthandler's dump of every
-    thread follows if even that watch cannot run. Only where pytest is the program: one that
-    runs `pytest.main()` and goes on must not be ended."""
+    """End a process that hangs after its last test, with the session's own status.
+
+    A blocked thread or an exit hook would hold CI until its time limit, saying nothing;
+    pytest-timeout covers only the tests. After `EXIT_GRACE_S` a watch says where the main
+    thread waits and which threads live, then exits. faulthandler dumps every thread if even
+    that watch cannot run. Only where pytest is the program: a caller of `pytest.main()` goes on.
+    """
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
     as_program = (spec is not None and spec.name.split(".")[0] == "pytest") or Path(sys.argv[0]).name in (
@@ -66,8 +57,9 @@ _EXIT_STATUS = pytest.StashKey[int]()
 
 
 def _end_a_stuck_exit(status: int) -> None:
-    """After `EXIT_GRACE_S`: the main thread's stack, the live threads by name (non-daemon ones,
-    which the exit joins, marked), then `os._exit(status)`."""
+    """After `EXIT_GRACE_S`: the main thread's stack, the live threads, then `os._exit(status)`.
+
+    Non-daemon threads are marked: the exit joins them."""
     time.sleep(EXIT_GRACE_S)
     out = sys.__stderr__
     frames = sys._current_frames()
@@ -91,8 +83,7 @@ def _end_a_stuck_exit(status: int) -> None:
 
 @pytest.fixture(autouse=True)
 def restore_log_levels():
-    """`dlstore.cli.main` sets up logging for a terminal (`configure_logging`: the storage SDKs'
-    loggers at WARNING); tests run in one process, so each gets the levels it started with."""
+    """Give each test the log levels it started with; `dlstore.cli.main` sets them for a terminal."""
     loggers = [logging.getLogger(), *(logging.getLogger(name) for name in THIRD_PARTY)]
     levels = [logger.level for logger in loggers]
     yield

@@ -10,7 +10,6 @@ import dataclasses
 import json
 
 import pytest
-from loader_support import write_dataset
 
 from dlstore.bench import STAGES, BenchConfig, BenchReport, LoaderResult, LoaderRun, StageSplit, advise, format_report
 from dlstore.bench.report import verdict_for
@@ -18,6 +17,7 @@ from dlstore.cli import main as cli
 from dlstore.config import DataConfig
 from dlstore.errors import ConfigError, NotFound
 from dlstore.storage import open_store
+from tests.support.loader_support import write_dataset
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

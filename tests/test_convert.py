@@ -22,8 +22,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convert_faults import FAULTS
-from loader_support import folder_with_a_jpeg_damaged_below
 from PIL import Image
 
 from dlstore.cli import main as cli
@@ -46,7 +44,11 @@ from dlstore.format.manifest import MANIFEST_NAME, Manifest, load_sample_index
 from dlstore.format.sample_index import SampleIndex, sample_digest
 from dlstore.format.shards import IMAGE_FIELDS, image_field, iter_samples, read_sample
 from dlstore.storage import open_store
+from tests.support import convert_faults
+from tests.support.convert_faults import FAULTS
+from tests.support.loader_support import folder_with_a_jpeg_damaged_below
 
+pytestmark = pytest.mark.compat  # run again against Debian's Swift 2.30 (tools/run_tests.sh)
 SMALL = (48, 40)
 try:
     import scipy.io  # noqa: F401  (the ImageNet devkit's meta.mat is a MATLAB file)
@@ -374,6 +376,7 @@ class Stop(Exception):
     pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_resume_after_a_failure_midway_gives_the_same_dataset(data, tmp_path, workers):
     made = data["imagenet"]
@@ -423,6 +426,7 @@ def test_a_shard_deleted_or_replaced_during_the_conversion_is_found_before_the_m
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
+@pytest.mark.slow
 def test_a_failing_convert_ends_promptly_and_a_resume_gives_the_same_dataset(data, tmp_path):
     """Failures at many points (the put of a shard or of its index, a corrupt input under strict,
     the progress callback), with 1 and 2 workers, twice over: every run raises its typed error
@@ -430,7 +434,7 @@ def test_a_failing_convert_ends_promptly_and_a_resume_gives_the_same_dataset(dat
     resume gives the reference dataset. In a subprocess, so that a hang fails this test instead
     of hanging the suite (a pool once waited forever for a worker to take its SIGTERM)."""
     repeats = 2
-    command = [sys.executable, str(Path(__file__).with_name("convert_faults.py"))]
+    command = [sys.executable, convert_faults.__file__]
     command += [str(data["imagenet"].root), str(tmp_path), str(repeats)]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -493,6 +497,7 @@ def test_resume_after_the_process_is_killed(data, tmp_path):
     assert files_of(out) == files_of(tmp_path / "ref")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_tmp_dir_that_convert_made_goes_with_it_and_one_there_before_stays(data, tmp_path, workers):
     """--tmp-dir names a folder that is missing: convert makes it (and its missing parents) and
@@ -510,6 +515,7 @@ def test_a_tmp_dir_that_convert_made_goes_with_it_and_one_there_before_stays(dat
     assert (tmp_path / "there").is_dir() and list((tmp_path / "there").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_convert_cleanly_and_a_resume_finishes_it(data, tmp_path):
     """`timeout`, `kill` or a batch system's SIGTERM ends convert as Ctrl-C does: its workers
     stopped, its temp folder (a partial shard, the source listing) removed, no semaphore left
@@ -551,6 +557,7 @@ def _convert_in_a_session_of_its_own(tmp_path: Path, image_px: int) -> tuple[sub
     return process, scratch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_to_the_process_group_while_the_workers_start_ends_convert_quietly(data, tmp_path, sig):
     """Ctrl-C, Slurm's SIGTERM and its `--signal` SIGUSR1 reach the whole process group.
@@ -690,6 +697,7 @@ def test_a_stop_while_the_pool_is_made_leaks_no_semaphore_and_starts_no_worker(d
     assert registered and sorted(unregistered) == sorted(registered)
 
 
+@pytest.mark.slow
 def test_a_double_ctrl_c_while_convert_builds_ends_it_quietly(tmp_path):
     """Ctrl-C twice in a row to convert itself (as `timeout` passes it on): status 130, no
     traceback, its temp folder gone, whatever the second one interrupted."""
@@ -740,6 +748,7 @@ def _run_on_a_terminal(command: list[str], timeout_s: float) -> tuple[int, str]:
             process.kill()
 
 
+@pytest.mark.slow
 def test_a_warning_during_convert_is_a_line_of_its_own_not_glued_to_the_progress_bar(tmp_path):
     """A warning logged while the bar was drawn came out at the end of the bar's line
     ("...2.0 MB/s]2026-... WARNING ..."), easy to miss; it now has a line of its own."""
@@ -1085,7 +1094,7 @@ def test_without_simplejpeg_convert_stores_jpegs_unchecked_and_says_so(tmp_path,
     loader's: the manifest must not claim one."""
     import dlstore.transforms
 
-    monkeypatch.setattr(dlstore.transforms, "simplejpeg", None)
+    monkeypatch.setattr(dlstore.transforms.cpu_decode, "simplejpeg", None)
     source = folder_with_a_jpeg_damaged_below(tmp_path / "src")
     with caplog.at_level(logging.WARNING, logger="dlstore.convert"):
         summary = convert("imagefolder", source, f"file://{tmp_path}/d", OPTS)

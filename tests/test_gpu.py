@@ -10,11 +10,9 @@ import dataclasses
 import importlib.util
 import io
 
-import loader_support
 import numpy as np
 import pytest
 import torch
-from loader_support import write_dataset
 from PIL import Image
 
 import dlstore
@@ -22,8 +20,10 @@ from dlstore.config import DataConfig
 from dlstore.loader import GpuPrefetcher, LoaderConfig
 from dlstore.storage import open_store
 from dlstore.world import World
+from tests.support import loader_support
+from tests.support.loader_support import write_dataset
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 # The device decoders: torchvision's nvJPEG, and nvImageCodec where it is installed.
 _HAS_NVIMGCODEC = (
     importlib.util.find_spec("nvidia") is not None and importlib.util.find_spec("nvidia.nvimgcodec") is not None

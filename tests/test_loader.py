@@ -17,27 +17,25 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 import torch
 import torch.multiprocessing as tmp
-from loader_support import run_rank, write_dataset
 
 import dlstore
 from dlstore.cache import cache_report
-from dlstore.cache.marks import NodeMarks
 from dlstore.config import StoreConfig
 from dlstore.errors import ConfigError, CorruptSample, CorruptShard, DlstoreError, NoSpace
 from dlstore.format.manifest import Manifest
 from dlstore.loader import LoaderConfig, choose_engine, resolve_auto
+from dlstore.read.marks import NodeMarks
 from dlstore.sample_path import BatchRequest
 from dlstore.storage import open_store
 from dlstore.world import World
-
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from tests.support import env_with_repo
+from tests.support.loader_support import run_rank, write_dataset
 
 UNEVEN = [
     3,
@@ -135,6 +133,7 @@ def test_one_rank_reads_every_sample_once_per_epoch_on_the_device(local_dataset,
     assert labels.dtype == torch.int64
 
 
+@pytest.mark.slow
 def test_order_does_not_depend_on_the_number_of_workers(local_dataset, tmp_path, engine):
     url, _ = local_dataset
     runs = []
@@ -154,6 +153,7 @@ def test_labels_and_pixels_match_the_stored_samples(local_dataset, tmp_path):
             assert abs(float(image.mean()) - label * 50) < 12  # the generator's grey level
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_resume_from_state_dict_delivers_exactly_the_rest(local_dataset, tmp_path, workers, engine):
     url, _ = local_dataset
@@ -313,6 +313,7 @@ def _pixels_and_keys(loader, epochs, abandon_after):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "uint8"])
 def test_batches_through_shared_slots_equal_batches_handed_over_whole(local_dataset, tmp_path, engine, dtype):
     """Batch size 2 over 23 samples with 3 slots: every slot is reused four times per epoch,
@@ -382,6 +383,7 @@ def test_close_stops_the_decode_threads(local_dataset, tmp_path):
     assert not decode_threads() - before
 
 
+@pytest.mark.slow
 def test_an_iterator_kept_past_close_ends_without_a_hang(local_dataset, tmp_path):
     """close() while an iterator is suspended mid-epoch (kept in a variable, not a for loop's):
     ending that iterator afterwards must not wait for the batches close() cancelled (a
@@ -422,6 +424,7 @@ def test_an_iterator_kept_past_close_ends_without_a_hang(local_dataset, tmp_path
 SLOW_SHARD_S = 12.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop_in", ["main", "another"])
 @pytest.mark.parametrize("engine", ["threads", "processes"])
 def test_close_ends_a_pass_waiting_for_a_slow_download(local_dataset, tmp_path, monkeypatch, engine, loop_in):
@@ -526,6 +529,7 @@ print("main ends", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("why", ["held", "trickled"])
 def test_a_program_that_ends_while_its_loader_waits_for_shards_exits(local_dataset, tmp_path, why):
     """A program that ends while its loader's decode threads wait for shards (that another
@@ -557,6 +561,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_program_that_leaves_its_worker_processes_running_leaves_nothing_in_tmp(local_dataset, tmp_path):
     """A script that ends without `loader.close()` had its persistent workers killed by
     multiprocessing's exit hook; each left its temp folder (`pymp-*`, with a socket) in the
@@ -577,6 +582,7 @@ def test_a_program_that_leaves_its_worker_processes_running_leaves_nothing_in_tm
     assert sorted(p.name for p in scratch.iterdir()) == [], done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_close_while_a_pass_in_another_thread_starts_the_next_epoch(local_dataset, tmp_path):
     """Device decode runs the thread engine's pass in the prefetcher's thread. A close() while
     that thread starts the next epoch's batches (held at its first submit here) must leave no
@@ -615,7 +621,7 @@ def test_close_while_a_pass_in_another_thread_starts_the_next_epoch(local_datase
 
 _SHM_RUN = """
 import sys, torch, dlstore
-from loader_support import write_dataset
+from tests.support.loader_support import write_dataset
 from dlstore.storage import open_store
 url = sys.argv[1]
 write_dataset(open_store(url), [40, 40, 40])
@@ -637,13 +643,14 @@ def _run_with_64mb_dev_shm(tmp_path, code: str, *args: str, timeout_s: float) ->
     script.write_text(code)
     words = " ".join([sys.executable, str(script), f"file://{tmp_path}/data", str(tmp_path / "cache"), *args])
     inner = f"mount -t tmpfs -o size=64m tmpfs /dev/shm && exec {words}"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TOOLS), os.environ.get("PYTHONPATH", "")])}
+    env = env_with_repo()
     done = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c", inner], env=env,
                           capture_output=True, text=True, timeout=timeout_s)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
 def test_two_epochs_with_a_64mb_dev_shm(tmp_path, dtype):
@@ -656,7 +663,7 @@ def test_two_epochs_with_a_64mb_dev_shm(tmp_path, dtype):
 _SHM_SLOTS_RUN = """
 import sys
 import dlstore
-from loader_support import write_dataset
+from tests.support.loader_support import write_dataset
 from dlstore.errors import NoSpace
 from dlstore.storage import open_store
 url = sys.argv[1]
@@ -670,6 +677,7 @@ except NoSpace as exc:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
 def test_worker_processes_without_room_in_dev_shm_are_refused_at_once(tmp_path):
     """Worker processes need /dev/shm for their batch slots (6 of 19 MB here); in 64 MB the
@@ -682,7 +690,7 @@ def test_worker_processes_without_room_in_dev_shm_are_refused_at_once(tmp_path):
 _SHM_FILLED_RUN = """
 import contextlib, sys
 import dlstore
-from loader_support import write_dataset
+from tests.support.loader_support import write_dataset
 from dlstore.errors import NoSpace
 from dlstore.storage import open_store
 url = sys.argv[1]
@@ -709,6 +717,7 @@ except NoSpace as exc:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare(1)")
 def test_a_worker_batch_that_finds_dev_shm_full_ends_the_epoch_with_that_error(tmp_path):
     """The batch slots fit, then /dev/shm fills up: a worker's batch (its labels, or its
@@ -878,7 +887,9 @@ def test_transform_none_compares_a_jpegs_size_before_decoding_it(tmp_path, monke
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [4, 4])
     ds = _dataset(url, tmp_path, transform="none", image_size=8)
-    monkeypatch.setattr(dlstore.transforms, "_decode_jpeg", lambda *a: pytest.fail("decoded before the size check"))
+    monkeypatch.setattr(
+        dlstore.transforms.cpu_decode, "_decode_jpeg", lambda *a: pytest.fail("decoded before the size check")
+    )
     loader = dlstore.Loader(ds, num_workers=1, device="cpu", engine="threads", dtype="uint8")
     with pytest.raises(ConfigError, match="16x16 where the batch holds 8x8"):
         list(loader)
@@ -895,6 +906,7 @@ def test_corrupt_samples_are_skipped_and_counted(tmp_path, engine):
     assert ds.corrupt_samples == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode_on", ["worker", "device"])
 def test_corrupt_samples_are_counted_as_delivered_across_a_stop_and_resume(tmp_path, engine, decode_on):
     """An epoch stopped after 2 batches and resumed from its state counts the corrupt samples
@@ -924,6 +936,7 @@ def test_corrupt_samples_are_counted_as_delivered_across_a_stop_and_resume(tmp_p
     assert first.corrupt_samples + second.corrupt_samples == len(corrupt)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("on_corrupt", ["skip", "raise"])
 def test_a_jpeg_that_does_not_decode_on_the_device_is_skipped_and_counted(tmp_path, on_corrupt, caplog, engine):
     """Its headers read (the worker plans its crop), its body does not decode: the loader
@@ -998,6 +1011,7 @@ def test_a_worker_error_is_raised_in_the_training_loop_without_hanging(tmp_path,
     assert isinstance(result.get("error"), CorruptSample) or "CorruptSample" in repr(result.get("error"))
 
 
+@pytest.mark.slow
 def test_the_cache_counts_the_reads_of_every_worker(local_dataset, tmp_path, engine):
     """`dlstore cache stats` counts each batch's reads, those of worker processes too (they
     end without running `atexit` hooks, and count hits unrecorded for up to a second)."""
@@ -1140,6 +1154,7 @@ def test_decode_on_the_device_matches_decoding_in_workers(local_dataset, tmp_pat
         assert (a.float() - b.float()).abs().mean() < 3
 
 
+@pytest.mark.slow
 def test_device_decode_in_the_background_stops_cleanly_when_a_pass_is_abandoned(local_dataset, tmp_path, engine):
     url, _ = local_dataset
     expected = _epoch(
@@ -1326,7 +1341,7 @@ def test_the_ranks_of_a_node_share_which_samples_decode_cleanly(local_dataset, t
 def test_node_decode_marks_that_cannot_be_kept_stay_in_memory(tmp_path, caplog, monkeypatch):
     """A file that cannot be written (a full disk) is still read; a cache directory that cannot
     hold the file gives nothing known; marking is never an error, and each is said once."""
-    caplog.set_level(logging.INFO, logger="dlstore.cache.marks")
+    caplog.set_level(logging.INFO, logger="dlstore.read.marks")
 
     def said() -> list[str]:
         return [r.getMessage() for r in caplog.records if "decode marks" in r.getMessage()]

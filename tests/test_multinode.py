@@ -9,7 +9,7 @@ bytes per epoch (the cache's per-epoch counters), nothing in the second epoch wh
 holds the node's share, and, with each node's cache at half its share, at most 0.55x its
 share per epoch after the first (the figures are printed: run with -s to see them).
 
-Each rank runs `tests/multinode_rank.py SPEC.json` under torchrun.
+Each rank runs `tests/support/multinode_rank.py SPEC.json` under torchrun.
 """
 
 from __future__ import annotations
@@ -25,17 +25,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from loader_support import write_dataset
-from multinode_rank import EPOCHS
 
 from dlstore.cache import STATS_FILE_BYTES, cache_report
 from dlstore.config import StoreConfig
 from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
+from tests.support import multinode_rank
+from tests.support.loader_support import write_dataset
+from tests.support.multinode_rank import EPOCHS
 
 NODES, RANKS_PER_NODE = 2, 2
 REPO = Path(__file__).resolve().parents[1]
-RANK_PROGRAM = Path(__file__).resolve().with_name("multinode_rank.py")
+RANK_PROGRAM = Path(multinode_rank.__file__)
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -48,7 +49,10 @@ def _torchrun_missing() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(_torchrun_missing() is not None, reason=str(_torchrun_missing()))
+pytestmark = [
+    pytest.mark.torchrun,
+    pytest.mark.skipif(_torchrun_missing() is not None, reason=str(_torchrun_missing())),
+]
 
 
 def _free_port() -> int:

@@ -564,6 +564,7 @@ def runs_st(draw) -> list[tuple[int, int, int, int]]:
     return runs
 
 
+@pytest.mark.slow
 @settings(PROPERTY, max_examples=500)
 @given(shard_sizes_st, configs_st, epochs_st, runs_st(), st.data())
 def test_exact_resume(sizes, cfg, epoch, runs, data):

@@ -27,13 +27,13 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from fault_proxy import FaultProxy
-from loader_support import write_dataset
 
 import dlstore
 from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import AuthError, DlstoreError, TransientError
 from dlstore.storage import open_store
+from tests.support.fault_proxy import FaultProxy
+from tests.support.loader_support import write_dataset
 
 pytestmark = pytest.mark.swift
 

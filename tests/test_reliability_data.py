@@ -26,8 +26,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loader_support import NUM_CLASSES, damaged_below_jpeg, folder_with_a_jpeg_damaged_below, tiny_jpeg, write_dataset
-from test_shards import MALICIOUS
 
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache, cache_report
@@ -39,6 +37,14 @@ from dlstore.format.shard_writer import TarShardWriter
 from dlstore.format.shards import read_sample_from_file, read_shard_index, scan_shard, shard_name
 from dlstore.storage import open_store
 from dlstore.world import World
+from tests.support.loader_support import (
+    NUM_CLASSES,
+    damaged_below_jpeg,
+    folder_with_a_jpeg_damaged_below,
+    tiny_jpeg,
+    write_dataset,
+)
+from tests.test_shards import MALICIOUS
 
 
 def report(case: str, **fields: object) -> None:
@@ -398,7 +404,7 @@ def test_a_dataset_whose_jpegs_convert_decoded_reads_only_the_crops_rows_from_th
     import dlstore.transforms
     from dlstore.convert import ConvertOptions, convert
 
-    if dlstore.transforms._jpeg_region is None:
+    if dlstore.transforms.cpu_decode.jpeg_region is None:
         pytest.skip("dlstore._jpeg_region (the crop-only decode) is not built here")
     source = folder_with_a_jpeg_damaged_below(tmp_path / "src", damaged=False)
     epochs = {}
@@ -406,15 +412,15 @@ def test_a_dataset_whose_jpegs_convert_decoded_reads_only_the_crops_rows_from_th
         options = ConvertOptions(samples_per_shard=4, workers=1, check_decode=check)
         manifest = convert("imagefolder", source, f"file://{tmp_path}/{name}", options).manifest
         assert manifest.decode_checked is check
-        regions = _RegionDecodes(dlstore.transforms._jpeg_region)
-        monkeypatch.setattr(dlstore.transforms, "_jpeg_region", regions)
+        regions = _RegionDecodes(dlstore.transforms.cpu_decode.jpeg_region)
+        monkeypatch.setattr(dlstore.transforms.cpu_decode, "jpeg_region", regions)
         # 64 px crops of 128 x 96 images: never decoded at a reduced scale, so each crop
         # on whole pixels is decoded alone.
         ds = dataset(f"file://{tmp_path}/{name}", tmp_path / f"cache-{name}", transform="train", image_size=64)
         loader = dlstore.Loader(ds, num_workers=2, device="cpu", dtype="uint8", engine="threads")
         epochs[name] = [(images.clone(), labels.clone()) for images, labels, _ in loader]
         loader.close()
-        monkeypatch.setattr(dlstore.transforms, "_jpeg_region", regions.real)
+        monkeypatch.setattr(dlstore.transforms.cpu_decode, "jpeg_region", regions.real)
         # (The lookahead may have begun the next epoch: only each JPEG's first decode counts.)
         assert len(regions.first_checked) == 6 and set(regions.first_checked.values()) == {not check}
         assert ds.corrupt_samples == 0
@@ -540,6 +546,7 @@ def _valid_manifest_dict() -> dict:
     )
 
 
+@pytest.mark.slow
 @FUZZ
 @given(st.data())
 def test_fuzzed_manifests_through_the_dataset(tmp_path_factory, data):

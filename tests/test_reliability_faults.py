@@ -8,7 +8,7 @@
   as ranged GETs: that part alone is asked again (from its next byte after a cut body) and
   the shard's bytes are exact; a part damaged on the way fails the checksum, the shard is
   fetched once more, and damaged again it is a `CorruptShard`; and a shard fetched through
-  the WAN emulator (`tools/wan_proxy.py`) as parts, from a Swift SLO and an S3 multipart
+  the WAN emulator (`tests/support/wan_proxy.py`) as parts, from a Swift SLO and an S3 multipart
   object.
 * Case 2: the Swift server (a dedicated instance, not the session's: all its processes,
   memcached and so its tokens included) stopped for 20 s mid-epoch and started again on the
@@ -32,17 +32,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import swiftclient
 import torch.multiprocessing as tmp
-from fault_proxy import ALL_FAULTS, FaultProxy
-from loader_support import fault_free_run, run_rank, write_dataset
-from swift_server import read_env_file
-from test_loader import _CacheSampler
-from wan_proxy import WanProxy
 
 import dlstore
 from dlstore.cache import CacheConfig, ShardCache
@@ -50,11 +44,15 @@ from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NotFound, ObjectChanged, StalledRead, TransientError
 from dlstore.storage import open_store
 from dlstore.world import World
+from tests.support.fault_proxy import ALL_FAULTS, FaultProxy
+from tests.support.loader_support import fault_free_run, run_rank, write_dataset
+from tests.support.swift_fixtures import SWIFT_SERVER_SCRIPT as SWIFT_SERVER
+from tests.support.swift_server import read_env_file
+from tests.support.wan_proxy import WanProxy
+from tests.test_loader import _CacheSampler
 
 pytestmark = pytest.mark.swift
 
-REPO = Path(__file__).resolve().parents[1]
-SWIFT_SERVER = REPO / "tools" / "swift_server.py"
 # Short timeouts and backoff: a stall is noticed after the read timeout, a retry waits ~0.05 s.
 READ_TIMEOUT_S = 1.0
 STALL_S = 2.5
@@ -366,6 +364,7 @@ def test_a_trickled_answer_on_a_connection_the_server_closes_is_cut(swift_server
     report(f"trickled listing, Connection: close ({api})", resumed_s=f"{took:.2f}", gave_up_s=f"{gave_up:.2f}")
 
 
+@pytest.mark.compat
 def test_a_server_that_ignores_range_still_gives_the_bytes_asked_for(swift_server, swift_container):
     """A server (or a proxy before it) that answers a ranged GET with the whole object (200):
     the bytes before the range are skipped, never taken for it; after a cut, too. It used to
@@ -385,6 +384,7 @@ def test_a_server_that_ignores_range_still_gives_the_bytes_asked_for(swift_serve
         assert proxy.injected_kinds() == {"ignore_range": 2, "short_body": 1}
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("replacement", ["as long", "shorter"])
 @pytest.mark.parametrize("api", ["swift", "s3"])
 def test_an_object_replaced_between_a_cut_and_its_resume_is_an_error(swift_server, swift_container, api, replacement):
@@ -402,6 +402,7 @@ def test_an_object_replaced_between_a_cut_and_its_resume_is_an_error(swift_serve
         assert store.get_bytes("obj") == other  # a fresh read takes the new version whole
 
 
+@pytest.mark.compat
 def test_a_large_object_read_resumes_on_the_same_version(swift_server, swift_container):
     """A Swift SLO (segments and a manifest) cut mid-body resumes with If-Match on the
     manifest's ETag, which Swift answers for the large object: the bytes are exact."""

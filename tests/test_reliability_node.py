@@ -28,13 +28,13 @@ from urllib.parse import urlsplit
 
 import pytest
 import torch
-from fault_proxy import FaultProxy
-from launch_support import REPO, launch_ranks, logs, wait_all
-from loader_support import write_dataset
 
 from dlstore.config import StoreConfig
 from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
+from tests.support.fault_proxy import FaultProxy
+from tests.support.launch_support import REPO, launch_ranks, logs, wait_all
+from tests.support.loader_support import write_dataset
 
 pytestmark = pytest.mark.swift
 
@@ -168,6 +168,7 @@ def _latest(store) -> dict | None:
         return None
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_sigkill_then_resume_auto_continues_from_the_last_complete_checkpoint(swift_server, swift_container, tmp_path):
     secret, app_id = swift_server.app_cred_secret, swift_server.app_cred_id

@@ -19,7 +19,7 @@ and the size of the job is given on the sbatch command line. Every run of it is 
   with Slurm's own SIGCONT. The limit is set back before the requeued run starts.
 
 Each test is bounded (`JOB_DEADLINE_S`); on a timeout it fails with the job's output and
-cancels the job. The cluster (`tools/slurm_server.py`) is stopped at the end of the session,
+cancels the job. The cluster (`tests/support/slurm_server.py`) is stopped at the end of the session,
 and any job process still running is killed. It needs root and Debian's slurmctld, slurmd and
 munge (`tools/setup.sh --test` installs them); without those binaries the tests are skipped.
 """
@@ -42,9 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launch_support import REPO
-from loader_support import write_dataset
-from swift_fixtures import read_env_file
 from swiftclient.exceptions import ClientException
 
 from dlstore.config import StoreConfig
@@ -52,11 +49,14 @@ from dlstore.storage import open_store
 from dlstore.train import CheckpointStore
 from dlstore.train.checkpoint import checkpoint_key
 from dlstore.train.loop import EXIT_PREEMPTED
+from tests.support import env_with_repo
+from tests.support.launch_support import REPO
+from tests.support.loader_support import write_dataset
+from tests.support.swift_fixtures import read_env_file
 
-pytestmark = [pytest.mark.swift, pytest.mark.slow]
+pytestmark = [pytest.mark.swift, pytest.mark.slurm, pytest.mark.slow]
 
 EXAMPLE = REPO / "examples" / "slurm_train.sbatch"
-SLURM_TOOL = REPO / "tools" / "slurm_server.py"
 JOB_DEADLINE_S = 150  # one job, first run to requeued run's end (the time-limit case waits up to 30 s)
 TOTAL_STEPS = 36  # 6 epochs of 6 steps: 89 samples, 2 tasks x 8 a step, padded
 # Signalled in epoch 0: many steps left for the signal to land before the end (some 30 steps of
@@ -98,14 +98,16 @@ class SlurmCluster:
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """A one-node Slurm started by `tools/slurm_server.py` for this session (stopped with it)."""
+    """A one-node Slurm started by `tests/support/slurm_server.py` for this session (stopped with it)."""
     search = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin"])
     absent = [name for name in ("slurmctld", "slurmd", "munged", "sbatch") if not shutil.which(name, path=search)]
     if absent:
-        pytest.skip(f"Slurm is not installed ({', '.join(absent)} missing): `python tools/slurm_server.py install`")
-    tool = [sys.executable, str(SLURM_TOOL)]
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(absent)} missing): `python -m tests.support.slurm_server install`"
+        )
+    tool = [sys.executable, "-m", "tests.support.slurm_server"]
     data_dir = tmp_path_factory.mktemp("slurm")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env = env_with_repo({k: v for k, v in os.environ.items() if not k.startswith("SLURM_")})
     start = [*tool, "start", "--data-dir", str(data_dir), "--stop-with-pid", str(os.getpid())]
     try:
         started = subprocess.run(start, capture_output=True, text=True, timeout=90, env=env)

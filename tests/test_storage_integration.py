@@ -31,17 +31,11 @@ from dlstore.errors import AuthError, ConfigError, NotFound
 from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.train.checkpoint import CheckpointStore
+from tests.support.swift_fixtures import delete_container
+from tests.support.tcp_proxy import TcpProxy
+from tests.test_store_contract import TEST_RETRY, payload, swift_store_config
 
-try:  # tests/ as a package
-    from .swift_fixtures import _delete_container as delete_container
-    from .tcp_proxy import TcpProxy
-    from .test_store_contract import TEST_RETRY, payload, swift_store_config
-except ImportError:  # tests/ on sys.path (pytest's default "prepend" import mode)
-    from swift_fixtures import _delete_container as delete_container
-    from tcp_proxy import TcpProxy
-    from test_store_contract import TEST_RETRY, payload, swift_store_config
-
-pytestmark = pytest.mark.swift
+pytestmark = [pytest.mark.swift, pytest.mark.compat]
 
 LISTING_CONTAINER = "dlstore-test-listing-12k"
 LISTING_COUNT = 12_000

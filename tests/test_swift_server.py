@@ -1,4 +1,4 @@
-"""Smoke tests of the local Swift server (tools/swift_server.py), its Keystone stand-in and the TCP proxy."""
+"""Smoke tests of the local Swift server (tests/support/swift_server.py), its Keystone stand-in and the TCP proxy."""
 
 from __future__ import annotations
 
@@ -10,17 +10,19 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
-from swift_fixtures import SwiftEndpoint
 from swiftclient.exceptions import ClientException
-from tcp_proxy import TcpProxy
 
-pytestmark = pytest.mark.swift
+from tests import support
+from tests.support.swift_fixtures import SwiftEndpoint
+from tests.support.tcp_proxy import TcpProxy
+
+pytestmark = [pytest.mark.swift, pytest.mark.compat]
 
 PAYLOAD = bytes(range(256)) * 400  # 100 KiB, position-dependent content
 
 
 def _load_tool(name: str):
-    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
+    path = Path(support.__file__).with_name(f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"dlstore_tools_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

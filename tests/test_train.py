@@ -28,8 +28,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch_support import REPO, launch_ranks, logs, wait_all
-from loader_support import write_dataset
 
 import dlstore
 from dlstore.cli import build_parser
@@ -58,6 +56,8 @@ from dlstore.train.loop import EXIT_PREEMPTED, Trainer, main
 from dlstore.train.signals import START_UP_STOP_GRACE_S
 from dlstore.train.step import amp_dtype_for
 from dlstore.world import World
+from tests.support.launch_support import REPO, launch_ranks, logs, wait_all
+from tests.support.loader_support import write_dataset
 
 # What is compared between an interrupted and an uninterrupted run (not the timings).
 DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "top5", "lr", "image_size", "samples")
@@ -94,6 +94,7 @@ def train_records(path: Path) -> list[dict]:
 
 
 # -- end to end -----------------------------------------------------------------------------
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_rank_ddp_training_from_swift_learns(tmp_path, swift_server, swift_container, monkeypatch):
     """2-process gloo DDP (launched by torchrun) reading from the real Swift server learns the
@@ -147,6 +148,7 @@ def test_two_rank_ddp_training_from_swift_learns(tmp_path, swift_server, swift_c
     assert final["metrics"] == records
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_sigterm_mid_epoch_then_resume_auto_matches_uninterrupted_run(tmp_path):
     """A 2-rank run that gets SIGTERM (on one rank only) mid-epoch checkpoints at the same step
@@ -262,7 +264,7 @@ def test_checkpoint_published_after_it_is_complete_and_pruned_keep_n(tmp_path):
 def test_a_checkpoint_that_does_not_fit_its_temp_disk_is_a_clear_error_that_leaves_nothing(tmp_path):
     """A full temp disk ended the run in torch's "[enforce fail at inline_container.cc:672] .
     unexpected pos 704 vs 598", which names neither the disk nor the way out."""
-    from test_reliability_data import small_disk
+    from tests.test_reliability_data import small_disk
 
     ckpts = CheckpointStore(f"file://{tmp_path}/ckpt", tmp_dir=str(tmp_path / "tmp"))
     with small_disk(tmp_path / "tmp", 2**20) as kind:
@@ -482,6 +484,7 @@ def test_metrics_files_are_rebuilt_from_the_checkpoint_records(tmp_path):
     assert rows[0].startswith("split,step,epoch,epoch_done,loss") and len(rows) == 5
 
 
+@pytest.mark.slow
 def test_measure_training_rate_times_the_training_step_on_cpu():
     result = measure_training_rate(
         "resnet18", batch_size=4, image_size=32, num_classes=10, device="cpu", warmup_steps=1, steps=2
@@ -931,7 +934,7 @@ def test_the_parts_a_killed_checkpoint_upload_left_are_removed_by_a_later_save(
 def test_a_checkpoint_url_with_credentials_is_named_without_them(tmp_path):
     """A --resume URL's password or presigned signature was printed whole in the error (and
     the "resumed from" line)."""
-    from test_storage_edges import http_server
+    from tests.test_storage_edges import http_server
 
     with http_server() as server:  # it serves bytes that are no checkpoint
         parts = server["url"].split("://", 1)
@@ -1166,6 +1169,7 @@ def test_a_data_urls_credentials_stay_out_of_the_saved_configs(tmp_path):
     assert "/val" in saved[0]  # the val split was found and used
 
 
+@pytest.mark.torchrun
 @pytest.mark.parametrize(
     "other", [["--batch-size", "4"], ["--seed", "1"], ["--log-every", "1"], ["--checkpoint-every-steps", "1"]]
 )
@@ -1193,6 +1197,7 @@ def test_ranks_launched_with_other_settings_all_stop_at_once_saying_which(tmp_pa
     assert "1 rank(s) run with other settings than rank 0" in (log_dir / "rank0.log").read_text(), logs(log_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_a_stop_signal_during_start_up_ends_the_run_saying_so(tmp_path, sig):
     """A SIGTERM or SIGUSR1 before the training loop had installed its handlers (opening the
@@ -1252,6 +1257,7 @@ def _children_of(pid: int) -> list[int]:
     return children
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_ranks_whose_torchrun_agent_is_killed_checkpoint_and_stop(tmp_path):
     """A torchrun agent killed with SIGKILL (by hand, by the OOM killer) left its ranks training
@@ -1299,6 +1305,7 @@ def _listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+@pytest.mark.slow
 def test_a_stop_while_the_rendezvous_waits_for_a_rank_ends_the_run_at_once(tmp_path):
     """A stop signal reaches the Python handler only once the main thread is back in Python:
     rank 0 of two, waiting in the rendezvous for a rank that never comes, held a SIGTERM until
@@ -1339,6 +1346,7 @@ print("still running")
 """
 
 
+@pytest.mark.torchrun
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 def test_a_rank_whose_launcher_is_pid_1_is_not_taken_for_an_orphan(tmp_path):
     """In a container torchrun is often PID 1, so its ranks' parent is PID 1 from the start:
@@ -1373,6 +1381,7 @@ def test_ctrl_c_in_training_says_which_checkpoint_a_resume_would_take(tmp_path, 
     assert "--resume auto" in caplog.text
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_ranks_skip_the_step_where_one_rank_has_an_empty_batch(tmp_path):
     """Rank 1's first batch is empty, rank 0's is not: both skip that step (a rank that skipped

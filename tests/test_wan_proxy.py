@@ -1,4 +1,4 @@
-"""`tools/wan_proxy.py`, the WAN emulator, against a small HTTP/1.1 server on loopback:
+"""`tests/support/wan_proxy.py`, the WAN emulator, against a small HTTP/1.1 server on loopback:
 bytes pass unchanged, each request on a keep-alive connection is counted and delayed,
 each connection's download rate is capped, and the proxy ends after its lifetime.
 
@@ -16,7 +16,8 @@ import threading
 import time
 
 import pytest
-from wan_proxy import WanProxy
+
+from tests.support.wan_proxy import WanProxy
 
 BLOB = os.urandom(300_000)
 

@@ -96,9 +96,9 @@ native_build_deps
 
 if [[ "${1:-}" == "--test" ]]; then
     "$VENV_PYTHON" -m pip install --quiet -e ".[train,fast,test]"
-    apt_install curl  # WebDataset's pipe:curl in tools/bench_cold.py --peers (tests/test_bench_cold.py)
-    "$VENV_PYTHON" tools/swift_server.py install
-    "$VENV_PYTHON" tools/swift_server.py install --flavor debian
-    "$VENV_PYTHON" tools/slurm_server.py install  # Debian's slurmctld, slurmd, slurm-client, munge (tests/test_slurm.py)
+    apt_install curl  # WebDataset's pipe:curl in the cold-read benchmark's peers (tests/test_bench_cold.py)
+    "$VENV_PYTHON" -m tests.support.swift_server install
+    "$VENV_PYTHON" -m tests.support.swift_server install --flavor debian
+    "$VENV_PYTHON" -m tests.support.slurm_server install  # Debian's slurmctld, slurmd, slurm-client, munge
 fi
 echo "setup.sh: done; run dlstore with $VENV_PYTHON -m dlstore (or: source .venv/bin/activate)"

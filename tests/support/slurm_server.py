@@ -2,12 +2,10 @@
 """A real one-node Slurm (Debian's slurmctld + slurmd, with munge) on this machine, for tests and local trials.
 
 Everything lives in one data directory: the munge key and socket, ``slurm.conf``, Slurm's
-state and spool directories, the logs, the PIDs and an ``env.sh``. Nothing is written
-outside it (munged runs with its own key, socket, PID and seed files; Slurm is pointed at
-that socket with ``AuthInfo=socket=``). The daemons listen on free ports; jobs run on one
-node named after this host (``hostname -s``), with at least 2 CPUs (declared, not
-measured: ``SlurmdParameters=config_overrides``), as the user who started them. Run it as
-root (as CI does): slurmd launches jobs as their owner.
+state and spool, the logs, the PIDs and an ``env.sh``. Nothing is written outside it. The
+daemons listen on free ports. Jobs run on one node named after this host, declared with at
+least 2 CPUs, as the user who started them. Run it as root, as CI does: slurmd launches
+jobs as their owner.
 
 Subcommands::
 
@@ -23,21 +21,19 @@ the same to ``DATA_DIR/env.sh``:
     SLURM_CONF          the slurm.conf every Slurm command (sbatch, srun, scontrol, ...) must read
     DLSTORE_SLURM_DIR   the data directory
 
-Slurm holds a requeued job until the launch credential of its previous run has expired
-(``AuthInfo=cred_expire``, 120 s by default); this cluster uses ``--cred-expire`` (default
-5 s, Slurm's minimum), and schedules every second (``sched_interval=1``, ``bf_interval=1``),
-so a requeued job starts again within about 10 s.
+A requeued job waits until its last launch credential expires. This cluster sets that to
+``--cred-expire`` (default 5 s, Slurm's minimum) and schedules every second, so a requeued
+job starts again within about 10 s.
 
-``stop`` cancels every job, stops the daemons, and kills what is left of the jobs (processes
-whose environment holds this cluster's ``SLURM_CONF``). On any start failure ``start`` prints
-the last 15 lines of each log, stops what it started and exits 1.
+``stop`` cancels every job, stops the daemons and kills what is left of the jobs. A failed
+start prints each log's last lines and stops what it started.
 
 Example::
 
-    python tools/slurm_server.py install
-    eval "$(python tools/slurm_server.py start)"
+    python -m tests.support.slurm_server install
+    eval "$(python -m tests.support.slurm_server start)"
     sbatch --wrap 'srun -n 2 hostname' && squeue
-    python tools/slurm_server.py stop
+    python -m tests.support.slurm_server stop
 
 Environment: ``DLSTORE_SLURM_DIR`` (default ``~/.cache/dlstore/slurm-data``).
 """
@@ -56,9 +52,10 @@ import sys
 import time
 from pathlib import Path
 
-# tools/ is this script's directory, so its sibling is importable: the same process handling as Swift's.
-from swift_server import (
-    _proc_stat,
+from tests.support import env_with_repo
+
+# The same process handling as Swift's.
+from tests.support.swift_server import (
     add_stop_status_watch,
     apt_install,
     dump_logs,
@@ -67,6 +64,7 @@ from swift_server import (
     free_ports,
     is_ours,
     kill_recorded,
+    proc_stat,
     read_pids,
     spawn,
     watch,
@@ -348,10 +346,10 @@ def status(data_dir: Path) -> int:
 def _spawn_watchdog(data_dir: Path, watched_pid: int) -> None:
     with file_lock(data_dir / ".lock"):
         pids = read_pids(data_dir)
-        watched = _proc_stat(watched_pid)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "_watch", "--data-dir", str(data_dir)]
+        watched = proc_stat(watched_pid)
+        cmd = [sys.executable, "-m", __spec__.name, "_watch", "--data-dir", str(data_dir)]
         cmd += ["--pid", str(watched_pid), "--pid-start", str(watched[1] if watched else 0)]
-        spawn("watchdog", cmd, data_dir, [Path(__file__).name, "_watch", str(data_dir)], pids)
+        spawn("watchdog", cmd, data_dir, [__spec__.name, "_watch", str(data_dir)], pids, env=env_with_repo())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ test_convert.py runs this in a subprocess with a timeout, so that a conversion t
 (workers that never end, a pool join that never returns) fails the test instead of hanging
 the suite.
 
-    python tests/convert_faults.py SOURCE_DIR WORK_DIR   # an ImageNet-layout SOURCE_DIR
+    python tests/support/convert_faults.py SOURCE_DIR WORK_DIR   # an ImageNet-layout SOURCE_DIR
 
 Failure points, all real (no patched code): a directory where the store must put a shard's
 tar or its index (the local store's rename fails: `DlstoreError`), a corrupt input under

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """A real OpenStack Swift (Swift API + S3 API) on 127.0.0.1, for tests and local trials.
 
-Everything lives in one data directory: configs, single-replica rings, the object
-data, the logs, the PIDs and an ``env.sh`` with the credentials. Nothing is written
-outside it (Swift's hard-coded swift.conf path is redirected, syslog is switched
-off). The servers listen on free loopback ports only.
+Everything lives in one data directory: configs, single-replica rings, the object data,
+the logs, the PIDs and an ``env.sh`` with the credentials. Nothing is written outside it.
+The servers listen on free loopback ports only. It imports only the standard library, so it
+runs by path too, as it starts its own watchdog and ``keystone_standin.py``.
 
 Subcommands::
 
@@ -16,7 +16,7 @@ Subcommands::
 
 ``start`` brings up memcached, the account, container, object and proxy servers
 (pipeline with tempauth and s3api) and a Keystone v3 stand-in
-(``tools/keystone_standin.py``), waits until all of them answer, then prints
+(``keystone_standin.py``), waits until all of them answer, then prints
 ``export`` lines on stdout and writes the same to ``DATA_DIR/env.sh``:
 
     ST_AUTH ST_USER ST_KEY                      Swift v1 auth (tempauth user test:tester)
@@ -28,18 +28,16 @@ Subcommands::
 A second tempauth account, ``test2:tester2`` / ``testing2``, is there for ACL and
 wrong-account tests.
 
-If ``DATA_DIR`` already has a complete running server of ours, ``start`` prints its
-``env.sh`` and exits 0 (so ``eval "$(swift_server.py start)"`` is idempotent); if
-only part of it runs, ``start`` refuses (exit 1) until ``stop`` is run. On any
-start failure it prints the last 15 lines of each log, stops what it started and
-exits 1.
+``start`` on a data dir whose server runs prints its ``env.sh`` and exits 0, so it is
+idempotent; a server that runs only in part is refused until ``stop``. A failed start
+prints each log's last lines and stops what it started.
 
 Example::
 
-    python tools/swift_server.py install
-    eval "$(python tools/swift_server.py start)"
+    python -m tests.support.swift_server install
+    eval "$(python -m tests.support.swift_server start)"
     swift upload mycontainer README.md && aws s3 ls s3://mycontainer
-    python tools/swift_server.py stop
+    python -m tests.support.swift_server stop
 
 Environment: ``DLSTORE_SWIFT_VENV`` (default ``~/.cache/dlstore/swift-venv``),
 ``DLSTORE_SWIFT_DIR`` (default ``~/.cache/dlstore/swift-data``) and
@@ -75,7 +73,6 @@ SERVERS = ("account", "container", "object", "proxy")
 USERS = {"test:tester": "testing", "test2:tester2": "testing2"}  # tempauth; test:tester is .admin of test
 MAIN_USER = "test:tester"
 REGION = "us-east-1"
-TOOLS_DIR = Path(__file__).resolve().parent
 
 # Run by the Swift interpreter (venv or Debian's python3), one process per server.
 # Swift reads swift.conf from a hard-coded path; set_swift_dir() moves it into the
@@ -241,7 +238,7 @@ def swift_python(flavor: str, venv: Path) -> str:
 # ---------------------------------------------------------------------------- processes
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
+def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state, start time in clock ticks) of a process, or None if there is none."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_text()
@@ -260,7 +257,7 @@ def _cmdline(pid: int) -> str:
 
 def is_ours(entry: dict) -> bool:
     """True when the recorded process still runs and is the one we started (not a reused PID)."""
-    stat = _proc_stat(entry["pid"])
+    stat = proc_stat(entry["pid"])
     if stat is None or stat[0] in ("Z", "X") or stat[1] != entry["start"]:
         return False
     cmdline = _cmdline(entry["pid"])
@@ -280,7 +277,9 @@ def write_pids(data_dir: Path, pids: dict[str, dict]) -> None:
     os.replace(tmp, data_dir / "pids")
 
 
-def spawn(name: str, cmd: list[str], data_dir: Path, markers: list[str], pids: dict[str, dict]) -> subprocess.Popen:
+def spawn(
+    name: str, cmd: list[str], data_dir: Path, markers: list[str], pids: dict[str, dict], env: dict | None = None
+) -> subprocess.Popen:
     """Start a process in its own session with its output in DATA_DIR/log/NAME.log, and record it.
 
     Its own session matters: a Swift server's SIGTERM handler signals its whole process
@@ -289,9 +288,15 @@ def spawn(name: str, cmd: list[str], data_dir: Path, markers: list[str], pids: d
     """
     with open(data_dir / "log" / f"{name}.log", "ab") as logf:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT, cwd=data_dir, start_new_session=True
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            cwd=data_dir,
+            env=env,
+            start_new_session=True,
         )
-    stat = _proc_stat(proc.pid)
+    stat = proc_stat(proc.pid)
     pids[name] = {"pid": proc.pid, "start": stat[1] if stat else 0, "markers": markers}
     write_pids(data_dir, pids)
     return proc
@@ -604,7 +609,7 @@ def _start_servers(args: argparse.Namespace, data_dir: Path, pids: dict[str, dic
     _write_private(credentials_path, json.dumps(credentials))
     keystone_cmd = [
         sys.executable,
-        str(TOOLS_DIR / "keystone_standin.py"),
+        str(Path(__file__).with_name("keystone_standin.py")),
         "--port",
         str(ports["keystone"]),
         "--swift-auth-url",
@@ -622,7 +627,7 @@ def _start_servers(args: argparse.Namespace, data_dir: Path, pids: dict[str, dic
     for server in SERVERS:
         procs[server] = spawn(server, [python, launcher, str(data_dir), server], data_dir, [launcher], pids)
     if args.stop_with_pid:
-        watched = _proc_stat(args.stop_with_pid)
+        watched = proc_stat(args.stop_with_pid)
         watch_cmd = [sys.executable, str(Path(__file__).resolve()), "_watch", "--data-dir", str(data_dir)]
         watch_cmd += ["--pid", str(args.stop_with_pid), "--pid-start", str(watched[1] if watched else 0)]
         procs["watchdog"] = spawn("watchdog", watch_cmd, data_dir, [Path(__file__).name, "_watch", str(data_dir)], pids)
@@ -670,22 +675,20 @@ def status(data_dir: Path) -> int:
 
 
 def watch(data_dir: Path, pid: int, pid_start: int, stop_all=None) -> int:
-    """Stop DATA_DIR's servers (with `stop_all`, default this tool's `stop`) once process PID
-    is gone (a test run that was killed); `tools/slurm_server.py` watches its cluster with it."""
+    """Stop DATA_DIR's servers with `stop_all` (default: `stop`) once process PID is gone."""
     stop_all = stop_all or stop
     me = os.getpid()
     while True:
         time.sleep(1.0)
         if not (data_dir / "pids").exists():
             return 0  # stopped by someone else
-        stat = _proc_stat(pid)
+        stat = proc_stat(pid)
         if stat is None or stat[0] in ("Z", "X") or stat[1] != pid_start:
             return stop_all(data_dir, spare=me)
 
 
 def add_stop_status_watch(sub: argparse._SubParsersAction, stop_help: str, data_dir: Path) -> None:
-    """The `stop`, `status` and internal `_watch` subcommands, the same for every server tool
-    (`tools/slurm_server.py` too): each takes the data dir the servers were started in."""
+    """The `stop`, `status` and internal `_watch` subcommands that every server tool shares."""
     for name, text in (("stop", stop_help), ("status", "show what runs")):
         sub.add_parser(name, help=text).add_argument("--data-dir", default=str(data_dir))
     p_watch = sub.add_parser("_watch")  # internal: the --stop-with-pid watchdog

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """A Keystone v3 stand-in in front of a tempauth Swift, for tests and local trials.
 
-A real Keystone is too heavy to start for a test run (a database, fernet keys, a
-second proxy pipeline), so this stdlib-only server answers the small part of the
-Identity v3 API that clients use to log in:
+A real Keystone needs a database and fernet keys. This stdlib-only server answers the
+part of the Identity v3 API that clients use to log in:
 
 * ``GET /`` and ``GET /v3``: version discovery.
 * ``POST /v3/auth/tokens`` with the ``application_credential`` (id + secret) or the
@@ -15,12 +14,12 @@ Identity v3 API that clients use to log in:
 
 Tempauth user ``account:user`` with key ``key`` appears as Keystone user ``user`` in
 project ``account`` with password ``key``. An application credential stands for one
-tempauth user. What it tests is the client side of Keystone auth; it does not
-model Keystone policy, roles, token revocation or Swift's keystoneauth middleware.
+tempauth user. It tests the client side of Keystone auth only: no policy, roles,
+revocation or keystoneauth middleware.
 
 Example (CLI)::
 
-    python tools/keystone_standin.py --port 5000 \\
+    python tests/support/keystone_standin.py --port 5000 \\
         --swift-auth-url http://127.0.0.1:8080/auth/v1.0 \\
         --user test:tester:testing --app-cred my-id:my-secret:test:tester
 

@@ -35,9 +35,8 @@ How a request is chosen:
   next 2 matching requests (``times=None``: every one); rules are tried in order;
 * at a rate: `set_rate(0.1, method="GET")` faults 10% of matching requests, each with a
   kind drawn from `kinds` (or, with ``cycle=True``, the kinds in turn). Whether the n-th
-  request of one object is faulted is a pure function of (seed, method, the object's
-  name, n), so the same requests are faulted on every run, whatever the order in which
-  concurrent processes ask for different objects, and whatever the container is called.
+  request of one object is faulted depends only on (seed, method, object name, n): every
+  run faults the same requests, in any order of requests and any container.
 
 Counters: `count(method, path_regex)` and `requests` (a Counter of (method, object path));
 `log` lists every request as (method, object path, Range header); `injected` every fault as
@@ -64,7 +63,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
-from loop_server import LoopThreadServer, close_writer
+from tests.support.loop_server import LoopThreadServer, close_writer
 
 __all__ = ["ALL_FAULTS", "STATUS_FAULTS", "FaultProxy", "Injection", "Rule"]
 

@@ -1,5 +1,5 @@
 """An asyncio server running its own event loop in a daemon thread: the lifecycle the
-proxies share (`fault_proxy.FaultProxy` here, `tcp_proxy.TcpProxy` in tests/)."""
+proxies share (`fault_proxy.FaultProxy`, `tcp_proxy.TcpProxy`, `wan_proxy.WanProxy`)."""
 
 from __future__ import annotations
 

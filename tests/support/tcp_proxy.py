@@ -15,11 +15,9 @@ It listens on a free port of 127.0.0.1 and forwards every connection to a target
 Counters: ``connections`` (accepted), ``requests`` (HTTP requests seen from clients),
 ``bytes_to_server`` and ``bytes_to_client``.
 
-"Response" and "request" are found by following HTTP/1.x request framing on the
-client side (request line and headers, then ``Content-Length`` or chunked body), so
-counts stay right on keep-alive connections. A response's bytes are counted from
-the start of its request. For a stream that is not HTTP, the whole connection
-counts as one request.
+The proxy follows the clients' HTTP/1.x request framing, so counts stay right on
+keep-alive connections. A response's bytes count from the start of its request; a stream
+that is not HTTP is one request.
 
 Example::
 
@@ -36,7 +34,7 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
-from loop_server import LoopThreadServer, close_writer
+from tests.support.loop_server import LoopThreadServer, close_writer
 
 __all__ = ["TcpProxy"]
 

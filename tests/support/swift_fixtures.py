@@ -1,23 +1,15 @@
-"""pytest fixtures for the local OpenStack Swift server (``tools/swift_server.py``).
+"""pytest fixtures for the local OpenStack Swift server (``swift_server.py``), a plugin of conftest.
 
-Loaded as a plugin by ``tests/conftest.py``. Fixtures:
+* ``swift_server`` (session): a :class:`SwiftEndpoint`. ``DLSTORE_SWIFT_ENV`` may name the
+  ``env.sh`` of a running server, which is then used as it is. Otherwise the fixture
+  installs Swift if needed and runs a server in a temp dir for the session; a watchdog stops
+  it should the run be killed. A server that cannot start FAILS the tests that need it;
+  ``DLSTORE_SKIP_SWIFT=1`` skips them instead.
+* ``swift_container`` and ``s3_bucket`` (function): a fresh, empty container or bucket.
 
-* ``swift_server`` (session): a :class:`SwiftEndpoint`. When ``DLSTORE_SWIFT_ENV`` names
-  an ``env.sh`` written by ``swift_server.py start``, that running server is used (CI
-  starts it once and stops it itself). Otherwise the fixture installs Swift if needed,
-  starts a server in a temp dir and stops it at the end of the session (or, should the
-  test run be killed, a watchdog stops it). If the server cannot be installed or
-  started, every test that needs it FAILS with the reason; ``DLSTORE_SKIP_SWIFT=1``
-  skips them instead.
-* ``swift_container`` (function): the name of a fresh, empty container; deleted afterwards.
-* ``s3_bucket`` (function): the name of a fresh, empty bucket; deleted afterwards.
-
-Tests that use ``swift_server`` (directly or through another fixture) get the ``swift``
-marker, so ``-m "not swift"`` leaves them out.
-
-Knobs for a fixture-started server: ``DLSTORE_SWIFT_FLAVOR`` (``pypi``, the default, or
-``debian``) and ``DLSTORE_SWIFT_LISTING_LIMIT`` (default 100, so that listings page after
-100 Swift / 99 S3 names without creating 10,000 objects).
+Tests that use ``swift_server``, directly or not, get the ``swift`` marker. A fixture-started
+server reads ``DLSTORE_SWIFT_FLAVOR`` (``pypi`` or ``debian``) and
+``DLSTORE_SWIFT_LISTING_LIMIT`` (default 100, so that listings page without 10,000 objects).
 
 Example::
 
@@ -46,11 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from swift_server import read_env_file  # tools/ is on sys.path (conftest.py)
 
-__all__ = ["SwiftEndpoint", "read_env_file", "swift_server", "swift_container", "s3_bucket"]
+from tests.support.swift_server import read_env_file
 
-SWIFT_SERVER_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "swift_server.py"
+__all__ = ["SwiftEndpoint", "delete_container", "read_env_file", "swift_server", "swift_container", "s3_bucket"]
+
+SWIFT_SERVER_SCRIPT = Path(__file__).resolve().with_name("swift_server.py")
 DEFAULT_LISTING_LIMIT = 100
 _SKIP_HINT = "set DLSTORE_SKIP_SWIFT=1 to skip the tests that need it"
 
@@ -209,7 +202,7 @@ def swift_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwiftEndp
         except (OSError, KeyError, ValueError) as exc:
             pytest.fail(
                 f"DLSTORE_SWIFT_ENV={env_file}: no running Swift server there ({type(exc).__name__}: {exc}); "
-                f"start one with `python tools/swift_server.py start --env-file {env_file}`, or {_SKIP_HINT}",
+                f"start one with `python -m tests.support.swift_server start --env-file {env_file}`, or {_SKIP_HINT}",
                 pytrace=False,
             )
         yield endpoint
@@ -222,7 +215,7 @@ def swift_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwiftEndp
         pytest.fail(f"installing Swift ({flavor}) took over 15 minutes; {_SKIP_HINT}", pytrace=False)
     if installed.returncode != 0:
         pytest.fail(
-            f"could not install the local Swift server (`tools/swift_server.py install --flavor {flavor}` "
+            f"could not install the local Swift server (`swift_server.py install --flavor {flavor}` "
             f"exited {installed.returncode}; no network?); {_SKIP_HINT}.\n{_tail(installed.stdout + installed.stderr)}",
             pytrace=False,
         )
@@ -233,7 +226,7 @@ def swift_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwiftEndp
         started = _run_tool(*start_args, "--stop-with-pid", str(os.getpid()), timeout=120)
     except subprocess.TimeoutExpired:
         _run_tool("stop", "--data-dir", str(data_dir), timeout=60)
-        pytest.fail(f"`tools/swift_server.py start` hung for 2 minutes; {_SKIP_HINT}", pytrace=False)
+        pytest.fail(f"`swift_server.py start` hung for 2 minutes; {_SKIP_HINT}", pytrace=False)
     if started.returncode != 0:
         pytest.fail(
             f"could not start the local Swift server (exit {started.returncode}); {_SKIP_HINT}.\n"
@@ -248,7 +241,7 @@ def swift_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwiftEndp
             print(f"swift_fixtures: stop failed:\n{stopped.stderr}", file=sys.stderr)
 
 
-def _delete_container(conn: Any, name: str) -> None:
+def delete_container(conn: Any, name: str) -> None:
     """Best effort: delete ``name`` and its segment containers with everything in them.
 
     Objects go in one bulk-delete request per listing page (one round trip each, not one per
@@ -302,7 +295,7 @@ def swift_container(swift_server: SwiftEndpoint) -> Iterator[str]:
     try:
         yield name
     finally:
-        _delete_container(conn, name)
+        delete_container(conn, name)
         conn.close()
 
 
@@ -319,7 +312,7 @@ def s3_bucket(swift_server: SwiftEndpoint) -> Iterator[str]:
     try:
         yield name
     finally:
-        _delete_container(conn, name)
+        delete_container(conn, name)
         conn.close()
 
 

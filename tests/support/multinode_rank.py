@@ -1,6 +1,6 @@
 """The program each rank of `test_multinode.py` runs under torchrun:
 
-    python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank N ... tests/multinode_rank.py SPEC.json
+    python -m torch.distributed.run --nnodes 2 --nproc-per-node 2 --node-rank N ... tests/support/multinode_rank.py SPEC.json
 
 It reads `EPOCHS` epochs (the ranks in step, as under DDP) from its node's cache (`SPEC["cache_dirs"][node]`) through
 `dlstore.Dataset` and `dlstore.Loader` (CPU, uint8, keys returned) and writes, per epoch,

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""A WAN emulator on loopback: a TCP proxy in front of a local server (the Swift proxy
-server, which serves the Swift API, the S3 API and tempauth) that gives each connection a
-capped download rate and delays every HTTP request, as a store across a network does.
+"""A WAN emulator on loopback: a TCP proxy in front of the local Swift proxy server.
+
+Each connection gets a capped download rate and every HTTP request a delay, as a store
+across a network gives.
 
 * **Rate**: the server-to-client bytes of each connection pass a token bucket of `rate`
   bytes per second (a burst of `burst` bytes, by default 20 ms' worth): one connection
@@ -9,10 +10,9 @@ capped download rate and delays every HTTP request, as a store across a network 
 * **Link**: optionally (`link_rate`), all connections' server-to-client bytes together pass one
   more token bucket, as where the link (not each flow) is the limit: many connections then
   share its rate instead of each getting `rate`.
-* **Delay**: each HTTP request (each one on a keep-alive connection: the proxy follows
-  the request framing, Content-Length or chunked, from client to server) is held
-  `delay_s` before it is forwarded, so every request costs a round trip. Bytes that do
-  not parse as HTTP are relayed as they are, delayed once per connection.
+* **Delay**: each HTTP request, keep-alive ones too, is held `delay_s` before it is
+  forwarded, so every request costs a round trip. Bytes that are not HTTP are relayed as
+  they are, delayed once per connection.
 * **Lifetime**: after `lifetime_s` the proxy stops listening and drops its connections,
   so a forgotten one does not outlive its benchmark.
 
@@ -20,7 +20,7 @@ Counters: `connections` (accepted), `most_open` (open at once, at most), `bytes_
 and `log`, every request as (method, path, Range header); `gets()` lists the GETs of
 paths matching a regex.
 
-Importable (tests and benchmarks put tools/ on `sys.path`), like `fault_proxy.FaultProxy`
+Importable as `tests.support.wan_proxy`, like `fault_proxy.FaultProxy`
 (`WanProxyProcess` runs one in a child process, for benchmarks)::
 
     with WanProxy(swift_port, rate=40e6, delay_s=0.005) as wan:
@@ -30,7 +30,7 @@ Importable (tests and benchmarks put tools/ on `sys.path`), like `fault_proxy.Fa
 
 or a command::
 
-    python tools/wan_proxy.py --target 127.0.0.1:8080 --rate 40MB --delay-ms 5 --lifetime 600
+    python -m tests.support.wan_proxy --target 127.0.0.1:8080 --rate 40MB --delay-ms 5 --lifetime 600
 """
 
 from __future__ import annotations
@@ -44,14 +44,10 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
-from loop_server import LoopThreadServer, close_writer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dlstore.config import parse_size  # noqa: E402
+from dlstore.config import parse_size
+from tests.support.loop_server import LoopThreadServer, close_writer
 
 __all__ = ["WanProxy", "WanProxyProcess"]
 

@@ -1,5 +1,4 @@
-"""Small datasets with uneven shards, and the per-rank program that records what each rank
-delivered: spawned by the loader and reliability tests, and by `tools/soak.py`."""
+"""Small datasets with uneven shards, and a per-rank program that records what each rank delivers."""
 
 from __future__ import annotations
 
