@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, on a CUDA node: the CUDA tests (tests/test_gpu.py and the CUDA cases of
-# tests/test_transforms.py), the synthetic-vs-fed training rates (benchmarks.gpu), and `dlstore bench`
+# The GPU checks in one run, on a CUDA node: the CUDA tests (tests/loader/test_gpu.py and the CUDA cases of
+# tests/transforms/test_transforms.py), the synthetic-vs-fed training rates (benchmarks.gpu), and `dlstore bench`
 # on the same shards. Then the peers on the node's cores (benchmarks.peers, one round) where webdataset
 # is there, and decode threads against worker processes (benchmarks.gpu workers). Results go to $OUT
 # (default ./gpu-check).
@@ -145,7 +145,7 @@ fi
 # -- the checks: each runs to its end, the exit status says whether all passed ----------------
 echo "== CUDA tests"
 tests=0
-timeout -k 15 100 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_transforms.py 2>&1 |
+timeout -k 15 100 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/loader/test_gpu.py tests/transforms/test_transforms.py 2>&1 |
     tee "$OUT/gpu-tests.txt" || tests=$?
 if grep -q "needs a CUDA device" "$OUT/gpu-tests.txt" || ! grep -Eq "[0-9]+ passed" "$OUT/gpu-tests.txt"; then
     echo "gpu_check: CUDA tests were skipped or none passed: they did not run on the GPU" >&2

@@ -37,7 +37,7 @@ if [[ "${1:-}" == "--quick" ]]; then
     "$PYTHON" -m pytest -q -m "not swift and not slurm and not torchrun and not slow" "$@"
     echo "== Swift smoke test: the storage contract on the Swift and S3 APIs"
     start_swift "${DLSTORE_SWIFT_FLAVOR:-pypi}"
-    DLSTORE_SWIFT_ENV=$env_file "$PYTHON" -m pytest -q -m "swift and not slow" tests/test_store_contract.py
+    DLSTORE_SWIFT_ENV=$env_file "$PYTHON" -m pytest -q -m "swift and not slow" tests/storage/test_store_contract.py
     exit
 fi
 

@@ -96,7 +96,7 @@ native_build_deps
 
 if [[ "${1:-}" == "--test" ]]; then
     "$VENV_PYTHON" -m pip install --quiet -e ".[train,fast,test]"
-    apt_install curl  # WebDataset's pipe:curl in the cold-read benchmark's peers (tests/test_bench_cold.py)
+    apt_install curl  # WebDataset's pipe:curl in the cold-read benchmark's peers (tests/integration/test_benchmarks.py)
     "$VENV_PYTHON" -m tests.support.swift_server install
     "$VENV_PYTHON" -m tests.support.swift_server install --flavor debian
     "$VENV_PYTHON" -m tests.support.slurm_server install  # Debian's slurmctld, slurmd, slurm-client, munge

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _bench(swift_server, tmp_path: Path, *options: str) -> subprocess.CompletedProcess:

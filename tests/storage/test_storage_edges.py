@@ -21,7 +21,7 @@ from dlstore.storage.stall import ConnectionRegistry, StallWatch
 from dlstore.storage.swift import SwiftStore
 from dlstore.storage.swift.upload import MAX_SEGMENT_SIZE
 from dlstore.storage.transfer import copy_object
-from tests.test_store_contract import payload, swift_store_config
+from tests.storage.test_store_contract import payload, swift_store_config
 
 FAST_RETRY = RetryConfig(initial_backoff_s=0.01, max_backoff_s=0.05, deadline_s=5)
 BODY = (bytes(range(256)) * 20)[:5000]
@@ -164,7 +164,7 @@ SEGMENT = 2**20  # Swift's smallest SLO segment in older releases (min_segment_s
 
 def cluster_limits(monkeypatch, segments: int, segment_size: int = MAX_SEGMENT_SIZE) -> None:
     """A Swift cluster whose /info says a manifest lists at most `segments` segments of at most
-    `segment_size` bytes (the local server says Swift's defaults; `test_reliability_faults`
+    `segment_size` bytes (the local server says Swift's defaults; `tests/integration/test_faults.py`
     tests the asking of /info itself)."""
     monkeypatch.setattr(SwiftStore, "_slo_limits", lambda self: (segments, segment_size))
 

@@ -29,7 +29,7 @@ from dlstore.storage.base import connection_failure
 from dlstore.storage.registry import split_object_url
 
 pytestmark = pytest.mark.compat  # run again against Debian's Swift 2.30 (tools/run_tests.sh)
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Fast retries: the suite never waits on a backoff meant for a real cluster.
 TEST_RETRY = RetryConfig(max_attempts=4, initial_backoff_s=0.05, max_backoff_s=0.5, deadline_s=30)
 

@@ -147,7 +147,7 @@ def test_loader_on_cuda_through_page_locked_slots_equals_the_cpu_loader(local_ur
 @pytest.mark.parametrize("decoder", DECODERS)
 def test_nvjpeg_decode_matches_decoding_in_workers(gradient_url, tmp_path, decoder):
     """On gradients a crop box off by a pixel or a missed flip is off by 4 levels or more a
-    pixel; tests/test_transforms.py checks the positions themselves, on CUDA too."""
+    pixel; tests/transforms/test_transforms.py checks the positions themselves, on CUDA too."""
     runs = {}
     for mode in ("worker", "device"):
         loader = dlstore.Loader(

@@ -49,7 +49,7 @@ from tests.support.loader_support import fault_free_run, run_rank, write_dataset
 from tests.support.swift_fixtures import SWIFT_SERVER_SCRIPT as SWIFT_SERVER
 from tests.support.swift_server import read_env_file
 from tests.support.wan_proxy import WanProxy
-from tests.test_loader import _CacheSampler
+from tests.loader.test_loader import _CacheSampler
 
 pytestmark = pytest.mark.swift
 
@@ -369,7 +369,7 @@ def test_a_server_that_ignores_range_still_gives_the_bytes_asked_for(swift_serve
     """A server (or a proxy before it) that answers a ranged GET with the whole object (200):
     the bytes before the range are skipped, never taken for it; after a cut, too. It used to
     return the object from byte 0, and a resumed read repeated its first part. (Swift's API
-    only: S3 signs the Range header, so the proxy cannot drop it; tests/test_s3_client.py
+    only: S3 signs the Range header, so the proxy cannot drop it; tests/storage/test_s3_client.py
     has a server that ignores it.)"""
     with FaultProxy(server_port(swift_server)) as proxy:
         env = proxied_env(swift_server, proxy, "swift")

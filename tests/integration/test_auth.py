@@ -5,7 +5,7 @@ and the S3 API are an `AuthError` within 5 s, after one or two requests (counted
 fault proxy), never a retry storm; an expired Swift token is renewed once and the run goes
 on. No key, secret or token text appears in any log line (everything at DEBUG, botocore,
 urllib3 and swiftclient included), exception text, traceback or repr. (The checkpoint and
-metrics files of a training run are scanned in `test_reliability_node.py`.)
+metrics files of a training run are scanned in `tests/integration/test_node.py`.)
 
 Case 10: TLS in front of the server (a TLS-terminating `FaultProxy` with a throw-away CA):
 `OS_CACERT` and `AWS_CA_BUNDLE` are honoured; another CA, or none, is a clear error before

@@ -141,7 +141,7 @@ def test_world_rejects_inconsistent_sizes():
 
 def test_every_flag_the_docs_show_for_a_command_is_one_of_its_flags():
     """The command list in docs/cli.md (it named `convert --image-format`, a flag that never existed)."""
-    readme = (Path(__file__).parents[1] / "docs" / "cli.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "cli.md").read_text()
     block = readme[readme.index("\ndlstore ls URL") : readme.index("\n```", readme.index("\ndlstore ls URL"))]
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices

@@ -264,7 +264,7 @@ def test_checkpoint_published_after_it_is_complete_and_pruned_keep_n(tmp_path):
 def test_a_checkpoint_that_does_not_fit_its_temp_disk_is_a_clear_error_that_leaves_nothing(tmp_path):
     """A full temp disk ended the run in torch's "[enforce fail at inline_container.cc:672] .
     unexpected pos 704 vs 598", which names neither the disk nor the way out."""
-    from tests.test_reliability_data import small_disk
+    from tests.loader.test_bad_data import small_disk
 
     ckpts = CheckpointStore(f"file://{tmp_path}/ckpt", tmp_dir=str(tmp_path / "tmp"))
     with small_disk(tmp_path / "tmp", 2**20) as kind:
@@ -934,7 +934,7 @@ def test_the_parts_a_killed_checkpoint_upload_left_are_removed_by_a_later_save(
 def test_a_checkpoint_url_with_credentials_is_named_without_them(tmp_path):
     """A --resume URL's password or presigned signature was printed whole in the error (and
     the "resumed from" line)."""
-    from tests.test_storage_edges import http_server
+    from tests.storage.test_storage_edges import http_server
 
     with http_server() as server:  # it serves bytes that are no checkpoint
         parts = server["url"].split("://", 1)

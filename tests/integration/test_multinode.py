@@ -35,7 +35,7 @@ from tests.support.loader_support import write_dataset
 from tests.support.multinode_rank import EPOCHS
 
 NODES, RANKS_PER_NODE = 2, 2
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RANK_PROGRAM = Path(multinode_rank.__file__)
 _LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

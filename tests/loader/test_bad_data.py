@@ -44,7 +44,7 @@ from tests.support.loader_support import (
     tiny_jpeg,
     write_dataset,
 )
-from tests.test_shards import MALICIOUS
+from tests.format.test_shards import MALICIOUS
 
 
 def report(case: str, **fields: object) -> None:

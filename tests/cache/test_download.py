@@ -4,7 +4,7 @@ byte, and the verdicts (size, checksum, full disk) a download ends with.
 
 Everything runs on a local `file://` store whose reads can be gated, cut or damaged;
 the same behaviour against the real Swift server, through the fault proxy and the WAN
-emulator, is in `test_reliability_faults.py`. Times are never asserted.
+emulator, is in `tests/integration/test_faults.py`. Times are never asserted.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dlstore.errors import CorruptShard, NotFound, TransientError
 from dlstore.storage.local import LocalStore
 from dlstore.storage.retry import ProgressRetry
 from dlstore.world import World
-from tests.test_cache import FORK, _fetch_under_file_size_limit, cached_names, config, make_remote, read
+from tests.cache.test_shard_cache import FORK, _fetch_under_file_size_limit, cached_names, config, make_remote, read
 
 QUICK = RetryConfig(max_attempts=3, initial_backoff_s=0.0, max_backoff_s=0.0, deadline_s=30)
 
