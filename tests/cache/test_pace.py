@@ -25,8 +25,8 @@ from dlstore.cache.pace import Concurrency, PrefetchPace
 from dlstore.cache.prefetch import start_prefetch, stop_prefetch
 from dlstore.cache.runtime import Runtime
 from dlstore.cache.spec import ShardSpec
-from tests.cache.test_shard_cache import config, make_remote, read
 from tests.cache.test_download import PartStore
+from tests.cache.test_shard_cache import config, make_remote, read
 
 MIB = 2**20
 CAPS = Concurrency(shards=4, parts=8)

@@ -44,12 +44,12 @@ from dlstore.config import RetryConfig, StoreConfig
 from dlstore.errors import ConfigError, CorruptShard, NotFound, ObjectChanged, StalledRead, TransientError
 from dlstore.storage import open_store
 from dlstore.world import World
+from tests.loader.test_loader import _CacheSampler
 from tests.support.fault_proxy import ALL_FAULTS, FaultProxy
 from tests.support.loader_support import fault_free_run, run_rank, write_dataset
 from tests.support.swift_fixtures import SWIFT_SERVER_SCRIPT as SWIFT_SERVER
 from tests.support.swift_server import read_env_file
 from tests.support.wan_proxy import WanProxy
-from tests.loader.test_loader import _CacheSampler
 
 pytestmark = pytest.mark.swift
 

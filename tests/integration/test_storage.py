@@ -31,9 +31,9 @@ from dlstore.errors import AuthError, ConfigError, NotFound
 from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from dlstore.train.checkpoint import CheckpointStore
+from tests.storage.test_store_contract import TEST_RETRY, payload, swift_store_config
 from tests.support.swift_fixtures import delete_container
 from tests.support.tcp_proxy import TcpProxy
-from tests.storage.test_store_contract import TEST_RETRY, payload, swift_store_config
 
 pytestmark = [pytest.mark.swift, pytest.mark.compat]
 

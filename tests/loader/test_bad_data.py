@@ -37,6 +37,7 @@ from dlstore.format.shard_writer import TarShardWriter
 from dlstore.format.shards import read_sample_from_file, read_shard_index, scan_shard, shard_name
 from dlstore.storage import open_store
 from dlstore.world import World
+from tests.format.test_shards import MALICIOUS
 from tests.support.loader_support import (
     NUM_CLASSES,
     damaged_below_jpeg,
@@ -44,7 +45,6 @@ from tests.support.loader_support import (
     tiny_jpeg,
     write_dataset,
 )
-from tests.format.test_shards import MALICIOUS
 
 
 def report(case: str, **fields: object) -> None:
