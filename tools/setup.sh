@@ -80,7 +80,7 @@ if ! "$VENV_PYTHON" -c "import torch, torchvision" >/dev/null 2>&1; then
     # shellcheck disable=SC2086
     "$VENV_PYTHON" -m pip install --quiet $TORCH_SPEC
 fi
-# dlstore/_jpeg_region.c (the crop-only JPEG decode) needs a C compiler, libjpeg-turbo's headers and
+# dlstore/transforms/jpeg_region.c (the crop-only JPEG decode) needs a C compiler, libjpeg-turbo's headers and
 # Python's; without them the install goes on and whole JPEGs are decoded (`dlstore doctor` says which).
 native_build_deps() {
     local packages=(gcc libjpeg-dev)

@@ -472,7 +472,7 @@ def test_tls_verification_is_never_silently_off(swift_server, swift_container, t
 def test_a_fresh_token_lost_by_the_server_is_renewed_once(swift_server, swift_container, debug_logs):
     """A token can be refused before its first use for reasons that are not the credentials':
     the proxy's memcached restarted or evicted it between the login and the request (found by
-    `tools/soak.py` restarting the server). One new login, then an `AuthError` only if that
+    a soak run restarting the server). One new login, then an `AuthError` only if that
     token is refused too."""
     open_store(f"swift://{swift_container}/f", config_for(swift_server.env())).put("obj", b"payload")
     with FaultProxy(server_port(swift_server)) as proxy:

@@ -386,7 +386,7 @@ def test_a_jpeg_garbled_below_its_crops_is_skipped_and_counted_in_every_epoch(tm
 
 
 class _RegionDecodes:
-    """`dlstore._jpeg_region` that records, per JPEG, whether its first crop-only decode read
+    """`dlstore.transforms.jpeg_region` that records, per JPEG, whether its first crop-only decode read
     the rows below the crop too (`check_all`)."""
 
     def __init__(self, real) -> None:
@@ -405,7 +405,7 @@ def test_a_dataset_whose_jpegs_convert_decoded_reads_only_the_crops_rows_from_th
     from dlstore.convert import ConvertOptions, convert
 
     if dlstore.transforms.cpu_decode.jpeg_region is None:
-        pytest.skip("dlstore._jpeg_region (the crop-only decode) is not built here")
+        pytest.skip("dlstore.transforms.jpeg_region (the crop-only decode) is not built here")
     source = folder_with_a_jpeg_damaged_below(tmp_path / "src", damaged=False)
     epochs = {}
     for name, check in (("checked", True), ("unchecked", False)):

@@ -646,9 +646,9 @@ def test_resize_crop_into_a_row_of_a_batch_gives_the_same_pixels(preset):
     assert flips == ({False, True} if preset == "train" else {False})
 
 
-# -- the crop-only decode (dlstore/_jpeg_region.c) -------------------------------------------
+# -- the crop-only decode (dlstore/transforms/jpeg_region.c) -------------------------------------------
 _NO_REGION = pytest.mark.skipif(
-    transforms_module.jpeg_region is None, reason="dlstore._jpeg_region was not built (no libjpeg-turbo headers)"
+    transforms_module.jpeg_region is None, reason="dlstore.transforms.jpeg_region was not built (no libjpeg-turbo headers)"
 )
 
 
@@ -763,7 +763,7 @@ def test_check_decodes_refuses_exactly_what_a_first_crop_decode_refuses(monkeypa
     of a sample refuses, with the crop-only decoder or without it: JPEGs damaged below any
     box, in every encoding; never an intact one; PNGs and other bytes as `decode_image`."""
     if crop_only_decoder and transforms_module.jpeg_region is None:
-        pytest.skip("dlstore._jpeg_region is not built here")
+        pytest.skip("dlstore.transforms.jpeg_region is not built here")
     if not crop_only_decoder:
         monkeypatch.setattr(transforms_module, "jpeg_region", None)
     cfg = TransformConfig("train", image_size=32, scale=(0.01, 0.02))
