@@ -1,4 +1,4 @@
-"""The streaming dataset: manifest + plan + cache + the sample path, one batch at a time.
+"""The streaming dataset: manifest, plan, cache and the sample path, one batch at a time.
 
 `Dataset` is a map-style torch dataset whose items are whole batches. The loader's sampler, in
 the main process, walks this rank's epoch plan and hands a `BatchRequest` to a worker. The
@@ -28,9 +28,9 @@ __all__ = ["BatchRequest", "Dataset"]
 
 log = logging.getLogger(__name__)
 
-#: How many batches before the one just requested the loader may still be building: the
+#: How many batches before the one just requested the loader may still be building. It is the
 #: thread engine's default lookahead. Their shards stay in front of the cache's order. More
-#: costs cache room at each change of shuffle window; fewer risks a refetch.
+#: costs cache room at each change of shuffle window, and fewer risks a refetch.
 _BATCHES_IN_FLIGHT = 2
 
 
@@ -51,7 +51,7 @@ def _last_batches(plan: RankPlan) -> np.ndarray:
 
 
 def fetch_settings(cfg: DataConfig) -> dict[str, int]:
-    """The `CacheConfig` download settings a `DataConfig` sets; those left at None keep the
+    """The `CacheConfig` download settings a `DataConfig` sets. Those left at None keep the
     cache's defaults."""
     given = {
         "parts_in_flight": cfg.fetch_parts,
@@ -103,18 +103,18 @@ class Dataset(torch.utils.data.Dataset):
         self._plans: OrderedDict[tuple, RankPlan] = OrderedDict()
         self.corrupt_samples = 0
         # The prefetch held back while a pass's first batch is read straight from the store,
-        # and the list to start after it (`first_batch_delivered`).
+        # and the list `first_batch_delivered` starts after it.
         self._prefetch_on_hold = False
         self._held_prefetch: tuple | None = None
 
     @functools.cached_property
     def prefetch_ahead(self) -> int:
-        """How many shards the prefetch fetches beyond those in use once the cache is full
-        (`_ahead`). It is `prefetch_shards`, fewer when this node's share outgrows its cache:
-        the window in use and the shards ahead then take at most a third of it, one at least.
+        """How many shards the prefetch fetches beyond those in use once the cache is full.
+        It is `prefetch_shards`, fewer when this node's share outgrows its cache. The window in
+        use and the shards ahead then take at most a third of it, and one at least.
 
-        Why: such a cache streams part of the data every epoch and keeps what the plan needs
-        soonest (`hint_cache`). Every shard fetched ahead takes the place of one kept, which is
+        Why: such a cache streams part of the data every epoch. `hint_cache` has it keep what
+        the plan needs soonest. Every shard fetched ahead takes the place of one kept, which is
         fetched again later. The cost: on a link slower than the readers, less of the next
         window comes in ahead of them."""
         ahead, sizes = self.cfg.prefetch_shards, [s.size for s in self.manifest.shards]
@@ -129,8 +129,8 @@ class Dataset(torch.utils.data.Dataset):
 
     @functools.cached_property
     def manifest_digest(self) -> str:
-        """A checksum of the shard table: what the plan's sample ids mean. A dataset converted
-        again gets another one."""
+        """A checksum of the shard table, which gives the plan's sample ids their meaning. A
+        dataset converted again gets another one."""
         return self.manifest.shard_table_digest
 
     @property
@@ -145,9 +145,9 @@ class Dataset(torch.utils.data.Dataset):
 
     def _boundary_ranges(self) -> dict[int, SampleRange]:
         """This node's boundary shards, those it reads only part of, as the runs of samples its
-        cache fetches instead; one small GET of each one's sample index. A shard whose index
-        has no sample digests, fails its checksum or is missing is left out and fetched whole:
-        a part of it could not be verified, and a damaged index must not stop the opening."""
+        cache fetches instead. It costs one small GET of each one's sample index. A shard whose
+        index has no sample digests, fails its checksum or is missing is left out and fetched
+        whole. A part of it could not be verified, and a damaged index must not stop the opening."""
         parts = node_ranges(self.shard_sizes, self.plan_config, self.world).partial_shards(self.shard_sizes)
         ranges = {}
         for shard, (start, stop) in parts.items():
@@ -172,7 +172,7 @@ class Dataset(torch.utils.data.Dataset):
             ranges[shard] = SampleRange.of_index(info.name, index, start, stop)
         return ranges
 
-    # -- the plan (main process) --------------------------------------------------------
+    # -- the plan, in the main process -------------------------------------------------
     @property
     def plan_config(self) -> PlanConfig:
         c = self.cfg
@@ -194,9 +194,9 @@ class Dataset(torch.utils.data.Dataset):
         return self._plans[key]
 
     def request(self, plan: RankPlan, epoch: int, index: int, fresh_pass: bool = False) -> BatchRequest:
-        """What batch `index` of `plan` reads, for a loader to build. `fresh_pass`: the loader
-        starts a pass here, not ahead for the pass after. Its prefetch then waits for its first
-        batch when that batch reads uncached shards straight from the store."""
+        """What batch `index` of `plan` reads, for a loader to build. `fresh_pass` means the
+        loader starts a pass here, not ahead for the pass after. Its prefetch then waits for its
+        first batch when that batch reads uncached shards straight from the store."""
         # The cache counts this batch's entries under its epoch. A boundary shard's reads go to
         # the node's run of its samples, or after a re-deal to the whole shard: both are named.
         shards = plan.batch_shards(index).tolist()
@@ -205,7 +205,7 @@ class Dataset(torch.utils.data.Dataset):
         self.cache.set_epoch(epoch, names)
         ids, is_padding = plan.batch(index)
         # A pass's first batch may read uncached shards' samples straight from the store, rather
-        # than wait for whole shards (`dlstore.read.direct`).
+        # than wait for whole shards: see `dlstore.read.direct`.
         direct = direct_shards(ids, self.shard_sizes) if index == 0 and self.cfg.first_batch_direct else ()
         if index == 0 and fresh_pass:
             self._prefetch_on_hold = any(self.samples.may_read_directly(shard) for shard in direct)
@@ -217,10 +217,10 @@ class Dataset(torch.utils.data.Dataset):
     def first_batch_delivered(self) -> None:
         """The loader handed on a pass's first batch: start the prefetch it held back.
 
-        Why held back: a cold pass's first batch reads a few MB straight from the store
-        (`dlstore.read.direct`), then decodes them. The prefetch's downloads of its shards,
-        hundreds of MB, would take the link, the store and the loader's CPU from it. The cost:
-        the shards start a little later, once per cold pass.
+        Why held back: a cold pass's first batch reads a few samples straight from the store,
+        then decodes them. The prefetch's downloads of whole shards would take the link, the
+        store and the loader's CPU from it. The cost: the shards start a little later, once per
+        cold pass.
 
         Only a fresh pass holds its prefetch back, not passes requested ahead. A read that
         needs the cache fetches its shard at once as a reader's download."""
@@ -230,18 +230,18 @@ class Dataset(torch.utils.data.Dataset):
             self.cache.prefetch(*held)
 
     def prefetch_after(self, plan: RankPlan, index: int) -> None:
-        """Ask the cache to fetch in the background the shards batch `index`, just requested,
-        reads, then the next `prefetch_ahead` shards the plan reads, by first need.
+        """Ask the cache to prefetch the shards of batch `index`, just requested. Then come the
+        next `prefetch_ahead` shards the plan reads, by first need.
 
-        Why the shards in use lead the list: from a cold cache batch 0 needs every shard of the
-        first shuffle window, and the prefetch fetches them while the readers wait. They are
+        Why the shards in use lead the list: from a cold cache, batch 0 needs every shard of the
+        first shuffle window. The prefetch fetches them while the readers wait. They are
         the list's `lead`, fetched before any shard after them, which would share their link.
         The next window's shards then come in while this one is read.
 
-        The cache keeps the whole list cached (`depth`), not its own `prefetch_shards` from
-        the readers' place: with worker processes, reads never move this process's window on.
-        Only in a cache with room for two shuffle windows and the prefetch: in a smaller one
-        the deeper window evicts shards that queued batches still need."""
+        The cache keeps the whole list cached as its `depth`, not its own `prefetch_shards`
+        from the readers' place. With worker processes, reads never move this process's window
+        on. This holds only in a cache with room for two shuffle windows and the prefetch. In a
+        smaller one the deeper window evicts shards that queued batches still need."""
         self.hint_cache(plan, index)  # first: the prefetch's evictions go by the fresh order
         if index % 4:  # the list changes slowly; refresh it every few batches
             return
@@ -260,17 +260,17 @@ class Dataset(torch.utils.data.Dataset):
         self.cache.prefetch(specs, depth=depth, lead=len(reading))
 
     def hint_cache(self, plan: RankPlan, index: int) -> None:
-        """Tell the node cache the order this rank needs shards in from batch `index` on: the
-        rest of this epoch, then the whole next one, known now since the plan is pure. Its
-        evictions then drop the shard needed furthest ahead instead of the least recently
-        used one, which against a shuffled sweep is nearly the worst choice.
+        """Tell the node cache the order this rank needs shards in from batch `index` on. That
+        is the rest of this epoch, then the whole next one, known now since the plan is pure.
+        Its evictions then drop the shard needed furthest ahead, not the least recently used.
+        Against a shuffled sweep, LRU is nearly the worst choice.
 
-        Called for every batch, it writes the order again only once it is stale: a shard it
-        names as needed this epoch is done with, or the plan is new. In between, the shards
-        still needed keep their order, which is all eviction looks at. A stale order would
-        keep finished shards in front of those in use, for other ranks to evict.
+        It is called for every batch, but writes the order again only once it is stale. That is
+        when a shard it names for this epoch is done with, or the plan is new. Until then the
+        shards still needed keep their order, which is all eviction looks at. A stale order would keep
+        finished shards in front of those in use, for other ranks to evict.
 
-        A cache with no room for two shuffle windows and the prefetch gets no hints: refetches
+        A cache with no room for two shuffle windows and the prefetch gets no hints. Refetches
         are unavoidable there, and LRU, which evicts the finished window first, does no worse.
 
         >>> ds.hint_cache(ds.plan(epoch), 0)  # doctest: +SKIP
@@ -280,11 +280,11 @@ class Dataset(torch.utils.data.Dataset):
         if not self._holds_two_windows():
             return
         order = self._order_from(plan, index)
-        # The plan's epoch is the key it is cached under; a plan no longer cached gets no look
+        # The plan's epoch is the key it is cached under. A plan no longer cached gets no look
         # beyond its own epoch.
         epoch = next((key[0] for key, cached in self._plans.items() if cached is plan), None)
         if epoch is not None:
-            # The next epoch's order, computed once per epoch (a pure function of its epoch).
+            # The next epoch's order, a pure function of its epoch, computed once per epoch.
             memo = self.__dict__.get("_following_order")
             if memo is None or memo[0] != (epoch + 1, self.plan_config):
                 following = self.plan(epoch + 1).shards_needed(0).tolist()
@@ -294,12 +294,12 @@ class Dataset(torch.utils.data.Dataset):
 
     def _ahead(self) -> int:
         """Shards the prefetch fetches ahead: `prefetch_shards` until this process's cache has
-        evicted a shard, since a cache still filling keeps everything; `prefetch_ahead` after."""
+        evicted a shard, since a cache still filling keeps everything. `prefetch_ahead` after."""
         return self.prefetch_ahead if self.cache.stats.evictions else self.cfg.prefetch_shards
 
     def _warn_of_refetches(self) -> None:
         """Say at the start when this node's share of the data outgrows a cache without room for
-        two shuffle windows and the prefetch: the batches being built then need more shards at
+        two shuffle windows and the prefetch. The batches being built then need more shards at
         once than it holds, and shards are fetched several times an epoch."""
         sizes = [s.size for s in self.manifest.shards]
         if not sizes or sum(sizes) / self.world.num_nodes <= self.cfg.cache_limit or self._holds_two_windows():
@@ -322,14 +322,14 @@ class Dataset(torch.utils.data.Dataset):
         )
 
     def _holds_two_windows(self) -> bool:
-        """Whether the cache has room for two shuffle windows, the one read and the next, and
-        the prefetch, at the largest shard's size."""
+        """Whether the cache has room for two shuffle windows and the prefetch, at the largest
+        shard's size. The two windows are the one read and the next."""
         working_set = 2 * self.cfg.shuffle_window + self.prefetch_ahead
         return self.cfg.cache_limit >= working_set * max((s.size for s in self.manifest.shards), default=0)
 
     def _hint_is_stale(self, plan: RankPlan, first_batch: int) -> bool:
         """Whether the order last written is stale once the batches before `first_batch` are
-        built: another plan's, or naming a shard no batch from `first_batch` on reads."""
+        built. It is stale if it is another plan's, or names a shard no batch from then on reads."""
         memo = self.__dict__.get("_hinted")
         if memo is None or memo[0] is not plan:
             memo = self.__dict__["_hinted"] = [plan, _last_batches(plan), None]
@@ -349,7 +349,7 @@ class Dataset(torch.utils.data.Dataset):
         order = [s for s in ahead if s in recent] + [s for s in recent if s not in needed]
         return order + [s for s in ahead if s not in recent]
 
-    # -- the batches (workers) ----------------------------------------------------------
+    # -- the batches, in the workers ----------------------------------------------------
     def __getitem__(self, request: BatchRequest) -> dict:
         return self.build_batch(request)
 
@@ -357,7 +357,7 @@ class Dataset(torch.utils.data.Dataset):
         self, request: BatchRequest, out: torch.Tensor | None = None, clock: StageClock | None = None
     ) -> dict:
         """`SamplePath.build_batch` for this dataset's cache epoch. `batch["corrupt"]` says how
-        many samples were skipped; a `Loader` adds them to `corrupt_samples`."""
+        many samples were skipped. A `Loader` adds them to `corrupt_samples`."""
         self.cache.set_epoch(request.epoch)  # a worker process knows its epoch from the request
         return self.samples.build_batch(request, out, clock)
 
@@ -366,8 +366,8 @@ class Dataset(torch.utils.data.Dataset):
         return self.with_settings(transform=transform)
 
     def with_settings(self, **changes: Any) -> Dataset:
-        """The same store, manifest and cache under a config with `changes`: a transform, or the
-        plan's `window_ramp` for a loader resuming a state saved in the other order."""
+        """The same store, manifest and cache under a config with `changes`. They may be a
+        transform, or the plan's `window_ramp` for a loader resuming a state saved in the other order."""
         other = self.__new__(type(self))
         other.__dict__.update(self.__getstate__())
         other.cfg = self.cfg.replace(**changes)

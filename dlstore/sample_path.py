@@ -1,16 +1,16 @@
-"""The sample path, defined once: read → decode (or plan the crop, for the device) → augment → collate.
+"""The sample path, defined once: read → decode or plan the crop → augment → collate.
 
 `SamplePath` turns a batch's sample ids into a uint8 NHWC batch. `Dataset` composes it with
-the plan; `dlstore bench` times these very stages by passing a `StageClock`. Each stage is a
+the plan. `dlstore bench` times these very stages by passing a `StageClock`. Each stage is a
 method with one job:
 
-* `read`     the samples' bytes: the shard from the node cache (`fetch`), then one `pread`
-             per sample through its sample index (`read`). A cold pass's first batch reads
-             its samples straight from the store instead (`dlstore.read.direct`);
+* `read`     the samples' bytes. The `fetch` stage holds the shard in the node cache, and
+             the `read` stage makes one `pread` per sample through its sample index. A cold
+             pass's first batch reads its samples straight from the store instead.
 * `decode`   the image member and the label, the crop drawn with the sample's own random
-             generator, and the pixels, decoded at the smallest scale the crop allows;
-* `augment`  the preset's crop, resize and flip;
-* `plan_on_device`  (for `decode_on="device"`) the JPEG and its crop row, left undecoded;
+             generator, and the pixels, decoded at the smallest scale the crop allows.
+* `augment`  the preset's crop, resize and flip.
+* `plan_on_device`  the JPEG and its crop row, left undecoded for `decode_on="device"`.
 * `collate`  the batch dict the loader hands on.
 """
 
@@ -51,19 +51,19 @@ __all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "direct_shards"
 
 log = logging.getLogger(__name__)
 
-# The stages a batch goes through on the host, in order (`StageClock` keys).
+# The stages a batch goes through on the host, in order: the `StageClock` keys.
 STAGES = ("fetch", "read", "decode", "augment", "collate")
 # The most of a shard's samples a first batch reads straight from the store rather than wait
-# for the shard. Waiting costs the whole shard's fetch; reading directly, the batch's part of
-# it plus GETs, digests and parsing. Past this share the shard itself comes sooner.
+# for the shard. Waiting costs the whole shard's fetch. Reading directly costs the batch's part
+# of it, plus GETs, digests and parsing. Past this share the shard itself comes sooner.
 DIRECT_SHARE = 0.125
 
 
 @dataclass(frozen=True)
 class BatchRequest:
     """What a worker needs to build one batch: the sample ids, the epoch for augmentation
-    randomness, and the batch's position for ordering and errors. `direct`: the shards whose
-    samples may be read straight from the store when not cached yet (`direct_shards`)."""
+    randomness, and the batch's position for ordering and errors. `direct` names the shards
+    whose samples may be read straight from the store when not cached yet."""
 
     epoch: int
     index: int
@@ -73,8 +73,8 @@ class BatchRequest:
 
 
 def direct_shards(ids: np.ndarray, shard_sizes: np.ndarray) -> tuple[int, ...]:
-    """The shards of which the batch of `ids` reads at most `DIRECT_SHARE` of the samples,
-    decided for the whole batch before it is split among workers.
+    """The shards of which the batch of `ids` reads at most `DIRECT_SHARE` of the samples.
+    They are decided for the whole batch before it is split among workers.
 
     >>> direct_shards(np.array([0, 1, 2, 3, 4, 5, 40, 41]), np.array([40, 40]))  # 6 and 2 of 40
     (1,)
@@ -85,7 +85,7 @@ def direct_shards(ids: np.ndarray, shard_sizes: np.ndarray) -> tuple[int, ...]:
 
 @dataclass
 class StageClock:
-    """Seconds spent per stage, for `dlstore bench`; the loader passes none (no clock reads)."""
+    """Seconds spent per stage, for `dlstore bench`. The loader passes none, so it reads no clock."""
 
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
@@ -123,32 +123,32 @@ class SamplePath:
         # Only the fields this dataset has, in the one order of preference.
         self.image_fields = tuple(f for f in IMAGE_FIELDS if f in manifest.fields)
         self._indexes: OrderedDict[str, Any] = OrderedDict()
-        # Indexes being read now, one thread per shard: {name: (pid, lock)}. An entry of another
-        # pid was copied by a fork from a parent thread reading it, and is not waited for.
+        # Indexes being read now, one thread per shard, as name to pid and lock. An entry of
+        # another pid was copied by a fork from a parent thread reading it: not waited for.
         self._building: dict[str, tuple[int, threading.Lock]] = {}
-        # The shards this node reads only part of, as the runs of samples its cache holds,
-        # set by `Dataset`: {shard: SampleRange}.
+        # The shards this node reads only part of, as the runs of samples its cache holds.
+        # `Dataset` sets it, by shard.
         self.partial: dict[int, SampleRange] = {}
-        # Shards whose cached copy this process rechecked after a read failed (`_recheck`):
-        # a second failure is the shard's own.
+        # Shards whose cached copy `_recheck` checked after a read failed. A second failure
+        # is the shard's own.
         self._rechecked: set[str] = set()
         # Reads straight from the store, and the store's sample indexes of the shards read so,
-        # None where a shard has none with digests: {shard: SampleIndex | None}.
+        # by shard. None where a shard has none with digests.
         self._direct = DirectReads(cache)
         self._store_indexes: dict[int, SampleIndex | None] = {}
-        # Samples whose image decoded without error, the whole stream checked: a later crop
-        # reads only the rows it needs (`decode_for_crop`). A sample's bytes never change, so
-        # neither does the verdict. Made at the first decode here, or shared with worker
-        # processes (`share_decode_marks`); what it lacks is asked of the node's marks.
+        # Samples whose image decoded without error, the whole stream checked. A later crop
+        # reads only the rows it needs. A sample's bytes never change, so neither does the
+        # verdict. Made at the first decode here, or shared with workers by
+        # `share_decode_marks`. What it lacks is asked of the node's marks.
         self._decodes_cleanly: np.ndarray | None = None
         self._shared_marks: torch.Tensor | None = None
         self._node_marks = NodeMarks(cache.marks_path(manifest.shard_table_digest.partition(":")[2][:32]))
         # Every sample decodes cleanly where `dlstore convert` checked them all and the cache
         # checks each shard's checksum.
         self._all_decode_cleanly = manifest.decode_checked and cache.config.verify
-        # Each sample's generator (`sample_rng`'s draws), one re-keyed per thread.
+        # Each sample's generator of `sample_rng`'s draws, one re-keyed per thread.
         self._rngs = SampleRngs()
-        # The stages run in the loader's decode threads at once: the caches above are shared.
+        # The stages run in the loader's decode threads at once, sharing the caches above.
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -165,11 +165,11 @@ class SamplePath:
             self._decodes_cleanly = self._shared_marks.numpy()
 
     def share_decode_marks(self) -> None:
-        """Keep the marks of samples that decode cleanly in shared memory, which worker
-        processes started after this share; the process engine calls it. Otherwise a worker
-        knows only the samples it decoded itself. One byte a sample; without shared memory each
-        process keeps its own marks. The ranks of a node share theirs through the cache
-        directory (`dlstore.read.marks`)."""
+        """Keep the marks of samples that decode cleanly in shared memory. Worker processes
+        started after this share them. The process engine calls it. Otherwise a worker knows
+        only the samples it decoded itself. It takes one byte a sample. Without shared memory,
+        each process keeps its own marks. The ranks of a node share theirs through the cache
+        directory, in `dlstore.read.marks`."""
         if self._shared_marks is not None:
             return
         count = int(self.shard_sizes.sum())
@@ -194,9 +194,9 @@ class SamplePath:
         return info.name, info.size, info.checksum
 
     def cache_spec(self, shard: int, samples: np.ndarray | None = None) -> ShardSpec:
-        """The cache entry that reads of `samples` of `shard` go to: the node's run of samples of
-        a boundary shard when it holds them all, else the whole shard. `samples` are indexes
-        within the shard; None stands for any of this node's."""
+        """The cache entry that reads of `samples` of `shard` go to. It is the node's run of
+        samples of a boundary shard when it holds them all, else the whole shard. `samples` are
+        indexes within the shard. None stands for any of this node's."""
         part = self.partial.get(shard)
         if part is not None and (samples is None or part.contains(samples)):
             return part.spec
@@ -204,7 +204,7 @@ class SamplePath:
 
     # -- read ------------------------------------------------------------------------------
     def read(self, ids: np.ndarray, clock: StageClock | None = None, direct: tuple[int, ...] = ()) -> list[dict]:
-        """The raw samples of `ids`, in order; each shard is held once for all its samples.
+        """The raw samples of `ids`, in order. Each shard is held once for all its samples.
         Samples of the shards in `direct` not cached yet are read straight from the store."""
         shards, offsets = locate(ids, self.shard_sizes)
         samples: list[dict | None] = [None] * len(ids)
@@ -227,8 +227,8 @@ class SamplePath:
 
     def _index(self, shard: int, path: str):
         """The sample index of `shard`, held at `path`: this process's copy, else the one kept
-        in the cache (`dlstore.read.indexes`). One thread reads each shard's; the others wait
-        for it rather than walk the same file."""
+        in the cache. One thread reads each shard's. The others wait for it rather than walk
+        the same file."""
         info = self.manifest.shards[shard]
         while True:
             with self._lock:
@@ -245,12 +245,12 @@ class SamplePath:
                     building = entry[1]
             if mine:
                 break
-            with building:  # another thread reads it: wait, then look again (it may have failed)
+            with building:  # another thread reads it: wait, then look again, as it may have failed
                 pass
         try:
             index = cached_sample_index(self.cache.index_path(info.name), path, info.checksum)  # file reads
             if len(index) != info.samples:
-                # Fewer: an IndexError deep in a read; more: samples dropped without a word.
+                # Fewer is an IndexError deep in a read. More is samples dropped without a word.
                 raise CorruptShard(
                     f"shard {info.name!r} of {self.store_url} holds {len(index)} samples; its manifest says "
                     f"{info.samples} (a manifest of other shards: convert or index the data again)"
@@ -275,7 +275,7 @@ class SamplePath:
         spec: ShardSpec,
     ) -> CorruptShard | None:
         """Read the samples at `positions` from the cache entry `spec` of `shard` into `samples`.
-        Returns the tar reader's error if the cached file is malformed; the cache's own propagate."""
+        Return the tar reader's error if the cached file is malformed. The cache's own propagate."""
         with contextlib.ExitStack() as held:
             with _timed(clock, "fetch"):
                 path = held.enter_context(self.cache.hold(*spec))
@@ -292,10 +292,10 @@ class SamplePath:
 
     def _read_direct(self, shards: np.ndarray, offsets: np.ndarray, samples: list, allowed: tuple) -> set[int]:
         """Read the samples whose shard is in `allowed` and not cached yet straight from the store
-        into `samples`, each checked by its digest (`DirectReads.read`). `shards` and `offsets`
-        give each sample's shard and its index there. Returns the shards so read. The others
-        are read from the cache as usual: cached or boundary shards, those without a checked
-        index with digests, and those with a sample that does not match."""
+        into `samples`. `DirectReads.read` checks each by its digest. `shards` and `offsets`
+        give each sample's shard and its index there. Return the shards so read. The others
+        are read from the cache as usual. They are cached or boundary shards, those without a
+        checked index with digests, and those with a sample that does not match."""
         wanted, where = [], {}
         for shard in np.unique(shards).tolist():
             name = self.manifest.shards[shard].name
@@ -322,8 +322,8 @@ class SamplePath:
         return {where[name][0] for name in read}
 
     def may_read_directly(self, shard: int) -> bool:
-        """Whether `_read_direct` may read samples of `shard` now: a whole shard of this node,
-        not cached yet, with a sample index the manifest checks."""
+        """Whether `_read_direct` may read samples of `shard` now. It must be a whole shard of
+        this node, not cached yet, with a sample index the manifest checks."""
         info = self.manifest.shards[shard]
         if shard in self.partial or info.index is None or info.index_checksum is None:
             return False
@@ -353,17 +353,17 @@ class SamplePath:
         return index
 
     def _recheck(self, shard: int, spec: ShardSpec | None = None) -> bool:
-        """After a read of `shard` failed: check its cached copy `spec`, the whole shard by
-        default, against the manifest's checksum or its samples' digests. A damaged copy is
-        replaced by a fresh download. Once per shard and process, outside any hold, since our
-        own hold would keep the cache from replacing the file. False when done already, or
-        impossible. The check costs a hash of the shard, so it runs only after a failure."""
+        """After a read of `shard` failed, check its cached copy `spec`, by default the whole
+        shard. It is checked against the manifest's checksum or its samples' digests. A damaged
+        copy is replaced by a fresh download. This runs once per shard and process, outside any
+        hold: our own hold would keep the cache from replacing the file. False when done
+        already, or impossible. The check costs a hash of the shard, so it runs only after a failure."""
         spec = spec or ShardSpec(*self.shard_ref(shard))
         with self._lock:
             if (spec.checksum is None and spec.samples is None) or spec.name in self._rechecked:
                 return False
             self._rechecked.add(spec.name)
-            self._indexes.pop(spec.name, None)  # built from the damaged file, maybe
+            self._indexes.pop(spec.name, None)  # maybe built from the damaged file
         if spec.samples is None:
             forget_sample_index(self.cache.index_path(spec.name))  # the node's copy may be the damaged part
         self.cache.fetch(*spec, recheck=True)
@@ -383,7 +383,7 @@ class SamplePath:
         self, sample: dict, epoch: int, sample_id: int, clock: StageClock | None = None
     ) -> tuple[CropSource, int]:
         """The sample's pixels with its crop drawn by its own random generator, decoded at the
-        smallest scale the crop allows, and its label; `CorruptSample` when either is bad."""
+        smallest scale the crop allows, and its label. Raise `CorruptSample` when either is bad."""
         data, label = self.image_bytes(sample), self.label(sample)
         if self.cfg.transform.preset == "none":
             check_kept_size(data, self.cfg.transform.image_size)
@@ -400,8 +400,8 @@ class SamplePath:
         return source, label
 
     def augment(self, source: CropSource, clock: StageClock | None = None, out: np.ndarray | None = None) -> np.ndarray:
-        """The crop, resize and flip drawn by `decode`: uint8 HWC at the preset's size, written
-        into `out` when given, a row of the batch buffer."""
+        """The crop, resize and flip drawn by `decode`, as uint8 HWC at the preset's size. It is
+        written into `out` when given, a row of the batch buffer."""
         with _timed(clock, "augment"):
             return resize_crop(source, self.cfg.transform, out)
 
@@ -442,9 +442,9 @@ class SamplePath:
     ) -> dict:
         """The batch of `request`: uint8 NHWC images, labels and padding marks.
         `batch["corrupt"]` counts the samples skipped as corrupt. With `decode_on="device"` it
-        holds the encoded JPEGs and their crop rows instead of images (`join_encoded`).
+        holds the encoded JPEGs and their crop rows instead of images, from `join_encoded`.
 
-        `out`, a uint8 tensor of shape (batch_size, size, size, 3), receives the images, and
+        `out` is a uint8 tensor of shape `batch_size, size, size, 3` that receives the images.
         "images" is a view of its first rows. The loader passes a slot of a shared-memory
         buffer, so a worker's batch reaches the training process uncopied."""
         samples = self.read(request.ids, clock, direct=request.direct)
@@ -484,7 +484,7 @@ class SamplePath:
         return batch
 
     def batch_dict(self, index: int, images: torch.Tensor, labels: list, keys: list, padding: list) -> dict:
-        """The batch as the loader hands it on: images (uint8 NHWC), labels, padding marks, keys."""
+        """The batch as the loader hands it on: uint8 NHWC images, labels, padding marks, keys."""
         batch: dict[str, Any] = {
             "images": images,
             "labels": torch.tensor(labels, dtype=torch.int64),

@@ -1,4 +1,4 @@
-"""What a cache is configured with (`CacheConfig`)."""
+"""What a cache is configured with: `CacheConfig`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from dlstore.config import parse_size
 from dlstore.errors import ConfigError
 
-#: The stats file is rewritten in place at this fixed size and counted against the limit, so
+#: The stats file is rewritten in place at this fixed size. It counts against the limit, so
 #: the whole directory stays within `limit_bytes`, not only the shards.
 STATS_FILE_BYTES = 1024
 
@@ -27,18 +27,18 @@ class CacheConfig:
     * `preallocate` reserves a download's blocks up front, so a full disk shows at once.
     * `wait_timeout_s` bounds every wait: for another process's download, and for room.
 
-    Downloads (`dlstore.cache.engine`) are ranged GETs, up to `parts_in_flight` of a shard at
-    once. A small shard is cut into `parts_in_flight` parts of 1 MiB at least. A larger one is
-    cut into parts of at least `part_size`, more when the round trip calls for it. The
+    Downloads, in `dlstore.cache.engine`, are ranged GETs, up to `parts_in_flight` of a shard
+    at once. A small shard is cut into `parts_in_flight` parts of 1 MiB at least. A larger one
+    is cut into parts of at least `part_size`, more when the round trip calls for it. The
     prefetch keeps up to `shards_in_flight` shards in flight. It opens as few connections as
-    bring its window in at twice the rate the readers reach it (`dlstore.cache.pace`). A shard
-    a reader waits for gets `parts_in_flight`, twice that before the link is measured. One
-    process opens at most `connections` at once.
+    bring its window in at twice the rate the readers reach it: see `dlstore.cache.pace`. A
+    shard a reader waits for gets `parts_in_flight`, twice that before the link is measured.
+    One process opens at most `connections` at once.
 
-    `node_connections` caps the connections of all the processes sharing the directory
-    (`dlstore.cache.slots`; 0: no cap). The default, 64, is 8 ranks' own shards at full width.
-    Each connection costs the store a socket, and more mostly share the same link. A waiting
-    reader gets the next free slot before any prefetch. The processes of a node should agree on it.
+    `node_connections` caps the connections of all the processes sharing the directory; 0 means
+    no cap. The default, 64, is 8 ranks' own shards at full width. Each connection costs the
+    store a socket, and more connections mostly share the same link. A waiting reader gets the
+    next free slot before any prefetch. The processes of a node should agree on this value.
     """
 
     cache_dir: str

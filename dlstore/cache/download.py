@@ -1,6 +1,6 @@
 """One download: fetch an entry into its reserved temp file through the process's
-`DownloadEngine`, and check it as its written prefix grows, before the cache publishes it.
-A whole shard is checked by its size and checksum; a run of samples by each sample's digest."""
+`DownloadEngine`. Check it as its written prefix grows, before the cache publishes it.
+A whole shard is checked by its size and checksum, a run of samples by each sample's digest."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ _HASH_BLOCK = 4 * 2**20
 
 
 def split_checksum(checksum: str) -> tuple[str, str]:
-    """(algorithm, hex digest) of "algo:hexdigest", for any algorithm hashlib knows."""
+    """The algorithm and hex digest of "algo:hexdigest", for any algorithm hashlib knows."""
     algo, sep, digest = checksum.partition(":")
     if not sep or not digest:
         raise ConfigError(f"checksum {checksum!r} is not 'algo:hexdigest' (e.g. 'sha256:9f86d0...')")
@@ -50,8 +50,8 @@ def file_digest(path: str, algo: str) -> str:
 
 class _PrefixHash:
     """Hash a file's bytes as its written prefix grows, read back with `pread` from the page
-    cache. It runs in the thread that waits, so the parts' threads only write; after the
-    last byte only the parts that ended last remain to hash."""
+    cache. It runs in the thread that waits, so the parts' threads only write. After the
+    last byte, only the parts that ended last remain to hash."""
 
     def __init__(self, fd: int, algo: str) -> None:
         self.fd = fd
@@ -115,13 +115,13 @@ def fetch_checked(
     object_offset: int | None = None,
     reader_waits: Callable[[], bool] | None = None,
 ) -> DownloadReport:
-    """Fetch `size` bytes of object `name` into `fd` through `engine`, from `object_offset`
-    (default: the whole object). `new_check()` makes each attempt's check; None checks nothing.
-    Bytes that fail are fetched once more, since they may have been damaged on the way. A
-    second failure raises `CorruptShard`. The one fetch loop of whole shards and sample runs.
+    """Fetch `size` bytes of object `name` into `fd` through `engine`, from `object_offset`.
+    Without an offset, fetch the whole object. `new_check()` makes each attempt's check; None
+    checks nothing. Bytes that fail are fetched once more, since they may have been damaged on
+    the way. A second failure raises `CorruptShard`. Whole shards and sample runs share this loop.
 
-    `reader_waits`, a prefetch's: whether a reader of another process waits for these bytes.
-    When it says so, the download is hurried (`DownloadEngine.hurry`); that reader cannot."""
+    A prefetch passes `reader_waits`: whether a reader of another process waits for these bytes.
+    When it says so, `DownloadEngine.hurry` hurries the download, which that reader cannot do."""
     started = time.monotonic()
     hurried = False
 
@@ -182,7 +182,7 @@ def write_verified(
     """Fetch entry `spec` into `fd`, exactly `size` bytes, checked as the bytes arrive. A shard
     is checked by its size and, when `config.verify`, its checksum. A run of samples is checked
     by each sample's digest whatever `config.verify` says: it has no other check. A bad copy is
-    fetched once more; a second failure, or a size unlike the manifest's, raises `CorruptShard`."""
+    fetched once more. A second failure, or a size unlike the manifest's, raises `CorruptShard`."""
     samples, offset = spec.samples, None
     what = f"shard {spec.name if samples is None else samples.shard!r} in {store.url}"
     new_check: Callable[[], EntryCheck | None] = _no_check
@@ -207,8 +207,8 @@ def write_verified(
 
 
 class _SampleCheck:
-    """A run's check for `fetch_checked`: each sample against its digest once the written
-    prefix passes its end, read back with `pread` from the page cache."""
+    """A run's check for `fetch_checked`. Each sample is checked against its digest once the
+    written prefix passes its end, read back with `pread` from the page cache."""
 
     def __init__(self, fd: int, samples: SampleRange, what: str) -> None:
         self.fd, self.samples, self.what = fd, samples, what

@@ -1,50 +1,50 @@
-"""The download engine of one process: worker threads that fetch shards as ranged GETs,
-several parts of a shard and several shards at once, each part written into the shard's temp
-file at its own offset.
+"""The download engine of one process: worker threads that fetch shards as ranged GETs.
+It runs several parts of a shard and several shards at once. Each part is written into the
+shard's temp file at its own offset.
 
     engine = DownloadEngine(connections=16)
     job = engine.start(store, "train/shard-000003.tar", fd, size, priority=0, parts_in_flight=8, part_size=16 * 2**20)
     # or bytes [offset, offset + size) of the object, written at 0: engine.start(..., object_offset=offset)
-    job.wait(on_prefix=hash_bytes)     # (start, end) of each new stretch of the written prefix; raises a part's error
+    job.wait(on_prefix=hash_bytes)     # start, end of each new stretch of the written prefix; raises a part's error
 
 How it works, and why:
 
 * **Parts are cut when a worker takes one**, in offset order. The written prefix then grows
-  steadily behind the parts in flight, so the caller hashes it as it grows, and a part's size
+  steadily behind the parts in flight, so the caller hashes it as it grows. A part's size
   can use what the parts before it measured.
 * **Part size**: a shard that parts of `part_size` would spread over fewer than
   `parts_in_flight` connections is cut into `parts_in_flight` equal parts of 1 MiB at least.
   It then arrives as fast as its connections allow, and a reader waits for the whole shard.
-  A larger shard's parts are at least `part_size`. They are also large enough that the wait
-  for a part's first byte costs at most 1/32 of its transfer (`pace.LinkEstimate`), and no larger
+  A larger shard's parts are at least `part_size`. `pace.LinkEstimate` also makes them large
+  enough that the wait for a first byte costs at most 1/32 of the transfer. They are no larger
   than the shard's share of its connections. With `parts_in_flight=1` a shard is one GET.
-* **Scheduling**: downloads go by (priority, arrival). An idle worker takes the next part of
-  the first download with bytes left and fewer parts running than its width (`_width`). A
-  reader's shard (priority 0) runs `parts_in_flight` wide, twice that before a rate is
-  measured. A prefetch runs at most `background_parts` wide, which its pace sets
-  (`pace.PrefetchPace`). `hurry` makes a prefetch a reader's download. Parts are cut for
-  `parts_in_flight` either way, so a narrowed download can widen again.
-* **Retries** are per part: a part is one `Store.get(name, start, end)`, which resumes from
-  the next byte after a cut (`storage.retry.ProgressRetry`).
-* **The last part asks for one byte more** than the manifest's size, so an object longer than
-  its manifest shows (`CorruptShard`) without a stat; a short part shows a shorter one.
-  Nothing is written past `size`: the reservation holds. A download of a byte range
-  (`object_offset`, for runs of samples) asks for exactly its bytes.
-* **Errors**: the first part that fails for good fails the download. No new part starts,
-  running parts stop at their next chunk, and `Download.wait` raises the error, naming the
-  shard and the part's bytes, only once no part can write to the file, so the caller may
+* **Scheduling**: downloads go by priority, then arrival. An idle worker takes the next part
+  of the first download with bytes left and fewer parts running than its `_width`. A reader's
+  shard, at priority 0, runs `parts_in_flight` wide, twice that before a rate is measured. A
+  prefetch runs at most `background_parts` wide, which `pace.PrefetchPace` sets. `hurry`
+  makes a prefetch a reader's download. Parts are cut for `parts_in_flight` either way, so a
+  narrowed download can widen again.
+* **Retries** are per part. A part is one `Store.get(name, start, end)`, which resumes from
+  the next byte after a cut: see `storage.retry.ProgressRetry`.
+* **The last part asks for one byte more** than the manifest's size. So an object longer than
+  its manifest raises `CorruptShard` without a stat, and a short part shows a shorter one.
+  Nothing is written past `size`: the reservation holds. A download of a byte range, with
+  `object_offset` for runs of samples, asks for exactly its bytes.
+* **Errors**: the first part that fails for good fails the download. No new part starts, and
+  running parts stop at their next chunk. `Download.wait` raises the error, naming the shard
+  and the part's bytes. It raises only once no part can write to the file, so the caller may
   close and unlink it.
-* **Rates** for the prefetch's pace: the bytes per second one connection moves, its wait for
-  the first byte included (`connection_rate`), and a whole shard's (`shard_rate`), both smoothed.
-* **Workers** are made on demand, at most `connections`, and end after `idle_s` without work,
-  so a backend's per-thread connection stays open across parts.
-* **Node slots** (`slots.NodeSlots`): a part starts only once it holds one of the node's
+* **Rates** for the prefetch's pace, both smoothed: `connection_rate` is the bytes per second
+  one connection moves, its wait for the first byte included. `shard_rate` is a whole shard's.
+* **Workers** are made on demand, at most `connections`, and end after `idle_s` without work.
+  So a backend's per-thread connection stays open across parts.
+* **Node slots**, from `slots.NodeSlots`: a part starts only once it holds one of the node's
   connection slots, given back when its GET ends. A worker takes the slot with the part, under
-  the engine's lock, so a part is cut only once it can run, and downloads keep their order.
+  the engine's lock. So a part is cut only once it can run, and downloads keep their order.
   While the first download with work waits for a slot, one worker polls the node's slots
-  every `_SLOT_POLL_S`; the others wait. A reader's download waiting for a slot makes every
-  prefetch on the node yield to it. GETs made outside the engine hold a slot the same way
-  (`node_slot`).
+  every `_SLOT_POLL_S`, and the others wait. A reader's download waiting for a slot makes
+  every prefetch on the node yield to it. `node_slot` holds a slot the same way for GETs
+  made outside the engine.
 
 No state survives a fork: the engine lives in the cache's per-process runtime.
 """
@@ -90,7 +90,7 @@ class _Part:
     start: int
     end: int  # exclusive; the manifest's size bounds it
     written: int  # bytes [start, written) are in the file
-    slot: int | None = None  # the node slot its GET holds (`NodeSlots`), if the node has a cap
+    slot: int | None = None  # the node slot its GET holds, if the node has a cap
 
 
 def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
@@ -102,7 +102,7 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
 
 class Download:
     """One shard in flight: its parts, who runs them, and the first error. Made by
-    `DownloadEngine.start`; the caller then calls `wait` exactly once."""
+    `DownloadEngine.start`. The caller then calls `wait` exactly once."""
 
     def __init__(
         self,
@@ -136,7 +136,7 @@ class Download:
         self.error: BaseException | None = None
         self.cancelled = False
         self.started = self.last_write = time.monotonic()
-        self.first_part_at: float | None = None  # when its first GET began (queueing excluded)
+        self.first_part_at: float | None = None  # when its first GET began, queueing excluded
         self._lock = lock  # the engine's: parts are claimed and counted under it
         self._on_done = on_done
         self._progress = threading.Condition(lock)
@@ -178,8 +178,8 @@ class Download:
     def wait(
         self, on_prefix: Callable[[int, int], None] | None = None, on_poll: Callable[[], None] | None = None
     ) -> None:
-        """Block until every part has ended. Calls `on_prefix(start, end)` in this thread for
-        each new stretch of the written prefix, and `on_poll()` about every `_POLL_S`. Raises
+        """Block until every part has ended. In this thread, call `on_prefix(start, end)` for
+        each new stretch of the written prefix, and `on_poll()` about every `_POLL_S`. Raise
         the first part's error, or a callback's, once no part writes to the file any more."""
         done = 0
         polled = time.monotonic()
@@ -217,7 +217,7 @@ class Download:
             self.cancelled = True
 
     def _drain(self) -> None:
-        """Wait until no part runs (a running part stops at its next chunk once failed or cancelled)."""
+        """Wait until no part runs. A running part stops at its next chunk once failed or cancelled."""
         with self._lock:
             while self.running:
                 self._progress.wait(timeout=1.0)
@@ -229,8 +229,8 @@ class Download:
 
 
 class DownloadEngine:
-    """Worker threads fetching the parts of the downloads started on it; see the module
-    docstring. Thread-safe; one per process, since it does not survive a fork."""
+    """Worker threads fetching the parts of the downloads started on it. See the module
+    docstring. Thread-safe, and one per process, since it does not survive a fork."""
 
     def __init__(self, connections: int, idle_s: float = 30.0, slots: NodeSlots | None = None) -> None:
         self.connections = connections
@@ -246,14 +246,14 @@ class DownloadEngine:
         self._workers = 0
         self._idle = 0
         self._closing = False
-        self.most_running = 0  # the most parts running at once (connections), for the cache's stats
-        self._waiting_failed = False  # the node slots' waiting file could not be used (logged once)
+        self.most_running = 0  # the most parts, or connections, running at once, for the cache's stats
+        self._waiting_failed = False  # the node slots' waiting file could not be used; logged once
         self.shard_rate: float | None = None  # bytes/s a whole shard's download has been getting, smoothed
-        #: The most parts a prefetch (priority above 0) runs at once; None: its `parts_in_flight`.
-        #: Set by the prefetch's pace; a reader's download (priority 0) is never narrowed.
+        #: The most parts a prefetch, above priority 0, runs at once. None: its `parts_in_flight`.
+        #: Set by the prefetch's pace. A reader's download, at priority 0, is never narrowed.
         self.background_parts: int | None = None
-        self._hurried: OrderedDict[tuple[str, int | None], None] = OrderedDict()  # (name, offset), `hurry`
-        self._outside_slots = 0  # node slots held by GETs outside the engine (`node_slot`)
+        self._hurried: OrderedDict[tuple[str, int | None], None] = OrderedDict()  # name and offset, for `hurry`
+        self._outside_slots = 0  # node slots held by GETs outside the engine, in `node_slot`
         self._slot_freed = threading.Condition(self._lock)  # for `node_slot`'s waiters only
         self._slots_looked = 0.0  # when `node_slot`'s waiters last had the node's slots scanned
 
@@ -274,8 +274,8 @@ class DownloadEngine:
         part_size: int,
         object_offset: int | None = None,
     ) -> Download:
-        """Begin fetching object `name` of `store`, `size` bytes, into `fd`; with `object_offset`,
-        its bytes from there. Lower `priority` goes first. Call `wait` on the result."""
+        """Begin fetching object `name` of `store`, `size` bytes, into `fd`. With `object_offset`,
+        fetch its bytes from there. Lower `priority` goes first. Call `wait` on the result."""
         download = Download(
             self._lock,
             self._forget,
@@ -291,7 +291,7 @@ class DownloadEngine:
         with self._lock:
             self._closing = False
             if priority > 0 and (name, object_offset) in self._hurried:
-                priority = 0  # a reader reached it before its download began (`hurry`)
+                priority = 0  # a reader reached it before its download began
             download.order = (priority, next(self._arrivals))
             self._downloads.append(download)
             self._downloads.sort(key=lambda d: d.order)
@@ -312,14 +312,14 @@ class DownloadEngine:
                     self._work.notify_all()
 
     def forget_hurry(self, name: str, object_offset: int | None = None) -> None:
-        """The prefetch that `hurry` named is over: later downloads of it begin as the pace says."""
+        """The prefetch that `hurry` named is over. Later downloads of it begin as the pace says."""
         with self._lock:
             self._hurried.pop((name, object_offset), None)
 
     def hurry(self, name: str, object_offset: int | None = None) -> None:
-        """A reader now waits for the prefetch of object `name` from `object_offset`: make it a
+        """A reader now waits for the prefetch of object `name` from `object_offset`. Make it a
         reader's download, first and at full width. A download of it not begun yet, or a
-        second attempt after a failed checksum, begins as one: the last few are remembered."""
+        second attempt after a failed checksum, begins as one. The last few are remembered."""
         with self._lock:
             self._hurried[name, object_offset] = None
             while len(self._hurried) > _HURRIED_KEPT:
@@ -337,10 +337,10 @@ class DownloadEngine:
     @contextlib.contextmanager
     def node_slot(self, timeout_s: float) -> Iterator[None]:
         """Hold one of the node's connection slots around a GET made outside the engine, as a
-        reader's part would: a direct read of samples (`dlstore.read.direct`) counts against
-        `CacheConfig.node_connections` too. Waits at most `timeout_s` for a free slot, then
-        raises `TransientError`; no wait without a node cap. The waiters have the node's
-        slots scanned at most every `_SLOT_POLL_S` between them."""
+        reader's part would. So a direct read of samples counts against
+        `CacheConfig.node_connections` too. Wait at most `timeout_s` for a free slot, then
+        raise `TransientError`. Without a node cap, there is no wait. The waiters have the
+        node's slots scanned at most every `_SLOT_POLL_S` between them."""
         if self.slots is None:
             yield
             return
@@ -371,11 +371,11 @@ class DownloadEngine:
             raise TransientError(f"cannot take a node connection slot: {exc}") from exc
 
     def close(self) -> None:
-        """Let idle workers end now. Running parts finish; a later `start` makes new workers."""
+        """Let idle workers end now. Running parts finish. A later `start` makes new workers."""
         with self._lock:
             self._closing = True
             if self.slots is not None and not self._outside_slots and not any(d.running for d in self._downloads):
-                self.slots.close()  # its files (reopened if the engine starts again)
+                self.slots.close()  # its files, reopened if the engine starts again
             self._work.notify_all()
 
     # -- under the lock --------------------------------------------------------------------------------
@@ -397,7 +397,7 @@ class DownloadEngine:
 
     def _take(self) -> tuple[Download, _Part] | None:
         """The next part to run, holding its node slot. None when there is none, or when the
-        first download with work gets no slot (`_slot_wanted`): the later ones would not either."""
+        first download with work gets no slot. The later ones would not get one either."""
         self._slot_wanted = False
         for download in self._downloads:
             if download._has_work() and download.running < self._width(download):
@@ -420,10 +420,10 @@ class DownloadEngine:
         return download, part
 
     def _width(self, download: Download) -> int:
-        """Parts of `download` that may run at once. A prefetch's: as its pace allows. One that
-        readers wait for: its `parts_in_flight`, twice that before a rate is measured, so the
-        shards in use have all their parts in flight at a cold start. Later, the connections'
-        CPU would cost the readers more than the width gains them."""
+        """Parts of `download` that may run at once. A prefetch runs as wide as its pace allows.
+        One that readers wait for runs `parts_in_flight` wide, twice that before a rate is
+        measured. So the shards in use have all their parts in flight at a cold start. Later,
+        the connections' CPU would cost the readers more than the width gains them."""
         if download.order[0] == 0:
             cold = self.link.rate is None
             return download.parts_in_flight * (_COLD_START_WIDTH if cold else 1)
@@ -475,15 +475,15 @@ class DownloadEngine:
                 with self._lock:
                     if part.slot is not None and self.slots is not None:
                         self.slots.give_back(part.slot)
-                        self._slot_freed.notify()  # a direct read waiting for one (`node_slot`)
+                        self._slot_freed.notify()  # a direct read waiting for one in `node_slot`
                     download.running -= 1
                     download._progress.notify_all()
                     self._work.notify_all()
 
     def _next_job(self) -> tuple[Download, _Part] | None:
-        """Under the lock: wait for a part to run and its node slot. None when this worker ends,
-        idle for `idle_s` or the engine closing. A worker never ends while a part waits for a
-        slot: no other event would start it."""
+        """Under the lock: wait for a part to run and its node slot. Return None when this worker
+        ends, idle for `idle_s` or the engine closing. A worker never ends while a part waits
+        for a slot: no other event would start it."""
         idle_until = time.monotonic() + self.idle_s
         while (job := self._take()) is None:
             if self._slot_wanted:
@@ -552,7 +552,7 @@ class DownloadEngine:
 def _naming_the_part(exc: BaseException, download: Download, part: _Part) -> BaseException:
     """A store error re-raised, same type, with the shard and the part's bytes in its message."""
     if not isinstance(exc, DlstoreError) or isinstance(exc, CorruptShard):
-        return exc  # CorruptShard names the shard already; OSError (a full disk) is the cache's to map
+        return exc  # CorruptShard names the shard already; the cache maps an OSError, such as a full disk
     try:
         named = type(exc)(f"shard {download.name!r}, part {part.index} (bytes {part.start}-{part.end - 1}): {exc}")
     except TypeError:

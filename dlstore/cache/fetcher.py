@@ -1,5 +1,5 @@
-"""Fetching: an entry's lock taken shared with a good copy under it, downloading or replacing
-the copy first when needed. `Fetcher.acquire` is a state machine over the shard's lock (`Step`)."""
+"""Fetching: take an entry's lock shared, with a good copy under it. Download or replace the
+copy first when needed. `Fetcher.acquire` is a state machine over the shard's lock: see `Step`."""
 
 from __future__ import annotations
 
@@ -24,15 +24,15 @@ from dlstore.storage.base import Store
 
 log = logging.getLogger(__name__)
 
-# Sleeps (first, longest) while another process holds a shard's lock; a release in this
-# process ends them early (`Runtime.sleep_unless_released`).
+# Sleeps, first and longest, while another process holds a shard's lock. A release in this
+# process ends them early: see `Runtime.sleep_unless_released`.
 _LOCK_POLL_S = (0.001, 0.05)
 
 
 class Step(enum.Enum):
     """Where `Fetcher.acquire` stands with an entry's lock. LOOK goes to HELD, TAKE, WAIT or
-    DROPPED; BAD_COPY to LOOK or TAKE; TAKE to LOOK, WAIT or NO_ROOM; WAIT to LOOK or BAD_COPY,
-    or raises `TransientError` at the deadline."""
+    DROPPED. BAD_COPY goes to LOOK or TAKE. TAKE goes to LOOK, WAIT or NO_ROOM. WAIT goes to
+    LOOK or BAD_COPY, or raises `TransientError` at the deadline."""
 
     LOOK = "take the lock shared and look at the copy"
     BAD_COPY = "a recheck found the copy bad: wait to replace it, unless another process does"
@@ -47,8 +47,8 @@ _DONE = (Step.HELD, Step.NO_ROOM, Step.DROPPED)
 
 
 def _file_identity(path: str) -> tuple[int, int] | None:
-    """(inode, mtime in ns) of the file at `path`, None when there is none. A copy replaced by
-    a publish, a rename, has another."""
+    """The inode and mtime in ns of the file at `path`, or None when there is none. A copy
+    replaced by a publish, a rename, has another."""
     try:
         stat = os.stat(path)
     except FileNotFoundError:
@@ -58,8 +58,8 @@ def _file_identity(path: str) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Request:
-    """Who asks for an entry: the shards its evictions spare, whether it is a prefetch, its
-    download's priority in the engine, and the epoch it counts under."""
+    """Who asks for an entry. It holds the shards its evictions spare and whether it is a
+    prefetch. It also holds its download's priority in the engine, and the epoch it counts under."""
 
     protect: frozenset[str] = frozenset()
     prefetching: bool = False
@@ -82,7 +82,7 @@ class _Acquire:
         # A recheck found this copy bad: wait for the exclusive lock to replace it, and do not
         # hash it again under a shared one. Every reader of a damaged shard rechecks it at once,
         # and each one's shared lock would refuse the others' exclusive one, round after round.
-        self.bad_copy: tuple[int, int] | None = None  # (inode, mtime) of the copy found bad
+        self.bad_copy: tuple[int, int] | None = None  # inode and mtime of the copy found bad
         self.fd = -1
 
     def run(self) -> int | None:
@@ -153,7 +153,7 @@ class _Acquire:
 
     def wait(self) -> Step:
         # Another process downloads or evicts it. A reader says it waits, so that a prefetch
-        # of it there is widened (`reader_waits`).
+        # of it there is widened: see `reader_waits`.
         if self.wanted is None and not self.request.prefetching:
             self.wanted = self.fetcher.directory.mark_wanted(self.stem)
         if time.monotonic() > self.deadline:
@@ -201,10 +201,10 @@ class Fetcher:
         priority: int = 0,
         epoch: int | None = None,
     ) -> int | None:
-        """The entry's lock file descriptor, held shared over a published, valid copy. None only
-        when `prefetching` and there is no room for it now; `PREFETCH_DROPPED` when
-        `prefetching` and the readers no longer need it from it. A download goes by `priority`
-        in the engine, lower first; it and a hit count under `epoch` (default: the shard's)."""
+        """The entry's lock file descriptor, held shared over a published, valid copy. When
+        `prefetching`, return None if there is no room for it now, and `PREFETCH_DROPPED` if
+        the readers no longer need it from the prefetch. A download goes by `priority` in the
+        engine, lower first. It and a hit count under `epoch`, by default the shard's."""
         if spec.checksum is not None:
             split_checksum(spec.checksum)
         self.check_size(spec)
@@ -215,8 +215,8 @@ class Fetcher:
     def fetch_exclusively(
         self, rt: Runtime, spec: ShardSpec, stem: str, path: str, recheck: bool, request: Request
     ) -> bool | None:
-        """Holding the entry's lock exclusively: look again, since another process may have
-        published it, then fetch it unless it is there. Whether it was downloaded; None when
+        """Holding the entry's lock exclusively, look again: another process may have published
+        it. Then fetch it unless it is there. Return whether it was downloaded, or None when
         `prefetching` and there is no room for it now."""
         state = self.cached_state(path, spec, recheck)
         if state == "ok":
@@ -232,7 +232,7 @@ class Fetcher:
             check_fits(self.config, spec.size)
 
     def cached_state(self, path: str, spec: ShardSpec, recheck: bool) -> str:
-        """'ok', 'missing', or 'bad': the wrong size, or the wrong checksum when rechecking."""
+        """'ok', 'missing', or 'bad'. Bad is the wrong size, or the wrong checksum when rechecking."""
         try:
             size = os.stat(path).st_size
         except FileNotFoundError:
@@ -269,7 +269,7 @@ class Fetcher:
             report = write_verified(fd, engine, self.store, spec, size, self.config, priority, waits)
             # Under the cache-wide lock: a scan must not count the bytes in tmp/ and again in shards/.
             with self.directory.locked():
-                # A copy replaced (a damaged one): its kept sample index may come from the damage.
+                # A damaged copy replaced: its kept sample index may come from the damage.
                 unlink_quietly(self.directory.index_path(os.path.basename(path)))
                 os.replace(temp, path)
             temp = None
@@ -281,8 +281,8 @@ class Fetcher:
                 ) from exc
             raise
         finally:
-            # Unlock before unlinking: bytes still allocated to an open, unlinked file would be
-            # counted by no scan; a scan that finds this file unlocked removes it itself.
+            # Unlock before unlinking: no scan counts bytes still allocated to an open, unlinked
+            # file. A scan that finds this file unlocked removes it itself.
             unlock_and_close(fd)
             if temp is not None:
                 unlink_quietly(temp)
@@ -300,8 +300,8 @@ class Fetcher:
         return True
 
     def _sooner_unfetched(self, rt: Runtime, sooner: frozenset[str]) -> list[tuple[str, int]]:
-        """(stem, size) of the prefetch list's shards named in `sooner`, those before a
-        prefetch's own, for `Room.reserve` to count the ones not in the cache yet."""
+        """Stem and size of the prefetch list's shards named in `sooner`, those before a
+        prefetch's own. `Room.reserve` counts the ones not in the cache yet."""
         found: list[tuple[str, int]] = []
         with rt.lock:
             for spec in rt.upcoming[max(rt.position - 1, 0) :]:

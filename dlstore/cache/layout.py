@@ -1,6 +1,6 @@
 """The cache directory on disk: paths and names, the cache-wide and per-shard locks, the temp
 files that record reservations, the scan that counts bytes, and the stats file. It keeps no
-per-process state; the package docstring shows the layout."""
+per-process state. The package docstring shows the layout."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ EPOCHS_KEPT = 16
 
 @dataclass
 class CacheStats:
-    """Counters of one process (`ShardCache.stats`), or summed over all (`cache_report`).
+    """Counters of one process, in `ShardCache.stats`, or summed over all, in `cache_report`.
     A miss is one shard fetched, by a reader or the prefetch. `max_connections` is the most
-    connections one process had open at once; it merges as a maximum, the others as sums."""
+    connections one process had open at once. It merges as a maximum, the others as sums."""
 
     hits: int = 0
     misses: int = 0
@@ -63,8 +63,8 @@ class CacheStats:
 
 @dataclass
 class EpochStats:
-    """The counters of one epoch, summed over the node's processes (`ShardCache.set_epoch`).
-    Stored in stats.json as ``[hits, misses, bytes_fetched]``."""
+    """The counters of one epoch named by `ShardCache.set_epoch`, summed over the node's
+    processes. Stored in stats.json as ``[hits, misses, bytes_fetched]``."""
 
     hits: int = 0
     misses: int = 0
@@ -80,7 +80,7 @@ class EpochStats:
 
     @classmethod
     def from_list(cls, value: object) -> EpochStats | None:
-        """None for anything but a list of three integers (a damaged entry is dropped)."""
+        """None for anything but a list of three integers: a damaged entry is dropped."""
         if not isinstance(value, list) or len(value) != 3 or not all(isinstance(v, int) for v in value):
             return None
         return cls(*value)
@@ -100,7 +100,7 @@ def read_epochs(data: dict) -> dict[int, EpochStats]:
 
 # -- flock helpers ------------------------------------------------------------------------------
 def try_flock(fd: int, mode: int) -> bool:
-    """Take `mode` on `fd` without blocking; whether it was had."""
+    """Take `mode` on `fd` without blocking. Return whether it was had."""
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -109,8 +109,8 @@ def try_flock(fd: int, mode: int) -> bool:
 
 
 def unlock_and_close(fd: int) -> None:
-    """Unlock, then close. Unlock first: a forked child may share this open file description,
-    and closing our descriptor alone would leave the lock held through the child's."""
+    """Unlock, then close. Unlock first: a forked child may share this open file description.
+    Closing our descriptor alone would leave the lock held through the child's."""
     try:
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
@@ -150,22 +150,22 @@ class Usage:
         return sum(size for _, _, size in self.shards) + self.in_flight_bytes + STATS_FILE_BYTES
 
     def unreserved(self, wanted: list[tuple[str, int]]) -> int:
-        """Bytes of the `wanted` (stem, size) shards that are neither cached nor downloading:
-        what they will still take from the limit."""
+        """Bytes of the `wanted` shards, as stem and size, that are neither cached nor
+        downloading. That is what they will still take from the limit."""
         there = self.in_flight_stems | {stem for _, stem, _ in self.shards}
         return sum(size for stem, size in wanted if stem not in there)
 
 
 class CacheDir:
-    """The files of one cache directory and the operations on them; no per-process state."""
+    """The files of one cache directory and the operations on them. No per-process state."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self.shards = os.path.join(root, "shards")
         self.tmp = os.path.join(root, "tmp")
         self.locks = os.path.join(root, "locks")
-        self.indexes = os.path.join(root, "indexes")  # kept sample indexes (`dlstore.read.indexes`)
-        self.marks = os.path.join(root, "marks")  # samples known to decode cleanly (`dlstore.read.marks`)
+        self.indexes = os.path.join(root, "indexes")  # kept sample indexes: `dlstore.read.indexes`
+        self.marks = os.path.join(root, "marks")  # samples known to decode cleanly: `dlstore.read.marks`
         self.lock_path = os.path.join(root, "cache.lock")
         self.stats_path = os.path.join(root, "stats.json")
 
@@ -181,11 +181,11 @@ class CacheDir:
         return os.path.join(self.shards, stem)
 
     def marks_path(self, name: str) -> str:
-        """Where the node's decode marks `name` are kept (`dlstore.read.NodeMarks`)."""
+        """Where the node's decode marks `name` are kept, for `dlstore.read.NodeMarks`."""
         return os.path.join(self.marks, name + ".bin")
 
     def index_path(self, stem: str) -> str:
-        """Where the sample index of cached shard `stem` is kept (`dlstore.read.indexes`)."""
+        """Where the sample index of cached shard `stem` is kept, for `dlstore.read.indexes`."""
         return os.path.join(self.indexes, stem + ".idx")
 
     @contextlib.contextmanager
@@ -207,9 +207,9 @@ class CacheDir:
         return os.open(os.path.join(self.locks, stem + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
 
     # A reader waiting for another process's download holds the shard's `.wanted` file shared.
-    # The process prefetching it probes the file (`reader_waits`) and hurries the download.
+    # The process prefetching it probes the file in `reader_waits` and hurries the download.
     def mark_wanted(self, stem: str) -> int | None:
-        """Hold `stem`'s wanted lock shared (`unlock_and_close` it); None if it cannot be now."""
+        """Hold `stem`'s wanted lock shared, or None if it cannot be now. `unlock_and_close` it."""
         try:
             fd = os.open(os.path.join(self.locks, stem + ".wanted"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except OSError:
@@ -223,11 +223,11 @@ class CacheDir:
         return None
 
     def reader_waits(self, stem: str) -> bool:
-        """Whether a reader (of any process) waits for shard `stem` now (`mark_wanted`)."""
+        """Whether a reader of any process waits for shard `stem` now, by `mark_wanted`."""
         try:
             fd = os.open(os.path.join(self.locks, stem + ".wanted"), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return False  # never wanted (or unreadable)
+            return False  # never wanted, or unreadable
         try:
             if try_flock(fd, fcntl.LOCK_EX):
                 fcntl.flock(fd, fcntl.LOCK_UN)
@@ -268,9 +268,9 @@ class CacheDir:
         return Usage(shards, in_flight, in_flight_bytes, stale, frozenset(stems))
 
     def remove_stale_index_temps(self, max_age_s: float = 600.0) -> int:
-        """Remove kept sample indexes' temp files whose writer died; how many. A writer takes
-        milliseconds, so a file older than `max_age_s` is stale. By age, not by pid: the
-        processes sharing a cache may not share a pid namespace."""
+        """Remove kept sample indexes' temp files whose writer died, and return how many. A
+        writer is quick, so a file older than `max_age_s` is stale. It goes by age, not by
+        pid: the processes sharing a cache may not share a pid namespace."""
         removed = 0
         try:
             entries = list(os.scandir(self.indexes))
@@ -300,7 +300,7 @@ class CacheDir:
 
     @staticmethod
     def _temp_owner_dead(path: str) -> bool:
-        """Whether no live process holds the temp file's lock (so it is an orphan)."""
+        """Whether no live process holds the temp file's lock, so it is an orphan."""
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -318,7 +318,7 @@ class CacheDir:
         return fd, path
 
     def try_evict(self, stem: str) -> int | None:
-        """Remove one shard unless a reader or downloader holds it: bytes freed, or None if held."""
+        """Remove one shard unless a reader or downloader holds it. Return bytes freed, or None if held."""
         fd = self.open_lock(stem)
         if not try_flock(fd, fcntl.LOCK_EX):
             os.close(fd)
@@ -329,7 +329,7 @@ class CacheDir:
             unlock_and_close(fd)
 
     def remove_shard(self, stem: str) -> int:
-        """Unlink a shard whose lock the caller holds exclusively, and its sample index; bytes freed."""
+        """Unlink a shard whose lock the caller holds exclusively, and its sample index. Return bytes freed."""
         path = self.shard_path(stem)
         unlink_quietly(self.index_path(stem))
         try:
@@ -372,7 +372,7 @@ class CacheDir:
             os.close(fd)
 
     def add_stats(self, delta: CacheStats, epochs: dict[int, EpochStats] | None = None) -> None:
-        """Add one process's counters (and its per-epoch ones) to stats.json."""
+        """Add one process's counters, and its per-epoch ones, to stats.json."""
         data = self.read_stats()
         totals = CacheStats.from_dict(data)
         totals.add(delta)

@@ -1,6 +1,6 @@
-"""Rates and pace: what one connection gets (`LinkEstimate`, kept by the download engine), and
-how much the background prefetch downloads at once (`PrefetchPace`): shards in flight, and
-parts, one connection each, per prefetched shard."""
+"""Rates and pace. `LinkEstimate`, kept by the download engine, is what one connection gets.
+`PrefetchPace` is how much the background prefetch downloads at once: shards in flight, and
+parts per prefetched shard, one connection each."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ _REMEMBERED = 64
 class LinkEstimate:
     """Time to first byte and bytes per second of one connection, smoothed over recent parts.
     `rate` counts while bytes flow, and sizes parts. `connection_rate` counts the whole GET,
-    its wait for the first byte included: what a connection is worth to the prefetch's pace."""
+    its wait for the first byte included. That is what a connection is worth to the pace."""
 
     def __init__(self) -> None:
         self.first_byte_s: float | None = None
@@ -52,29 +52,29 @@ class LinkEstimate:
 
 
 class Concurrency(NamedTuple):
-    """Shards downloading at once, and parts (connections) at once in each."""
+    """Shards downloading at once, and parts at once in each, one connection a part."""
 
     shards: int
     parts: int
 
 
 class PrefetchPace:
-    """How much the prefetch downloads at once: enough connections to bring its window in at
-    `HEADROOM` times the rate the readers reach its shards over their last few steps, and no more.
+    """How much the prefetch downloads at once. It opens enough connections to bring its window
+    in at `HEADROOM` times the rate the readers reach its shards, and no more.
 
-    Given the rate one connection gets (`DownloadEngine.connection_rate`), the prefetch needs
+    `DownloadEngine.connection_rate` is the rate one connection gets. The prefetch needs
     N = ceil(HEADROOM * consumed / connection_rate) connections. They go on as few shards as
     hold them, within the caps: ceil(N / parts cap) shards, each ceil(N / shards) parts wide.
     Fewer, full-width shards bring the shard needed soonest in first, and hold fewer
     reservations. Until both rates are known, at a cold start, it is the caps. With no
-    connection measured yet, shards are paced by a whole shard's rate (`shards_at_once`).
+    connection measured yet, `shards_at_once` paces shards by a whole shard's rate.
 
-    Why: every connection is a socket of a store that every rank of every node reaches, and a
-    node slot its readers may need. A fast link keeps up with slow readers on a connection
-    or two. It corrects itself: readers that wait reach shards as fast as they come in, so
-    the aim, twice that, widens the prefetch until they stop waiting. It settles: both rates
-    are smoothed, and on a shared link fewer connections each get more. Only the prefetch
-    narrows: a reader's shard, or one it reaches in flight, is fetched at full width.
+    Why: every connection is a socket of a store that every rank of every node reaches. It is
+    also a node slot its readers may need. A fast link keeps up with slow readers on a
+    connection or two. It corrects itself: readers that wait reach shards as fast as they come
+    in, so the aim, twice that, widens the prefetch until they stop waiting. It settles: both
+    rates are smoothed, and on a shared link fewer connections each get more. Only the
+    prefetch narrows. A reader's shard, or one it reaches in flight, comes at full width.
 
     >>> pace = PrefetchPace()
     >>> for second, name in enumerate("abcd"):
@@ -93,7 +93,7 @@ class PrefetchPace:
         self._names: OrderedDict[str, None] = OrderedDict()
 
     def reached(self, name: str, nbytes: int | None, now: float) -> None:
-        """The readers reached shard `name` of the list (`nbytes` long) at time `now`."""
+        """The readers reached shard `name` of the list, `nbytes` long, at time `now`."""
         if name in self._names or nbytes is None:
             return
         self._names[name] = None
@@ -121,7 +121,7 @@ class PrefetchPace:
         self, caps: Concurrency, connection_rate: float | None, shard_rate: float | None = None
     ) -> Concurrency:
         """Shards at once and parts at once in each, within `caps`, given the rate one
-        connection gets; until that is known, the rate one shard's download gets."""
+        connection gets. Until that is known, it goes by the rate one shard's download gets."""
         consumed = self.consumed_rate()
         if consumed is None or not connection_rate:
             return Concurrency(self.shards_at_once(caps.shards, shard_rate), caps.parts)

@@ -1,12 +1,12 @@
 """Plan-aware eviction: which cached shards go first when the cache must make room.
 
-The epoch plan is a pure function, so a reader knows the order in which it will need shards
-for the rest of this epoch and for the whole next one. `ShardCache.hint` records that order
+The epoch plan is a pure function. So a reader knows the order in which it will need shards,
+for the rest of this epoch and the whole next one. `ShardCache.hint` records that order
 where every process of the node sees it. Eviction then follows Belady's rule: evict the shard
 needed furthest in the future. With a cache that holds a fraction f of the node's share, a
-node fetches about (1 - f) of its share per epoch. LRU, against a shuffled sweep it cannot
-see, refetches nearly all of it. It takes room for the window being read, the one coming in
-and the prefetch beside the shards kept; `Dataset.hint_cache` gives no hints to a smaller cache.
+node fetches about 1 - f of its share per epoch. LRU, against a shuffled sweep it cannot see,
+refetches nearly all of it. The rule needs room for the window being read, the one coming in
+and the prefetch, beside the shards kept. `Dataset.hint_cache` gives no hints to a smaller cache.
 
 How the hints are kept, in files, since the processes share nothing else::
 
@@ -14,20 +14,20 @@ How the hints are kept, in files, since the processes share nothing else::
 
 * One file per writer, a `ShardCache` in one process, rewritten in place under the cache-wide
   lock. Eviction reads them under the same lock, so it never sees a half-written file.
-* The writer holds `LOCK_SH` on its file while it lives, taken under the cache-wide lock when
-  the file is made. A file whose lock can be taken belongs to a dead process: the reader
-  removes it. A writer's file goes when its `ShardCache` is collected or the process exits.
-* A shard's next use is its smallest position over all writers' orders. The ranks of a node
-  read the same window of shards at the same time (`dlstore.plan`), so the smallest is the
-  node's next need of it. That holds while every order is fresh: a writer rewrites its order
-  as soon as a shard it names as needed this epoch is done with. A stale order keeps
-  finished shards in front of those in use, and other ranks' evictions take this one's.
-* A hint file holds about 60 bytes per shard of the writer's share, not counted in the limit.
+* The writer holds `LOCK_SH` on its file while it lives. It takes it under the cache-wide lock
+  when the file is made. A file whose lock can be taken belongs to a dead process, and the
+  reader removes it. A writer's file goes when its `ShardCache` is collected or the process exits.
+* A shard's next use is its smallest position over all writers' orders. The plan has the ranks
+  of a node read the same window of shards at the same time. So the smallest is the node's
+  next need of it. That holds while every order is fresh: a writer rewrites its order as soon
+  as it is done with a shard it names for this epoch. A stale order keeps finished shards in
+  front of those in use, and other ranks' evictions take this one's.
+* A hint file is small, a few bytes per shard of the writer's share, and not counted in the limit.
 
-Victim order, given the hints (`victim_order`): first the shards no hint names, least recently
-used first; then the hinted ones, furthest next use first. With no live hints the order is
-plain LRU. A prefetch, which may wait, never evicts a shard needed no later than its own; a
-reader that needs a shard now may evict any shard no one holds.
+Victim order, given the hints, in `victim_order`: first the shards no hint names, least
+recently used first. Then the hinted ones, furthest next use first. With no live hints the
+order is plain LRU. A prefetch, which may wait, never evicts a shard needed no later than its
+own. A reader that needs a shard now may evict any shard no one holds.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def hints_dir(directory: CacheDir) -> str:
 
 
 class HintWriter:
-    """The hint file of one `ShardCache` in one process. Not shared across a fork: the child
+    """The hint file of one `ShardCache` in one process. It is not shared across a fork. The child
     makes its own, and never unlocks the parent's, whose lock its inherited descriptor shares."""
 
     def __init__(self, directory: CacheDir, namespace: str, stem_of: Callable[[str], str]) -> None:
@@ -72,7 +72,7 @@ class HintWriter:
 
     def write(self, names: Iterable[str]) -> None:
         """Record the order of shard `names`, soonest first, replacing this writer's earlier
-        order; an empty order removes the file."""
+        order. An empty order removes the file."""
         stems = self._stems
         order = list(dict.fromkeys(stems.get(n) or stems.setdefault(n, self._stem_of(n)) for n in names))
         if not order:
@@ -89,7 +89,7 @@ class HintWriter:
         self._last = order
 
     def _open(self) -> int:
-        """Create the file and lock it shared, under the cache-wide lock: no reader sees it unlocked."""
+        """Create the file and lock it shared, under the cache-wide lock. No reader sees it unlocked."""
         os.makedirs(os.path.dirname(self._path), exist_ok=True)
         fd = os.open(self._path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a new file: nobody else holds it
@@ -120,7 +120,7 @@ def _remove_hint_file(fd: int, path: str, owner_pid: int) -> None:
 
 def read_next_use(directory: CacheDir) -> dict[str, int]:
     """Under the cache-wide lock: each hinted stem's next use, its smallest position over the
-    live writers' orders. Removes the files of dead writers; skips unreadable ones."""
+    live writers' orders. Removes the files of dead writers and skips unreadable ones."""
     try:
         entries = list(os.scandir(hints_dir(directory)))
     except FileNotFoundError:
@@ -137,7 +137,7 @@ def read_next_use(directory: CacheDir) -> dict[str, int]:
 
 
 def _read_live_order(path: str) -> list[str]:
-    """The order in a writer's file; [] (and the file removed) if its writer is dead."""
+    """The order in a writer's file. If its writer is dead, remove the file and return []."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -162,9 +162,9 @@ def _read_live_order(path: str) -> list[str]:
 def victim_order(
     shards: Sequence[CachedShard], next_use: dict[str, int], incoming: str | None = None
 ) -> list[CachedShard]:
-    """The cached shards in the order eviction should try them (see the module docstring).
+    """The cached shards in the order eviction should try them. See the module docstring.
 
-    `incoming` is the stem a prefetch makes room for: with hints, shards needed no later than
+    `incoming` is the stem a prefetch makes room for. With hints, shards needed no later than
     it are left out, and an unhinted one may only displace unhinted ones. Without hints the
     order is LRU and `incoming` changes nothing.
 

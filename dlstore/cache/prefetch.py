@@ -1,9 +1,8 @@
-"""The background prefetch of one process: `CacheConfig.shards_in_flight` daemon threads,
-each fetching one shard at a time, keep the next shards of the reader's list cached, sooner
-ones first. The reader moves the window on as it reaches each shard. The rates measured pace
-how many download at once, and how wide (`pace.PrefetchPace`). A shard the reader reaches
-while in flight becomes a reader's download (`DownloadEngine.hurry`). The state lives in the
-process's `Runtime`."""
+"""The background prefetch of one process. `CacheConfig.shards_in_flight` daemon threads keep
+the next shards of the reader's list cached, sooner ones first, each fetching one at a time.
+The reader moves the window on as it reaches each shard. `pace.PrefetchPace` sets from the
+measured rates how many download at once, and how wide. A shard the reader reaches while in
+flight becomes a reader's download, by `DownloadEngine.hurry`. The state lives in `Runtime`."""
 
 from __future__ import annotations
 
@@ -22,11 +21,11 @@ log = logging.getLogger(__name__)
 
 _PACE_RECHECK_S = 0.25
 
-#: Fetch a shard for the prefetch: (shard, the shards its eviction must spare, its priority)
-#: -> its lock descriptor held shared, None when there is no room now, or `PREFETCH_DROPPED`.
+#: Fetch a shard for the prefetch, given the shards its eviction must spare and its priority.
+#: Returns its lock descriptor held shared, None when there is no room now, or `PREFETCH_DROPPED`.
 PrefetchFetch = Callable[[ShardSpec, frozenset[str], int], "int | None"]
-#: What a `PrefetchFetch` returns when it let the shard go (`Fetcher.acquire`): the readers had
-#: passed it, or an evictor took it once fetched. Done, not tried again: it is a reader's call.
+#: What a `PrefetchFetch` returns when `Fetcher.acquire` let the shard go. The readers had
+#: passed it, or an evictor took it once fetched. It is done, not tried again: a reader's call.
 PREFETCH_DROPPED = -1
 
 
@@ -36,7 +35,7 @@ def start_prefetch(
     """Replace the list of upcoming shards and start the threads not running yet, `caps.shards`
     of them. The threads keep `depth` shards from the readers' place cached. The list's first
     `lead` shards, those in use, go before any later one. The same list again keeps the
-    readers' place in it; only its depth and lead may change."""
+    readers' place in it. Only its depth and lead may change."""
     with rt.lock:
         same = specs == rt.upcoming and not rt.closing
         if same and (depth, lead) == (rt.depth, rt.lead):
@@ -61,9 +60,9 @@ def start_prefetch(
 
 
 def _count_passed(rt: Runtime, specs: list[ShardSpec]) -> None:
-    """A new list that starts further along the old one: the old list's shards before it were
-    reached, for the pace. With worker processes, this process learns how far the readers are
-    only from the lists its loader gives."""
+    """A new list that starts further along the old one: count the old list's shards before it
+    as reached, for the pace. With worker processes, this process learns how far the readers
+    are only from the lists its loader gives."""
     if not specs or not rt.upcoming:
         return
     names = [spec.name for spec in rt.upcoming]
@@ -77,7 +76,7 @@ def _count_passed(rt: Runtime, specs: list[ShardSpec]) -> None:
 
 
 def stop_prefetch(rt: Runtime, timeout_s: float) -> None:
-    """Stop the threads after their current downloads (waiting up to `timeout_s`)."""
+    """Stop the threads after their current downloads, waiting up to `timeout_s`."""
     with rt.lock:
         rt.closing = True
         rt.upcoming = []
@@ -89,7 +88,7 @@ def stop_prefetch(rt: Runtime, timeout_s: float) -> None:
 
 
 def raise_prefetch_error(rt: Runtime, name: str, moot: Callable[[], bool]) -> None:
-    """Raise the error the prefetch of `name` failed with, once, unless `moot()`: the shard is
+    """Raise the error the prefetch of `name` failed with, once. Not when `moot()`: the shard is
     in the cache after all, and the error would end a run that has recovered."""
     with rt.lock:
         error = rt.errors.pop(name, None)
@@ -99,11 +98,11 @@ def raise_prefetch_error(rt: Runtime, name: str, moot: Callable[[], bool]) -> No
 
 def advance_window(rt: Runtime, name: str, depth: int) -> frozenset[str]:
     """The reader reached `name`: move the prefetch window past it, and hurry its download if
-    the prefetch is still fetching it. Returns the window, which the reader's evictions spare.
+    the prefetch is still fetching it. Return the window, which the reader's evictions spare.
 
     The window never moves past a shard of the lead, the shards in use, that is not in yet.
     A batch reads them all at once and in any order, so reaching one passes none of the
-    others; the reached shard is marked done instead, and its reader fetches it."""
+    others. The reached shard is marked done instead, and its reader fetches it."""
     in_flight = None
     with rt.lock:
         for index in range(rt.position, len(rt.upcoming)):
@@ -131,7 +130,7 @@ def still_ahead(rt: Runtime, name: str) -> bool:
     """Whether shard `name` is in the prefetch window, or is the one the reader has just
     reached. A prefetch of a shard the readers have passed lets it go."""
     with rt.lock:
-        # The lead may reach past the window: it is fetched whole (`_next_prefetch`).
+        # The lead may reach past the window: `_next_prefetch` fetches it whole.
         end = max(_window_end(rt, rt.depth), rt.lead)
         return any(spec.name == name for spec in rt.upcoming[max(rt.position - 1, 0) : end])
 
@@ -142,8 +141,8 @@ def _lead_pending(rt: Runtime, before: int) -> bool:
 
 
 def _window_end(rt: Runtime, depth: int) -> int:
-    """Where the window ends: `depth` shards past the readers' place, or past the lead's end
-    once they have reached it, so the lead takes none of the window's places."""
+    """Where the window ends: `depth` shards past the readers' place. Once they reach the lead,
+    it ends `depth` past the lead's end, so the lead takes none of the window's places."""
     return (max(rt.position, rt.lead) if rt.in_lead else rt.position) + depth
 
 
@@ -156,8 +155,8 @@ def _object_of(spec: ShardSpec) -> tuple[str, int | None]:
 
 def _next_prefetch(rt: Runtime, depth: int, caps: Concurrency) -> tuple[ShardSpec, frozenset[str]] | None:
     """The next shard to prefetch, and the shards its eviction must spare: those sooner in the
-    list, and the one the reader has just reached. A shard another thread fetches is skipped;
-    none while the pace allows no more. Sets the engine's width for prefetches to the pace's."""
+    list, and the one the reader has just reached. A shard another thread fetches is skipped.
+    None while the pace allows no more. Sets the engine's width for prefetches to the pace's."""
     engine = rt.engine
     if engine is None:
         pace = caps
@@ -211,7 +210,7 @@ def _prefetch_loop(rt: Runtime, fetch: PrefetchFetch, caps: Concurrency) -> None
         if fd is not None and fd != PREFETCH_DROPPED:
             unlock_and_close(fd)
             rt.announce_release()
-        if rt.engine is not None:  # a hurry of it held for this fetch only (its retries too)
+        if rt.engine is not None:  # a hurry of it held for this fetch and its retries only
             rt.engine.forget_hurry(*_object_of(spec))
         with rt.lock:
             rt.active.discard(spec.name)  # and marked done in the same breath: no thread fetches it twice

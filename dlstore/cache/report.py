@@ -1,6 +1,6 @@
-"""Whole-directory operations for the CLI: `dlstore cache stats DIR` (`cache_report`) and
-`dlstore cache clear DIR` (`clear_cache`). Both are safe while other processes use the cache:
-they work under its cache-wide lock and skip held shards."""
+"""Whole-directory operations for the CLI: `cache_report` for `dlstore cache stats DIR`, and
+`clear_cache` for `dlstore cache clear DIR`. Both are safe while other processes use the cache.
+They work under its cache-wide lock and skip held shards."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CacheReport:
-    """What `dlstore cache stats DIR` shows. `epochs`: the counters of each of the latest
-    epochs the readers said they were in (`ShardCache.set_epoch`), oldest first."""
+    """What `dlstore cache stats DIR` shows. `epochs` holds the counters of the latest epochs
+    the readers named with `ShardCache.set_epoch`, oldest first."""
 
     cache_dir: str
     files: int
@@ -41,8 +41,8 @@ class ClearResult:
 
 
 def cache_report(cache_dir: str | os.PathLike[str]) -> CacheReport:
-    """Files, bytes, limit and counters summed over every process that used `cache_dir`, in
-    all and per epoch.
+    """Files, bytes, limit and counters of `cache_dir`, summed over every process that used it.
+    The counters come in all and per epoch.
 
     >>> cache_report("/mnt/ssd/dlstore").totals.hits  # doctest: +SKIP
     1234
@@ -68,8 +68,8 @@ def cache_report(cache_dir: str | os.PathLike[str]) -> CacheReport:
 
 
 def clear_cache(cache_dir: str | os.PathLike[str], reset_stats: bool = False) -> ClearResult:
-    """Remove every shard no reader holds, and stale temp files; safe while the cache is in use.
-    Held shards are left and counted in the result.
+    """Remove every shard no reader holds, and stale temp files. It is safe while the cache is
+    in use: held shards are left and counted in the result.
 
     >>> clear_cache("/mnt/ssd/dlstore").removed  # doctest: +SKIP
     40

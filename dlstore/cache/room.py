@@ -1,5 +1,5 @@
-"""Room under the limit: a download's reservation, the evictions that make room for it, and the
-checks that the limit and the disk can hold the shards at all. Evictions go in `policy`'s order."""
+"""Room under the limit: a download's reservation and the evictions that make room for it.
+It also checks that the limit and the disk can hold the shards at all. Evictions go in `policy`'s order."""
 
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ _UNUSABLE_DIR_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, e
 
 
 class CacheFull(NoSpace):
-    """The cache cannot make room within its limit: the other shards are held by readers or
+    """The cache cannot make room within its limit. The other shards are held by readers or
     being downloaded, and none was released within `wait_timeout_s`."""
 
 
 def check_fits(config: CacheConfig, max_shard_size: int, readers: int = 1) -> None:
-    """Raise `ConfigError` unless the largest shard fits under the limit; warn when `readers`
-    processes each holding one such shard would not fit at once."""
+    """Raise `ConfigError` unless the largest shard fits under the limit. Warn when `readers`
+    processes, each holding one such shard, would not fit at once."""
     room = config.limit_bytes - STATS_FILE_BYTES
     if max_shard_size > room:
         raise ConfigError(
@@ -76,9 +76,9 @@ class Room:
         self.stem = stem
 
     def set_up(self, rt: Runtime) -> None:
-        """First use in a process: create the layout, remove dead downloads' temp files, and
-        bring the directory within this process's limit. A full disk says so, naming the
-        cache directory, as it does when a download fills it."""
+        """First use in a process: create the layout and remove dead downloads' temp files.
+        Then bring the directory within this process's limit. A full disk raises `NoSpace`
+        naming the cache directory, as it does when a download fills it."""
         try:
             evicted, stale = self._set_up()
         except OSError as exc:
@@ -101,7 +101,7 @@ class Room:
             rt.count(evictions=evicted)
 
     def _set_up(self) -> tuple[int, int]:
-        """(shards evicted, stale temp files removed)."""
+        """Return the shards evicted and the stale temp files removed."""
         directory, limit = self.directory, self.config.limit_bytes
         directory.create()
         with directory.locked():
@@ -132,10 +132,10 @@ class Room:
         wait: bool,
         ahead: list[tuple[str, int]] | None = None,
     ) -> tuple[int, str] | None:
-        """Reserve `size` bytes under the limit, evicting shards no reader holds; returns the
-        new temp file (descriptor, path). Waits for room up to `wait_timeout_s`, or returns
-        None at once when not `wait`. Room is also kept for the `ahead` (stem, size) shards
-        that are neither cached nor downloading."""
+        """Reserve `size` bytes under the limit, evicting shards no reader holds. Return the
+        new temp file's descriptor and path. Wait for room up to `wait_timeout_s`, or return
+        None at once when not `wait`. Room is also kept for the `ahead` shards, as stem and
+        size, that are neither cached nor downloading."""
         deadline = time.monotonic() + self.config.wait_timeout_s
         delay, waited, evicted = _ROOM_POLL_S[0], 0.0, 0
         try:
@@ -175,11 +175,11 @@ class Room:
         partial: bool = False,
         incoming: str | None = None,
     ) -> tuple[int, int]:
-        """Under the cache-wide lock: evict shards no one holds until `need` bytes are free, or
-        none if that is impossible (unless `partial`). The order is `policy.victim_order`'s:
+        """Under the cache-wide lock, evict shards no one holds until `need` bytes are free.
+        If that is impossible, evict none, unless `partial`. The order is `policy.victim_order`'s:
         furthest next use by the readers' hints, else least recently used. A prefetch of stem
         `incoming` spares shards needed no later than it. Shards in `protect` go last, and
-        never when `strict`. Returns (bytes, shards)."""
+        never when `strict`. Return the bytes and shards freed."""
         protected = {self.stem(name) for name in protect}
         ordered = victim_order(usage.shards, read_next_use(self.directory), incoming)
         candidates = [s for s in ordered if s[1] not in protected]

@@ -1,5 +1,5 @@
-"""The state a `ShardCache` keeps in one process: counters, the prefetch list and threads, the
-download engine. It is rebuilt after a fork or unpickling and never pickled (`ProcessLocal`)."""
+"""The state a `ShardCache` keeps in one process: counters, the prefetch, the download engine.
+`ProcessLocal` rebuilds it after a fork or unpickling. It is never pickled."""
 
 from __future__ import annotations
 
@@ -30,22 +30,22 @@ class Runtime:
         self.pid = os.getpid()
         self.lock = threading.Lock()
         self.wake = threading.Condition(self.lock)
-        # Shard locks this process released (`announce_release`): its threads waiting for one
-        # wake on `wake` when this moves, not at the end of their poll.
+        # Counts the shard locks this process released. Its threads waiting for one wake on
+        # `wake` when this moves, not at the end of their poll.
         self.releases = 0
         self.started = False
         self.stats = CacheStats()
         self.pending = CacheStats()  # not yet added to stats.json
         self.last_flush = time.monotonic()
-        # Per epoch (`ShardCache.set_epoch`): the epoch read now, the one each shard was last
-        # named in, the prefetch list's, and the counters not yet added to stats.json.
+        # Per epoch, from `ShardCache.set_epoch`: the epoch read now, the one each shard was
+        # last named in, the prefetch list's, and the counters not yet added to stats.json.
         self.epoch: int | None = None
         self.read_epochs: dict[str, int] = {}
         self.prefetch_epoch: int | None = None
         self.pending_epochs: dict[int, EpochStats] = {}
-        # The prefetch (`dlstore.cache.prefetch`).
+        # The prefetch, run by `dlstore.cache.prefetch`.
         self.upcoming: list[ShardSpec] = []
-        self.position = 0  # index in `upcoming` the readers have passed (not past the lead until it is in)
+        self.position = 0  # index in `upcoming` the readers have passed; not past the lead until it is in
         self.depth = 0  # shards from `position` on that the prefetch keeps cached
         self.lead = 0  # the list's first shards, fetched before any after them
         self.in_lead = False  # a reader has reached the lead: the window counts from its end
@@ -65,9 +65,9 @@ class Runtime:
             self.wake.notify_all()
 
     def sleep_unless_released(self, seen: int, seconds: float) -> float:
-        """Sleep up to `seconds`, less if a lock is released or was since `releases` was
-        `seen`; the seconds slept. Locks of other processes still take the whole poll. Once
-        the program exits the wait is given up (`ProgramExiting`): it would hold the exit."""
+        """Sleep up to `seconds`, less if a lock was released since `releases` was `seen`.
+        Return the seconds slept. Locks of other processes still take the whole poll. Once the
+        program exits, raise `ProgramExiting` instead: the wait would hold the exit."""
         raise_if_exiting("a wait in the cache")
         started = time.monotonic()
         with self.lock:
@@ -77,8 +77,8 @@ class Runtime:
 
     # -- counters ------------------------------------------------------------------------------
     def count(self, epoch: int | None = None, **deltas: float) -> None:
-        """Add to this process's counters (`CacheStats` fields); hits, misses and bytes also
-        under `epoch`, when it is known."""
+        """Add `CacheStats` fields to this process's counters. Hits, misses and bytes are also
+        counted under `epoch`, when it is known."""
         delta = CacheStats(**deltas)
         with self.lock:
             self.stats.add(delta)
@@ -89,14 +89,14 @@ class Runtime:
                 )
 
     def epoch_of(self, name: str) -> int | None:
-        """The epoch a reader's hit or download of shard `name` counts under (`set_epoch`)."""
+        """The epoch, from `set_epoch`, a reader's hit or download of shard `name` counts under."""
         with self.lock:
             return self.read_epochs.get(name, self.epoch)
 
     def flush(self, directory: CacheDir, force: bool = False) -> None:
-        """Add pending counters to stats.json: at once when `force`d (downloads, evictions), at
-        most once a second otherwise, so a hit costs no cache-wide lock. Never call it while
-        holding the cache-wide lock."""
+        """Add pending counters to stats.json. Downloads and evictions `force` it at once.
+        Otherwise it runs at most once a second, so a hit costs no cache-wide lock. Never call
+        it while holding the cache-wide lock."""
         with self.lock:
             if not force and time.monotonic() - self.last_flush < 1.0:
                 return
@@ -105,7 +105,7 @@ class Runtime:
             self.last_flush = time.monotonic()
         if pending.is_zero() and not epochs:
             return
-        if not os.path.isdir(directory.root):  # the cache was removed (a temporary one): nothing to record
+        if not os.path.isdir(directory.root):  # a temporary cache was removed: nothing to record
             return
         try:
             with directory.locked():
@@ -115,8 +115,8 @@ class Runtime:
 
 
 class ProcessLocal:
-    """A cache's `Runtime` in the process that uses it: made and started once in each process.
-    `start` sets the process up; the counters are flushed when the process exits."""
+    """A cache's `Runtime` in the process that uses it, made and started once in each process.
+    `start` sets the process up. The counters are flushed when the process exits."""
 
     def __init__(self, directory: CacheDir, start: Callable[[Runtime], None]) -> None:
         self.directory = directory

@@ -1,7 +1,7 @@
 """`ShardCache`, the facade: fetch a shard into the node-local cache once, hold it while it is
-read, evict to stay within the limit. The parts: `layout` (the directory and its locks), `room`
-(reservations and eviction), `fetcher` (locks and downloads), `prefetch` and `runtime` (the
-process's threads and counters). The package docstring states the invariants."""
+read, evict to stay within the limit. `layout` owns the directory and its locks, `room` the
+reservations and eviction, and `fetcher` the locks and downloads. `prefetch` and `runtime` own
+the process's threads and counters. The package docstring states the invariants."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 class ShardCache:
-    """The node-local shard cache over one store; see the package docstring (`dlstore.cache`).
+    """The node-local shard cache over one store. See the package docstring, `dlstore.cache`.
 
     >>> cache = ShardCache(CacheConfig("/mnt/ssd/dlstore", "150GB"), open_store("swift://imagenet/train"))  # doctest: +SKIP
     >>> with cache.hold("shard-000000.tar", 301_234_176, "sha256:9f86d0...") as path:  # doctest: +SKIP
@@ -43,8 +43,8 @@ class ShardCache:
         self.config = config
         self.store = store
         self._dir = CacheDir(config.cache_dir)
-        # Names are keys relative to the store root; the store's URL keeps two datasets with the
-        # same shard names apart in one cache directory.
+        # Names are keys relative to the store root. The store's URL keeps two datasets with
+        # the same shard names apart in one cache directory.
         self._namespace = hashlib.sha256(store.url.encode()).hexdigest()[:12]
         self._stem = functools.partial(entry_stem, self._namespace)
         self._room = Room(config, self._dir, self._stem)
@@ -63,16 +63,16 @@ class ShardCache:
 
     @property
     def stats(self) -> CacheStats:
-        """This process's counters (a copy)."""
+        """A copy of this process's counters."""
         rt = self._process.get()
         with rt.lock:
             return dataclasses.replace(rt.stats)
 
     def set_epoch(self, epoch: int, names: Iterable[str] = ()) -> None:
         """Say which epoch this process reads now, and which shards `names` a batch of it reads.
-        Hits and downloads are then also counted per epoch (`cache_report(...).epochs`). A named
-        shard counts under the epoch that named it last, others under the epoch read now, and
-        a prefetch's under the epoch of its list. `Dataset` calls it for each batch.
+        Hits and downloads are then also counted per epoch, in `cache_report(...).epochs`. A
+        named shard counts under the epoch that named it last, others under the epoch read now.
+        A prefetch's counts under the epoch of its list. `Dataset` calls it for each batch.
 
         >>> cache.set_epoch(3, ["train/shard-000007.tar", "train/shard-000012.tar"])  # doctest: +SKIP
         """
@@ -82,8 +82,8 @@ class ShardCache:
             rt.read_epochs.update(dict.fromkeys(names, epoch))
 
     def check_fits(self, max_shard_size: int, readers: int = 1) -> None:
-        """Raise `ConfigError` unless the largest shard fits under the limit; warn when
-        `readers` processes each holding one shard of that size would not fit at once.
+        """Raise `ConfigError` unless the largest shard fits under the limit. Warn when
+        `readers` processes, each holding one shard of that size, would not fit at once.
 
         >>> cache.check_fits(max(s.size for s in manifest.shards), readers=world.local_size * workers)  # doctest: +SKIP
         """
@@ -117,10 +117,10 @@ class ShardCache:
         """Fetch shard `name` if needed and yield its local path, not evicted until the `with`
         block ends.
 
-        `size` and `checksum` ("algo:hexdigest") come from the manifest. A cached copy of the
+        `size` and `checksum`, as "algo:hexdigest", come from the manifest. A cached copy of the
         wrong size is replaced, and with `recheck=True` one whose checksum fails too. An error
-        of the background prefetch of this shard is raised here. With `samples` (and `name`,
-        `size` from it: `samples.spec`), the entry is that run of samples, checked by digests.
+        of the background prefetch of this shard is raised here. With `samples`, the entry is
+        that run of samples, checked by digests. Take `name` and `size` from `samples.spec`.
 
         >>> with cache.hold("shard-000003.tar", 300_000_000, "sha256:ab12...") as path:  # doctest: +SKIP
         ...     index = read_index(path)
@@ -147,7 +147,7 @@ class ShardCache:
         recheck: bool = False,
     ) -> str:
         """Make sure entry `name` is cached, as `hold` does, and return its path. The entry may
-        be evicted once this returns; use `hold` around reads.
+        be evicted once this returns, so use `hold` around reads.
 
         >>> path = cache.fetch("shard-000003.tar", 300_000_000, "sha256:ab12...")  # doctest: +SKIP
         """
@@ -156,15 +156,15 @@ class ShardCache:
 
     def cached(self, name: str) -> bool:
         """Whether entry `name` is in the cache now. A hint only: another process may evict it
-        the next moment; reads go through `hold`."""
+        the next moment. Reads go through `hold`."""
         self._process.get()
         return os.path.exists(self._dir.shard_path(self._stem(name)))
 
     def prefetch(self, shards: Iterable[ShardSpec | tuple], depth: int | None = None, lead: int = 0) -> None:
         """Set the shards the reader will ask for next, in order, replacing any earlier list.
-        Daemon threads keep the first `depth` (default `config.prefetch`) not yet reached
-        cached, within the limit, never evicting a held shard or one sooner in the list. The
-        first `lead` shards, those in use, come before any later one. `hold` moves the window on.
+        Daemon threads keep the first `depth` not yet reached cached, within the limit. They
+        never evict a held shard or one sooner in the list. `depth` defaults to `config.prefetch`.
+        The first `lead` shards, those in use, come before any later one. `hold` moves the window on.
 
         >>> cache.prefetch([(s.name, s.size, s.checksum) for s in my_shards])  # doctest: +SKIP
         """
@@ -190,15 +190,15 @@ class ShardCache:
     def hint(self, names: Iterable[str]) -> None:
         """Tell the cache the order in which this process will need shards, soonest first: the
         rest of this epoch, then the next. Every process of the node sees it, and evictions keep
-        the shards needed soonest (`dlstore.cache.policy`); without hints they go by LRU. It
-        replaces this process's earlier order; an empty one withdraws it. A hint that cannot be
-        written is logged.
+        the shards needed soonest: see `dlstore.cache.policy`. Without hints they go by LRU. It
+        replaces this process's earlier order, and an empty one withdraws it. A hint that
+        cannot be written is logged.
 
         >>> cache.hint(name for name in shard_names_in_read_order)  # doctest: +SKIP
         """
         self._process.get()
         writer = self._hints
-        if writer is None or writer.pid != os.getpid():  # none yet, or the parent's (after a fork)
+        if writer is None or writer.pid != os.getpid():  # none yet, or the parent's after a fork
             writer = self._hints = HintWriter(self._dir, self._namespace, self._stem)
         try:
             writer.write(names)
@@ -211,26 +211,26 @@ class ShardCache:
         with self._dir.locked():
             return self._dir.scan().total
 
-    # -- seams for the read side (`dlstore.read`) ----------------------------------------------
+    # -- seams for the read side, `dlstore.read` ------------------------------------------------
     def index_path(self, name: str) -> str:
-        """Where the sample index of cached shard `name` is kept; eviction removes it."""
+        """Where the sample index of cached shard `name` is kept. Eviction removes it."""
         return self._dir.index_path(self._stem(name))
 
     def marks_path(self, dataset: str) -> str:
-        """Where the node's decode marks of `dataset` (a digest of its bytes) are kept."""
+        """Where the node's decode marks of `dataset`, a digest of its bytes, are kept."""
         return self._dir.marks_path(f"{self._namespace}-{dataset}")
 
     @contextlib.contextmanager
     def node_slot(self, timeout_s: float) -> Iterator[None]:
         """Hold one of the node's connection slots around a GET made outside the cache, as a
-        download's part does (`DownloadEngine.node_slot`); `TransientError` after `timeout_s`."""
+        download's part does. Raise `TransientError` after `timeout_s`."""
         engine = self._process.get().engine
         assert engine is not None
         with engine.node_slot(timeout_s):
             yield
 
     def count_direct(self, nbytes: int) -> None:
-        """Count `nbytes` read straight from the store (`CacheStats.bytes_direct`), recorded at once."""
+        """Count `nbytes` read straight from the store as `CacheStats.bytes_direct`, recorded at once."""
         rt = self._process.get()
         rt.count(bytes_direct=nbytes)
         rt.flush(self._dir, force=True)
@@ -241,8 +241,8 @@ class ShardCache:
         self._process.flush_stats()
 
     def close(self) -> None:
-        """Stop the prefetch threads after their current downloads, let the download workers
-        end, record the counters, and withdraw this process's hints: other processes would
+        """Stop the prefetch threads after their current downloads and let the download workers
+        end. Record the counters, and withdraw this process's hints: other processes would
         evict by a closed reader's order."""
         rt = self._process.current()
         if rt is None:

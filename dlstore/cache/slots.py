@@ -1,29 +1,29 @@
-"""A node-wide cap on connections to the store (`CacheConfig.node_connections`): every ranged
-GET of every process sharing the cache directory holds one of `count` slot files, locked
-with a non-blocking `flock`, while it runs.
+"""A node-wide cap on connections to the store, set by `CacheConfig.node_connections`.
+Every ranged GET of every process sharing the cache directory holds one of `count` slot
+files while it runs. It locks the file with a non-blocking `flock`.
 
     slots = NodeSlots("/mnt/ssd/dlstore", 64)
-    index = slots.try_take(urgent=False)     # None: all taken (or a reader waits: see below)
+    index = slots.try_take(urgent=False)     # None: all taken, or a reader waits
     ...                                      # the GET
     slots.give_back(index)
 
-Why files and `flock`: the processes of a node share nothing but the cache directory, and a
-lock dies with its holder, so a crashed process's slots free themselves. A part holds at most
-one slot, from the start of its GET to its end, and never waits for one while holding one:
-no deadlock.
+Why files and `flock`: the processes of a node share nothing but the cache directory. A lock
+dies with its holder, so a crashed process's slots free themselves. A part holds at most one
+slot, from the start of its GET to its end. It never waits for one while holding one, so no
+deadlock.
 
 **The reader's shard first.** A reader waiting for a slot, an `urgent` part, holds a shared
 lock on ``readers-waiting.lock`` while it waits. A prefetch's part takes no slot while anyone
 holds it. So each slot that frees goes to a waiting reader before any prefetch, on every
 process of the node. Slots are not set aside for readers: an idle slot would be a connection
-the node could have used. A reader waiting for another process's prefetch of the same shard
-says so on the shard's `.wanted` lock, and that process hurries the download
-(`CacheDir.reader_waits`).
+the node could have used. A reader may wait for another process's prefetch of the same shard.
+It says so on the shard's `.wanted` lock, and that process hurries the download: see
+`CacheDir.reader_waits`.
 
 Not thread-safe: the `DownloadEngine` calls it under its own lock. Its descriptors are opened
 when first needed and closed when the engine closes with no part running. A forked child
-closes the descriptors it inherited when it first uses the cache (`forget_after_fork`); until
-then it keeps a slot its parent held at the fork locked. All the processes sharing a
+closes the descriptors it inherited when it first uses the cache, in `forget_after_fork`.
+Until then, a slot its parent held at the fork stays locked. All the processes sharing a
 directory should use the same count.
 """
 
@@ -42,8 +42,7 @@ _WAITING = "readers-waiting.lock"
 
 
 class NodeSlots:
-    """`count` connection slots shared by the processes using `cache_dir`; see the module
-    docstring."""
+    """`count` connection slots shared by the processes using `cache_dir`. See the module docstring."""
 
     def __init__(self, cache_dir: str, count: int) -> None:
         if count < 1:
@@ -61,8 +60,8 @@ class NodeSlots:
         self._full = False
 
     def try_take(self, urgent: bool) -> int | None:
-        """The index of a free slot, now held, or None. A prefetch's part, not `urgent`, gets
-        none while a reader anywhere on the node waits for one."""
+        """The index of a free slot, now held, or None. A prefetch's part is not `urgent`. It
+        gets none while a reader anywhere on the node waits for one."""
         if (not urgent and self._readers_wait()) or self._full:
             return None
         for step in range(self.count):
@@ -86,7 +85,7 @@ class NodeSlots:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def set_waiting(self, waiting: bool) -> None:
-        """Whether this process's reader is waiting for a slot; prefetches yield to it."""
+        """Whether this process's reader is waiting for a slot. Prefetches yield to it."""
         if waiting == self.waiting:
             return
         if waiting:
@@ -126,7 +125,7 @@ class NodeSlots:
         self.waiting = False
 
     def _readers_wait(self) -> bool:
-        """Whether a reader holds the waiting file, this process's own included: a separate
+        """Whether a reader holds the waiting file, this process's own included. A separate
         open file of it conflicts even within one process."""
         if self._probe_fd is None:
             self._probe_fd = self._open(_WAITING)
@@ -151,5 +150,5 @@ class NodeSlots:
 
 
 def node_slots(config: CacheConfig) -> NodeSlots | None:
-    """A process's handle on the connection slots of `config`'s node; None without a cap."""
+    """A process's handle on the connection slots of `config`'s node. None without a cap."""
     return NodeSlots(config.cache_dir, config.node_connections) if config.node_connections else None

@@ -1,13 +1,13 @@
-"""What the cache is asked for: a shard as the manifest lists it (`ShardSpec`), or a run of its
-samples cached as an entry of its own (`SampleRange`).
+"""What the cache is asked for: a shard as the manifest lists it, or a run of its samples.
 
-Why runs of samples: the plan gives each node a contiguous range of samples, so a node's first
-and last shards are usually shared with its neighbours. Fetching only the node's samples keeps
-each node at its share of the bytes. A run is locked, reserved, counted, published and evicted
-like a shard, under its own key; only its download differs (`download.write_verified`).
+A `ShardSpec` names a shard. A `SampleRange` is a run of its samples cached as an entry of
+its own. Why runs: the plan gives each node a contiguous range of samples, so a node's first
+and last shards are usually shared with its neighbours. Fetching only the node's samples keeps each
+node at its share of the bytes. A run is locked, reserved, counted, published and evicted
+like a shard, under its own key. Only its download differs: see `download.write_verified`.
 
 The trade-off: a node that reads both a run and its whole shard caches the run twice. A shard
-whose index has no sample digests (version 1) cannot be checked in part, so it is fetched whole.
+whose index has no sample digests, version 1, cannot be checked in part, so it is fetched whole.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ __all__ = ["SampleRange", "ShardSpec"]
 
 @dataclass(frozen=True, eq=False)
 class SampleRange:
-    """Samples `start .. stop-1` of shard `shard`: `offsets` are their `stop - start + 1` byte
-    offsets in the shard, `digests` their sample digests end to end.
+    """Samples `start .. stop-1` of shard `shard`. `offsets` are their `stop - start + 1` byte
+    offsets in the shard. `digests` holds their sample digests end to end.
 
     >>> index = SampleIndex([0, 1024, 2048, 4096], 10240, sample_digests=bytes(48))
     >>> r = SampleRange.of_index("s.tar", index, 1, 3)
@@ -66,12 +66,12 @@ class SampleRange:
         return self.offsets[-1] - self.offsets[0]
 
     def contains(self, samples: Sequence[int] | np.ndarray) -> bool:
-        """Whether every sample index (within the shard) lies in this range."""
+        """Whether every sample index, counted within the shard, lies in this range."""
         array = np.asarray(samples)
         return bool(array.size == 0 or (array.min() >= self.start and array.max() < self.stop))
 
     def span(self, sample: int) -> SampleSpan:
-        """Where sample `sample` (its index within the shard) lies in the entry's file."""
+        """Where sample `sample`, by its index within the shard, lies in the entry's file."""
         if not self.start <= sample < self.stop:
             raise IndexError(f"sample {sample} is outside {self.key}")
         i = sample - self.start
@@ -85,7 +85,7 @@ class SampleRange:
         return sample_digest(data) == self.digests[SAMPLE_DIGEST_SIZE * i : SAMPLE_DIGEST_SIZE * (i + 1)]
 
     def bad_samples(self, read: Callable[[int, int], bytes]) -> list[int]:
-        """The samples whose bytes (`read(offset, size)`, in entry coordinates) fail their digest."""
+        """The samples whose bytes fail their digest. `read(offset, size)` reads the entry's file."""
         bad = []
         for sample in range(self.start, self.stop):
             span = self.span(sample)
@@ -95,8 +95,8 @@ class SampleRange:
 
 
 class ShardSpec(NamedTuple):
-    """A shard as the manifest describes it: its key in the store, byte size and checksum; or,
-    with `samples`, a run of its samples: `name` is `samples.key`, `size` its bytes, no checksum."""
+    """A shard as the manifest describes it: its key in the store, byte size and checksum.
+    With `samples`, it is a run of samples: `name` is `samples.key`, `size` its bytes, no checksum."""
 
     name: str
     size: int | None = None

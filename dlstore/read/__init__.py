@@ -1,7 +1,7 @@
 """The read side of the sample path: what its readers keep beside the node cache.
 
-* `indexes`: each cached shard's sample index, kept in the cache directory, walked once a node;
-* `marks`: which samples decode cleanly, one byte a sample, shared by the node;
+* `indexes`: each cached shard's sample index. It is kept in the cache, walked once a node.
+* `marks`: which samples decode cleanly, one byte a sample, shared by the node.
 * `direct`: a cold pass's first samples, read straight from the store.
 """
 

@@ -1,16 +1,16 @@
 """Samples of a shard that is not cached yet, read straight from the store.
 
-Why: from a cold cache a pass's first batch waits for every shard it draws from, although it
-needs a few MB of them. Its samples are fetched by themselves, several ranged GETs at once,
-and training starts. The shards' downloads begin once that batch is handed on
-(`Dataset.first_batch_delivered`).
+Why: from a cold cache, a pass's first batch waits for every shard it draws from. Yet it needs
+only a few samples of each. Its samples are fetched by themselves, several ranged GETs at once,
+and training starts. The shards' downloads begin once `Dataset.first_batch_delivered` says
+that batch was handed on.
 
 Trust: a sample is used only if its bytes match its digest in the shard's version 2 sample
-index, which matched the manifest's checksum (`load_sample_index`). Bytes that do not match
-are not used: the caller reads those samples from the cached shard, whose checksum decides.
+index. `load_sample_index` checked that index against the manifest's checksum. Bytes that do
+not match are not used: the caller reads those samples from the cached shard, whose checksum decides.
 
-Cost: the batch's bytes twice, once per pass that starts cold; a small GET of each shard's
-sample index; and the shards start that much later.
+Cost: the batch's bytes come twice, once per pass that starts cold. Each shard's sample index
+costs a small GET. The shards start that much later.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["DIRECT_RETRY", "DirectReads", "read_samples", "sample_runs"]
 
 #: The most bytes one ranged GET reads: neighbouring samples are read together up to this.
 RUN_BYTES = 4 * 2**20
-#: The retry policy of direct reads (`RetryConfig` fields): short, since a failure only sends
+#: The retry policy of direct reads, as `RetryConfig` fields. It is short: a failure only sends
 #: the batch to the cache, which must not wait out the default deadline first.
 DIRECT_RETRY = {
     "max_attempts": 3,
@@ -44,8 +44,8 @@ DIRECT_RETRY = {
 
 
 def sample_runs(index: SampleIndex, samples: Sequence[int], most: int = RUN_BYTES) -> list[list[int]]:
-    """`samples` (indexes within the shard) in runs that lie end to end in the shard, each of
-    at most `most` bytes (or one sample): one ranged GET per run.
+    """`samples`, indexes within the shard, in runs that lie end to end in the shard. Each run
+    holds at most `most` bytes, or one sample, and takes one ranged GET.
 
     >>> index = SampleIndex([0, 1024, 2048, 3072, 4096], 4096)
     >>> sample_runs(index, [3, 0, 1], most=1500), sample_runs(index, [0, 1, 3])
@@ -71,11 +71,11 @@ def read_samples(
 ) -> dict[str, dict[int, bytes]]:
     """For each `(name, index, samples)` of `wanted`, the bytes of those samples of shard
     `name`, each checked against its digest in `index`. All shards' runs go in about
-    `connections` GETs at once. A shard with a sample that fails its digest is left out;
-    errors of the store propagate. `gate()` is entered around each GET, to bound them."""
+    `connections` GETs at once. A shard with a sample that fails its digest is left out.
+    Errors of the store propagate. `gate()` is entered around each GET, to bound them."""
     runs = [(name, index, sample_runs(index, samples)) for name, index, samples in wanted]
-    # As many GETs as connections, each of as many ranges as that takes (the store allowing):
-    # fewer requests for the store to serve, and no link slower than its share of them.
+    # As many GETs as connections, each of as many ranges as that takes, as the store allows.
+    # Fewer requests for the store to serve, and no link slower than its share of them.
     total = sum(len(shard_runs) for _, _, shard_runs in runs)
     per_get = max(1, min(store.ranges_per_get, math.ceil(total / max(1, connections))))
     jobs = [
@@ -131,11 +131,11 @@ os.register_at_fork(after_in_child=_new_lock)
 
 class DirectReads:
     """Direct reads beside one cache, with this process's store and bound on GETs at once.
-    Picklable; a new process makes its own store and bound on first use."""
+    Picklable. A new process makes its own store and bound on first use."""
 
     def __init__(self, cache: ShardCache) -> None:
         self.cache = cache
-        self._state: tuple[int, Store, threading.BoundedSemaphore] | None = None  # (pid, store, gets)
+        self._state: tuple[int, Store, threading.BoundedSemaphore] | None = None  # pid, store, gets
 
     def __getstate__(self) -> dict:
         return {"cache": self.cache}
@@ -160,14 +160,14 @@ class DirectReads:
 
     @property
     def store(self) -> Store:
-        """The store with direct reads' short retry, one per process so that what it learns
-        (`Store.ranges_per_get`) holds for later reads. Sample indexes are read through it too."""
+        """The store with direct reads' short retry. It is one per process, so what it learns in
+        `Store.ranges_per_get` holds for later reads. Sample indexes are read through it too."""
         return self._process_state()[1]
 
     def read(self, wanted: Sequence[tuple[str, SampleIndex, Sequence[int]]]) -> dict[str, dict[int, bytes]]:
         """`read_samples` of the shards of `wanted` that are not cached, counted in
-        `CacheStats.bytes_direct`. The GETs, at most `connections` at once in this process, each
-        hold a node connection slot as a download's part does. A slot not had within the short
+        `CacheStats.bytes_direct`. At most `connections` GETs run at once in this process. Each
+        holds a node connection slot, as a download's part does. A slot not had within the short
         deadline raises `TransientError`, which sends the caller to the cache."""
         wanted = [w for w in wanted if not self.cache.cached(w[0])]
         if not wanted:

@@ -1,19 +1,19 @@
-"""Which samples of a dataset are known to decode cleanly, kept for the whole node in the
-cache directory (`marks/<store>-<dataset>.bin`, one byte a sample).
+"""Which samples of a dataset are known to decode cleanly, kept for the whole node.
+The file is `marks/<store>-<dataset>.bin` in the cache directory, one byte a sample.
 
-Why: a crop-only decode reads the rows below its crop until a sample has once decoded whole
-without error (`transforms.decode_for_crop`), so that corrupt samples are still counted. From
-then on it reads only the rows it needs. A rank's samples change every epoch, so marks kept
-per rank would leave most samples to the slow decode for several epochs. Kept here, every
-process of the node knows what any of them decoded, a restarted job's included.
+Why: a crop-only decode, `transforms.decode_for_crop`, reads the rows below its crop until a
+sample has once decoded whole without error. So corrupt samples are still counted. From then
+on it reads only the rows it needs. A rank's samples change every epoch, so marks kept per
+rank would leave most samples to the slow decode for several epochs. Kept here, every process
+of the node knows what any of them decoded, a restarted job's included.
 
-How: `pread` and `pwrite` of one byte, no memory map, so that a full disk or a read-only cache
-is an `OSError`, never a SIGBUS. A file that cannot be written is still read; one that cannot
-be read is not used, and the process keeps its marks in memory from then on. Readers keep what
-they found in memory (`SamplePath`), so a sample costs the file at most a read and a write per
-process. A sample's bytes never change, since the file name holds the digest of the shard
-table, so neither does the verdict. A damaged file can only leave a corrupt sample's damage
-below its crop uncounted.
+How: `pread` and `pwrite` of one byte, no memory map. So a full disk or a read-only cache is an
+`OSError`, never a SIGBUS. A file that cannot be written is still read. One that cannot be
+read is not used, and the process keeps its marks in memory from then on. `SamplePath` keeps
+what it found in memory, so a sample costs the file at most a read and a write per process.
+The file name holds the digest of the shard table. So a sample's bytes never change, and
+neither does the verdict. A damaged file can only leave a corrupt sample's damage below its
+crop uncounted.
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 class NodeMarks:
     """The node's marks of one dataset in the file at `path`. Picklable: a worker process opens
-    the file again. Safe from several threads and across a fork: no lock is held."""
+    the file again. Safe from several threads and across a fork, since no lock is held."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd: int | None = None
         self._pid = -1
         self._unreadable = False  # no file, or a read failed: nothing known, nothing marked
-        self._unwritable = False  # read-only file, or a write failed (a full disk): marks still read
+        self._unwritable = False  # read-only file, or a write failed on a full disk: marks still read
         self._said = False
 
     def __getstate__(self) -> dict:
@@ -60,7 +60,7 @@ class NodeMarks:
                 pass
 
     def known(self, sample: int) -> bool:
-        """Whether some process of the node has marked `sample` (False when the file cannot be read)."""
+        """Whether some process of the node has marked `sample`. False when the file cannot be read."""
         fd = self._file()
         if fd is None:
             return False
@@ -72,7 +72,7 @@ class NodeMarks:
             return False
 
     def mark(self, sample: int) -> None:
-        """Mark `sample` for the node; a file that cannot take it is no longer written (no error)."""
+        """Mark `sample` for the node. A file that cannot take it is no longer written, without error."""
         fd = self._file()
         if fd is None or self._unwritable:
             return
