@@ -1,23 +1,23 @@
-"""Dataset converters (ImageNet, ImageFolder, CIFAR-10, MNIST → tar shards in any store),
-and the two operations on finished datasets: `verify_dataset` and `index_dataset`.
+"""Dataset converters from ImageNet, ImageFolder, CIFAR-10 and MNIST to tar shards in any store.
+Also the two operations on finished datasets: `verify_dataset` and `index_dataset`.
 
 How a conversion runs, one module per step:
 
-1. **List** the source (`sources.py`, with `imagenet.py` and `arrays.py`; the item and reader
-   types in `inputs.py`): every input with its label, in a canonical order (sorted source
-   ids), without reading image bytes. Tars are indexed in place, never extracted.
-2. **Plan** (`shard_plan.py`): a seeded global shuffle, cut into shards at `shard_size` bytes
-   and/or `samples_per_shard`; a pure function of the listing and the options.
-3. **Build** each shard (`build.py`, encoding each input with `encode.py`): write the tar,
-   `store.put` it, then its sample index; in a pool of worker processes (`workers.py`) that
-   the first failure stops, before that error is raised.
-4. **Resume** (`build.existing_shard`): a shard whose index is in the store with the same
-   recipe digest, and whose tar has the recorded size, is kept as it is.
-5. **Manifest last** (`conversion.py`): `index.json` is deleted at the start and written once
-   every shard is in place, so a half-finished dataset is never taken for a finished one.
+1. **List** the source (`sources.py`, with `imagenet.py` and `arrays.py`). It yields every input
+   with its label, in a canonical order of sorted source ids, without reading image bytes. Tars are
+   indexed in place, never extracted. The item and reader types are in `inputs.py`.
+2. **Plan** (`shard_plan.py`): a seeded global shuffle, cut into shards at `shard_size` bytes and/or
+   `samples_per_shard`. It is a pure function of the listing and the options.
+3. **Build** each shard (`build.py`, encoding with `encode.py`): write the tar, `store.put` it, then
+   its sample index. A pool of worker processes does it (`workers.py`). The first failure stops the
+   pool before that error is raised.
+4. **Resume** (`build.existing_shard`): a shard is kept as it is if its index is in the store with
+   the same recipe digest, and its tar has the recorded size.
+5. **Manifest last** (`conversion.py`): `index.json` is deleted at the start and written once every
+   shard is in place. So a half-finished dataset is never taken for a finished one.
 
-Inputs that cannot be read as images are skipped and listed in the summary (`strict`
-turns the first one into a `CorruptSample` error).
+Inputs that cannot be read as images are skipped and listed in the summary. `strict` turns the first
+one into a `CorruptSample` error.
 
 >>> summary = convert("imagenet", "/data/ILSVRC2012", "swift://imagenet/train",
 ...                   ConvertOptions(split="train", workers=8, seed=0))   # doctest: +SKIP

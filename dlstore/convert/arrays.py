@@ -1,6 +1,6 @@
-"""The CIFAR-10 and MNIST listers. Their inputs are rows of arrays (pickled CIFAR batches,
-MNIST idx files), so `ArrayReader` loads an array once per process and hands out rows; the
-images are encoded (PNG or JPEG) when a shard is built.
+"""The CIFAR-10 and MNIST listers. Their inputs are rows of arrays: pickled CIFAR batches, MNIST idx
+files. So `ArrayReader` loads an array once per process and hands out rows. The images are
+encoded as PNG or JPEG when a shard is built.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ log = logging.getLogger(__name__)
 
 
 class ArrayReader:
-    """Inputs are rows of arrays (CIFAR-10 batches, MNIST idx files), loaded lazily in each process.
+    """Inputs are rows of arrays, CIFAR-10 batches or MNIST idx files, loaded lazily per process.
 
-    `parts` maps a part name (an id's first component: `data_batch_1`, `train`) to a loader spec.
+    `parts` maps a part name, an id's first part such as `train`, to a loader spec.
     """
 
     def __init__(self, kind: str, parts: dict[str, tuple]) -> None:
@@ -50,7 +50,7 @@ _CIFAR_EXPECTED = "cifar-10-batches-py/ (data_batch_1..5, test_batch, batches.me
 
 
 class _NumpyOnlyUnpickler(pickle.Unpickler):
-    """The CIFAR batches are pickles; unpickling untrusted data can run code, so only the names
+    """The CIFAR batches are pickles, and unpickling untrusted data can run code. So only the names
     a pickled numpy array needs are allowed."""
 
     _ALLOWED = {
@@ -108,7 +108,7 @@ def _read_spec(spec: tuple) -> bytes:
 
 
 def _load_array(kind: str, spec: tuple) -> tuple[np.ndarray, list[int]]:
-    """(images N×H×W[×3] uint8, labels) of one CIFAR batch or one MNIST split."""
+    """Images as N×H×W or N×H×W×3 uint8, and labels, of one CIFAR batch or one MNIST split."""
     if kind == "cifar10":
         batch = _unpickle(_read_spec(spec), spec[-1])
         data, labels = batch.get("data"), batch.get("labels")
@@ -156,7 +156,7 @@ _IDX_MAX_BYTES = 4 * 2**30
 
 
 def _read_idx(path: str, magic: int, ndim: int) -> np.ndarray:
-    """An idx array (MNIST's format), checked against its magic number and declared shape."""
+    """An idx array, MNIST's format, checked against its magic number and declared shape."""
     opener = gzip.open if path.endswith(".gz") else open
     header = 4 + 4 * ndim
     try:
@@ -169,7 +169,7 @@ def _read_idx(path: str, magic: int, ndim: int) -> np.ndarray:
             expected = int(np.prod(shape, dtype=np.int64))
             if expected > _IDX_MAX_BYTES:
                 raise FormatError(f"{path}: header says {shape}, {expected} bytes: more than any MNIST-like set")
-            # No more than the header announces (and one byte to see there is more): a gzip
+            # No more than the header announces, and one byte to see there is more. So a gzip
             # bomb is not inflated into memory before it is found out.
             data = file.read(expected + 1)
     except (OSError, EOFError, gzip.BadGzipFile) as exc:
@@ -181,7 +181,7 @@ def _read_idx(path: str, magic: int, ndim: int) -> np.ndarray:
 
 
 def _mnist_files(src: Path, prefix: str) -> tuple[str, str]:
-    """(images, labels) idx files of one split, plain or gzipped, in `src`, `raw/` or `MNIST/raw/`."""
+    """The images and labels idx files of one split in `src`, `raw/` or `MNIST/raw/`, maybe gzipped."""
     found: dict[str, str] = {}
     for folder in (src, src / "raw", src / "MNIST" / "raw"):
         for kind in ("images-idx3", "labels-idx1"):
@@ -200,7 +200,7 @@ def _mnist_files(src: Path, prefix: str) -> tuple[str, str]:
 
 
 def mnist_source(src: Path, options: ConvertOptions) -> Source:
-    """MNIST's idx files (`train-*` or `t10k-*`), as torchvision or the original site lay them out."""
+    """MNIST's idx files, `train-*` or `t10k-*`, as torchvision or the original site lay them out."""
     split = {"val": "test"}.get(options.split or "train", options.split or "train")
     if split not in ("train", "test"):
         raise ConfigError(f"mnist splits are 'train' and 'test', not {options.split!r}")

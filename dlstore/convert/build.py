@@ -1,12 +1,11 @@
-"""Step 3 of a conversion, **build** one shard (`ShardBuilder`, run in a worker process by
-`workers.py`, or in this one for a single worker): read, check, maybe resize/re-encode each
-input, write the tar (streamed into a local store, through a temporary file for a remote one),
-then `store.put` the shard and then its sample index. Local temp space is at most one shard
-per worker.
+"""Step 3 of a conversion: **build** one shard with `ShardBuilder`. It runs in a worker process of
+`workers.py`, or in this one for a single worker. It reads and checks each input, and may resize
+or re-encode it. It writes the tar, streamed into a local store or through a temporary file for a
+remote one. Then it puts the shard, and then its sample index. Local temp space is at most one
+shard per worker.
 
-Resume rests on that order: a shard whose sample index is in the store, whose recipe digest
-matches, and whose tar has the recorded size is complete, and is kept as it is
-(`existing_shard`).
+Resume rests on that order. A shard whose sample index is in the store, whose recipe digest matches,
+and whose tar has the recorded size is complete. `existing_shard` keeps it as it is.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ class BuildContext:
 
 @dataclass(frozen=True)
 class Built:
-    """A shard in the store (built now, or `reused` from an earlier run) and the inputs it dropped."""
+    """A shard in the store, built now or `reused` from an earlier run, and the inputs it dropped."""
 
     number: int
     info: ShardInfo
@@ -58,12 +57,12 @@ class Built:
 
 
 class Counters:
-    """Samples and bytes done, shared across worker processes (or local ones in-process)."""
+    """Samples and bytes done, shared across worker processes, or local ones in-process."""
 
     def __init__(self, shared: tuple | None = None) -> None:
         self.shared = shared
         self.samples = self.bytes = 0
-        self.on_add: Callable[[], None] | None = None  # in-process: report progress, twice a second
+        self.on_add: Callable[[], None] | None = None  # in-process: report progress
         self._last = 0.0
 
     def add(self, samples: int, nbytes: int) -> None:
@@ -85,14 +84,14 @@ class Counters:
 
 
 class BuildStopped(DlstoreError):
-    """A shard's build stopped because the conversion failed elsewhere (another shard, the
-    progress callback, Ctrl-C); the caller sees that first error, never this one."""
+    """A shard's build stopped because the conversion failed elsewhere: another shard, the progress
+    callback, Ctrl-C. The caller sees that first error, never this one."""
 
 
 class ShardBuilder:
-    """Builds shards in one process. `stop` (a `multiprocessing.Event` in pool workers) is
-    checked before every sample, so that a failure elsewhere ends this build within one sample,
-    through the same exception path that removes a half-written object."""
+    """Builds shards in one process. It checks `stop` before every sample; pool workers get a
+    `multiprocessing.Event`. So a failure elsewhere ends this build within one sample, through
+    the exception path that removes a half-written object."""
 
     def __init__(self, context: BuildContext, counters: Counters, stop: Any | None = None) -> None:
         self.context, self.counters, self.stop = context, counters, stop
@@ -107,7 +106,7 @@ class ShardBuilder:
             # of the data and no temp space.
             context.store.put(task.name, chunks)
         else:
-            # Remote stores get a seekable file, so that a failed upload is retried from its start.
+            # Remote stores get a seekable file, so a failed upload is retried from its start.
             with tempfile.NamedTemporaryFile(dir=context.tmp_dir, prefix="shard-", suffix=".tar") as tmp:
                 for chunk in chunks:
                     tmp.write(chunk)
@@ -124,10 +123,10 @@ class ShardBuilder:
             raise BuildStopped(f"{task.name}: stopped, the conversion failed elsewhere")
 
     def _chunks(self, task: ShardTask, out: dict) -> Iterator[bytes]:
-        """The shard's bytes, one sample at a time; `out` receives the index (version 2: with
-        each sample's digest, of exactly the bytes the writer emitted for it) and the skipped inputs."""
+        """The shard's bytes, one sample at a time. `out` receives the skipped inputs and the index.
+        A version 2 index holds the digest of exactly the bytes the writer emitted per sample."""
         source, options, counters = self.context.source, self.context.options, self.counters
-        parts: list[bytes] = []  # what the writer emitted since the last yield, without copying it
+        parts: list[bytes] = []  # emitted since the last yield, not copied
 
         class Sink:
             write = parts.append
@@ -161,8 +160,8 @@ class ShardBuilder:
 
 
 def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
-    """The manifest's entry for a shard whose sample index is `index` (serialised as `index_bytes`):
-    the index's checksum in the algorithm of the shard's."""
+    """The manifest's entry for a shard whose sample index is `index`, serialised as `index_bytes`.
+    The index's checksum is in the algorithm of the shard's."""
     return ShardInfo(
         name,
         index.shard_size,
@@ -175,10 +174,10 @@ def shard_info(name: str, index: SampleIndex, index_bytes: bytes) -> ShardInfo:
 
 
 def _rescanned(store: Store, task: ShardTask, old: SampleIndex, algorithm: str) -> SampleIndex | None:
-    """`task`'s sample index walked again from the stored tar, with sample digests and its
-    checksum in `algorithm`, if the tar is the one `old` describes: the same offsets and size,
-    every byte matching `old`'s checksum (hashed in `old`'s algorithm in the same read) and its
-    sample digests where it has them. Else None: the shard is rebuilt."""
+    """`task`'s sample index walked again from the stored tar, with sample digests and a checksum in
+    `algorithm`. The tar must be the one `old` describes: same offsets and size, every byte
+    matching `old`'s checksum and sample digests. Both are checked in the same read. Else None,
+    and the shard is rebuilt."""
     why = "has no sample digests" if not old.has_sample_digests else f"is not checked with {algorithm}"
     log.info("%s: its sample index %s; rewriting it from the stored tar", task.name, why)
     before = PassingHashes([old.checksum_algorithm])
@@ -198,10 +197,10 @@ def _rescanned(store: Store, task: ShardTask, old: SampleIndex, algorithm: str) 
 
 
 def existing_shard(store: Store, task: ShardTask, sizes: dict[str, int], rehash: bool, algorithm: str) -> Built | None:
-    """The shard as an earlier run left it, if it is complete and was built from the same recipe.
-    A sample index without sample digests, or whose checksum is not in `algorithm` (the
-    conversion's), is rewritten in place from the stored tar (one read of it, no re-encode, so
-    the tar's bytes stay); one of an older file version is written again in the current one."""
+    """The shard as an earlier run left it, if it is complete and was built from the same recipe. An
+    index without sample digests, or not in the conversion's `algorithm`, is rewritten from the
+    stored tar. That is one read and no re-encode, so the tar's bytes stay. An index of an older
+    file version is written again in the current one."""
     if task.name not in sizes or index_name(task.name) not in sizes:
         return None
     try:

@@ -1,7 +1,7 @@
 """`convert`: list → plan → keep what an earlier run finished → build the rest → manifest.
 
-The manifest comes last: `index.json` is deleted at the start and written once every shard is
-in place, so a half-finished dataset is never taken for a finished one.
+The manifest comes last. `index.json` is deleted at the start and written once every shard is
+in place. So a half-finished dataset is never taken for a finished one.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ def convert(
     config: StoreConfig | None = None,
     progress: Callable[[ConvertProgress], None] | None = None,
 ) -> ConvertSummary:
-    """Convert the dataset at `src` (format `fmt`, one of `FORMATS`) into shards at `dest`.
+    """Convert the dataset at `src` into shards at `dest`; `fmt` is one of `FORMATS`.
 
-    `dest` is a store URL (`swift://container/imagenet/train`, `s3://bucket/x`, `file:///d`)
-    or a `Store`; it becomes the dataset root: `shard-000000.tar`, `shard-000000.idx`, …,
-    `index.json`; its container or bucket is made when missing. `progress` is called with a
-    `ConvertProgress` after every shard and a few times a second; an exception it raises
-    stops the conversion (which can then be resumed).
+    `dest` is a store URL (`swift://container/imagenet/train`, `s3://bucket/x`, `file:///d`) or a
+    `Store`. It becomes the dataset root: `shard-000000.tar`, `shard-000000.idx`, …, `index.json`.
+    Its container or bucket is made when missing. `progress` is called with a `ConvertProgress`
+    after every shard and a few times a second. An exception it raises stops the conversion, which
+    can then be resumed.
 
     >>> convert("mnist", "./mnist", "file:///data/mnist-train",
     ...         ConvertOptions(split="train", samples_per_shard=10000))     # doctest: +SKIP
@@ -102,8 +102,8 @@ def convert(
 
 @dataclasses.dataclass(frozen=True)
 class _DatasetThere:
-    """What the destination held before this conversion: no manifest (`present` False), or one,
-    with `manifest` None where it does not read. Read once, for both of its uses."""
+    """What the destination held before this conversion. `present` is False without a manifest;
+    `manifest` is None where one does not read. Read once, for both of its uses."""
 
     present: bool
     manifest: Manifest | None
@@ -119,10 +119,10 @@ def _dataset_there(store: Store) -> _DatasetThere:
 
 
 def _split_as_recorded(previous: _DatasetThere, source: Source, options: ConvertOptions) -> ConvertOptions:
-    """The source's default split named (`--split train`) or left out is the same conversion, but
-    the options, and with them every shard's recipe, record it as given. Where the dataset at the
-    destination is this source's same split, its form is taken, so a rerun in the other form is
-    not refused as "other options"."""
+    """Naming the source's default split (`--split train`) or leaving it out is the same conversion.
+    But the options record it as given, and with them every shard's recipe. Where the destination
+    holds this source's same split, its form is taken. So a rerun in the other form is not
+    refused as "other options"."""
     if options.split not in (None, source.split) or previous.manifest is None:
         return options
     created = previous.manifest.created
@@ -146,9 +146,9 @@ def _creation_info(source: Source, options: ConvertOptions) -> CreationInfo:
 
 
 def _with_decode_check(options: ConvertOptions) -> ConvertOptions:
-    """`options`, without `check_decode` where this Python cannot check JPEGs as the loader's
-    first decode would (no simplejpeg: Pillow decodes past damaged data), so that the manifest
-    never says they were checked when they were not."""
+    """`options` without `check_decode` where this Python cannot check JPEGs as the loader's first
+    decode would. That is so without simplejpeg, since Pillow decodes past damaged data. So the
+    manifest never says JPEGs were checked when they were not."""
     if options.check_decode and not can_check_decodes():
         log.warning(
             "the JPEGs are stored unchecked: the decode check needs simplejpeg (pip install 'dlstore[fast]'); "
@@ -159,8 +159,8 @@ def _with_decode_check(options: ConvertOptions) -> ConvertOptions:
 
 
 def _refusal(url: str, previous: CreationInfo | None, creation: CreationInfo) -> str:
-    """Why the dataset at `url` (made as `previous` says; None: unreadable) is not
-    overwritten by this conversion: another one, or this one but for the decode check."""
+    """Why this conversion does not overwrite the dataset at `url`: it is another one, or this one
+    but for the decode check. `previous` says how it was made; None means it is unreadable."""
 
     def without_check(info: CreationInfo) -> tuple:
         return info.source_format, {k: v for k, v in info.options.items() if k != "check_decode"}
@@ -193,10 +193,10 @@ def _differences(previous: CreationInfo | None, creation: CreationInfo) -> str:
 def _check_destination(
     store: Store, previous: _DatasetThere, creation: CreationInfo, options: ConvertOptions
 ) -> tuple[bool, str | None, frozenset[str]]:
-    """Refuse to overwrite another dataset; remove the manifest before touching any shard.
-    Whether the destination holds this conversion (or nothing yet), the checksum algorithm
-    of the dataset there when it is this conversion's, and the objects (shards, indexes) its
-    manifest named: the dataset this one replaces."""
+    """Refuse to overwrite another dataset; remove the manifest before touching any shard. Return
+    whether the destination holds this conversion or nothing yet. Also return the checksum
+    algorithm of the dataset there, when it is this conversion's. Last come the shards and
+    indexes its manifest named: the dataset this one replaces."""
     if not previous.present:
         return True, None, frozenset()
     manifest = previous.manifest
@@ -215,10 +215,10 @@ def _check_destination(
 def _with_checksum_algorithm(
     options: ConvertOptions, store: Store, tasks: list[ShardTask], listed: dict[str, int], before: str | None
 ) -> ConvertOptions:
-    """`options` with the conversion's checksum algorithm: the one asked for; else the one the
-    destination already uses (its manifest's `before`, or a kept sample index's), so that a
-    conversion run again or resumed keeps its checksums, and with them its manifest's digest,
-    which the checkpoints saved on the dataset name; else the default."""
+    """`options` with the conversion's checksum algorithm: the one asked for, else the one the
+    destination uses, else the default. The destination's is its manifest's `before`, or a kept
+    sample index's. So a conversion run again or resumed keeps its checksums and its manifest's
+    digest, which checkpoints name."""
     asked = options.checksum_algorithm
     if asked is not None:
         if before is not None and before != asked:
@@ -261,8 +261,8 @@ def _kept_shards(
 
 
 class _ProgressReport:
-    """Turns the builders' counters into `ConvertProgress` for the caller's callback, counting
-    the shards kept from an earlier run as done."""
+    """Turns the builders' counters into `ConvertProgress` for the caller's callback. The shards
+    kept from an earlier run count as done."""
 
     def __init__(
         self,
@@ -294,8 +294,8 @@ class _ProgressReport:
 def _check_shards_are_there(store: Store, prefix: str, results: list[Built]) -> None:
     """Every shard and index the manifest will name is in the store at its size, or no manifest is
     written. An object deleted or replaced while the conversion ran would make a dataset that
-    fails only later, at `verify` or in training. One listing; what it lacks is asked for (HEAD),
-    since a Swift container listing may lag behind the objects just written."""
+    fails only later, at `verify` or in training. One listing is made, and what it lacks is asked
+    for with HEAD. A Swift container listing may lag behind the objects just written."""
     listed = {info.key: info.size for info in store.list(prefix)}
     expected = {b.info.name: b.info.size for b in results}
     expected |= {b.info.index: b.info.index_size for b in results if b.info.index and b.info.index_size is not None}
@@ -321,8 +321,8 @@ def _check_shards_are_there(store: Store, prefix: str, results: list[Built]) -> 
 def _save_manifest(
     store: Store, source: Source, options: ConvertOptions, creation: CreationInfo, results: list[Built]
 ) -> Manifest:
-    # The fields are predicted rather than collected, so that a resumed run (whose kept shards
-    # are not read again) writes the same manifest as an uninterrupted one.
+    # The fields are predicted rather than collected. A resumed run does not read its kept shards
+    # again, and must write the same manifest as an uninterrupted one.
     manifest = Manifest(
         shards=tuple(b.info for b in results),
         classes=tuple(source.classes),
@@ -335,16 +335,16 @@ def _save_manifest(
 
 
 def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
-    """The members a conversion may write: the image (`jpg`, or `png` for arrays stored as PNG,
-    or with `keep_format` any format it keeps, whether or not an input is in it), `cls`, and
-    `json` with metadata."""
+    """The members a conversion may write: the image, `cls`, and `json` with metadata. The image is
+    `jpg`, or `png` for arrays stored as PNG. With `keep_format` it is any format kept, whether
+    or not an input is in it."""
     fields = {"cls", "json"} if options.metadata else {"cls"}
     if isinstance(source.reader, ArrayReader):
         return fields | {"png" if options.image_format == "png" else "jpg"}
     if options.keep_format and not options.resize_max_side:
         # Every member a kept format can be stored as (`encode.stored_fields`), not the inputs'
-        # extensions: a `.pgm` is stored as `ppm` (Pillow's name for it), a PNG named `.jpg` as
-        # `png`, and the loader reads only the image members the manifest names.
+        # extensions. A `.pgm` is stored as Pillow's `ppm`, and a PNG named `.jpg` as `png`. The
+        # loader reads only the image members the manifest names.
         fields |= stored_fields() & set(IMAGE_FIELDS)
     return fields | {"jpg"}
 
@@ -352,10 +352,10 @@ def _expected_fields(source: Source, options: ConvertOptions) -> set[str]:
 def _refuse_to_overwrite_foreign_objects(
     store: Store, todo: list[ShardTask], listed: dict[str, int], replaced: frozenset[str]
 ) -> None:
-    """`ConfigError` before anything is written when a shard about to be written would replace an
-    object that neither the dataset there (its manifest) nor an earlier run of a conversion (a
-    dlstore sample index beside it) accounts for: another tool's shards, such as WebDataset tars
-    waiting for `dlstore index`."""
+    """`ConfigError` before anything is written when a shard would replace an object nothing
+    accounts for. Neither the dataset there, through its manifest, nor an earlier conversion,
+    through a dlstore sample index beside it, may claim it. Such objects are another tool's
+    shards, like WebDataset tars waiting for `dlstore index`."""
     foreign = [task.name for task in todo if task.name in listed and task.name not in replaced]
     foreign = [name for name in foreign if not _written_by_dlstore(store, name, listed)]
     if foreign:
@@ -368,9 +368,9 @@ def _refuse_to_overwrite_foreign_objects(
 
 
 def _written_by_dlstore(store: Store, name: str, listed: dict[str, int]) -> bool:
-    """Whether shard `name` is an earlier conversion's: a dlstore sample index is beside it, or
-    (a run cut between the two, or its index damaged) its first tar header is as dlstore
-    writes them (`shard_writer`: mtime 0, no user or group names), which other tools' are not."""
+    """Whether shard `name` is an earlier conversion's. A dlstore sample index is beside it, or its
+    first tar header is as `shard_writer` writes them: mtime 0, no user or group names. The
+    header check covers a run cut between the two, and a damaged index."""
     if index_name(name) in listed:
         with contextlib.suppress(NotFound, FormatError):
             SampleIndex.from_bytes(store.get_bytes(index_name(name)))
@@ -385,10 +385,10 @@ def _written_by_dlstore(store: Store, name: str, listed: dict[str, int]) -> bool
 def _remove_stale_shards(
     store: Store, listed: dict[str, int], tasks: list[ShardTask], replaced: frozenset[str]
 ) -> None:
-    """Delete the shards and indexes of the dataset this one replaced (`replaced`: what its manifest
-    named) that it does not reuse, e.g. shards 2-5 after a 6-shard dataset was converted again
-    into 2. Left behind, `dlstore index` would take them into a manifest, and they hold space.
-    Anything else under the shard prefix is only named in a warning. The manifest is already new."""
+    """Delete the objects the old manifest named (`replaced`) that this dataset does not reuse. An
+    example is shards 2-5 after a 6-shard dataset was converted again into 2. Left behind, they
+    hold space, and `dlstore index` would take them in. Anything else under the shard prefix is
+    only named in a warning. The manifest is already new."""
     names = {task.name for task in tasks}
     stale = sorted(set(listed) - names - {index_name(n) for n in names} - {MANIFEST_NAME})
     old = [key for key in stale if key in replaced]

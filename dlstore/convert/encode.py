@@ -1,12 +1,12 @@
-"""Encoding one input for a shard: a complete JPEG that need not shrink is stored as it is
-(its markers walked, and with `check_decode` its data decoded once); anything else is opened
-with Pillow, resized when asked, and stored as JPEG (or, with `keep_format`, in its own
-format). An input that is not a usable image raises `CorruptSample`.
+"""Encoding one input for a shard. A complete JPEG that need not shrink is stored as it is. Its
+markers are walked, and with `check_decode` its data is decoded once. Anything else is opened
+with Pillow, resized when asked, and stored as JPEG. With `keep_format` it keeps its own format.
+An input that is not a usable image raises `CorruptSample`.
 
-A cheap check catches truncated files: Pillow parses the header, and a JPEG without its
-end-of-image marker near the end is decoded fully before it is accepted. With
-`check_decode` (the default) every JPEG input is also entropy-decoded whole, as the
-loader's first decode of a sample does, so that the loader need not (`Manifest.decode_checked`).
+A cheap check catches truncated files. Pillow parses the header, and a JPEG without its end-of-image
+marker near the end is decoded fully before it is accepted. With `check_decode`, the default, every
+JPEG input is also entropy-decoded whole. That is what the loader's first decode of a sample does,
+so the loader need not (`Manifest.decode_checked`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def _jpeg_bytes(image: Image.Image, quality: int) -> bytes:
 
 
 def _shrink(image: Image.Image, max_side: int) -> Image.Image:
-    """Scale so the longer side is `max_side`: a DCT-domain downscale first when the JPEG
-    allows (decoding at 1/2, 1/4 or 1/8 is several times cheaper), then an antialiased resize."""
+    """Scale so the longer side is `max_side`. A DCT-domain downscale at 1/2, 1/4 or 1/8 comes first
+    when the JPEG allows, being much cheaper. An antialiased resize follows."""
     w, h = image.size
     scale = max_side / max(w, h)
     target = (max(1, round(w * scale)), max(1, round(h * scale)))
@@ -51,8 +51,8 @@ def _shrink(image: Image.Image, max_side: int) -> Image.Image:
 
 
 def jpeg_header(data: bytes) -> tuple[int, int, int] | None:
-    """(width, height, components) from a JPEG's frame header (`transforms.jpeg_frame`, no
-    decode), or None when this is not a well-formed JPEG start.
+    """Width, height and components from a JPEG's frame header, without a decode
+    (`transforms.jpeg_frame`). None when this is not a well-formed JPEG start.
 
     >>> jpeg_header(b"\\xff\\xd8\\xff\\xc0\\x00\\x11\\x08\\x01\\x5e\\x01\\x90\\x03" + bytes(9))
     (400, 350, 3)
@@ -64,7 +64,7 @@ def jpeg_header(data: bytes) -> tuple[int, int, int] | None:
 
 
 def _encode_array(pixels: np.ndarray, options: ConvertOptions) -> tuple[str, bytes]:
-    """A CIFAR/MNIST row as PNG (lossless) or JPEG, as `options.image_format` says."""
+    """A CIFAR/MNIST row as lossless PNG or as JPEG, as `options.image_format` says."""
     image = Image.fromarray(pixels)
     if options.resize_max_side and max(image.size) > options.resize_max_side:
         image = _shrink(image, options.resize_max_side)
@@ -76,16 +76,16 @@ def _encode_array(pixels: np.ndarray, options: ConvertOptions) -> tuple[str, byt
 
 
 def _checked(jpeg: bytes, options: ConvertOptions) -> bytes:
-    """`jpeg`, once it decodes as the loader's first decode of it would (`check_decodes`),
-    when `options.check_decode`: a JPEG that fails would be skipped in every epoch, or, shrunk
-    or re-encoded by Pillow (which decodes past damage), stored with its damage as pixels."""
+    """`jpeg`, once it decodes as the loader's first decode of it would (`check_decodes`), when
+    `options.check_decode`. A JPEG that fails would be skipped in every epoch. Or Pillow, which
+    decodes past damage, would shrink or re-encode it with its damage stored as pixels."""
     if options.check_decode:
         check_decodes(jpeg)
     return jpeg
 
 
 def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str, bytes]:
-    """(field, bytes) to store for one input; `CorruptSample` if it is not a usable image."""
+    """The field and bytes to store for one input; `CorruptSample` if it is not a usable image."""
     if isinstance(raw, np.ndarray):
         return _encode_array(raw, options)
     # The common case: a complete grey or colour JPEG that need not shrink is stored as it is.
@@ -100,22 +100,22 @@ def encode_input(raw: bytes | np.ndarray, options: ConvertOptions) -> tuple[str,
     try:
         image = Image.open(io.BytesIO(raw))
         fmt = image.format
-        if fmt == "JPEG":  # any mode: shrunk or re-encoded, Pillow would make damaged data a clean JPEG
+        if fmt == "JPEG":  # any mode: a Pillow re-encode would make damaged data a clean JPEG
             _checked(raw, options)
         if options.resize_max_side and max(image.size) > options.resize_max_side:
             return "jpg", _jpeg_bytes(_shrink(image, options.resize_max_side), options.quality)
         if fmt == "JPEG" and image.mode in ("RGB", "L"):
             if raw.rfind(b"\xff\xd9", max(0, len(raw) - 4096)) < 0:
-                image.load()  # no end-of-image marker near the end: decode to tell truncation from trailing junk
+                image.load()  # no end-of-image marker near the end: tell truncation from trailing junk
             return "jpg", raw
         if options.keep_format and fmt in _EXT_OF_FORMAT:
             image.verify()
             return _EXT_OF_FORMAT[fmt], raw
-        # Other formats and JPEG modes decoders handle badly (CMYK): re-encode as RGB JPEG.
+        # Other formats, and JPEG modes decoders handle badly such as CMYK: re-encode as RGB JPEG.
         return "jpg", _jpeg_bytes(image.convert("RGB"), options.quality)
     except CorruptSample:
         raise
     except UnidentifiedImageError:
         raise CorruptSample("not an image format Pillow reads") from None
-    except Exception as exc:  # Pillow raises many types for bad input (OSError, SyntaxError, ValueError, …)
+    except Exception as exc:  # Pillow raises many types for bad input: OSError, SyntaxError, ValueError, …
         raise CorruptSample(f"{type(exc).__name__}: {exc}") from None

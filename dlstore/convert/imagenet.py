@@ -1,6 +1,6 @@
-"""The ImageNet (ILSVRC2012) lister: class folders named by WordNet id, flat validation images
-labelled from a ground-truth file (LOC_val_solution.csv, a `<filename> <wnid>` list or the
-devkit), or the original tars, indexed in place: the outer tar and each per-class tar inside
+"""The ImageNet (ILSVRC2012) lister. It reads class folders named by WordNet id, or flat validation
+images labelled from a ground-truth file: LOC_val_solution.csv, a `<filename> <wnid>` list or the
+devkit. It also indexes the original tars in place. The outer tar and each per-class tar inside
 it are walked header by header with `pread`, never extracted.
 """
 
@@ -39,7 +39,7 @@ _DEVKIT_GROUND_TRUTH = "ILSVRC2012_validation_ground_truth.txt"
 
 
 def imagenet_source(src: Path, options: ConvertOptions) -> Source:
-    """Find the split in any of the usual layouts (see `_IMAGENET_EXPECTED`) and list it."""
+    """Find the split in any of the usual layouts, listed in `_IMAGENET_EXPECTED`, and list it."""
     split = options.split or "train"
     if split not in ("train", "val"):
         raise ConfigError(f"imagenet splits are 'train' and 'val', not {split!r}")
@@ -71,7 +71,7 @@ def _imagenet_folder(folder: Path, split: str, options: ConvertOptions, search: 
     if dirs:
         items = walk_class_dirs(folder, dirs, skipped)
         return Source("imagenet", folder.name, split, dirs, items, FileReader(str(folder)), False, skipped)
-    # A flat folder (validation images): labels come from the ground-truth file.
+    # A flat folder of validation images: labels come from the ground-truth file.
     extensions = image_extensions()
     files = sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in extensions)
     if not files:
@@ -82,7 +82,7 @@ def _imagenet_folder(folder: Path, split: str, options: ConvertOptions, search: 
 
 
 def _imagenet_tar(path: Path, split: str, options: ConvertOptions) -> Source:
-    """`ILSVRC2012_img_train.tar` (per-class tars inside) or `ILSVRC2012_img_val.tar` (flat)."""
+    """`ILSVRC2012_img_train.tar`, with per-class tars inside, or the flat `ILSVRC2012_img_val.tar`."""
     extensions = image_extensions()
     with open(path, "rb", buffering=0) as file:
         try:
@@ -104,7 +104,7 @@ def _imagenet_tar(path: Path, split: str, options: ConvertOptions) -> Source:
 
 
 def _list_class_tars(path: Path, fd: int, nested: list[TarMember]) -> tuple[list[str], list[SourceItem]]:
-    """(wnids, items) of the per-class `<wnid>.tar` members of the train tar, read in place."""
+    """The wnids and items of the per-class `<wnid>.tar` members of the train tar, read in place."""
     items: list[SourceItem] = []
     classes: list[str] = []
     for member in sorted(nested, key=lambda m: m.name):
@@ -123,7 +123,7 @@ def _list_class_tars(path: Path, fd: int, nested: list[TarMember]) -> tuple[list
 
 
 class _FileWindow:
-    """A read-only, seekable view of `[start, start + size)` of an open file (a nested tar)."""
+    """A read-only, seekable view of `[start, start + size)` of an open file, such as a nested tar."""
 
     def __init__(self, fd: int, start: int, size: int) -> None:
         self.fd, self.start, self.size, self.pos = fd, start, size, 0
@@ -151,9 +151,9 @@ class _FileWindow:
 def _val_labels(options: ConvertOptions, search: list[Path]) -> tuple[dict[str, str], list[str], str]:
     """Ground truth for flat validation images: {image stem: wnid}, sorted wnids, the file's name.
 
-    Looked for in `search` (and their `ILSVRC2012_devkit_t12/data/`): LOC_val_solution.csv,
-    a `<filename> <wnid>` list, or the devkit's ILSVRC2012_validation_ground_truth.txt with
-    its meta.mat."""
+    It is looked for in `search` and their `ILSVRC2012_devkit_t12/data/`. It is
+    LOC_val_solution.csv, a `<filename> <wnid>` list, or the devkit's
+    ILSVRC2012_validation_ground_truth.txt with its meta.mat."""
     if options.val_labels:
         candidates = [Path(options.val_labels)]
     else:
@@ -173,8 +173,8 @@ def _val_labels(options: ConvertOptions, search: list[Path]) -> tuple[dict[str, 
 
 
 def _parse_val_labels(path: Path) -> dict[str, str]:
-    """`LOC_val_solution.csv` (`ImageId,PredictionString` whose first token is the wnid) or
-    lines of `<filename> <wnid>`."""
+    """`LOC_val_solution.csv`, whose `PredictionString` starts with the wnid, or lines of
+    `<filename> <wnid>`."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -225,7 +225,7 @@ def _parse_devkit(path: Path) -> dict[str, str]:
 def _label_flat(
     files: list[tuple[str, int, int]], labels: dict[str, str], classes: list[str], origin: str
 ) -> list[SourceItem]:
-    """Items for flat (name, size, offset) files; every file must have a label in the ground truth."""
+    """Items for flat files given as name, size, offset; each needs a label in the ground truth."""
     index = {wnid: i for i, wnid in enumerate(classes)}
     missing = [name for name, _, _ in files if os.path.splitext(name)[0] not in labels]
     if missing:

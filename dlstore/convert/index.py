@@ -1,5 +1,5 @@
-"""`index_dataset`: make shards written by other tools (`webdataset.ShardWriter`, GNU tar)
-readable by dlstore, in place: a sample index beside each `.tar` and an `index.json`."""
+"""`index_dataset`: make shards of other tools, such as `webdataset.ShardWriter` or GNU tar,
+readable by dlstore in place. It writes a sample index beside each `.tar`, and an `index.json`."""
 
 from __future__ import annotations
 
@@ -36,17 +36,16 @@ def index_dataset(
     progress: Callable[[int, int], None] | None = None,
     overwrite: bool = False,
 ) -> Manifest:
-    """Build sample indexes and `index.json` for the `.tar` shards under `dataset` (written
-    by `webdataset.ShardWriter` or any other tool), in place.
+    """Build sample indexes and `index.json` for the `.tar` shards under `dataset`, in place. Any
+    tool may have written them, such as `webdataset.ShardWriter`.
 
-    Labels are the integer `label_field` members (default `cls`; one named that no sample has is
-    a ConfigError, a mistyped name, before any manifest is written); the class count is the largest label + 1
-    (class names are then `"0"`, `"1"`, …), unless a manifest there before describes the same
-    shards byte for byte: its class names and `created` stay. Shards without labels give an
-    unlabelled manifest.
-    Checksums are in `checksum_algorithm` (`dlstore.format.checksums`); None keeps the algorithm of
-    the manifest already there (indexed before: a checkpoint names the manifest's checksums),
-    else XXH3-128.
+    Labels are the integer `label_field` members, `cls` by default. A name that no sample has is
+    likely mistyped: it is a ConfigError before any manifest is written. The class count is the
+    largest label + 1, and class names are `"0"`, `"1"`, …. A manifest there before that describes
+    the same shards byte for byte keeps its class names and `created`. Shards without labels give an
+    unlabelled manifest. Checksums are in `checksum_algorithm` (`dlstore.format.checksums`). None
+    keeps the algorithm of the manifest already there, since a checkpoint names its checksums. Else
+    it is XXH3-128.
 
     >>> index_dataset("s3://bucket/laion-subset").total_samples       # doctest: +SKIP
     """
@@ -90,8 +89,8 @@ def index_dataset(
         log.warning("%s: some samples have no %r member; the manifest is unlabelled", store.url, label_field)
     unnamed = sorted(f for f in fields if not is_field_name(f))
     if unnamed:
-        # A manifest that named them would not load; the loader reads only its image and label
-        # members, so the others are left out, and said so.
+        # A manifest that named them would not load. The loader reads only its image and label
+        # members, so the others are left out, with a warning.
         log.warning(
             "%s: member extensions %s are left out of the manifest's fields (letters, digits, '_', '.', '-' only)",
             store.url,
@@ -111,8 +110,8 @@ def index_dataset(
 
 
 def _refuse_to_overwrite_other_indexes(store: Store, kept: list[str]) -> None:
-    """`ConfigError` before anything is written when a `.idx` beside a shard is not one of ours
-    (a DALI `wds2idx` text index, say): it was replaced without a word."""
+    """`ConfigError` before anything is written when a `.idx` beside a shard is not one of ours,
+    such as a DALI `wds2idx` text index. Otherwise it would be replaced without a word."""
     ours = (SampleIndex.MAGIC, SampleIndex.MAGIC_V2, SampleIndex.MAGIC_V1)
     other = [name for name in kept if store.get_range(name, 0, 8) not in ours]
     if other:
@@ -125,10 +124,11 @@ def _refuse_to_overwrite_other_indexes(store: Store, kept: list[str]) -> None:
 
 
 def _keeping_what_the_shards_had(manifest: Manifest, previous: Manifest) -> Manifest:
-    """`manifest`, with what the manifest there before (`previous`) said of the same shards,
-    byte for byte (their checksums, in its algorithm): its class names (a converted ImageNet's
-    wnids, not "0", "1", …), and its `created` and `extra` (with `Manifest.decode_checked`).
-    Why: `index` is how a dataset converted by an older dlstore gets sample digests in place."""
+    """`manifest`, with what the manifest there before (`previous`) said of the same shards, byte
+    for byte. Same bytes means the same checksums, in its algorithm. It keeps the class names,
+    such as a converted ImageNet's wnids, and `created` and `extra` with
+    `Manifest.decode_checked`. Why: `index` is how a dataset converted by an older dlstore gets
+    sample digests in place."""
     if [(s.name, s.samples) for s in previous.shards] != [(s.name, s.samples) for s in manifest.shards]:
         return manifest
     if manifest.label_field != previous.label_field or len(previous.classes) < len(manifest.classes):
@@ -138,8 +138,8 @@ def _keeping_what_the_shards_had(manifest: Manifest, previous: Manifest) -> Mani
 
 @dataclass
 class _IndexedShard:
-    """What indexing one shard found: its manifest entry, the members its samples have, the
-    largest label (-1 for none), and whether some sample had no label."""
+    """What indexing one shard found: its manifest entry, the members its samples have, the largest
+    label or -1, and whether some sample had no label."""
 
     info: ShardInfo | None = None
     fields: set[str] = field(default_factory=set)
@@ -162,16 +162,16 @@ class _IndexedShard:
 def _index_shard(
     store: Store, name: str, label_field: str, checksum_algorithm: str, checksum_before: str | None
 ) -> _IndexedShard:
-    """Scan one shard, put its sample index (with sample digests) beside it, and say what it
-    holds, and whether it is the shard `checksum_before` (the manifest there before) names.
-    An index there before of the same bytes gives the new one its recipe digest, by which a
-    conversion run again recognises the shard as its own (`build.existing_shard`)."""
+    """Scan one shard, put its sample index with sample digests beside it, and say what it holds.
+    Also say whether it is the shard that `checksum_before`, from the manifest there before,
+    names. An index there before of the same bytes gives the new one its recipe digest. By that
+    digest a conversion run again recognises the shard as its own (`build.existing_shard`)."""
     found = _IndexedShard()
     try:
         old: SampleIndex | None = SampleIndex.from_bytes(store.get_bytes(index_name(name)))
     except (NotFound, FormatError):
         old = None
-    # The shard's bytes in the other algorithms of what was there before, in the same read.
+    # The shard's bytes in the older checksums' other algorithms, in the same read.
     before = PassingHashes(
         {c.partition(":")[0] for c in (checksum_before, old and old.checksum) if c} - {checksum_algorithm}
     )

@@ -1,5 +1,5 @@
-"""What every source lister produces: `SourceItem`s and a `Source`, the readers that fetch an
-item's bytes in a worker process (files, tar members), and the folder-walking helpers the
+"""What every source lister produces: `SourceItem`s and a `Source`. Also the readers that fetch an
+item's bytes in a worker process, from files or tar members. Also the folder-walking helpers the
 ImageNet and ImageFolder listers share.
 
 Readers are pickled into worker processes, so they open nothing until their first `read`.
@@ -33,8 +33,8 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class SourceItem:
-    """One input: a stable id (a relative path, `<wnid>/<member>`, `<batch>/<i>`), its label,
-    its size in bytes when known (0 otherwise), and where the reader finds it."""
+    """One input: a stable id, its label, its size in bytes or 0 when unknown, and where the reader
+    finds it. The id is a relative path, `<wnid>/<member>` or `<batch>/<i>`."""
 
     id: str
     label: int
@@ -54,7 +54,7 @@ class FileReader:
 
 
 class TarReader:
-    """Inputs are members of one local tar (maybe nested): `pread` at a known offset."""
+    """Inputs are members of one local tar, maybe nested, read with `pread` at a known offset."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -74,10 +74,10 @@ class TarReader:
 
 @dataclass
 class Source:
-    """A listed input dataset: classes, inputs in canonical (sorted-id) order, and a reader.
+    """A listed input dataset: classes, inputs in canonical sorted-id order, and a reader.
 
-    `reencode` is True when the shards' image bytes are not the input bytes (so their
-    sizes are only known after encoding)."""
+    `reencode` is True when the shards' image bytes are not the input bytes. Their sizes are then
+    only known after encoding."""
 
     format: str
     name: str
@@ -101,17 +101,17 @@ def describe_found(path: Path, limit: int = 8) -> str:
 
 
 def image_extensions() -> set[str]:
-    """File extensions Pillow can open (lower case, with the dot)."""
+    """File extensions Pillow can open, in lower case, with the dot."""
     Image.init()
     return {ext.lower() for ext in Image.registered_extensions()}
 
 
 def walk_class_dirs(root: Path, class_dirs: Sequence[str], skipped: list[SkippedInput]) -> list[SourceItem]:
-    """Every image file under each class folder (recursively, like torchvision's ImageFolder).
-    Skipped, each with its reason: a folder walked already or reached by a link out of its
-    class (into another class's folder, or up the tree: those images took this class's label),
-    and files that are not regular (a pipe blocked the run, a link to /dev/zero filled memory),
-    links to nothing, and names that are not UTF-8 (they ended the run with a traceback)."""
+    """Every image file under each class folder, walked recursively like torchvision's ImageFolder.
+    Some are skipped, each with its reason: a folder walked already, or reached by a link out of
+    its class. Such a link, into another class or up the tree, would give its images this class's
+    label. So are files that are not regular: a pipe would block the run, a link to /dev/zero
+    fill memory. So are links to nothing, and names that are not UTF-8."""
     extensions = image_extensions()
     top = os.path.realpath(root)
     classes = {name: os.path.realpath(root / name) for name in class_dirs}
@@ -120,8 +120,8 @@ def walk_class_dirs(root: Path, class_dirs: Sequence[str], skipped: list[Skipped
         others = [real for other, real in classes.items() if other != name]
         seen: set[tuple[int, int]] = set()  # (device, inode) of the folders walked in this class
         for folder, dirs, files in os.walk(root / name, followlinks=True):
-            # Links are followed (a class folder may link to another disk), each real folder
-            # once: a link back up the tree walked it again and again, exponentially with two.
+            # Links are followed, as a class folder may link to another disk. Each real folder is
+            # walked once: a link back up the tree would walk it again and again.
             here = os.stat(folder)
             if (here.st_dev, here.st_ino) in seen:
                 dirs[:] = []
@@ -156,7 +156,7 @@ def _within(path: str, folder: str) -> bool:
 
 
 def _regular_file(path: str, rel: str) -> tuple[str | None, int]:
-    """(why it is skipped, or None; its size)."""
+    """Why the file is skipped, or None, and its size."""
     try:
         rel.encode("utf-8")
     except UnicodeEncodeError:

@@ -1,5 +1,5 @@
-"""What a conversion is asked to do (`ConvertOptions`) and what it reports back
-(`ConvertProgress` while it runs, `ConvertSummary` at the end)."""
+"""What a conversion is asked to do (`ConvertOptions`), and what it reports back. `ConvertProgress`
+comes while it runs, `ConvertSummary` at the end."""
 
 from __future__ import annotations
 
@@ -18,17 +18,17 @@ __all__ = ["ConvertOptions", "ConvertProgress", "ConvertSummary", "SkippedInput"
 class ConvertOptions:
     """How to convert. Only the fields listed in `shaping()` change the shards' bytes.
 
-    `split`: imagenet `train`/`val`; cifar10 and mnist `train`/`test`; imagefolder a sub-folder
-    (None: the folder itself). `image_format` is for cifar10/mnist (`png` or `jpeg`);
-    `keep_format` (imagefolder) stores non-JPEG images as they are instead of re-encoding
-    them as JPEG; `val_labels` points at an ImageNet ground-truth file when it is not found
-    beside the data. `checksum_algorithm`: the shards' and indexes' checksums
-    (`dlstore.format.checksums`: XXH3-128, or SHA-256 for a manifest pinned to vouch for them); None
-    (the default) keeps the one of the dataset already at the destination, else XXH3-128.
-    `check_decode`: every JPEG input is decoded at 1/8 scale as the loader's first decode of it
-    would be, and one that fails is skipped like any unreadable input. The manifest then says so
-    (`Manifest.decode_checked`), and the loader decodes only each crop's rows from the first
-    epoch on, instead of every row of a sample once per node.
+    `split` is `train` or `val` for imagenet, and `train` or `test` for cifar10 and mnist. For
+    imagefolder it is a sub-folder; None is the folder itself. `image_format` is `png` or `jpeg`,
+    for cifar10 and mnist. `keep_format`, for imagefolder, stores non-JPEG images as they are, not
+    as JPEG. `val_labels` points at an ImageNet ground-truth file when it is not beside the data.
+
+    `checksum_algorithm` is the checksum of shards and indexes (`dlstore.format.checksums`). None,
+    the default, keeps the one of the dataset at the destination, else XXH3-128. With
+    `check_decode`, every JPEG input is decoded at 1/8 scale, as the loader's first decode of it
+    would be. One that fails is skipped like any unreadable input. The manifest then says so
+    (`Manifest.decode_checked`), and the loader decodes only each crop's rows from the first epoch
+    on, not every row once per node.
     """
 
     split: str | None = None
@@ -89,8 +89,8 @@ class ConvertOptions:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "prefix": self.prefix,
-            # Only when set: a conversion without the check keeps the recipes, and so the
-            # shards, of datasets converted by versions without it.
+            # Only when set, so a conversion without the check keeps the recipes, and so the
+            # shards, of datasets converted without it.
             **({"check_decode": True} if self.check_decode else {}),
         }
 
@@ -117,8 +117,8 @@ class ConvertProgress:
 
 @dataclass(frozen=True)
 class ConvertSummary:
-    """What a conversion made; `skipped` lists the inputs dropped by the shards built in this run
-    (`skipped_earlier` counts those dropped by shards kept from an earlier run)."""
+    """What a conversion made. `skipped` lists the inputs dropped by the shards built in this run.
+    `skipped_earlier` counts those dropped by shards kept from an earlier run."""
 
     url: str
     samples: int

@@ -1,9 +1,9 @@
-"""Step 2 of a conversion, **plan**: a seeded global shuffle (`numpy.random.RandomState`, whose
-stream numpy keeps stable across versions), then consecutive runs of that order become
-shards, cut at `shard_size` bytes (exact sizes for inputs stored as they are, a probe-based
-estimate when images are re-encoded) and/or `samples_per_shard`. The plan is a pure function
-of the listing and the options, so every run of the same conversion makes the same shards;
-each shard's recipe digest lets a resumed run recognise the shards it can keep.
+"""Step 2 of a conversion, **plan**: a seeded global shuffle, cut into shards. The shuffle uses
+`numpy.random.RandomState`, whose stream numpy keeps stable across versions. Consecutive runs of
+that order become shards, cut at `shard_size` bytes and/or `samples_per_shard`. Sizes are exact
+for inputs stored as they are, and a probe-based estimate for re-encoded images. The plan is a
+pure function of the listing and the options. So every run of the same conversion makes the same
+shards. Each shard's recipe digest lets a resumed run recognise the shards it can keep.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ def sample_metadata(item: SourceItem, classes: Sequence[str]) -> bytes:
 def plan_shards(
     items: Sequence[SourceItem], options: ConvertOptions, sample_bytes: Callable[[int], int]
 ) -> list[list[int]]:
-    """Positions (in `items`) of each shard's inputs, in write order: a seeded shuffle cut at
-    `shard_size` bytes (by `sample_bytes(position)`) and/or `samples_per_shard`.
+    """The positions in `items` of each shard's inputs, in write order. A seeded shuffle is cut at
+    `shard_size` bytes, as `sample_bytes(position)` counts them, and/or at `samples_per_shard`.
 
     >>> plan_shards([SourceItem(str(i), 0) for i in range(5)], ConvertOptions(samples_per_shard=2, shuffle=False),
     ...             lambda p: 100)
@@ -65,8 +65,8 @@ def plan_shards(
 
 
 def _sample_bytes_estimator(source: Source, options: ConvertOptions) -> Callable[[int], int]:
-    """Bytes a sample will take in a shard: exact for inputs stored as they are, otherwise the
-    mean over a deterministic probe of up to 32 inputs encoded here."""
+    """Bytes a sample will take in a shard. They are exact for inputs stored as they are. Otherwise
+    they are the mean over a deterministic probe of up to 32 inputs encoded here."""
 
     def member(n: int) -> int:
         return 512 + n + (-n % 512)

@@ -1,7 +1,7 @@
-"""Step 1 of a conversion, **list**: `list_source` turns a source folder or archive into a
-`Source` (classes, every input with its label in sorted-id order, a reader), without
-reading image bytes. Each format has its lister: ImageNet in `imagenet.py`, CIFAR-10 and
-MNIST in `arrays.py`, ImageFolder here.
+"""Step 1 of a conversion, **list**: `list_source` turns a source folder or archive into a `Source`.
+That holds the classes, every input with its label in sorted-id order, and a reader. No image
+bytes are read. Each format has its lister: ImageNet in `imagenet.py`, CIFAR-10 and MNIST in
+`arrays.py`, ImageFolder here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ _SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "te
 
 
 def list_source(fmt: str, src: str | os.PathLike[str], options: ConvertOptions = ConvertOptions()) -> Source:
-    """List `src` as a dataset of format `fmt` (one of `FORMATS`); `FormatError` if it is not one.
+    """List `src` as a dataset of format `fmt`, one of `FORMATS`; `FormatError` if it is not one.
 
     >>> source = list_source("cifar10", "/data/cifar10", ConvertOptions(split="test"))  # doctest: +SKIP
     >>> len(source.items), source.classes[:2]                                            # doctest: +SKIP
@@ -49,7 +49,7 @@ def list_source(fmt: str, src: str | os.PathLike[str], options: ConvertOptions =
 
 
 def imagefolder_source(src: Path, options: ConvertOptions) -> Source:
-    """`<class>/<image>` folders (under `options.split` when given), like torchvision's ImageFolder."""
+    """`<class>/<image>` folders, under `options.split` when given, like torchvision's ImageFolder."""
     root = src / options.split if options.split else src
     if not root.is_dir():
         raise FormatError(f"{root}: expected a folder of class sub-folders; found {describe_found(src)}")
@@ -63,7 +63,7 @@ def imagefolder_source(src: Path, options: ConvertOptions) -> Source:
             raise FormatError(f"{root}: class folder {name!r} is not named in UTF-8; rename it") from None
     splits = [name for name in classes if name.lower() in _SPLIT_NAMES and subdirs(root / name)]
     if splits and not options.split:
-        # Converted as they were, the splits became the classes: every image labelled "train" or "val".
+        # Converted as they are, the splits would become the classes: every image labelled "train" or "val".
         raise ConfigError(
             f"{root} holds split folders ({', '.join(splits)}) of class folders, not class folders: "
             f"give --split {splits[0]} (and convert each split on its own)"

@@ -1,8 +1,8 @@
 """`verify_dataset`: check a finished dataset against its manifest, shard by shard, in threads.
 
-The quick check compares each shard's size and checksum (and its sample index) with the
-manifest; `deep` also walks every shard and checks every sample (it decodes as the loader's first
-decode of it would, its label is in range, it sits where the index says).
+The quick check compares each shard's size, checksum and sample index with the manifest. `deep` also
+walks every shard and checks every sample. A sample must decode as the loader's first decode of it
+would, have a label in range, and sit where the index says.
 """
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def verify_dataset(
     config: StoreConfig | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> VerifyReport:
-    """Check every shard's size and checksum (and its sample index) against the manifest.
+    """Check every shard's size, checksum and sample index against the manifest.
 
-    `deep` also walks every shard: each sample must decode, carry a label in range and
-    appear where its index says, and counts must match. `progress(done, total)` after each shard.
+    `deep` also walks every shard. Each sample must decode, carry a label in range and appear where
+    its index says, and counts must match. `progress(done, total)` is called after each shard.
 
     >>> report = verify_dataset("swift://imagenet/train", deep=True)   # doctest: +SKIP
     >>> report.ok, report.problems[:1]                                  # doctest: +SKIP
@@ -83,7 +83,7 @@ def verify_dataset(
 
 
 def _verify_shard(store: Store, manifest: Manifest, shard: ShardInfo, deep: bool) -> tuple[list[str], int, int]:
-    """(problems, samples, bytes) of one shard."""
+    """The problems, samples and bytes of one shard."""
     try:
         actual = store.stat(shard.name).size
     except NotFound:
@@ -105,7 +105,7 @@ def _verify_shard(store: Store, manifest: Manifest, shard: ShardInfo, deep: bool
 
 
 def _check_stored_index(store: Store, manifest: Manifest, shard: ShardInfo, problems: list[str]) -> SampleIndex | None:
-    """The shard's sample index as stored, checked against the manifest (problems appended)."""
+    """The shard's sample index as stored, checked against the manifest; problems are appended."""
     if not shard.index:
         return None
     try:
@@ -166,14 +166,14 @@ def _walk_shard(
 def _check_sample(sample: dict, manifest: Manifest) -> str | None:
     """What is wrong with one sample of a deep check, or None."""
     key = sample["__key__"]
-    # The image members the manifest names, as the loader reads them (`SamplePath`): an image
-    # under another name is one the loader skips.
+    # The image members the manifest names, as the loader reads them (`SamplePath`). The loader
+    # skips an image under another name.
     field = image_field(sample, [f for f in IMAGE_FIELDS if f in manifest.fields])
     if field is None:
         members = ", ".join(k for k in sample if k != "__key__")
         return f"sample {key!r} has no image among the manifest's fields ({members})"
     try:
-        check_decodes(sample[field])  # as the loader's first decode of it: what it would skip
+        check_decodes(sample[field])  # as the loader's first decode would, to find what it would skip
     except Exception as exc:  # any decoder failure means the sample is unusable
         return f"sample {key!r}: {field} does not decode ({type(exc).__name__}: {exc})"
     if manifest.label_field:

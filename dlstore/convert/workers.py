@@ -1,25 +1,25 @@
-"""Running the shard builders: in this process for one worker, else in a pool of spawned worker
-processes; the first failure stops them all.
+"""Running the shard builders. One worker builds in this process; more run in a pool of spawned
+worker processes. The first failure stops them all.
 
-How a failing conversion ends (the first error wins, and reaches the caller promptly):
+How a failing conversion ends. The first error wins, and reaches the caller promptly:
 
-1. The error arrives in this process: a worker's (re-raised from its future), one the
-   progress callback raises, or a stop: Ctrl-C, SIGTERM or SIGUSR1 (workers ignore them; this
-   process decides).
-2. Shards not yet started are cancelled, and the shared `stop` event is set. A running build
-   checks it before every sample and ends through its normal exception path, which removes
-   its half-written object (the local store's temp file, the temp tar, an S3 multipart upload).
-3. Workers still busy after `_STOP_GRACE_S` (stuck in an upload, say) are killed; then the
-   pool is joined, so no worker outlives `convert`, and a resume never races an old worker.
+1. The error arrives in this process. It is a worker's, re-raised from its future, or one the
+   progress callback raises. Or it is a stop: Ctrl-C, SIGTERM or SIGUSR1. Workers ignore those; this
+   process decides.
+2. Shards not yet started are cancelled, and the shared `stop` event is set. A running build checks
+   it before every sample. It ends through its normal exception path, which removes its half-written
+   object. That is the local store's temp file, the temp tar, or an S3 multipart upload.
+3. Workers still busy after `_STOP_GRACE_S`, stuck in an upload say, are killed. Then the pool is
+   joined, so no worker outlives `convert`, and a resume never races an old worker.
 
-Workers install no Python signal handlers: a handler runs only when the main thread runs
-Python code, so a worker blocked in a lock would never run one, and the join would hang.
+Workers install no Python signal handlers. A handler runs only when the main thread runs Python
+code. A worker blocked in a lock would never run one, and the join would hang.
 
-A worker that dies before it starts ends the conversion with an error that says so. That is a
-script calling `convert` without an `if __name__ == "__main__":` guard: a spawned worker
-imports the main module, and its own `convert` stops it. The listing reaches the workers
-through a file, not their start-up message: a message larger than the pipe's buffer would
-block this process for ever, writing to a worker that had died.
+A worker that dies before it starts ends the conversion with an error that says so. The usual cause
+is a script calling `convert` without an `if __name__ == "__main__":` guard. A spawned worker
+imports the main module, and its own `convert` stops it. The listing reaches the workers through a
+file, not their start-up message. A message larger than the pipe's buffer would block this process
+for ever, writing to a worker that had died.
 """
 
 from __future__ import annotations
@@ -55,16 +55,16 @@ __all__ = ["build_shards"]
 log = logging.getLogger(__name__)
 
 # How long running builds get to notice `stop` before their workers are killed. Between samples
-# they notice within one sample; only a store call (an upload riding out retries) takes longer.
+# they notice within one sample. Only a store call, such as an upload riding out retries, is slower.
 _STOP_GRACE_S = 10.0
-#: What a worker ignores, from its first instruction: a stop reaches the whole process group
-#: (Ctrl-C, Slurm's SIGTERM and `--signal` SIGUSR1, `docker stop`), and this process decides.
+#: What a worker ignores, from its first instruction. A stop reaches the whole process group:
+#: Ctrl-C, Slurm's SIGTERM and `--signal` SIGUSR1, `docker stop`. This process decides.
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 _PROGRESS_INTERVAL_S = 0.25
 _STOP_POLL_S = 0.1
 
-# The builder of this worker process, made by `_start_worker`: the pool sends the context (with
-# the whole listing) once per worker, and each task carries only its shard's plan.
+# The builder of this worker process, made by `_start_worker`. The pool sends the context, with
+# the whole listing, once per worker. Each task carries only its shard's plan.
 _process_builder: ShardBuilder | None = None
 
 
@@ -76,13 +76,13 @@ def build_shards(
     built: dict[int, Built],
     report: Callable[[Counters], None],
 ) -> None:
-    """Build every shard in `todo` into `built`; `report(counters)` after each shard and a few
-    times a second. The first error (a worker's, or one `report` raises) stops the build and is
-    raised here once every worker has ended."""
+    """Build every shard in `todo` into `built`, calling `report(counters)` after each shard and a
+    few times a second. The first error stops the build: a worker's, or one `report` raises. It
+    is raised here once every worker has ended."""
     base = options.tmp_dir or tempfile.gettempdir()
     made: list[str] = []  # the folders of --tmp-dir that this run made, in order: removed with it
-    # Named before it is made, and made inside the `try`: a SIGTERM or Ctrl-C that lands between
-    # the two (the CLI turns SIGTERM into StoppedBySignal) still finds the `finally` that removes it.
+    # Named before it is made, and made inside the `try`. So a SIGTERM or Ctrl-C landing between
+    # the two still finds the `finally` that removes it. The CLI turns SIGTERM into StoppedBySignal.
     tmp_dir: str | None = os.path.join(base, f"dlstore-convert-{secrets.token_hex(6)}")
     try:
         for attempt in (1, 2):
@@ -92,7 +92,7 @@ def build_shards(
             try:
                 os.mkdir(tmp_dir, 0o700)
                 break
-            except FileExistsError:  # another's (48 random bits alike): not ours to remove
+            except FileExistsError:  # another's, 48 random bits alike: not ours to remove
                 tmp_dir = None
                 raise
             except FileNotFoundError:  # --tmp-dir, made by another convert, removed by it meanwhile
@@ -106,15 +106,15 @@ def build_shards(
     finally:
         if tmp_dir is not None:
             shutil.rmtree(tmp_dir, ignore_errors=True)
-        for folder in reversed(made):  # deepest first, and only while empty (another convert's may be in it)
+        for folder in reversed(made):  # deepest first, and only while empty: another convert's may be in it
             with contextlib.suppress(OSError):
                 os.rmdir(folder)
 
 
 def _make_folders(path: str, made: list[str]) -> None:
-    """Make the folders of `path` that are missing, one by one as written (a `..` goes where the
-    file system takes it), adding to `made` each one that this call made; stops at the first
-    it cannot make (`writable_dir` then says why)."""
+    """Make the missing folders of `path`, one by one as written; a `..` goes where the file system
+    takes it. Each folder this call made is added to `made`. It stops at the first it cannot
+    make; `writable_dir` then says why."""
     parts = path.split(os.sep)
     for end in range(1, len(parts) + 1):
         folder = os.sep.join(parts[:end])
@@ -141,10 +141,11 @@ def _build_in_process(
 
 
 def _start_worker(context: BuildContext, source_path: str, shared: tuple, stop: Any, pids: Any) -> None:
-    """Pool initializer: this worker's builder (its context's source, with the listing, read from `source_path`),
-    and its pid sent to the parent (which kills it only if it is stuck). A stop signal reaches
-    the whole process group; only the parent acts on it (through `stop`), so a worker ignores
-    them (SIG_IGN: no Python handler), born with them blocked (`_stop_signals_blocked_while_workers_start`)."""
+    """Pool initializer: make this worker's builder and send its pid to the parent. The builder's
+    source, with the listing, is read from `source_path`. The parent kills a worker only if it is
+    stuck. A stop signal reaches the whole process group, but only the parent acts on it, through
+    `stop`. So a worker ignores the signals with SIG_IGN, not a Python handler. It is born with
+    them blocked (`_stop_signals_blocked_while_workers_start`)."""
     global _process_builder
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
@@ -156,8 +157,8 @@ def _start_worker(context: BuildContext, source_path: str, shared: tuple, stop: 
 
 
 def _without_listing(context: BuildContext) -> tuple[BuildContext, str]:
-    """The context without its listing (inputs and skipped files: their size grows with the
-    dataset), and the file in its temp dir that holds the source with its listing."""
+    """The context without its listing, and the file in its temp dir that holds the source with its
+    listing. The inputs and skipped files grow with the dataset."""
     source_path = os.path.join(context.tmp_dir, "source.pickle")
     with open(source_path, "wb") as file:
         pickle.dump(context.source, file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -174,14 +175,14 @@ def _build_in_worker(task: ShardTask) -> Built:
 def _build_in_pool(
     context: BuildContext, todo: list[ShardTask], built: dict[int, Built], report: Callable[[Counters], None]
 ) -> None:
-    # spawn, not fork: the parent may hold threads (progress bar, store clients) that a fork would copy mid-state.
+    # spawn, not fork: a fork would copy the parent's threads mid-state, such as progress bar and store clients.
     ctx = multiprocessing.get_context("spawn")
     pending: set[Future] = set()
     pool: ProcessPoolExecutor | None = None
     try:
-        # Stops are only noted from here on. One raised while a semaphore was made (the pool's
-        # queues, `shared`, `stop`) could land between its registration with the resource tracker
-        # and the finalizer that unregisters it: "There appear to be 1 leaked semaphore objects".
+        # Stops are only noted from here on. One raised while a semaphore is made could land between
+        # its registration with the resource tracker and the finalizer that unregisters it. That
+        # leaks the semaphore. The pool's queues, `shared` and `stop` all make semaphores.
         with _StopsAtSafePoints() as stops:
             _start_resource_tracker()
             shared = (ctx.Value("q", 0), ctx.Value("q", 0))
@@ -217,19 +218,18 @@ def _build_in_pool(
                     ) from exc
                 raise
     finally:
-        # Outside the block: a stop while the idle workers are joined interrupts the join (a
-        # worker stuck in its exit would otherwise hold convert until a SIGKILL). A no-op after
-        # `_stop_pool`.
+        # Outside the block, a stop while the idle workers are joined interrupts the join. Else a
+        # worker stuck in its exit would hold convert until a SIGKILL. A no-op after `_stop_pool`.
         if pool is not None:
             pool.shutdown(wait=True)
 
 
 class _StopsAtSafePoints:
-    """The stop signals, noted while the pool runs and acted on between two waits for it, as
-    the handlers before would have (Ctrl-C's KeyboardInterrupt, the CLI's `StoppedBySignal`).
-    Raised inside `concurrent.futures.wait`, a stop could land between a lock's acquire and
-    its release, and a double Ctrl-C ended in "RuntimeError: release unlocked lock" and a
-    traceback. A stop noted after the first one asks the clean-up to hurry (`_stop_pool`)."""
+    """The stop signals, noted while the pool runs and acted on between two waits for it. Acting
+    does what the handlers before would have done: Ctrl-C's KeyboardInterrupt, the CLI's
+    `StoppedBySignal`. A stop raised inside `concurrent.futures.wait` could land between a lock's
+    acquire and its release. A double Ctrl-C would then end in "RuntimeError: release unlocked
+    lock". A stop noted after the first asks the clean-up to hurry (`_stop_pool`)."""
 
     def __init__(self) -> None:
         self.received: list[int] = []
@@ -253,8 +253,8 @@ class _StopsAtSafePoints:
         self.received.append(signum)
 
     def act(self) -> None:
-        """Do what the handler before this one did for the first stop noted (a default action
-        is taken with that default back in place)."""
+        """Do what the handler before this one did for the first stop noted. A default action is
+        taken with that default back in place."""
         if not self.received:
             return
         signum = self.received.pop(0)
@@ -269,12 +269,12 @@ class _StopsAtSafePoints:
 @contextlib.contextmanager
 def _stop_signals_blocked_while_workers_start() -> Iterator[None]:
     """Workers started in this block are deaf to the stop signals from their first instruction.
-    A stop to the process group while a worker was still importing printed a page of
-    KeyboardInterrupt traceback per worker (Ctrl-C), or killed it (SIGTERM, SIGUSR1), and the
-    pool's clean-up of the broken pool raced convert's cancelling of its shards into a
-    traceback. This thread blocks them while it starts the workers, which are born with that
-    mask (kept across exec): one sent meanwhile waits in a worker until `_start_worker`
-    ignores it. This process still takes them, in its other threads or once the block ends."""
+    Otherwise a stop to the process group while a worker still imports prints a KeyboardInterrupt
+    traceback per worker, or kills it. The clean-up of the broken pool then races convert's
+    cancelling of its shards. This thread blocks the signals while it starts the workers, and
+    they inherit that mask across exec. A signal sent meanwhile waits in a worker until
+    `_start_worker` ignores it. This process still takes them, in its other threads or once the
+    block ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -286,10 +286,10 @@ def _stop_signals_blocked_while_workers_start() -> Iterator[None]:
 
 
 def _start_resource_tracker() -> None:
-    """multiprocessing's resource tracker (it unlinks the pool's semaphores), started before
-    anything uses it with SIGUSR1 blocked, which it then keeps: Slurm's `--signal` SIGUSR1 to
-    the process group ended it ("process died unexpectedly", then a traceback per semaphore).
-    It ignores SIGINT and SIGTERM itself."""
+    """Start multiprocessing's resource tracker before anything uses it, with SIGUSR1 blocked. The
+    tracker unlinks the pool's semaphores, and keeps that mask. Otherwise Slurm's `--signal`
+    SIGUSR1 to the process group would end it, with a traceback per semaphore. It ignores SIGINT
+    and SIGTERM itself."""
     if threading.current_thread() is not threading.main_thread():
         multiprocessing.resource_tracker.ensure_running()
         return
@@ -303,9 +303,9 @@ def _start_resource_tracker() -> None:
 def _stop_pool(
     pool: ProcessPoolExecutor, pending: set[Future], pids: Any, hurry: Callable[[], bool] = lambda: False
 ) -> None:
-    """After a failure: cancel the shards not started, give the running ones `_STOP_GRACE_S`
-    to stop (they see `stop`), kill the workers if any is still running (or at once when
-    `hurry()` says so: a second stop), and join the pool."""
+    """After a failure: cancel the shards not started, and give the running ones `_STOP_GRACE_S` to
+    stop. They see `stop`. Kill the workers still running, at once when `hurry()` says a second
+    stop came. Then join the pool."""
     # Cancel here rather than with shutdown(wait=False, cancel_futures=True): `wait` never counts
     # a future the executor cancelled as done, and after that shutdown a second one joins nothing.
     late = {future for future in pending if not future.cancel()}
@@ -322,9 +322,9 @@ def _stop_pool(
 
 
 def _kill_workers(pids: Any) -> None:
-    """SIGKILL the pool's live workers: only this process's children not yet reaped, whose pids
-    cannot have been reused. What a killed build was writing stays as a `kill -9` leaves it (a
-    hidden temp file in a local store); the next run rebuilds that shard."""
+    """SIGKILL the pool's live workers. Only children of this process not yet reaped are killed, so
+    their pids cannot have been reused. A killed build leaves what it wrote as `kill -9` leaves
+    it, such as a hidden temp file in a local store. The next run rebuilds that shard."""
     ours = set()
     while not pids.empty():
         ours.add(pids.get())

@@ -1,12 +1,12 @@
 """The checksums a dataset's manifest and sample indexes hold, written `"<algorithm>:<hex>"`.
 
-Two algorithms, one per dataset (the manifest's `checksum_algorithm`):
+Each dataset uses one of two algorithms, named by the manifest's `checksum_algorithm`:
 
-* `xxh3_128`, the default of `dlstore convert` and `dlstore index` from manifest format 2 on:
-  XXH3's 128-bit hash, many times cheaper than SHA-256. A cold cache hashes every byte it
-  fetches before it serves a shard, and those cores are taken from decoding. It catches damage
-  (a flipped bit, a cut or spliced object) as surely as SHA-256, but it is not cryptographic:
-  bytes can be crafted to match a given XXH3.
+* `xxh3_128`: XXH3's 128-bit hash, the default of `dlstore convert` and `dlstore index` from
+  manifest format 2 on. It is much cheaper than SHA-256. A cold cache hashes every byte it fetches
+  before it serves a shard, and those cores are taken from decoding. It catches damage as surely as
+  SHA-256: a flipped bit, a cut or a spliced object. But it is not cryptographic: bytes can be
+  crafted to match a given XXH3.
 * `sha256`: for datasets whose manifest is pinned by digest to vouch for every byte, and for
   manifests of format 1.
 
@@ -49,8 +49,8 @@ class Hasher(Protocol):
 
 
 def new_hasher(algorithm: str) -> Hasher:
-    """A fresh hasher of `algorithm`: one of `ALGORITHMS`, or any of hashlib's (a checksum given
-    to the cache by hand, `ShardCache.fetch`); `ConfigError` for one neither knows."""
+    """A fresh hasher of `algorithm`, or a `ConfigError` for one neither we nor hashlib know. Any of
+    hashlib's algorithms is allowed for a checksum given to `ShardCache.fetch` by hand."""
     if algorithm == "xxh3_128":
         return xxhash.xxh3_128()
     try:
@@ -60,9 +60,9 @@ def new_hasher(algorithm: str) -> Hasher:
 
 
 class PassingHashes:
-    """Chunks on their way to a reader hashed in `algorithms` as they pass: a scan that
-    computes one checksum checks the same bytes against checksums in other algorithms (what was
-    there before) in the same read. `matches` once the chunks are through."""
+    """Chunks on their way to a reader, hashed in `algorithms` as they pass. A scan that computes
+    one checksum can check the same bytes against older checksums in other algorithms, in the
+    same read. Call `matches` once the chunks are through."""
 
     def __init__(self, algorithms: Iterable[str]) -> None:
         self.hashers = {algorithm: new_hasher(algorithm) for algorithm in algorithms}
@@ -95,12 +95,12 @@ _CHECKSUM_RE = {name: re.compile(rf"{name}:[0-9a-f]{{{2 * size}}}\Z") for name, 
 
 
 def is_checksum(text: str, algorithm: str) -> bool:
-    """Whether `text` is a whole checksum of `algorithm`: `"<algorithm>:"` and its lowercase hex digits."""
+    """Whether `text` is a whole checksum of `algorithm`: `"<algorithm>:"`, then lowercase hex."""
     return bool(_CHECKSUM_RE[algorithm].match(text))
 
 
 def parse_checksum(checksum: str) -> tuple[str, str]:
-    """`(algorithm, hex digest)` of a checksum; `ConfigError` unless it is one of ours, whole.
+    """The algorithm and hex digest of a checksum. A `ConfigError` unless it is one of ours, whole.
 
     >>> parse_checksum("xxh3_128:" + "0" * 32)[0]
     'xxh3_128'

@@ -27,12 +27,12 @@ A dataset is a store prefix holding tar shards, one sample index beside each sha
       "extra": {}                                      # free-form, kept as is
     }
 
-Checksums are XXH3-128 or SHA-256, one algorithm per dataset (`dlstore.format.checksums`: why
-XXH3 is the default, and when to ask for SHA-256). Format 2 is format 1 with XXH3 allowed;
-a dataset checked with SHA-256 is still written as format 1, which every dlstore reads.
+Checksums are XXH3-128 or SHA-256, one algorithm per dataset. `dlstore.format.checksums` says
+why XXH3 is the default, and when to ask for SHA-256. Format 2 is format 1 with XXH3 allowed. A
+dataset checked with SHA-256 is still written as format 1, which every dlstore reads.
 
-Each shard has a sample index beside it (`shard-000000.idx`): its format and
-`load_sample_index`, which checks one against the manifest, are in `dlstore.format.sample_index`.
+Each shard has a sample index beside it, `shard-000000.idx`. `dlstore.format.sample_index`
+describes its format; `load_sample_index` here checks one against the manifest.
 
 >>> m = Manifest.load(open_store("file:///data/imagenet/train"))      # doctest: +SKIP
 >>> m.total_samples, len(m.shards), m.classes[:2]                     # doctest: +SKIP
@@ -132,7 +132,7 @@ class Manifest:
 
     @property
     def checksum_algorithm(self) -> str:
-        """The algorithm of every checksum of the dataset (SHA-256 for a manifest without shards)."""
+        """The algorithm of every checksum of the dataset; SHA-256 for a manifest without shards."""
         return self.shards[0].checksum.partition(":")[0] if self.shards else "sha256"
 
     @property
@@ -163,16 +163,16 @@ class Manifest:
 
     @property
     def shard_table_digest(self) -> str:
-        """A SHA-256 checksum of the shard table (names, sizes, sample counts, checksums): what
-        a sample id means, and which bytes it has. A dataset converted again gets another one."""
+        """A SHA-256 checksum of the shard table: names, sizes, samples, checksums. It pins what a
+        sample id means and which bytes it has. A new conversion gets another one."""
         table = [[s.name, s.size, s.samples, s.checksum] for s in self.shards]
         return checksum_of(json.dumps(table).encode(), "sha256")
 
     @property
     def decode_checked(self) -> bool:
-        """Whether `dlstore convert` decoded every JPEG of the dataset as the loader's first
-        decode of a sample does, and left out those that failed (`ConvertOptions.check_decode`):
-        the loader may then decode only each crop's rows from the first epoch on."""
+        """Whether `dlstore convert` decoded every JPEG once, as the loader's first decode of a
+        sample does. Those that failed were left out (`ConvertOptions.check_decode`). The loader
+        may then decode only each crop's rows from the first epoch on."""
         return self.created.tool == "dlstore convert" and self.created.options.get("check_decode") is True
 
     # -- JSON -------------------------------------------------------------------------------
@@ -216,11 +216,11 @@ class Manifest:
 
     @classmethod
     def load(cls, store, key: str = MANIFEST_NAME) -> Manifest:
-        """Read the manifest at the root of `store` (`NotFound` if there is none)."""
+        """Read the manifest at the root of `store`; `NotFound` if there is none."""
         try:
             data = store.get_bytes(key)
         except NotFound as exc:
-            # The store's 404 alone ("index.json: HTTP 404") did not say what was missing, or why.
+            # The store's 404 alone would not say what is missing, or why.
             raise NotFound(
                 f"no dlstore dataset at {store.url}: {exc}. Check the URL, or write the dataset there first "
                 "(`dlstore convert`, or `dlstore index` for WebDataset shards)"
@@ -228,8 +228,8 @@ class Manifest:
         return cls.from_json(data)
 
     def save(self, store, key: str = MANIFEST_NAME) -> None:
-        """Write the manifest; converters call this last, once every shard is in place. One that its
-        reader would refuse (duplicate class names, say) is a `FormatError` here, not written."""
+        """Write the manifest; converters call it last, once every shard is in place. A manifest its
+        reader would refuse, with duplicate class names say, is a `FormatError`, not written."""
         text = self.to_json()
         type(self).from_json(text)  # the reader's checks
         store.put(key, text)
@@ -402,8 +402,8 @@ def _parse_manifest(raw: Any) -> Manifest:
 # -- summary for `dlstore ls` ----------------------------------------------------------------
 
 
-#: Options that shape only some sources' shards, by the sources they shape: `convert` records
-#: every option (a conversion run again compares them whole), `ls` shows those that mattered.
+#: Options that shape only some sources' shards, by the sources they shape. `convert` records
+#: every option, since a conversion run again compares them whole. `ls` shows those that mattered.
 _OPTION_SOURCES = {"image_format": ("cifar10", "mnist"), "keep_format": ("imagefolder",)}
 
 
@@ -445,7 +445,7 @@ def describe_dataset(store) -> str:
             lines.append(f"  indexes  {indexed} of {len(m.shards)} shards have a sample index")
         old = sum(1 for s in m.shards if s.index and s.samples and s.index_size == SampleIndex.file_size(s.samples, 1))
         if old:
-            # Why it matters: a node then fetches such a shard whole where it needs only part of it.
+            # Why it matters: a node then fetches such a shard whole, though it needs only part.
             lines.append(
                 f"  indexes  {old} of {len(m.shards)} are version 1 (no sample digests: boundary shards are "
                 "fetched whole); `dlstore index`, or `dlstore convert --no-check-decode` again, upgrades them"
@@ -466,8 +466,8 @@ def describe_dataset(store) -> str:
 
 # -- sample indexes, checked against the manifest --------------------------------------------
 def read_index_bytes(store, shard: ShardInfo) -> bytes:
-    """The stored sample index of `shard`, read no further than an index of its samples can be
-    long (or the manifest's `index_size`, if more). A longer object is a `FormatError`, found
+    """The stored sample index of `shard`, read no further than an index of its samples can be long.
+    The manifest's `index_size` raises that bound. A longer object is a `FormatError`, found
     before it is read whole into memory."""
     assert shard.index is not None
     most = max(shard.index_size or 0, SampleIndex.file_size(shard.samples, 3))
@@ -480,8 +480,8 @@ def read_index_bytes(store, shard: ShardInfo) -> bytes:
 
 
 def load_sample_index(store, shard: ShardInfo) -> SampleIndex:
-    """Fetch the sample index of one shard of a manifest, and check it against the manifest
-    (its checksum when the manifest has one, and the shard's size, samples and checksum)."""
+    """Fetch one shard's sample index and check it against the manifest. That checks the index's
+    checksum when the manifest has one, and the shard's size, samples and checksum."""
     if shard.index is None:
         raise FormatError(f"shard {shard.name!r} has no sample index in the manifest")
     data = read_index_bytes(store, shard)

@@ -1,42 +1,41 @@
-"""The per-shard sample index (`shard-000000.idx`): where each sample of a shard starts and
-ends, and from version 2 on each sample's digest. It sits beside its shard; the manifest
+"""The per-shard sample index, `shard-000000.idx`: where each sample of a shard starts and ends.
+From version 2 on it also holds each sample's digest. It sits beside its shard. The manifest
 (`dlstore.format.manifest`) names it and holds its size and checksum.
 
-File layout (little-endian, 88-byte header, `n + 1` offsets, and from version 2 on `n`
-sample digests)::
+File layout, little-endian: an 88-byte header, `n + 1` offsets, and from version 2 on `n` sample
+digests::
 
     0   8   magic b"DLSIDX03" (version 3), b"DLSIDX02" (version 2) or b"DLSIDX01" (version 1:
             no sample digests)
     8   8   uint64  n, the number of samples
     16  8   uint64  the shard's size in bytes
-    24  32  the shard's digest (`shard_digest`): SHA-256's 32 bytes (versions 1 and 2), or
-            XXH3-128's 16 bytes followed by b"xxh3_128" and 8 zero bytes (version 3; the
-            manifest's `checksum_algorithm`)
-    56  32  recipe: SHA-256 of what the shard was built from (zeros when unknown)
+    24  32  the shard's digest (`shard_digest`). Versions 1 and 2: SHA-256's 32 bytes.
+            Version 3: XXH3-128's 16 bytes, b"xxh3_128" and 8 zero bytes.
+    56  32  recipe: SHA-256 of what the shard was built from, zeros when unknown
     88  8(n+1)  uint64 offsets: sample i is the bytes [offsets[i], offsets[i+1]) of the shard,
-            from its first tar header to the end of its last member's padding;
-            offsets[n] is where the last sample ends (the end-of-archive blocks follow)
-    .   16n     version 2, and version 3 as written by `convert` and `index` (a node cache
-            keeps version 3 indexes without; the file's size tells): the first 16 bytes
-            of the SHA-256 of each sample's bytes [offsets[i], offsets[i+1]) (`sample_digest`)
+            from its first tar header to the end of its last member's padding.
+            offsets[n] is where the last sample ends; the end-of-archive blocks follow.
+    .   16n     the first 16 bytes of the SHA-256 of each sample's bytes (`sample_digest`).
+            Version 2 has them, and so does version 3 as `convert` and `index` write it.
+            A node cache keeps version 3 indexes without them; the file's size tells.
 
-Samples i..j-1 are one ranged GET of `[offsets[i], offsets[j])`, which
-`dlstore.format.shards.parse_samples` turns back into samples. The recipe lets an interrupted
-conversion recognise a finished shard without reading it again.
+Samples i..j-1 are one ranged GET of `[offsets[i], offsets[j])`.
+`dlstore.format.shards.parse_samples` turns those bytes back into samples. The recipe lets an
+interrupted conversion recognise a finished shard without reading it again.
 
-Why per-sample digests: the shard's checksum verifies a whole shard only. A cache that fetches
-part of a shard (`dlstore.cache.download`) checks each sample of its range on its own; the index
-itself is trusted through the manifest's `index_checksum`. `dlstore convert` and `dlstore index`
-write version 3, or version 2 with `--checksum sha256`. Readers accept all three; a version 1
-index only means that its shard is always fetched whole.
+Why per-sample digests: the shard's checksum verifies a whole shard only. A cache that fetches part
+of a shard (`dlstore.cache.download`) checks each sample of its range on its own. The index itself
+is trusted through the manifest's `index_checksum`. `dlstore convert` and `dlstore index` write
+version 3, or version 2 with `--checksum sha256`. Readers accept all three. A version 1 index only
+means that its shard is always fetched whole.
 
-Why version 3: its layout is version 2's, but a reader that knows only SHA-256 would take an
-XXH3 digest for the first half of a SHA-256 one. The new magic makes it refuse the index
-instead, and a conversion then rebuilds the shard. A version 2 index with an XXH3 digest is
-still read, and rewritten as version 3 by the next `convert` that keeps its shard.
+Why version 3: its layout is version 2's. But a reader that knows only SHA-256 would take an XXH3
+digest for the first half of a SHA-256 one. The new magic makes it refuse the index instead, and a
+conversion then rebuilds the shard. A version 2 index with an XXH3 digest is still read. The next
+`convert` that keeps its shard rewrites it as version 3.
 
 The shard's digest names its algorithm (`digest_field`), so an index never passes for another
-algorithm's: the tag after an XXH3 digest stands where a SHA-256 digest has 16 more bytes.
+algorithm's. The tag after an XXH3 digest stands where a SHA-256 digest has 16 more bytes.
 """
 
 from __future__ import annotations
@@ -66,8 +65,8 @@ _TAGS = {name: name.encode().ljust(_DIGEST_FIELD - size, b"\0") for name, size i
 
 
 def digest_field(checksum: str) -> bytes:
-    """The 32 bytes a sample index holds for the shard checksum `checksum` (`ConfigError` for
-    one that is not of `checksums.ALGORITHMS`).
+    """The 32 bytes a sample index holds for the shard checksum `checksum`. A `ConfigError` for one
+    not of `checksums.ALGORITHMS`.
 
     >>> digest_field("xxh3_128:" + "ab" * 16).hex()[32:]
     '787868335f3132380000000000000000'
@@ -115,8 +114,8 @@ class SampleSpan:
 
 
 class SampleIndex:
-    """Where each sample of one shard starts and ends, and (version 2) each sample's digest;
-    see the module docstring for the file.
+    """Where each sample of one shard starts and ends, and from version 2 on each sample's digest.
+    The module docstring describes the file.
 
     >>> index = SampleIndex([0, 2048, 5120], shard_size=6144)
     >>> len(index), index[1], index.run(0, 2), index.version
@@ -161,8 +160,8 @@ class SampleIndex:
         self.recipe = bytes(recipe)
         self.sample_digests = None if sample_digests is None else bytes(sample_digests)
         if self.sample_digests is None and array.size == 1 and self.checksum_algorithm != "sha256":
-            # No samples: its version 3 file cannot tell whether it has their digests (a read
-            # says it has), and it has the digests of all of none.
+            # No samples: its version 3 file cannot tell whether it has their digests. A read says
+            # it has, and it does have the digests of all of none.
             self.sample_digests = b""
 
     def __len__(self) -> int:
@@ -185,12 +184,12 @@ class SampleIndex:
 
     @property
     def checksum(self) -> str:
-        """The shard's checksum as the manifest writes it (`"sha256:<hex>"`, `"xxh3_128:<hex>"`)."""
+        """The shard's checksum as the manifest writes it: `"sha256:<hex>"` or `"xxh3_128:<hex>"`."""
         return _field_checksum(self.shard_digest)
 
     @property
     def checksum_algorithm(self) -> str:
-        """The algorithm of `checksum` (`dlstore.format.checksums`)."""
+        """The algorithm of `checksum`, one of `dlstore.format.checksums`."""
         return self.checksum.partition(":")[0]
 
     def with_checksum(self, checksum: str) -> SampleIndex:
@@ -203,7 +202,7 @@ class SampleIndex:
 
     @classmethod
     def file_size(cls, samples: int, version: int) -> int:
-        """The bytes of an index file of `samples` samples in `version` (1 or 2): the manifest's
+        """The bytes of an index file of `samples` samples in `version` 1 or 2. So the manifest's
         `index_size` tells an index's version without fetching it (`describe_dataset`).
 
         >>> SampleIndex.file_size(3, 1), SampleIndex.file_size(3, 2)
@@ -213,20 +212,20 @@ class SampleIndex:
 
     @property
     def version(self) -> int:
-        """The file format this index is written in: for a shard checked with SHA-256, 2 with
-        sample digests and 1 without; for any other algorithm, 3 (`has_sample_digests` says
-        whether it has them: a node cache keeps such indexes without)."""
+        """The file format this index is written in. A shard checked with SHA-256 gives 2 with
+        sample digests and 1 without. Any other algorithm gives 3; `has_sample_digests` says
+        whether it has them."""
         if self.checksum_algorithm != "sha256":
             return 3
         return 1 if self.sample_digests is None else 2
 
     @property
     def has_sample_digests(self) -> bool:
-        """Whether each sample can be checked on its own (`digest`): a shard read in part needs it."""
+        """Whether each sample can be checked on its own, as a shard read in part needs."""
         return self.sample_digests is not None
 
     def digest(self, i: int) -> bytes:
-        """Sample i's digest (`sample_digest` of its bytes); `FormatError` for an index without them."""
+        """Sample i's digest: the `sample_digest` of its bytes. `FormatError` without them."""
         if self.sample_digests is None:
             raise FormatError(f"this sample index (version {self.version}) has no sample digests")
         self[i]  # bounds check
@@ -234,7 +233,7 @@ class SampleIndex:
         return self.sample_digests[SAMPLE_DIGEST_SIZE * i : SAMPLE_DIGEST_SIZE * (i + 1)]
 
     def with_sample_digests(self, digests: Iterable[bytes]) -> SampleIndex:
-        """This index with each sample's digest (in sample order): a version 2 index."""
+        """This index with each sample's digest, in sample order: a version 2 index."""
         return SampleIndex(self.offsets, self.shard_size, self.shard_digest, self.recipe, b"".join(digests))
 
     def __eq__(self, other: object) -> bool:
@@ -258,7 +257,7 @@ class SampleIndex:
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview) -> SampleIndex:
-        """Parse and validate an index file (version 1, 2 or 3); anything malformed is a `FormatError`."""
+        """Parse and check an index file of version 1, 2 or 3; a `FormatError` if malformed."""
         data = bytes(data)
         size = cls._HEADER.size
         if len(data) < size + 8:
@@ -271,7 +270,7 @@ class SampleIndex:
                 f"not a dlstore sample index (magic {magic!r}, expected {cls.MAGIC!r}, {cls.MAGIC_V2!r} "
                 f"or {cls.MAGIC_V1!r}){newer}"
             )
-        # Version 3 has sample digests unless its size says it has none (a node cache's copy).
+        # Version 3 has sample digests unless its size says it has none, as a node cache's copy.
         with_digests = magic == cls.MAGIC_V2 or (
             magic == cls.MAGIC and (count == 0 or len(data) != size + 8 + 8 * count)
         )

@@ -1,10 +1,10 @@
 """Writes WebDataset-compatible tar shards (`TarShardWriter`), deterministically.
 
-Every header field that could vary between runs is fixed (mtime 0, uid/gid 0, mode 0444,
-empty user/group names), so the same samples in the same order give byte-identical shards.
-The writer hashes (`checksum_algorithm`, XXH3-128 by default) while writing and returns
-the shard's `SampleIndex`. Names longer than 100 bytes and members of 8 GiB or more get a
-pax header. `dlstore.format.shards` describes the format and reads it back.
+Every header field that could vary between runs is fixed: mtime 0, uid and gid 0, mode 0444, empty
+user and group names. So the same samples in the same order give byte-identical shards. The writer
+hashes while writing, with `checksum_algorithm` (XXH3-128 by default), and returns the shard's
+`SampleIndex`. Names longer than 100 bytes and members of 8 GiB or more get a pax header.
+`dlstore.format.shards` describes the format and reads it back.
 
 >>> import io
 >>> buffer = io.BytesIO()
@@ -68,8 +68,8 @@ class TarShardWriter:
         self._offset += len(data)
 
     def write(self, key: str, fields: Mapping[str, bytes]) -> SampleSpan:
-        """Append one sample; `fields` maps extensions (`"jpg"`) to bytes, written in order.
-        Entries whose name starts with `__` (`__key__`, as in a sample read back) are left out."""
+        """Append one sample; `fields` maps extensions such as `"jpg"` to bytes, written in order.
+        Entries whose name starts with `__`, such as a read sample's `__key__`, are left out."""
         if self._closed:
             raise ValueError("the shard is closed")
         if not key or "." in key.rsplit("/", 1)[-1] or key.startswith("/") or ".." in key.split("/"):
@@ -105,7 +105,7 @@ class TarShardWriter:
             self._emit(_ZERO_BLOCK[:pad])
 
     def close(self, recipe: bytes = bytes(32)) -> SampleIndex:
-        """Write the end-of-archive blocks (padded to a 10 KiB record) and return the index."""
+        """Write the end-of-archive blocks, padded to a 10 KiB record, and return the index."""
         if not self._closed:
             end = self._offset
             self._emit(_ZERO_BLOCK * 2)
@@ -143,8 +143,8 @@ _TEMPLATE = _header_template()
 
 
 def is_dlstore_header(header: bytes) -> bool:
-    """Whether a tar header block has the fields every header this writer makes has (mode,
-    owner, mtime 0, no user or group names): a shard of ours, as against another tool's."""
+    """Whether a tar header block has the fields every header of this writer has: mode, owner, mtime
+    0, no user or group names. That tells a shard of ours from another tool's."""
     # mode, uid and gid; mtime; magic, version, user and group names
     fields = ((100, 124), (136, 148), (257, 329))
     return len(header) == BLOCK and all(header[a:b] == _TEMPLATE[a:b] for a, b in fields)
@@ -153,7 +153,7 @@ def is_dlstore_header(header: bytes) -> bool:
 def _header(name: bytes, size: int, typeflag: bytes) -> bytes:
     header = bytearray(_TEMPLATE)
     header[0 : len(name)] = name
-    header[124:136] = _octal(min(size, 8**11 - 1), 12)  # size (a pax record carries bigger ones)
+    header[124:136] = _octal(min(size, 8**11 - 1), 12)  # size; a pax record carries bigger ones
     header[156:157] = typeflag
     header[148:156] = b"%06o\0 " % sum(header)
     return bytes(header)

@@ -1,20 +1,19 @@
 """WebDataset-compatible tar shards: the format, and a safe, fast reader.
 
 A shard is a POSIX (ustar) tar in which the files of one sample are consecutive and share a
-basename: `00000042.jpg`, `00000042.cls`, `00000042.json`. The key/extension split is
-WebDataset's: the key is everything up to the first dot of the file's basename, the
-extension the rest, lowercased. GNU tar and the `webdataset` package read these shards as
-they are.
+basename: `00000042.jpg`, `00000042.cls`, `00000042.json`. The key/extension split is WebDataset's.
+The key is everything up to the first dot of the file's basename; the extension is the rest,
+lowercased. GNU tar and the `webdataset` package read these shards as they are.
 
-The writer is `dlstore.format.shard_writer` (`TarShardWriter`): deterministic, byte for byte.
+The writer is `TarShardWriter` in `dlstore.format.shard_writer`: deterministic, byte for byte.
 
-Reader (`iter_samples`, `parse_samples`, `read_sample_from_file`): parses the 512-byte
-headers itself, which is several times faster per sample than `tarfile` and never touches
-the file system. It reads ustar, GNU (`L` long names, base-256 sizes) and pax (`x` path and
-size) headers, so shards from other tools work too, and it raises `CorruptShard` — never
-anything else — for what a shard must not hold: absolute or `..` names, links, devices,
-FIFOs, sparse or unknown member types, negative or oversized sizes, bad header checksums,
-truncated headers or data, a field twice in one sample.
+The reader is `iter_samples`, `parse_samples` and `read_sample_from_file`. It parses the 512-byte
+headers itself, which is faster than `tarfile` and never touches the file system. It reads ustar,
+GNU and pax headers, so shards from other tools work too. GNU brings `L` long names and base-256
+sizes; pax brings `x` path and size. It raises `CorruptShard`, never anything else, for what a shard
+must not hold. It refuses absolute or `..` names, links, devices, FIFOs, sparse or unknown member
+types. It refuses negative or oversized sizes, bad header checksums, truncated headers or data, and
+a field twice in one sample.
 
 >>> import io
 >>> from dlstore.format.shard_writer import TarShardWriter
@@ -82,8 +81,8 @@ _META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset skips these members entir
 
 Source = bytes | bytearray | memoryview | BinaryIO | Iterable[bytes]
 
-# The members that may hold a sample's image, in order of preference: `convert` writes these
-# and the dataset reads them (with --keep-format each sample carries its own type).
+# The members that may hold a sample's image, in order of preference. `convert` writes these
+# and the dataset reads them. With --keep-format each sample carries its own type.
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "ppm", "pgm", "bmp", "gif", "tif", "tiff")
 
 
@@ -97,8 +96,8 @@ def image_field(sample: Mapping[str, object], fields: Iterable[str] = IMAGE_FIEL
 
 
 def parse_label(sample: Mapping[str, object], num_classes: int, field: str = "cls") -> int:
-    """The class index in `sample[field]` (ASCII digits); it must name one of `num_classes`
-    classes (any non-negative index when that is 0). Raises `CorruptSample` otherwise.
+    """The class index in `sample[field]`, as ASCII digits. It must name one of `num_classes`
+    classes, or any non-negative index when that is 0. Raises `CorruptSample` otherwise.
 
     >>> parse_label({"__key__": "0", "cls": b" 7\\n"}, 10)
     7
@@ -117,8 +116,8 @@ def parse_label(sample: Mapping[str, object], num_classes: int, field: str = "cl
 
 
 def shown(value: object, limit: int = 40) -> str:
-    """`repr(value)` for a message, cut to `limit` characters or bytes: a huge label member must
-    not be quoted whole in an error line and in every epoch's skip warning.
+    """`repr(value)` for a message, cut to `limit` characters or bytes. A huge label member must not
+    be quoted whole in an error line and in every epoch's skip warning.
 
     >>> shown(b"7" * 100, limit=4)
     "b'7777'... (100 bytes)"
@@ -139,7 +138,7 @@ def shard_name(prefix: str, index: int) -> str:
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
-    """`(key, extension)` of a member name as WebDataset splits it, or None without an extension.
+    """The key and extension of a member name as WebDataset splits it; None without an extension.
 
     >>> split_member_name("a/b/00042.seg.png")
     ('a/b/00042', 'seg.png')
@@ -152,7 +151,7 @@ def split_member_name(name: str) -> tuple[str, str] | None:
 
 # -- reader --------------------------------------------------------------------------------
 class TarMember(NamedTuple):
-    """A regular file in a tar: its name, where its first header starts, where its data starts, its size."""
+    """A regular file in a tar: its name, where its first header and its data start, and its size."""
 
     name: str
     offset: int
@@ -175,8 +174,8 @@ def _number(field: bytes, what: str, offset: int) -> int:
 
 
 def _byte_sum(block: bytes) -> int:
-    """`sum(block)` of a 512-byte block, faster: Adler-32's low half is 1 + the sum of the bytes
-    modulo 65521, exact for 256 bytes (at most 65,280); one per half."""
+    """`sum(block)` of a 512-byte block, faster. Adler-32's low half is 1 + the sum of the bytes
+    modulo 65521. That is exact for 256 bytes, at most 65,280, so it runs once per half."""
     return (zlib.adler32(block[:256]) & 0xFFFF) + (zlib.adler32(block[256:]) & 0xFFFF) - 2
 
 
@@ -222,9 +221,9 @@ def _parse_pax(data: bytes, offset: int) -> dict[str, bytes]:
 
 
 class _Reader:
-    """`read(n)` (n bytes, fewer only at the end) and `skip(n)` over a buffer, a file or a chunk
-    iterator; `length` is how many bytes there are when that is known (a buffer, a seekable
-    file), so that a member running past the end is found even when its data is skipped."""
+    """`read(n)` and `skip(n)` over a buffer, a file or a chunk iterator; `read` is short only at
+    the end. `length` is the byte count when it is known, for a buffer or a seekable file. So a
+    member running past the end is found even when its data is skipped."""
 
     __slots__ = ("read", "skip", "position", "length", "in_memory")
 
@@ -293,7 +292,7 @@ class _Reader:
 def _name_and_size(
     block: bytes, size: int, long_name: bytes | None, pax: dict[str, bytes] | None, offset: int
 ) -> tuple[str, int]:
-    """A member's name (ustar prefix, GNU long name, pax path) and size (pax size wins)."""
+    """A member's name, from a ustar prefix, GNU long name or pax path, and size; pax's wins."""
     raw_name = block[:100].split(b"\0", 1)[0]
     if block[257:263] == b"ustar\x00" and block[345]:
         raw_name = block[345:500].split(b"\0", 1)[0] + b"/" + raw_name
@@ -302,7 +301,7 @@ def _name_and_size(
     if pax is not None:
         raw_name = pax.get("path", raw_name)
         if "size" in pax:
-            # At most 20 digits (2**64): Python refuses to parse a number of more than 4,300.
+            # At most 20 digits, for 2**64. Python refuses to parse a number of more than 4,300.
             if not pax["size"].isdigit() or len(pax["size"]) > 20:
                 raise CorruptShard(f"pax header before byte {offset}: size {pax['size'][:16]!r}")
             size = int(pax["size"])
@@ -323,10 +322,10 @@ def iter_members(
 ) -> Iterator[TarMember]:
     """The regular files of a tar, in order, checked as the module docstring says.
 
-    `source` is a buffer, a binary file or an iterator of byte chunks. With `data=False`
-    the data is skipped (seeked over when the file can seek) and `TarMember.data` is None.
-    Directories and pax global headers are passed over; the walk ends at the first
-    all-zero block or, cleanly, at the end of the input on a block boundary.
+    `source` is a buffer, a binary file or an iterator of byte chunks. With `data=False` the data is
+    skipped, seeked over when the file can seek, and `TarMember.data` is None. Directories and pax
+    global headers are passed over. The walk ends at the first all-zero block, or cleanly at the end
+    of the input on a block boundary.
     """
     reader = _Reader(source)
     read, skip = reader.read, reader.skip
@@ -423,15 +422,13 @@ def iter_samples(source: Source, *, max_member_size: int = MAX_MEMBER_SIZE) -> I
 
 
 def parse_samples(buffer: bytes | bytearray | memoryview, *, max_member_size: int = MAX_MEMBER_SIZE) -> list[dict]:
-    """The samples in a buffer that holds whole samples: what a ranged GET of
-    `SampleIndex.run(i, j)` (or `index[i]`) returns."""
+    """The samples in a buffer of whole samples, as a ranged GET of `SampleIndex.run` returns."""
     return list(iter_samples(buffer, max_member_size=max_member_size))
 
 
 def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None = None) -> dict:
-    """One sample: from a buffer holding exactly that sample (`span` None, e.g. the result of
-    `store.get_range(shard, span.offset, span.size)`), or from a whole shard's bytes and the
-    sample's `span`."""
+    """One sample: from a buffer of exactly that sample when `span` is None, as `store.get_range`
+    returns it. Else from a whole shard's bytes and the sample's `span`."""
     if span is not None:
         if span.offset < 0 or span.size <= 0 or span.end > len(buffer):
             raise CorruptShard(f"sample span {span} lies outside a {len(buffer)}-byte shard")
@@ -443,7 +440,7 @@ def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None 
 
 
 def read_sample_from_file(file: BinaryIO, span: SampleSpan) -> dict:
-    """One sample of a local shard file, read with one `pread` (thread- and fork-safe)."""
+    """One sample of a local shard file, read with one `pread`, so it is thread- and fork-safe."""
     try:
         data = os.pread(file.fileno(), span.size, span.offset)
     except (AttributeError, io.UnsupportedOperation):
@@ -462,12 +459,12 @@ def scan_shard(
     sample_digests: bool = False,
     checksum_algorithm: str = DEFAULT_ALGORITHM,
 ) -> SampleIndex:
-    """Walk a whole shard (a stream is fine) and build its `SampleIndex`, hashing it on the way
-    (with `checksum_algorithm`: `dlstore.format.checksums`).
+    """Walk a whole shard, a stream being fine, and build its `SampleIndex`. It hashes the shard on
+    the way with `checksum_algorithm` (`dlstore.format.checksums`).
 
-    `on_sample` sees each sample (e.g. to collect labels and fields, or to decode it). With
-    `sample_digests`, the index is version 2: each sample's digest too, hashed from the bytes
-    as they stream past (only the samples not hashed yet are kept: about two at a time).
+    `on_sample` sees each sample, to collect labels and fields or to decode it. With
+    `sample_digests`, the index is version 2 and holds each sample's digest too. Those are hashed as
+    the bytes stream past; only the samples not hashed yet are kept.
     """
     digest = new_hasher(checksum_algorithm)
     size = 0
@@ -513,9 +510,10 @@ def scan_shard(
 
 
 def read_shard_index(path: str | os.PathLike[str]) -> SampleIndex:
-    """The sample index of a local shard file: from `<shard>.idx` beside it when that exists and
-    matches the file's size, else by walking the tar's headers, seeking over data. Such an index
-    has no checksum (zeros). The node cache keeps the indexes it walks (`dlstore.read.indexes`)."""
+    """The sample index of a local shard file. It is `<shard>.idx` beside it when that exists and
+    matches the file's size. Else it comes from walking the tar's headers, seeking over data.
+    Such an index has a zero checksum. The node cache keeps the indexes it walks
+    (`dlstore.read.indexes`)."""
     path = os.fspath(path)
     size = os.path.getsize(path)
     beside = path[:-4] + ".idx" if path.endswith(".tar") else path + ".idx"

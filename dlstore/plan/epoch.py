@@ -1,5 +1,4 @@
-"""The plan of an epoch for every rank of a world, and its replay after a resume (see the
-package docstring for how and why)."""
+"""Each rank's plan of an epoch, and its replay after a resume. The package docstring says why."""
 
 from __future__ import annotations
 
@@ -30,11 +29,11 @@ __all__ = ["RankPlan", "node_ranges", "rank_plan", "world_plans"]
 class RankPlan:
     """What one rank reads for the rest of an epoch, batch by batch.
 
-    `ids` are global sample ids (see `locate`); batch j is ``ids[j * batch_size:(j + 1) *
-    batch_size]``, so the last batch can be short (it is as short on every rank of the world).
-    Batch 0 is the epoch's global step `first_step` (non-zero after a resume). `shards[i]` is
-    the shard of `ids[i]`. `dropped` holds the samples of this rank's share that `drop_last`
-    left out of the epoch (empty after a re-deal, which never drops). The arrays are read-only.
+    `ids` are global sample ids, as `locate` reads them. Batch j is ``ids[j * batch_size:(j + 1) *
+    batch_size]``, so the last batch can be short. It is as short on every rank of the world. Batch
+    0 is the epoch's global step `first_step`, non-zero after a resume. `shards[i]` is the shard of
+    `ids[i]`. `dropped` holds the samples of this rank's share that `drop_last` left out. It is
+    empty after a re-deal, which never drops. The arrays are read-only.
 
     >>> p = rank_plan([3, 2], PlanConfig(seed=0, batch_size=2, shuffle=False), 0, World(0, 1, 1))
     >>> p.num_batches, p.batch(1), p.batch(2)
@@ -90,16 +89,16 @@ def _expand(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 
 def _windows(counts: np.ndarray, size: int, first_samples: int | None) -> np.ndarray:
-    """The window of each piece (`counts`: their samples, in stream order): windows of `size`
-    pieces, as dlstore planned them before the window ramp when `first_samples` is None.
+    """The window of each piece; `counts` holds each piece's samples, in stream order.
 
-    With the ramp (`first_samples`: the node's first step), windows count whole pieces: a
-    node's sliver of a boundary shard (under half the median piece) rides with the piece
-    before it, so a window of two is never one shard and a sliver. The first `size` of them
-    are split into windows that double, from the fewest (two at least: a batch still draws
-    from several shards, DESIGN invariant 6) that hold `first_samples`, the last taking the
-    rest (no ramp where those are `size` or more); a last window of one piece joins the one
-    before it, whose batches would each come from one shard.
+    Without the ramp, `first_samples` is None and windows are runs of `size` pieces. With it,
+    `first_samples` is the node's first step, and windows count whole pieces. A node's sliver of a
+    boundary shard, under half the median piece, rides with the piece before it. So a window of two
+    is never one shard and a sliver. The first `size` whole pieces are split into windows that
+    double. The first window is the fewest pieces that hold `first_samples`, two at least, so a
+    batch still draws from several shards (DESIGN invariant 6). The last ramp window takes the rest.
+    There is no ramp when the first window would hold `size` pieces or more. A last window of one
+    piece joins the one before it; its batches would each come from one shard.
 
     >>> _windows(np.full(12, 10), 8, 20).tolist()  # windows of 2, 6 (the ramp), then 4
     [0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2]
@@ -119,7 +118,7 @@ def _windows(counts: np.ndarray, size: int, first_samples: int | None) -> np.nda
 
 
 def _ramped_windows(counts: np.ndarray, size: int, first_samples: int) -> np.ndarray:
-    """`_windows` with the ramp over whole pieces (`counts`: their samples, slivers added)."""
+    """`_windows` with the ramp, over whole pieces; `counts` includes their slivers."""
     piece = np.arange(counts.size, dtype=np.int64)
     first = max(2, int(np.searchsorted(np.cumsum(counts), first_samples)) + 1)
     parts = [first] if first < size else []
@@ -140,9 +139,8 @@ def _ramped_windows(counts: np.ndarray, size: int, first_samples: int) -> np.nda
 def _node_stream(
     ranges: NodeRanges, offsets: np.ndarray, cfg: PlanConfig, epoch: int, node: int, step_samples: int
 ) -> np.ndarray:
-    """One node's samples for one epoch: its pieces of shards permuted, samples mixed within
-    windows (the first ones, with the ramp, holding at least the node's first step:
-    `step_samples`)."""
+    """One node's samples for one epoch: its pieces permuted, samples mixed within windows. With the
+    ramp, the first windows hold at least `step_samples`, the node's first step."""
     first, counts = offsets[ranges.shard] + ranges.start, ranges.count
     if cfg.shuffle:
         key = stream_key(TAG_SHARD_ORDER, cfg.seed, epoch, node)
@@ -162,7 +160,8 @@ def _node_stream(
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    """Every rank of one world: (world_size, L) ids and padding mask, padding at row ends."""
+    """Every rank of one world: ids and padding mask, one row of length L per rank, padded at the
+    end."""
 
     local_world_size: int
     batch_size: int
@@ -182,10 +181,10 @@ def _deal(
     drop_last: bool,
     spares: list[np.ndarray] | None = None,
 ) -> _Plan:
-    """Deal each node's stream to its local ranks interleaved, then make the ranks equal:
-    as long as the longest (the last batch may be short), or with `drop_last` as the
-    shortest in whole batches. `spares[n]`: samples node n pads with when its stream is
-    empty (after a resume: those it read already)."""
+    """Deal each node's stream to its local ranks interleaved, then make the ranks equal. Ranks are
+    as long as the longest, and the last batch may be short. With `drop_last` they are as long as
+    the shortest, in whole batches. `spares[n]` are the samples node n pads with when its stream
+    is empty: after a resume, those it read already."""
     rows = [stream[lr::local_world_size] for stream in streams for lr in range(local_world_size)]
     counts = np.array([row.size for row in rows], dtype=np.int64)
     length = int(counts.min()) // batch_size * batch_size if drop_last else int(counts.max())
@@ -199,9 +198,9 @@ def _deal(
         ids[r, :real] = row[:real]
         if real == length:
             continue
-        # Padding repeats samples already on this rank, else on its node (else, resumed, those
-        # the node read already), so padding never makes a node fetch another node's shard;
-        # only a node with no samples at all (fewer samples than nodes) borrows from the epoch.
+        # Padding repeats samples of this rank, else of its node, else those the node read before
+        # a resume. So padding never makes a node fetch another node's shard. Only a node with no
+        # samples at all borrows from the epoch; that takes fewer samples than nodes.
         source = row if row.size else streams[r // local_world_size]
         if source.size == 0 and spares is not None:
             source = spares[r // local_world_size]
@@ -238,8 +237,8 @@ def _continue(plan: _Plan, steps: int, batch_size: int) -> _Plan:
 def _node_remainders(plan: _Plan, steps: int) -> list[np.ndarray]:
     """Each node's unread real samples, back in the node's stream order.
 
-    The deal was interleaved and every rank consumed the same number of entries, so reading
-    the node's rows column by column restores the stream order; padding sits at row ends.
+    The deal was interleaved, and every rank consumed the same number of entries. So reading
+    the node's rows column by column restores the stream order. Padding sits at row ends.
     """
     rest = _continue(plan, steps, plan.batch_size)
     num_nodes = rest.ids.shape[0] // rest.local_world_size
@@ -250,16 +249,16 @@ def _node_remainders(plan: _Plan, steps: int) -> list[np.ndarray]:
 
 
 def _redeal(plan: _Plan, steps: int, world_size: int, local_world_size: int, batch_size: int) -> _Plan:
-    """Plan the unread remainder of `plan` for a new world (never drops, only pads)."""
+    """Plan the unread remainder of `plan` for a new world. A re-deal only pads, never drops."""
     remainders = _node_remainders(plan, steps)
     num_nodes = world_size // local_world_size
     if len(remainders) != num_nodes:
-        # Contiguous equal pieces: balanced to one sample, and each cut splits at most one
-        # window of shards between two nodes.
+        # Contiguous equal pieces balance to one sample. Each cut splits at most one window of
+        # shards between two nodes.
         remainders = np.array_split(np.concatenate(remainders), num_nodes)
         return _deal(remainders, local_world_size, batch_size, drop_last=False)
-    # Same nodes: one whose remainder is empty (its last unread entries were padding) pads
-    # with what its ranks read in this plan, all of it its own samples, cached on the node.
+    # Same nodes: a node whose unread entries were all padding has an empty remainder. It pads
+    # with what its ranks read in this plan: its own samples, cached on the node.
     spares = list(plan.ids.reshape(num_nodes, -1))
     return _deal(remainders, local_world_size, batch_size, drop_last=False, spares=spares)
 
@@ -349,7 +348,7 @@ def world_plans(
     local_world_size: int,
     history: Sequence[Segment] = (),
 ) -> tuple[RankPlan, ...]:
-    """`rank_plan` for every rank of a world at once (for tools and tests).
+    """`rank_plan` for every rank of a world at once, for tools and tests.
 
     >>> plans = world_plans([5, 5, 5], PlanConfig(seed=0, batch_size=2), 0, world_size=2, local_world_size=1)
     >>> [(p.num_batches, p.num_padding) for p in plans]
@@ -361,9 +360,9 @@ def world_plans(
 
 
 def node_ranges(shard_sizes: Sequence[int] | np.ndarray, cfg: PlanConfig, world: World) -> NodeRanges:
-    """The samples `world.node` owns in every epoch planned afresh for this world: what its
-    node cache should hold (`NodeRanges.partial_shards`: the shards it reads only part of).
-    A resumed epoch whose history has another node count reads outside them until it ends.
+    """The samples `world.node` owns in every epoch planned afresh for this world. Its node cache
+    should hold them; `NodeRanges.partial_shards` names the shards it reads only in part. A
+    resumed epoch whose history has another node count reads outside them until it ends.
 
     >>> r = node_ranges([10, 10, 10], PlanConfig(seed=0, batch_size=2, shuffle=False), World(2, 4, 2))
     >>> r.shard.tolist(), r.partial_shards([10, 10, 10])

@@ -26,7 +26,7 @@ __all__ = [
 
 
 def as_sizes(shard_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Shard sample counts as an int64 array, or a `ConfigError` saying what is wrong."""
+    """Shard sample counts as an int64 array; a `ConfigError` says what is wrong."""
     sizes = np.asarray(shard_sizes)
     if sizes.ndim != 1:
         raise ConfigError(f"shard_sizes must be one-dimensional, got shape {sizes.shape}")
@@ -42,7 +42,7 @@ def as_sizes(shard_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def shard_offsets(shard_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
-    """The global id of each shard's first sample (the exclusive cumulative sum of sizes).
+    """The global id of each shard's first sample: the exclusive cumulative sum of sizes.
 
     >>> shard_offsets([3, 0, 2]).tolist()
     [0, 3, 3]
@@ -52,7 +52,7 @@ def shard_offsets(shard_sizes: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def locate(ids: Sequence[int] | np.ndarray, shard_sizes: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Split global sample ids into (shard index, index within the shard) arrays.
+    """Split global sample ids into arrays of shard index and index within the shard.
 
     >>> shard, index = locate([0, 3, 4], [3, 0, 2])
     >>> shard.tolist(), index.tolist()
@@ -94,7 +94,7 @@ def stream_key(*parts: int) -> int:
 
 
 def hash64(key: int, values: np.ndarray) -> np.ndarray:
-    """splitmix64 of each value under `key`: uint64 arrays wrap on overflow, as intended."""
+    """splitmix64 of each value under `key`. The uint64 arrays wrap on overflow, as intended."""
     z = values.astype(np.uint64) * np.uint64(_GOLDEN) + np.uint64(key)
     z ^= z >> np.uint64(30)
     z *= np.uint64(_MIX1)
@@ -109,10 +109,10 @@ def hash64(key: int, values: np.ndarray) -> np.ndarray:
 
 @dataclass(frozen=True, eq=False)
 class NodeRanges:
-    """Which node reads which samples, the same every epoch: row k is samples `start[k]` ..
-    ``start[k] + count[k] - 1`` (indexes within the shard) of shard `shard[k]`, read by node
-    `node[k]`. Rows follow the global order (`shard_order`), so each node's rows are contiguous
-    and nodes come in order; a boundary shard has a row on each node that reads part of it.
+    """Which node reads which samples, the same every epoch. Row k is samples `start[k]` to
+    ``start[k] + count[k] - 1`` of shard `shard[k]`, read by node `node[k]`. Rows follow the
+    global order of `shard_order`. So each node's rows are contiguous, and nodes come in order. A
+    boundary shard has a row on each node that reads part of it.
 
     >>> r = assign_ranges([4, 4, 4], 2, seed=0, shuffle=False)
     >>> r.node.tolist(), r.shard.tolist(), r.start.tolist(), r.count.tolist()
@@ -137,20 +137,20 @@ class NodeRanges:
         return self.of_node(node).shard
 
     def samples_per_node(self) -> np.ndarray:
-        """How many samples each node reads per epoch (they differ by at most one)."""
+        """How many samples each node reads per epoch. The counts differ by at most one."""
         totals = np.zeros(self.num_nodes, dtype=np.int64)
         np.add.at(totals, self.node, self.count)
         return totals
 
     def partial_shards(self, shard_sizes: Sequence[int] | np.ndarray) -> dict[int, tuple[int, int]]:
-        """The rows that cover only part of their shard, as {shard: (first sample, stop)}: for
-        the rows of one node (`of_node`), the boundary shards it reads a range of. A node
-        cache fetches those samples' bytes only (`dlstore.cache.download`), not the shard.
+        """The rows that cover only part of their shard, as {shard: (first sample, stop)}. On the
+        rows of one node (`of_node`), these are the boundary shards it reads a range of. A node
+        cache fetches only those samples' bytes, not the shard (`dlstore.cache.download`).
 
         >>> assign_ranges([4, 4, 4], 2, seed=0, shuffle=False).of_node(1).partial_shards([4, 4, 4])
         {1: (2, 4)}
         """
-        if np.unique(self.node).size > 1:  # a boundary shard would have two runs, one per node
+        if np.unique(self.node).size > 1:  # a boundary shard would have one run per node
             raise ConfigError("partial_shards takes the rows of one node: call it on of_node(node)")
         sizes = as_sizes(shard_sizes)
         part = self.count < sizes[self.shard]
@@ -161,10 +161,10 @@ class NodeRanges:
 
 
 def shard_order(shard_sizes: Sequence[int] | np.ndarray, *, seed: int, shuffle: bool = True) -> np.ndarray:
-    """The fixed order of the shards whose samples nodes own in contiguous ranges: a seeded
-    permutation (index order without `shuffle`), the same every epoch and for any node count.
-    Random, so that a node's range is a sample of the whole even where shard indexes follow the
-    classes (foreign WebDataset shards often do).
+    """The fixed order of the shards whose samples nodes own in contiguous ranges. It is a seeded
+    permutation, or index order without `shuffle`, the same every epoch and for any node count.
+    It is random so that a node's range samples the whole, even where shard indexes follow the
+    classes.
 
     >>> shard_order([5, 0, 5], seed=0, shuffle=False).tolist()
     [0, 1, 2]
@@ -182,9 +182,9 @@ def assign_ranges(
 ) -> NodeRanges:
     """Which samples each of `num_nodes` nodes reads, for every epoch of a job.
 
-    The shards' samples laid end to end in `shard_order`, cut into `num_nodes` contiguous
-    ranges of equal size (the first ``total % num_nodes`` ranges one sample longer). Each cut
-    that falls inside a shard splits that shard between the two nodes.
+    The shards' samples are laid end to end in `shard_order`. They are cut into `num_nodes`
+    contiguous ranges of equal size; the first ``total % num_nodes`` ranges are one sample longer.
+    Each cut that falls inside a shard splits that shard between the two nodes.
 
     >>> r = assign_ranges([10, 10, 10], 4, seed=0, shuffle=False)
     >>> r.samples_per_node().tolist(), [r.shards_of(n).tolist() for n in range(4)]

@@ -1,5 +1,5 @@
-"""What decides an epoch's order apart from the world (`PlanConfig`), and how far an epoch
-has run (`EpochState`, a history of `Segment`s): the plan's inputs, validated and JSON-able."""
+"""The plan's inputs, validated and JSON-able: `PlanConfig` decides an epoch's order apart from the
+world. `EpochState`, a history of `Segment`s, says how far an epoch has run."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def check_int(name: str, value: object, minimum: int | None = None) -> int:
 
 
 def set_ints(obj: object, **minimums: int | None) -> None:
-    """Validate a frozen dataclass's integer fields and store them as plain ints (JSON-able)."""
+    """Validate a frozen dataclass's integer fields and store them as plain, JSON-able ints."""
     for name, minimum in minimums.items():
         object.__setattr__(obj, name, check_int(name, getattr(obj, name), minimum))
 
@@ -39,12 +39,12 @@ def check_world(world_size: int, local_world_size: int) -> None:
 class PlanConfig:
     """What decides an epoch's order, apart from the world.
 
-    `shuffle_window` is how many shards (in the node's per-epoch shard order) have their
-    samples mixed together: larger mixes more, and makes the node cache hold more at once.
-    `window_ramp`: each epoch's first `shuffle_window` pieces are split into windows that
-    double, from the fewest pieces (two at least) that hold the node's first step, so a cold
-    cache starts after those downloads, not a whole window's; False is the order of dlstore
-    before it (a state saved then resumes in it).
+    `shuffle_window` is how many shards have their samples mixed together, in the node's per-epoch
+    shard order. A larger window mixes more, and makes the node cache hold more at once. With
+    `window_ramp`, each epoch's first `shuffle_window` pieces are split into windows that double.
+    The first is the fewest pieces, two at least, that hold the node's first step. A cold cache then
+    starts after those downloads, not a whole window's. False gives plain windows, the order in
+    which older saved states resume.
 
     >>> PlanConfig(seed=0, batch_size=256)
     PlanConfig(seed=0, batch_size=256, drop_last=False, shuffle=True, shuffle_window=4, window_ramp=True)
@@ -81,7 +81,7 @@ class Segment:
         check_world(self.world_size, self.local_world_size)
 
     def same_world(self, world_size: int, local_world_size: int, batch_size: int) -> bool:
-        """Whether a run with these settings simply continues this segment (batch size included)."""
+        """Whether a run with these settings, batch size included, simply continues this segment."""
         return (self.world_size, self.local_world_size, self.batch_size) == (world_size, local_world_size, batch_size)
 
 
@@ -89,10 +89,10 @@ class Segment:
 class EpochState:
     """The loader's position: which epoch, and the segments of it already run.
 
-    `advance` records `steps` more steps done by `world` with `batch_size`; it merges into the
-    last segment when that segment had the same world and batch size. Use it either on the
-    latest state with the steps since then, or on the state you resumed from with all the
-    steps since the resume; not both.
+    `advance` records `steps` more steps done by `world` with `batch_size`. It merges them into the
+    last segment when that had the same world and batch size. Call it on the latest state with the
+    steps since then. Or call it on the state you resumed from, with all the steps since the resume.
+    Never both.
 
     >>> s = EpochState(epoch=3).advance(World(0, 8, 4), batch_size=32, steps=10)
     >>> s = s.advance(World(0, 8, 4), batch_size=32, steps=5)
