@@ -2,24 +2,20 @@
 
 `run_bench` measures, on this machine:
 
-* the **loader side**: img/s and MB/s of `dlstore.Loader` from a cold cache (every shard
-  fetched from the store) and from a warm one (every shard already cached), for each batch
-  size and worker count asked for; plus where the time goes, stage by stage (fetch, read,
-  decode, augment, collate, host-to-device), from one instrumented single-process pass;
-* the **demand side**: the training-step rate of the model on synthetic data already on the
-  device (`dlstore.train.demand.measure_training_rate`), at the same batch size and precision;
-* the **verdict**: delivered ÷ demanded, the data stall to expect, and what would help
-  (more workers, GPU decode, smaller stored images), read off the stage split;
-* optionally a **scaling table** over process counts (gloo on CPU, NCCL on GPUs), each
-  process a data-parallel rank running its own loader.
+* the **loader side**: img/s and MB/s of `dlstore.Loader` from a cold and a warm cache, for
+  each batch size and worker count. One instrumented pass splits the time stage by stage.
+* the **demand side**: the model's training-step rate on synthetic data already on the
+  device, at the same batch size and precision.
+* the **verdict**: delivered over demanded, the data stall to expect, and what would help.
+* optionally a **scaling table** over process counts, each process a rank with its own loader.
 
-The bench uses its own temporary cache directory (under `cache_dir`, removed at the end), so
-"cold" really is cold and the training cache is left alone. With a `file://` store "cold"
-reads the store's files (often from the page cache) and copies them into the cache.
+The bench uses its own temporary cache under `cache_dir`, removed at the end. So "cold" is
+really cold, and the training cache is left alone. With a `file://` store, "cold" reads the
+store's files, often from the page cache, and copies them into the cache.
 
-Where each part lives: `config` (what to measure), `measure` (the loader, the stage split,
-the demand), `scaling` (several ranks), `report` (the records, the verdict and the terminal
-tables), `plot` (the PNG) and `run` (`run_bench`, the order of it all)::
+`config` says what to measure. `measure` times the loader, the stages and the demand, and
+`scaling` several ranks. `report` holds the records, verdict and tables, and `plot` the PNG.
+`run` has `run_bench`, the order of it all::
 
     report = run_bench(BenchConfig("swift://imagenet/train", batch_sizes=(128, 256)))
     print(format_report(report))

@@ -1,5 +1,5 @@
-"""One rank of the scaling run: `python -m dlstore.bench --scaling-rank N < pickled spec`,
-started by `dlstore bench --procs` (see `dlstore.bench.scaling`), not by hand."""
+"""One rank of the scaling run: `python -m dlstore.bench --scaling-rank N < pickled spec`.
+`dlstore bench --procs` starts it, not a person."""
 
 from __future__ import annotations
 

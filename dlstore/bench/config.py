@@ -17,21 +17,20 @@ __all__ = ["QUICK_DATA", "BenchConfig", "available_cores", "parse_int_list", "si
 # The data settings of `BenchConfig.quick`: small batches of small images.
 QUICK_DATA: dict[str, Any] = {"image_size": 64, "batch_size": 32}
 
-# DataConfig fields that `quick` accepts among its changes (unless the bench has its own of that name).
+# DataConfig fields that `quick` accepts among its changes, unless the bench has one so named.
 _DATA_FIELDS = frozenset(f.name for f in dataclasses.fields(DataConfig))
 
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to measure, on which data. `data` is the `DataConfig` (URL, transform, image size,
-    decode location, seed, shuffle, the store's settings) the loader would get; its
-    `batch_size` and `workers` are the sweeps' defaults: `batch_sizes=()` means
-    `(data.batch_size,)`, `workers=()` means `(data.workers,)` or one worker per core.
-    `engines` are the loader engines each worker count runs on ("auto": what the trainer would
-    get; "threads,processes" shows which is faster on this machine, e.g. past ~4 CPU workers).
-    `demand_steps=None` means 20 timed steps on a GPU and 3 on a CPU. `cache_dir` is where the
-    bench's own temporary cache goes (default: the system temp dir; the training cache is left
-    alone); `cache_limit=""` sizes it to hold the dataset.
+    """What to measure, on which data.
+
+    `data` is the `DataConfig` the loader would get. Its `batch_size` and `workers` are the
+    sweeps' defaults; with no `workers`, one worker per core. `engines` are the loader engines
+    each worker count runs on. "auto" is what the trainer would get; "threads,processes" shows
+    which is faster here. `demand_steps=None` means 20 timed steps on a GPU and 3 on a CPU.
+    `cache_dir` holds the bench's own temporary cache, by default in the system temp dir.
+    `cache_limit=""` sizes it to hold the dataset.
 
     >>> BenchConfig("file:///data/train", batch_sizes=(64, 128), workers=(2, 4)).batch_sizes
     (64, 128)
@@ -77,9 +76,10 @@ class BenchConfig:
 
     @classmethod
     def quick(cls, data: DataConfig | str, **changes: Any) -> BenchConfig:
-        """A few seconds on a laptop: small batches, few of them, ResNet-18 at 64 px. Given a
-        URL, the data settings start from `QUICK_DATA`; given a `DataConfig`, it is used as it
-        is. `changes` may name bench fields and `DataConfig` fields alike.
+        """A few seconds on a laptop: few small batches, ResNet-18 at 64 px.
+
+        Given a URL, the data settings start from `QUICK_DATA`; a `DataConfig` is used as it is.
+        `changes` may name bench fields and `DataConfig` fields alike.
 
         >>> BenchConfig.quick("file:///tmp/demo/train").model
         'resnet18'
@@ -112,7 +112,7 @@ class BenchConfig:
 
 
 def parse_int_list(text: str) -> tuple[int, ...]:
-    """Parse a comma-separated list of integers (`--batch-sizes 32,64,128`).
+    """Parse a comma-separated list of integers, as in `--batch-sizes 32,64,128`.
 
     >>> parse_int_list("1, 2,4")
     (1, 2, 4)
@@ -127,7 +127,7 @@ def parse_int_list(text: str) -> tuple[int, ...]:
 
 
 def size_or_auto(text: str) -> int | str:
-    """`--cache-limit`: a size (`"2GB"`), or "auto"/"" for `BenchConfig`'s sized-to-the-dataset default.
+    """`--cache-limit`: a size such as `"2GB"`, or "auto" or "" to fit the dataset.
 
     >>> size_or_auto("auto"), size_or_auto("1KB")
     ('', 1000)

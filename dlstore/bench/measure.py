@@ -1,6 +1,5 @@
-"""The measurements: the loader's rate from a cold and a warm cache, where a worker's time
-goes stage by stage, and the model's demand (its training-step rate on synthetic data).
-`run_bench` (in `dlstore.bench.run`) puts them together."""
+"""The measurements: the loader's rate from a cold and a warm cache, its stage split, and the
+model's demand, its training-step rate on synthetic data. `run_bench` puts them together."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ __all__ = ["image_dtype", "open_dataset", "measure_demand", "measure_loader", "m
 
 log = logging.getLogger(__name__)
 
-CPU_DEMAND_MAX_BATCH = 32  # CPU training steps are slow and memory-hungry; img/s hardly depends on batch
+CPU_DEMAND_MAX_BATCH = 32  # CPU steps are slow and memory-hungry; their img/s hardly depends on batch
 
 
 def open_dataset(cfg: BenchConfig, cache_dir: str, limit: str | int, batch_size: int, world: World | None = None):
@@ -49,12 +48,11 @@ def image_dtype(cfg: BenchConfig, device: torch.device) -> str:
 def time_loader(
     ds, workers: int, batches: int, device: torch.device, dtype: str, channels_last: bool, engine: str = "auto"
 ) -> LoaderRun:
-    """At least `batches` batches of epoch 0 through a fresh `Loader` (fresh workers).
+    """At least `batches` batches of epoch 0 through a fresh `Loader` with fresh workers.
 
-    The workers start together, so the first batches arrive in a burst, one per worker, after
-    the start-up; timing from the first arrival would count the others' head start. The rate
-    is therefore taken over whole rounds after the first one: from the arrival of batch
-    `workers` to that of the last batch, the pass being a whole number of rounds long.
+    The workers start together, so the first batches arrive in a burst, one per worker. Timing
+    from the first arrival would count the others' head start. So the rate is taken over whole
+    rounds after the first: from batch `workers` to the last, a whole number of rounds.
     """
     created = time.perf_counter()
     loader = Loader(
@@ -65,8 +63,7 @@ def time_loader(
     per_round, available = max(workers, 1), len(loader)
     if available >= 2 * per_round:
         untimed = per_round
-        # At least three rounds: the first one's stragglers (a worker that started late) would
-        # otherwise shorten a one-round window.
+        # At least three rounds: a worker that started late would shorten a one-round window.
         total = per_round * min(max(3, math.ceil(batches / per_round)), available // per_round)
     elif available >= 2:  # a tiny dataset: time what there is after the first batch
         untimed, total = 1, available
@@ -81,9 +78,8 @@ def time_loader(
             if first_batch is None:
                 first_batch = time.perf_counter()
             if count == untimed:
-                # The clock starts with this batch on the device; from here on the loop does not
-                # wait for the GPU per batch (a sync per batch would cancel the copies ahead that
-                # the loader overlaps with training), only once at the end.
+                # The clock starts with this batch on the device. After it the loop syncs only at
+                # the end: a sync per batch would cancel the loader's copies ahead.
                 _sync(device)
                 window_start = time.perf_counter()
             elif count > untimed:
@@ -116,14 +112,14 @@ def time_loader(
 def measure_loader(
     ds, cfg: BenchConfig, device: torch.device, workers: int, cache_dir: str, engine: str = "auto"
 ) -> LoaderResult:
-    """A cold pass (the cache emptied and its counters zeroed first), then a warm one, each
-    with what the node cache fetched meanwhile (`LoaderRun`), on `engine`."""
+    """A cold pass on an emptied cache, then a warm one, on `engine`.
+    Each `LoaderRun` records what the node cache fetched meanwhile."""
     dtype = image_dtype(cfg, device)
     log.info("loader: batch %d, %d workers, engine %s, cold cache", ds.cfg.batch_size, workers, engine)
     ds.cache.close()  # the last run's background prefetch must not refill the emptied cache
     _empty_cache(cache_dir, reset_stats=True)
-    # A dataset of its own: its cache's counters and download engine start from zero in this
-    # process too, so the connections counted are this pass's.
+    # A dataset of its own: its counters and download engine start from zero in this process,
+    # so the connections counted are this pass's.
     run_ds = Dataset(ds.cfg, world=ds.world)
     try:
         cold = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last, engine)
@@ -139,7 +135,7 @@ def measure_loader(
 
 
 def _cache_totals(ds) -> CacheStats:
-    """The node cache's counters (every process's) once this process's prefetch has stopped."""
+    """The node cache's counters, all processes', once this process's prefetch has stopped."""
     ds.cache.close()  # its downloads in flight end and are counted; the next pass starts it again
     return cache_report(ds.cache.config.cache_dir).totals
 
@@ -171,10 +167,9 @@ def measure_stages(report: BenchReport, ds, cfg: BenchConfig, device: torch.devi
 
 
 def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded: list, pixels: list) -> StageSplit:
-    """The loader's own sample path (`Dataset.build_batch`, timed stage by stage by a
-    `StageClock`), then what the prefetcher does with the batch; one process, so no overlap.
-    With `decode_on="device"` the "decode" stage is the header read and crop plan, and the
-    device decode falls in "host_to_device"."""
+    """`Dataset.build_batch` timed stage by stage by a `StageClock`, then the prefetcher.
+    One process runs both, so nothing overlaps. With `decode_on="device"`, "decode" is the
+    header read and crop plan; the device decode falls in "host_to_device"."""
     clock = StageClock()
     fetched_before = ds.cache.stats.bytes_fetched
     plan = ds.plan(0)
@@ -198,9 +193,9 @@ def _stage_pass(ds, cfg: BenchConfig, device: torch.device, cache: str, encoded:
 
 
 def _time_prefetcher(batches: list[dict], cfg: BenchConfig, device: torch.device, data: DataConfig) -> float:
-    """Seconds of the loader's device side for `batches`: one `GpuPrefetcher` over them all,
-    with its lookahead, from page-locked memory on a GPU (as the loader's batch slots are),
-    after one untimed batch for the one-off set-up (kernels, streams)."""
+    """Seconds of the loader's device side for `batches`, through one `GpuPrefetcher`.
+    On a GPU they come from page-locked memory, as the loader's slots do. One untimed batch
+    first pays the one-off set-up of kernels and streams."""
     if not batches:
         return 0.0
     loader_cfg = LoaderConfig(device=str(device), dtype=image_dtype(cfg, device), channels_last=cfg.channels_last)
@@ -218,8 +213,8 @@ def _time_prefetcher(batches: list[dict], cfg: BenchConfig, device: torch.device
 
 
 def _collect_jpegs(ds, ids, encoded: list, pixels: list) -> None:
-    """Up to 256 of the batch's JPEGs and their pixel counts (header only), for the GPU decode
-    rate and the advice on stored image sizes; read again from the cache, outside the clock."""
+    """Up to 256 of the batch's JPEGs and their pixel counts from the header.
+    They feed the GPU decode rate and the advice on stored sizes, read outside the clock."""
     for sample in ds.samples.read(ids):
         if len(encoded) >= 256:
             return
@@ -240,10 +235,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _gpu_decode_rate(encoded: list[bytes], device: torch.device, name: str) -> tuple[str | None, float | None]:
-    """The device decoder the loader would use (`DataConfig.device_decoder`), and its img/s
-    for these images, batched (decode only)."""
+    """The device decoder the loader would use, and its batched decode-only img/s here."""
     try:
-        # torchvision is optional (the "train" extra); this measurement is skipped without it.
+        # torchvision is the optional "train" extra; without it this is skipped.
         decoder = device_jpeg_decoder(name, device)
         tensors = [torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in encoded]
         decoder.decode(tensors[:8])  # initialise it

@@ -1,4 +1,4 @@
-"""`plot_report`: the bench's numbers as a PNG (matplotlib, the optional "train" extra)."""
+"""`plot_report`: the bench's numbers as a PNG, with matplotlib from the "train" extra."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ _COLOURS = [f"C{i}" for i in range(10)]  # matplotlib's default cycle, by name
 
 
 def check_plot_path(path: str, flag: str = "--plot") -> None:
-    """A ConfigError now, before the bench runs, for a plot that could not be written after it
-    (the results lost to a traceback): no matplotlib, a format it does not write, a folder
-    that is not there or not writable."""
+    """A ConfigError now, before the bench runs, for a plot that could not be written after it.
+    A late failure would lose the results. Causes: no matplotlib, an unknown format, a folder
+    that is missing or not writable."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -29,13 +29,13 @@ def check_plot_path(path: str, flag: str = "--plot") -> None:
 
 
 def plot_report(report: BenchReport, path: str) -> None:
-    """Loader img/s (warm solid, cold dashed) against workers, or batch size when only that
-    varies, with the model's demand as dotted lines; the scaling table beside, if measured.
+    """Loader img/s against workers, or batch size when only that varies: warm solid, cold dashed.
+    The model's demand shows as dotted lines, and the scaling table beside, if measured.
 
     >>> plot_report(run_bench(BenchConfig.quick("file:///tmp/demo/train")), "bench.png")   # doctest: +SKIP
     """
-    # matplotlib is optional and slow to import: only a plot needs it. No pyplot: no global
-    # state, no display needed.
+    # matplotlib is optional and slow to import: only a plot needs it. No pyplot, so no global
+    # state and no display.
     from matplotlib.figure import Figure
 
     panels = 2 if report.scaling else 1

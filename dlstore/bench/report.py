@@ -1,5 +1,5 @@
-"""What the bench found: the records of one run, the verdict with its advice, and the
-terminal tables `dlstore bench` prints. Pure data and arithmetic: no torch, nothing measured here."""
+"""What the bench found: one run's records, the verdict with its advice, and the tables printed.
+Pure data and arithmetic: no torch, nothing measured here."""
 
 from __future__ import annotations
 
@@ -29,22 +29,20 @@ __all__ = [
     "verdict_for",
 ]
 
-# The sample path's stages (what a loader worker does), then the training process's copy to the device.
+# The sample path's stages, as a loader worker runs them, then the copy to the device.
 WORKER_STAGES = SAMPLE_STAGES
 STAGES = (*SAMPLE_STAGES, "host_to_device")
 
 
 @dataclass(frozen=True)
 class LoaderRun:
-    """One timed pass of the loader over the first `batches` batches of epoch 0. The first
-    round (one batch per worker: start-up, first fetches) is timed apart, in `startup_s`;
-    `images`, `seconds` and the rates are those of the batches after it. `first_batch_s` is
-    from making the loader to its first batch.
+    """One timed pass of the loader over the first `batches` batches of epoch 0.
 
-    What the node cache fetched during the pass, from its counters (every process's):
-    `bytes_fetched`; `fetch_mb_per_s`, those bytes over the whole pass (start-up included),
-    for a pass that fetched any; `connections`, the most the cache had open to the store at
-    once in one process (measured for a pass from an empty cache, else 0)."""
+    The first round, one batch per worker, is timed apart in `startup_s`. `images`, `seconds`
+    and the rates are those of the batches after it. `first_batch_s` runs from making the loader
+    to its first batch. `bytes_fetched` is what the node cache fetched during the pass, and
+    `fetch_mb_per_s` those bytes over the whole pass. `connections` is the most the cache had
+    open to the store at once in one process; it is measured only from an empty cache."""
 
     batches: int
     images: int
@@ -56,7 +54,7 @@ class LoaderRun:
     bytes_fetched: int = 0
     fetch_mb_per_s: float | None = None
     connections: int = 0
-    engine: str = ""  # what the loader ran on ("threads" or "processes": what engine="auto" chose)
+    engine: str = ""  # "threads" or "processes": what the loader ran on, once "auto" was resolved
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ class StageSplit:
 
     @property
     def worker_ms_per_image(self) -> float:
-        """CPU time one worker spends per image (all stages but host-to-device)."""
+        """CPU time one worker spends per image, in all stages but host-to-device."""
         return sum(self.ms_per_image[s] for s in WORKER_STAGES)
 
     @property
@@ -132,7 +130,7 @@ class Verdict:
     cold_stall_pct: float
     shared_cpu_images_per_s: float | None  # CPU device: loader and model share the cores
     advice: tuple[str, ...]
-    engine: str = ""  # the row's engine ("threads" or "processes")
+    engine: str = ""  # the row's engine: "threads" or "processes"
 
 
 @dataclass
@@ -145,7 +143,7 @@ class BenchReport:
     demand: list[dict] = field(default_factory=list)
     scaling: list[ScalingRow] = field(default_factory=list)
     gpu_decode_images_per_s: float | None = None
-    gpu_decoder: str | None = None  # which decoded (`dlstore.transforms.device_jpeg_decoder`)
+    gpu_decoder: str | None = None  # the name of the `device_jpeg_decoder` that decoded
     verdicts: list[Verdict] = field(default_factory=list)
     verdict: Verdict | None = None
 
@@ -181,8 +179,8 @@ def demand_for(report: BenchReport, row: LoaderResult) -> float | None:
 
 def stall_pct(delivered: float, demanded: float) -> float:
     """The share of each step spent waiting for data, in percent."""
-    # A step waits for data whenever the loader is slower than the model: with perfect overlap
-    # the step rate is min(delivered, demanded), and the wait is the rest of each step.
+    # A step waits whenever the loader is slower than the model. With perfect overlap the step
+    # rate is min(delivered, demanded), and the wait is the rest of each step.
     return max(0.0, 1.0 - delivered / demanded) * 100.0 if demanded > 0 else 0.0
 
 
@@ -240,7 +238,7 @@ def advise(
     image_size: int = 224,
     engine: str = "",
 ) -> list[str]:
-    """What would make the loader keep up, read off the stage split (a pure function).
+    """What would make the loader keep up, read off the stage split; a pure function.
 
     >>> advise(delivered=900, cold_delivered=850, demanded=3000, workers=4, cores=32, warm=None)[0]
     'The loader delivers 0.30 of what the model consumes: expect ~70% of each step waiting for data.'
@@ -421,8 +419,7 @@ def _loader_lines(report: BenchReport) -> list[str]:
 
 
 def _cold_lines(report: BenchReport) -> list[str]:
-    """The cold passes: what they fetched, how fast, on how many connections, and how long
-    the first batch took."""
+    """The cold passes: what they fetched, how fast, on how many connections, and first-batch time."""
     rows = [
         [
             str(r.batch_size),
@@ -448,8 +445,8 @@ def _stage_lines(report: BenchReport) -> list[str]:
     split = {s.cache: s for s in report.stages}
     lines = ["", f"stages (one process, batch {report.stages[0].batch_size}, ms per image)"]
     on_device = report.config.get("decode_on") == "device"
-    # Decoded on the device, the worker's "decode" is a header read and a crop plan, and the
-    # decode and augment happen in the copy: named so, the table no longer seems to decode for free.
+    # Decoded on the device, the worker's "decode" is a header read and its "augment" a crop plan.
+    # The real work happens in the copy. Named so, the table does not seem to decode for free.
     names = {"decode": "read headers", "augment": "plan crops", "host_to_device": "device decode"} if on_device else {}
     stage_rows = []
     for stage in STAGES:

@@ -1,4 +1,4 @@
-"""`run_bench`: the measurements of `dlstore.bench` in order, in one temporary cache, and the verdict."""
+"""`run_bench`: the bench's measurements in order, in one temporary cache, then the verdict."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
     For example::
 
         report = run_bench(BenchConfig.quick("file:///tmp/demo/train"))
-        report.verdict.ratio  # loader img/s / the model's demand, e.g. 41.7
+        report.verdict.ratio  # the loader's img/s over the model's demand
     """
     device = resolve_device(cfg.device)
     check_procs_fit(cfg, device)  # before anything is measured
@@ -71,8 +71,8 @@ def run_bench(cfg: BenchConfig) -> BenchReport:
 
 
 def _auto_limit(manifest) -> int:
-    # Big enough for every shard the bench reads, so the warm pass finds them all cached;
-    # the bench reads only the first batches' shards, so this is a bound, not a disk use.
+    # Big enough for every shard, so the warm pass finds them all cached. The bench reads only
+    # the first batches' shards, so this is a bound, not a disk use.
     sizes = [s.size for s in manifest.shards]
     return sum(sizes) + 2 * max(sizes, default=0) + 2**20
 

@@ -1,5 +1,5 @@
-"""The scaling table: the loader's rate with 1, 2, ... data-parallel ranks, each a fresh
-interpreter running its own loader over its part of the epoch (gloo on CPUs, NCCL on GPUs)."""
+"""The scaling table: the loader's rate with 1, 2, ... data-parallel ranks.
+Each rank is a fresh interpreter with its own loader, over gloo on CPUs and NCCL on GPUs."""
 
 from __future__ import annotations
 
@@ -26,14 +26,13 @@ __all__ = ["check_procs_fit", "measure_scaling", "scaling_rank"]
 
 log = logging.getLogger(__name__)
 
-# The package folder's parent: what the ranks put on their path (dlstore/bench/scaling.py -> .).
+# The package folder's parent, which the ranks put on their path.
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def check_procs_fit(cfg: BenchConfig, device: torch.device) -> None:
-    """On CUDA each process of the scaling rows has a GPU of its own, as a rank in training has:
-    `ConfigError` for more processes than GPUs. Those rows ran on the CPU over gloo, under a
-    table that named the first row's NCCL and compared them with the GPU's rate."""
+    """On CUDA each scaling process has a GPU of its own, as a training rank has.
+    Raises `ConfigError` for more processes than GPUs."""
     most = max(cfg.procs)
     if device.type == "cuda" and most > (gpus := torch.cuda.device_count()):
         raise ConfigError(
@@ -43,13 +42,13 @@ def check_procs_fit(cfg: BenchConfig, device: torch.device) -> None:
 
 
 def measure_scaling(cfg: BenchConfig, device: torch.device, cache_root: str, limit: str | int) -> list[ScalingRow]:
-    """One row per process count in `cfg.procs`, at the first batch size and worker count;
-    the ranks share one node cache under `cache_root`, as the ranks of one node would."""
+    """One row per process count in `cfg.procs`, at the first batch size and worker count.
+    The ranks share one node cache under `cache_root`, as the ranks of one node would."""
     batch_size, workers = cfg.batch_sizes[0], cfg.worker_counts[0]
     rows: list[ScalingRow] = []
     base: tuple[int, float] | None = None
     for procs in cfg.procs:
-        use_nccl = device.type == "cuda"  # a GPU each (`check_procs_fit`)
+        use_nccl = device.type == "cuda"  # a GPU each, as `check_procs_fit` ensures
         backend = "nccl" if use_nccl else "gloo"
         out_dir = tempfile.mkdtemp(prefix=f"procs{procs}-", dir=cache_root)
         spec = {
@@ -90,10 +89,9 @@ def measure_scaling(cfg: BenchConfig, device: torch.device, cache_root: str, lim
 
 
 def _run_ranks(spec: dict, procs: int) -> None:
-    """Start `procs` fresh interpreters, as torchrun or srun would, and wait for all of them;
-    if one fails, stop the others (they would wait at a barrier). Fresh interpreters rather
-    than multiprocessing's spawn: DataLoader workers forked from a spawned gloo rank die with
-    a C++ "terminate called" message at exit, which real launches do not show."""
+    """Start `procs` fresh interpreters, as torchrun or srun would, and wait for all of them.
+    If one fails, stop the others, which would wait at a barrier. Not multiprocessing's spawn:
+    workers forked from a spawned gloo rank die with a C++ "terminate called" at exit."""
     # The ranks import this very dlstore, installed or not.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_PACKAGE_PARENT, os.environ.get("PYTHONPATH")]))}
     ranks = []
@@ -121,8 +119,8 @@ def _run_ranks(spec: dict, procs: int) -> None:
 
 
 def scaling_rank(rank: int, spec: dict) -> None:
-    """One rank of the scaling run (a spawned process): a warm-up pass fills the node cache,
-    then the timed pass, between barriers so that every rank runs at the same time."""
+    """One rank of the scaling run: a warm-up pass fills the node cache, then the timed pass.
+    Barriers around it make every rank run at the same time."""
     cfg: BenchConfig = spec["cfg"]
     procs = spec["procs"]
     device = torch.device(spec["device"])

@@ -1,14 +1,14 @@
-"""The demo and the synthetic data it (and the tests and benchmarks) are made from.
+"""The demo, and the synthetic data that it, the tests and the benchmarks use.
 
-* `dlstore.demo.run`: `run_demo`, the README's main job end to end on generated data (`dlstore demo`);
-* `dlstore.demo.datagen`: small datasets in the real on-disk formats (ImageNet, ImageFolder,
-  CIFAR-10, MNIST), also as `python -m dlstore.demo.datagen`.
+* `dlstore.demo.run`: `run_demo`, behind `dlstore demo`, runs the README's main job end to end.
+* `dlstore.demo.datagen`: small datasets in the real on-disk formats of ImageNet, ImageFolder,
+  CIFAR-10 and MNIST; also `python -m dlstore.demo.datagen`.
 
 >>> from dlstore.demo import make_cifar10
 >>> make_cifar10("/tmp/cifar", per_batch=100, test=100).classes[:2]   # doctest: +SKIP
 ['airplane', 'automobile']
 
-Names are imported on first use: the generators need only NumPy and Pillow, while the demo
+Names are imported on first use. The generators need only NumPy and Pillow, while the demo
 pulls in torch, so `dlstore.demo.datagen` stays quick to import.
 """
 

@@ -1,20 +1,17 @@
 """Small synthetic datasets in the real on-disk formats, for tests, benchmarks and the demo.
 
-Each generator writes a dataset exactly as its official distribution lays it out and
-returns a `GeneratedDataset` that lists every input with its expected label, under the
-same source ids that `dlstore convert` records in each sample's `.json`:
+Each generator writes a dataset exactly as its official distribution lays it out. It returns
+a `GeneratedDataset` that lists every input with its expected label. The source ids are those
+`dlstore convert` records in each sample's `.json`:
 
-* `make_imagenet`: ILSVRC2012 folders (`train/<wnid>/<wnid>_<n>.JPEG`; `val/` as `<wnid>`
-  folders, or flat with `LOC_val_solution.csv` or a `<filename> <wnid>` list), or the
-  official tars (`ILSVRC2012_img_train.tar` of per-class `<wnid>.tar`, and a flat
-  `ILSVRC2012_img_val.tar`).
-* `make_imagefolder`: class sub-folders of JPEG/PNG/… files.
+* `make_imagenet`: ILSVRC2012 folders or the official tars; `val/` in any of its layouts.
+* `make_imagefolder`: class sub-folders of JPEG, PNG and other files.
 * `make_cifar10`: `cifar-10-batches-py/` pickles, optionally packed as `cifar-10-python.tar.gz`.
 * `make_mnist`: idx files, gzipped or not.
 
-Images are textured (stripes, blotches and grain) so that a default 400×350 JPEG at quality
-90 is ~100 KB like an ImageNet photo, and class-dependent (hue, stripe angle and frequency)
-so a small model can learn them. Everything is deterministic in `seed`.
+Stripes, blotches and grain make a JPEG cost about what an ImageNet photo does. Hue, stripe
+angle and frequency depend on the class, so a small model can learn them. Everything is
+deterministic in `seed`.
 
     python -m dlstore.demo.datagen imagenet ./imagenet-mini --classes 10 --train-per-class 30
 """
@@ -53,8 +50,8 @@ CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog
 
 @dataclass
 class GeneratedDataset:
-    """What a generator wrote: `samples[split]` is a list of `(source_id, label)`;
-    `corrupt[split]` the source ids of inputs written broken on purpose (not in `samples`)."""
+    """What a generator wrote: `samples[split]` is a list of `(source_id, label)`.
+    `corrupt[split]` lists inputs written broken on purpose, which `samples` leaves out."""
 
     root: Path
     classes: list[str]
@@ -64,7 +61,7 @@ class GeneratedDataset:
 
 
 def wnids(n: int) -> list[str]:
-    """`n` distinct, sorted, ImageNet-like WordNet ids (`n01440764` style).
+    """`n` distinct, sorted, ImageNet-like WordNet ids such as `n01440764`.
 
     >>> wnids(2)
     ['n01440764', 'n01447331']
@@ -75,7 +72,7 @@ def wnids(n: int) -> list[str]:
 def synthetic_image(
     label: int, rng: np.random.Generator, size: tuple[int, int] = (400, 350), gray: bool = False
 ) -> np.ndarray:
-    """A textured HxWx3 (or HxW) uint8 image whose hue and stripes depend on `label`."""
+    """A textured uint8 image, HxWx3 or gray HxW, whose hue and stripes depend on `label`."""
     w, h = size
     hue = (label * 0.618034) % 1.0
     base = np.array(colorsys.hsv_to_rgb(hue, 0.65, 0.8), dtype=np.float32) * 255
@@ -85,7 +82,7 @@ def synthetic_image(
     x = np.arange(w, dtype=np.float32)[None, :]
     wave = np.sin((x * np.cos(angle) + y * np.sin(angle)) * freq + rng.uniform(0, 2 * np.pi))
     image = base * (0.7 + 0.3 * wave[..., None])
-    # Blotches at two scales and per-pixel grain: what makes a photo cost ~100 KB as JPEG.
+    # Blotches at two scales and per-pixel grain give the JPEG a photo's size.
     coarse = rng.integers(-40, 41, size=(h // 16 + 1, w // 16 + 1, 1), dtype=np.int16)
     image += coarse.repeat(16, 0).repeat(16, 1)[:h, :w]
     mid = rng.integers(-32, 33, size=(h // 3 + 1, w // 3 + 1, 3), dtype=np.int16)
@@ -100,7 +97,7 @@ def synthetic_image(
 def synthetic_jpeg(
     label: int, rng: np.random.Generator, size: tuple[int, int] = (400, 350), quality: int = 90
 ) -> bytes:
-    """`synthetic_image` as JPEG bytes (~100 KB at the default size and quality)."""
+    """`synthetic_image` as JPEG bytes."""
     return _encode(synthetic_image(label, rng, size), "JPEG", quality)
 
 
@@ -115,7 +112,7 @@ def _encode(pixels: np.ndarray, fmt: str, quality: int = 90) -> bytes:
 
 
 def _corrupt(data: bytes, kind: int) -> bytes:
-    """A truncated image (what an interrupted download leaves), or bytes that are no image."""
+    """A truncated image, as an interrupted download leaves, or bytes that are no image."""
     return data[: len(data) * 2 // 5] if kind % 2 == 0 else b"this is not an image\n" * 40
 
 
@@ -151,12 +148,11 @@ def make_imagenet(
 ) -> GeneratedDataset:
     """ILSVRC2012-style data under `root`.
 
-    `layout`: "folders" (`train/`, `val/`) or "tars" (`ILSVRC2012_img_train.tar`,
-    `ILSVRC2012_img_val.tar`). `val_layout`: "folders" (`val/<wnid>/`), "csv" (flat, with
-    `LOC_val_solution.csv` beside), "txt" (flat, with `val_labels.txt`: `<filename> <wnid>`
-    lines), or "devkit" (flat, with `ILSVRC2012_devkit_t12/data/` holding
-    `ILSVRC2012_validation_ground_truth.txt` and `meta.mat`; needs scipy). `corrupt` broken JPEGs are added to train.
-    Source ids: train `<wnid>/<file>`, val `<file>` (flat) or `<wnid>/<file>`.
+    `layout` is "folders", for `train/` and `val/`, or "tars", the official tar files.
+    `val_layout` is "folders" for `val/<wnid>/`, or a flat `val/` with its labels beside. Those
+    are "csv" for `LOC_val_solution.csv`, "txt" for `val_labels.txt` and "devkit" for the
+    devkit's ground truth and `meta.mat`; "devkit" needs scipy. `corrupt` broken JPEGs are added
+    to train. Source ids: train `<wnid>/<file>`, val `<file>` when flat, else `<wnid>/<file>`.
     """
     if layout not in ("folders", "tars") or val_layout not in ("folders", "csv", "txt", "devkit"):
         raise ValueError("layout is 'folders' or 'tars'; val_layout 'folders', 'csv', 'txt' or 'devkit'")
@@ -201,7 +197,7 @@ def _write_imagenet_images(
     train: dict[str, list[tuple[str, bytes]]],
     val: list[tuple[str, int, bytes]],
 ) -> None:
-    """The images as folders (`train/<wnid>/`, `val/`) or as the official tars."""
+    """The images as folders, `train/<wnid>/` and `val/`, or as the official tars."""
     if layout == "folders":
         for wnid, files in train.items():
             for name, data in files:
@@ -230,8 +226,8 @@ def _write_val_labels(
 
 
 def _write_devkit(folder: Path, classes: list[str], labels: list[int], rng: np.random.Generator) -> None:
-    """The devkit's ground truth: ILSVRC2012_IDs in an order unrelated to the sorted wnids (as in
-    the real meta.mat), plus a non-leaf synset, which a reader must ignore."""
+    """The devkit's ground truth: ILSVRC2012_IDs in an order unrelated to the sorted wnids.
+    The real meta.mat does that too. A non-leaf synset is added, which a reader must ignore."""
     # scipy is not a dependency of dlstore: only this devkit layout needs it.
     from scipy.io import savemat
 
@@ -266,8 +262,8 @@ def make_imagefolder(
     corrupt: int = 0,
     seed: int = 0,
 ) -> GeneratedDataset:
-    """`root/<class>/<n>.<ext>`, cycling through `formats` (jpg, jpeg, png, webp, bmp, gif),
-    plus a `README.txt` that is no image. Source ids: `<class>/<file>`."""
+    """`root/<class>/<n>.<ext>`, cycling through `formats`, plus a `README.txt` that is no image.
+    Formats are jpg, jpeg, png, webp, bmp and gif. Source ids: `<class>/<file>`."""
     root = Path(root)
     rng = np.random.default_rng(seed)
     classes = [f"class_{c:02d}" for c in range(num_classes)]
@@ -293,9 +289,9 @@ def make_imagefolder(
 def make_cifar10(
     root: str | os.PathLike[str], *, per_batch: int = 20, test: int = 20, archive: bool = False, seed: int = 0
 ) -> GeneratedDataset:
-    """`root/cifar-10-batches-py/` (data_batch_1..5, test_batch, batches.meta) as the official
-    Python pickles (bytes keys, a uint8 N×3072 array in R, G, B planes), or with `archive`
-    the same inside `root/cifar-10-python.tar.gz`. Source ids: `<batch>/<i>`."""
+    """`root/cifar-10-batches-py/` as the official Python pickles, data_batch_1..5 and the rest.
+    Each holds bytes keys and a uint8 N×3072 array in R, G, B planes. With `archive`, the same
+    goes inside `root/cifar-10-python.tar.gz`. Source ids: `<batch>/<i>`."""
     root = Path(root)
     rng = np.random.default_rng(seed)
     result = GeneratedDataset(root, list(CIFAR10_CLASSES), {"train": [], "test": []})
@@ -334,7 +330,7 @@ def make_cifar10(
 def make_mnist(
     root: str | os.PathLike[str], *, train: int = 60, test: int = 20, gz: bool = True, seed: int = 0
 ) -> GeneratedDataset:
-    """`train-images-idx3-ubyte[.gz]`, `train-labels-idx1-ubyte[.gz]`, `t10k-...` in `root`.
+    """The idx files `train-images-idx3-ubyte`, `train-labels-idx1-ubyte` and `t10k-...` in `root`.
     Source ids: `<split>/<i>` with split `train` or `test`."""
     root = Path(root)
     rng = np.random.default_rng(seed)

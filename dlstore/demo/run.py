@@ -2,12 +2,12 @@
 
     python -m dlstore demo [--workdir DIR] [--store URL] [--no-train]
 
-1. generates a small ImageNet-style dataset (class-dependent textures, real JPEGs);
+1. generates a small ImageNet-style dataset of real JPEGs with class-dependent textures;
 2. converts train and val into shards in a `file://` store and verifies them;
-3. copies a shard out and back with `copy_object`, what `dlstore cp` runs (the storage round trip);
+3. copies a shard out and back with `copy_object`, which `dlstore cp` runs;
 4. streams the shards through the node cache and loader, and reports img/s;
 5. trains a ResNet-18 at low resolution for a short run from those shards, and
-6. prints the loader-vs-GPU-demand verdict (`dlstore bench --quick`).
+6. prints the loader-vs-GPU-demand verdict of `dlstore bench --quick`.
 The same flow works against Swift or S3: give `--store swift://container/demo`.
 """
 
@@ -72,13 +72,13 @@ def _say(text: str) -> None:
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    """Run the flow above and return what it measured (also printed).
+    """Run the flow above, print what it measured, and return it.
 
     >>> run_demo(DemoConfig(train=False))["loader_img_s"]   # doctest: +SKIP
     1483.0
     """
     if cfg.store_url:
-        open_store(cfg.store_url)  # a URL it cannot open is said now, before the images are made
+        open_store(cfg.store_url)  # a bad URL fails now, before the images are made
     own_workdir = not cfg.workdir
     workdir = writable_dir(cfg.workdir, "--workdir") if cfg.workdir else tempfile.mkdtemp(prefix="dlstore-demo-")
     store_url = cfg.store_url or f"file://{os.path.abspath(workdir)}/store"

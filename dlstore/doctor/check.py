@@ -42,15 +42,15 @@ def format_check(check: Check) -> str:
 
 
 def exit_code(checks: Iterable[Check]) -> int:
-    """1 when anything failed, else 0 (warnings do not fail a run)."""
+    """1 when anything failed, else 0; warnings do not fail a run."""
     return 1 if any(check.status == FAIL for check in checks) else 0
 
 
 def redact(check: Check, secrets: Iterable[str]) -> Check:
-    """`check` with every secret value blanked: the checks never print one, and this makes
-    sure a third-party error message cannot either. A short secret is blanked where it stands
-    alone, not inside a longer word: the test key `test` made `ST_USER=test:tester` read
-    `***:***er`, which mangled the line and told the key's length and place besides."""
+    """`check` with every secret value blanked.
+    The checks never print one; this makes sure a third-party error message cannot either. A
+    short secret is blanked only where it stands alone, not inside a longer word. Otherwise a
+    key `test` would mangle `ST_USER=test:tester` and tell the key's length and place."""
     summary, fix = check.summary, check.fix
     for secret in secrets:
         if secret:

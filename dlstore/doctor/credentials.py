@@ -1,6 +1,6 @@
 """Which credentials the environment holds for a store, and which variables supply them.
 
-Values are shown for names and URLs; secrets only as `***` (they are `dlstore.config.Secret`s).
+Values are shown for names and URLs. Secrets are `dlstore.config.Secret`s, shown only as `***`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ _S3_FIX = (
 
 
 def _shown(env: Mapping[str, str], names: tuple[str, ...], secrets: Mapping[str, Secret | None]) -> str:
-    """`NAME=value` for the names set in `env`, secrets through their `Secret` (`***`)."""
+    """`NAME=value` for the names set in `env`; secrets show through their `Secret` as `***`."""
     parts = []
     for name in names:
         if not env.get(name):
@@ -33,8 +33,8 @@ def _shown(env: Mapping[str, str], names: tuple[str, ...], secrets: Mapping[str,
 
 
 def swift_credentials_check(env: Mapping[str, str], config: StoreConfig) -> Check:
-    """The set `SwiftConfig.from_env` uses: `ST_*` when `ST_AUTH` is set, else an openrc's `OS_*`,
-    else a pre-authenticated `OS_STORAGE_URL` + `OS_AUTH_TOKEN`."""
+    """The set `SwiftConfig.from_env` uses: `ST_*` when `ST_AUTH` is set, else an openrc's `OS_*`.
+    Failing both, a pre-authenticated `OS_STORAGE_URL` and `OS_AUTH_TOKEN`."""
     cfg = config.swift
     secrets = {
         "ST_KEY": cfg.key,
@@ -88,8 +88,8 @@ def _keystone_check(env: Mapping[str, str], version: str, secrets: Mapping[str, 
 
 
 def s3_credentials_check(env: Mapping[str, str], config: StoreConfig) -> Check:
-    """Keys from `AWS_ACCESS_KEY_ID`/`AWS_SECRET_ACCESS_KEY`, else boto3's own chain (profiles,
-    shared credentials file, instance metadata)."""
+    """Keys from `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`, else boto3's own chain.
+    That chain reads profiles, the shared credentials file and instance metadata."""
     cfg = config.s3
     secrets = {"AWS_SECRET_ACCESS_KEY": cfg.secret_access_key, "AWS_SESSION_TOKEN": cfg.session_token}
     has_id, has_secret = bool(env.get("AWS_ACCESS_KEY_ID")), bool(env.get("AWS_SECRET_ACCESS_KEY"))
@@ -103,7 +103,7 @@ def s3_credentials_check(env: Mapping[str, str], config: StoreConfig) -> Check:
 
 
 def _boto3_chain_check(profile: str | None) -> Check:
-    # boto3 is an optional dependency (the s3:// backend's): imported only for s3:// URLs.
+    # boto3 is the s3:// backend's optional dependency: imported only for s3:// URLs.
     try:
         import boto3
         import botocore.exceptions
@@ -130,7 +130,7 @@ def credentials_check(scheme: str | None, env: Mapping[str, str], config: StoreC
     if scheme == "file":
         return [Check("credentials", OK, "file:// needs none")]
     if scheme is not None:
-        if not _fsspec_knows(scheme):  # a typo (`swfit://`) was said to be fsspec's, and fine
+        if not _fsspec_knows(scheme):  # else a typo such as `swfit://` would pass as fsspec's
             return [Check("credentials", FAIL, f"no storage backend reads {scheme}:// URLs", "check the URL's scheme")]
         return [Check("credentials", OK, f"{scheme}:// is fsspec's: it reads its own settings")]
     found = []

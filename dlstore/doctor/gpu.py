@@ -1,7 +1,7 @@
 """torch and torchvision, the GPU, the driver's CUDA against the wheel's, and NCCL.
 
-`gather_torch_facts` looks (it imports torch); the checks judge the facts it returns, so
-tests can hand them any situation, a GPU node's included.
+`gather_torch_facts` looks, importing torch. The checks judge the facts it returns, so tests
+can hand them any situation, a GPU node's included.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def driver_cuda_version() -> tuple[int, int] | None:
-    """The CUDA version the NVIDIA driver supports (`cuDriverGetVersion`), None without a driver."""
+    """The CUDA version the NVIDIA driver supports, or None without a driver."""
     try:
         libcuda = ctypes.CDLL("libcuda.so.1")
         version = ctypes.c_int()
@@ -99,8 +99,8 @@ def gather_torch_facts() -> TorchFacts:
 
 
 def _torchvision(torch) -> tuple[str | None, str | None]:
-    """torchvision's version, and the error of importing it or of running one of its C++ ops
-    (a torchvision built for another torch fails there: "operator torchvision::nms does not exist")."""
+    """torchvision's version, and the error of importing it or of running one of its C++ ops.
+    A torchvision built for another torch fails there: "operator torchvision::nms does not exist"."""
     try:
         # Imported here: see gather_torch_facts.
         import torchvision

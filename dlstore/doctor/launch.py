@@ -1,7 +1,7 @@
-"""The launcher's variables (torchrun's or Slurm's) agree with each other and with the GPUs.
+"""The launcher's variables, torchrun's or Slurm's, agree with each other and with the GPUs.
 
-`dlstore.world.World.from_env` decides who this process is; this check looks at the raw
-variables around it, for the mistakes that make a job hang at the rendezvous or put two
+`dlstore.world.World.from_env` decides who this process is. This check looks at the raw
+variables around it. It finds the mistakes that hang a job at the rendezvous or put two
 ranks on one GPU.
 """
 
@@ -75,7 +75,7 @@ def _launcher_problems(env: Mapping[str, str], world: World) -> list[tuple[str, 
 
 
 def _gpu_problems(world: World, visible_gpus: int | None) -> list[tuple[str, str, str]]:
-    # One visible GPU per task is fine: the launcher bound it (srun --gpus-per-task=1).
+    # One visible GPU per task is fine: the launcher bound it, as srun --gpus-per-task=1 does.
     if not visible_gpus or visible_gpus == 1 or world.local_world_size <= visible_gpus:
         return []
     return [

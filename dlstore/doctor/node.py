@@ -1,5 +1,4 @@
-"""The node's own resources: the shard cache's directory and disk, `/dev/shm` for the
-loader's batch slots, and the CPU decode's native parts."""
+"""The node's own resources: the cache's disk, `/dev/shm`, and the CPU decode's native parts."""
 
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ def _existing_ancestor(path: str) -> str:
 
 
 def filesystem_type(path: str, mounts: str = "/proc/mounts") -> str | None:
-    """The type of the file system holding `path` (the longest mount point above it)."""
+    """The type of the file system holding `path`: that of the longest mount point above it."""
     try:
         with open(mounts) as file:
             lines = file.read().splitlines()
@@ -51,7 +50,7 @@ def filesystem_type(path: str, mounts: str = "/proc/mounts") -> str | None:
 
 
 def _cached_bytes(cache_dir: str) -> int:
-    """Bytes the cache already holds there (they count as room: the cache evicts them)."""
+    """Bytes the cache already holds there; they count as room, since the cache evicts them."""
     try:
         return cache_report(cache_dir).bytes
     except (DlstoreError, OSError):
@@ -59,7 +58,7 @@ def _cached_bytes(cache_dir: str) -> int:
 
 
 def _write_refused(directory: str) -> str | None:
-    """Why a file cannot be made in `directory` (one is made and removed), or None."""
+    """Why a file cannot be made in `directory`, or None; a test file is made and removed."""
     try:
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".dlstore-doctor-"):
             return None
@@ -68,8 +67,8 @@ def _write_refused(directory: str) -> str | None:
 
 
 def cache_check(cache_dir: str, limit_bytes: int, manifest: Manifest | None = None, num_nodes: int = 1) -> Check:
-    """The directory is usable, on local disk, and the disk has room for what the cache will hold:
-    its limit, or this node's share of the dataset when that is smaller."""
+    """The directory is usable, on local disk, and has room for what the cache will hold.
+    That is its limit, or this node's share of the dataset when that is smaller."""
     where = _existing_ancestor(cache_dir)
     made = "" if where == cache_dir else f" (to be made in {where})"
     if not os.access(where, os.W_OK | os.X_OK):
@@ -117,8 +116,8 @@ def cache_check(cache_dir: str, limit_bytes: int, manifest: Manifest | None = No
 
 @dataclass(frozen=True)
 class LoaderShape:
-    """What sizes the loader's shared memory: per rank, `slots` batches of `batch_size` images
-    of `image_size`² × 3 bytes (uint8 HWC), and `ranks_per_node` ranks share `/dev/shm`."""
+    """What sizes the loader's shared memory: per rank, `slots` batches of uint8 HWC images.
+    `ranks_per_node` ranks share `/dev/shm`."""
 
     batch_size: int
     image_size: int
@@ -131,7 +130,7 @@ class LoaderShape:
 
 
 def shm_check(shape: LoaderShape, shm_dir: str = "/dev/shm") -> Check:
-    """`/dev/shm` holds the workers' batch slots (plus torch's own tensors handed between processes)."""
+    """`/dev/shm` holds the workers' batch slots, and torch's tensors handed between processes."""
     if not os.path.isdir(shm_dir):
         return Check("shm", WARN, f"{shm_dir} does not exist", "DataLoader workers need a shared-memory file system")
     usage = shutil.disk_usage(shm_dir)
@@ -154,8 +153,8 @@ def shm_check(shape: LoaderShape, shm_dir: str = "/dev/shm") -> Check:
 
 
 def decode_check(cpu_decode) -> Check:
-    """Which native parts the CPU decode found (`cpu_decode`: `dlstore.transforms.cpu_decode`, or
-    what stands for it). Each one missing costs images per core; none breaks a run."""
+    """Which native parts `cpu_decode`, the module or a stand-in, found.
+    Each one missing costs images per core; none breaks a run."""
     simplejpeg, cv2, region = cpu_decode.simplejpeg, cpu_decode.cv2, cpu_decode.jpeg_region
     if cpu_decode.torch_resizes_uint8():
         resizer = "torch's SIMD kernel"

@@ -23,11 +23,11 @@ __all__ = ["DoctorOptions", "add_doctor_arguments", "options_from_args", "run_do
 
 @dataclass(frozen=True)
 class DoctorOptions:
-    """What to check against: the data settings the run will use (a `DataConfig`, the
-    trainer's and the bench's; its URL may be "" for no dataset, its `cache_dir` "" for
-    `DLSTORE_CACHE_DIR` or the default, its `workers` None for the loader's default),
-    the training processes per node (None: the launcher's, else one per visible GPU) and the
-    size of the timed ranged GET.
+    """What to check against: the run's data settings, ranks per node, and the probe's size.
+
+    `data` is the trainer's and bench's `DataConfig`. Its URL may be "" for no dataset, its
+    `cache_dir` "" for the default, its `workers` None for the loader's. `ranks_per_node` None
+    means the launcher's, else one per visible GPU. `read_bytes` sizes the timed ranged GET.
 
     >>> DoctorOptions(DataConfig("swift://imagenet/train", batch_size=128)).url
     'swift://imagenet/train'
@@ -49,8 +49,8 @@ def _secret_values(config: StoreConfig) -> list[str]:
 
 
 def _world(env: Mapping[str, str]) -> World:
-    """The launcher's world, or a single process when its variables are broken (the
-    distributed check reports them)."""
+    """The launcher's world, or a single process when its variables are broken.
+    The distributed check reports them."""
     try:
         return World.from_env(env) if any(n in env for n in ("WORLD_SIZE", "SLURM_NTASKS")) else World()
     except ConfigError:
@@ -59,7 +59,7 @@ def _world(env: Mapping[str, str]) -> World:
 
 def _loader_shape(options: DoctorOptions, ranks_per_node: int) -> LoaderShape:
     """Batch slots per rank: the ring `dlstore.loader.BatchSlots` allocates for its workers."""
-    # dlstore.loader imports torch: called only once torch is known to import.
+    # dlstore.loader imports torch, so this runs only once torch is known to import.
     from dlstore.loader import LoaderConfig, default_workers
 
     data = options.data
@@ -107,9 +107,9 @@ def _torch_checks(options: DoctorOptions, env: Mapping[str, str], world: World, 
 def run_doctor(
     options: DoctorOptions, env: Mapping[str, str], report: Callable[[Check], None] | None = None
 ) -> list[Check]:
-    """Run every check; `report` sees each as it completes (the CLI prints it).
+    """Run every check; `report` sees each as it completes, and the CLI prints it.
 
-    `env` is the environment, read once by the caller; boto3's credential chain and torch
+    `env` is the environment, read once by the caller. boto3's credential chain and torch
     also look at the process's own.
 
     >>> checks = run_doctor(DoctorOptions(DataConfig("swift://imagenet/train")), dict(os.environ))   # doctest: +SKIP
@@ -137,7 +137,7 @@ def run_doctor(
     world = _world(env)
     cache_dir = options.data.cache_dir or default_cache_dir(env)
     emit(cache_check(cache_dir, options.data.cache_limit, manifest, world.num_nodes))
-    from dlstore.transforms import cpu_decode  # numpy and Pillow: imported only by the check that needs them
+    from dlstore.transforms import cpu_decode  # numpy and Pillow: imported only for this check
 
     emit(decode_check(cpu_decode))
     facts = _torch_checks(options, env, world, emit)
@@ -146,8 +146,8 @@ def run_doctor(
 
 
 def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `dlstore doctor`: the data flags of `dlstore train` (so a run's own flags
-    can be checked as they are), the ranks per node and the probe's size."""
+    """The options of `dlstore doctor`: `dlstore train`'s data flags, ranks per node, probe size.
+    A run's own flags can be checked as they are."""
     parser.add_argument(
         "url", nargs="?", default="", help="dataset URL to check, e.g. swift://imagenet/train (optional)"
     )
@@ -159,7 +159,7 @@ def add_doctor_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def options_from_args(args: argparse.Namespace) -> DoctorOptions:
-    """The options of parsed arguments; the environment is left to `run_doctor`, which checks it."""
+    """The options of parsed arguments; `run_doctor` reads and checks the environment."""
     return DoctorOptions(
         data=DataConfig.from_flags(args.url or "", args),
         ranks_per_node=args.ranks_per_node,

@@ -1,7 +1,6 @@
-"""The store as the loader will meet it: the endpoint answers, the credentials are accepted,
-the container lists, the dataset's manifest parses, and a ranged GET comes back at some speed.
+"""The store as the loader will meet it: endpoint, credentials, listing, manifest and a read.
 
-Each step runs only when the one before it passed: one root cause, one FAIL.
+Each check runs only when the one before it passed: one root cause, one FAIL.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ DOCTOR_RETRY = RetryConfig(
     stall_timeout_s=20.0,
 )
 LISTED_AT_MOST = 1000
-SLOW_STREAM_MB_S = 25.0  # one stream slower than this is a slow path (a proxy, a VPN, a far region)
+SLOW_STREAM_MB_S = 25.0  # one stream slower than this is a slow path: a proxy, a VPN, a far region
 SPEED_NEEDS_BYTES = 4 * 10**6  # smaller reads measure latency, not bandwidth
 
 
@@ -53,7 +52,7 @@ def _endpoints(scheme: str, config: StoreConfig) -> list[str]:
 
 
 def endpoint_check(scheme: str, config: StoreConfig, env: Mapping[str, str], timeout_s: float = 5.0) -> Check | None:
-    """A TCP connection to each endpoint the store will call first (None for file:// and fsspec)."""
+    """A TCP connection to each endpoint the store will call first; None for file:// and fsspec."""
     if scheme not in ("swift", "s3"):
         return None
     urls = _endpoints(scheme, config)
@@ -120,7 +119,7 @@ def probe_store(url: str, config: StoreConfig, read_bytes: int) -> ProbeResult:
     config = dataclasses.replace(config, retry=DOCTOR_RETRY)
     try:
         store = open_store(url, config)
-    except ConfigError as exc:  # the URL itself: its scheme, its bucket's name, ...
+    except ConfigError as exc:  # the URL itself: its scheme, its bucket's name
         return ProbeResult([Check("store", FAIL, f"{url}: {exc}", "check the URL")])
     except DlstoreError as exc:
         return ProbeResult([Check("store", FAIL, f"{url}: {exc}", "see the credentials line above")])
@@ -136,7 +135,7 @@ def probe_store(url: str, config: StoreConfig, read_bytes: int) -> ProbeResult:
 
 
 def _list_first(store: Store, scheme: str, config: StoreConfig, checks: list[Check]) -> list[ObjectInfo] | None:
-    """The first objects under the store's root (the request that authenticates), or None after a FAIL."""
+    """The first objects under the store's root, or None after a FAIL; this request authenticates."""
     needs_auth = scheme in ("swift", "s3")
     started = time.monotonic()
     try:

@@ -1,15 +1,15 @@
 """The loader: batches of this rank on the device, in plan order, with an exact position.
 
-`loader.py` (`Loader`) composes an engine that builds batches (`threads.py`, or `processes.py`;
-`choose_engine` says which by default), the batch buffers (`slots.py`) and the GPU prefetcher (`prefetch.py`).
+`Loader` composes an engine, `threads.py` or `processes.py`, as `choose_engine` says. It adds the
+batch buffers of `slots.py` and the GPU prefetcher of `prefetch.py`.
 """
 
 from __future__ import annotations
 
 from dlstore.loader.config import ENGINES, LoaderConfig, default_workers
 
-# The rest pulls in torch: imported on first use, so that the settings (`dlstore.loader.config`,
-# which the CLI's parsers read) do not make `dlstore ls` wait for it.
+# The rest pulls in torch, so it is imported on first use. The CLI's parsers read the settings,
+# and `dlstore ls` should not wait for torch.
 _LAZY = {
     "Loader": "dlstore.loader.loader",
     "choose_engine": "dlstore.loader.loader",

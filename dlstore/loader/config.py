@@ -9,24 +9,22 @@ from dlstore.world import World, available_cores
 
 __all__ = ["ENGINES", "START_METHODS", "THREADS_SCALE_TO", "LoaderConfig", "default_workers"]
 
-# "threads": decode threads in the training process (no fork, no /dev/shm, no per-batch
-# hand-off); "processes": DataLoader worker processes. `LoaderConfig.engine="auto"` picks one
-# per loader (`dlstore.loader.loader.choose_engine`).
+# "threads": decode threads in the training process, with no fork, /dev/shm or hand-off.
+# "processes": DataLoader worker processes. `engine="auto"` picks one by `choose_engine`.
 ENGINES = ("threads", "processes")
-# How the process engine starts its workers: None is torch's default (fork on Linux), or a fork
-# server when `engine="auto"` chose the processes (`resolve_auto`); "forkserver" and "spawn" start
-# them from a fresh interpreter, not from a copy of this process and its threads' locks.
+# How the process engine starts workers. None is torch's default, or a fork server when
+# `engine="auto"` chose processes. "forkserver" and "spawn" start them from a fresh interpreter,
+# not a copy of this process and its threads' locks.
 START_METHODS = (None, "fork", "forkserver", "spawn")
-# Decode threads past which they stopped scaling on a 16-core node (the GIL; `choose_engine`).
+# Decode threads past which the GIL stops them scaling; see `choose_engine`.
 THREADS_SCALE_TO = 4
 
 
 @dataclass(frozen=True)
 class LoaderConfig:
-    """`num_workers`: decode threads (thread engine) or worker processes (process engine).
+    """`num_workers` counts the engine's decode threads or worker processes.
 
-    `engine="auto"` is resolved by the `Loader`: worker processes when the batches go to a GPU,
-    decode threads otherwise (why: `choose_engine`).
+    The `Loader` resolves `engine="auto"`: processes for a GPU, threads otherwise.
 
     >>> LoaderConfig(num_workers=4, device="cpu", dtype="uint8").engine
     'auto'
@@ -36,20 +34,18 @@ class LoaderConfig:
     device: str = "cuda"
     engine: str = "auto"
     start_method: str | None = None
-    # Batches decoded ahead (per worker for the process engine), and batches copied to the
-    # device ahead of the loop.
+    # Batches decoded ahead, per worker for processes; batches copied to the device ahead.
     prefetch_factor: int = 2
     device_lookahead: int = 2
-    dtype: str = "float32"  # or "bfloat16", "float16", "uint8" (no normalisation)
+    dtype: str = "float32"  # or "bfloat16", "float16", "uint8"; uint8 is not normalised
     normalize: bool = True
     channels_last: bool = True
     timeout_s: float = 0.0
-    # Batches are written into a ring of buffers allocated once (see `BatchSlots`); False hands
-    # each batch over as a fresh tensor (torch's default, more page faults).
+    # Batches go into a ring of buffers allocated once, `BatchSlots`. False hands each batch
+    # over as a fresh tensor, torch's default, with more page faults.
     shared_slots: bool = True
-    # The epochs the run reads (0 to epochs - 1), when known: no batch is built, and no shard
-    # fetched, for the epoch after the last (near an epoch's end the loader runs on into the
-    # next one). None: no end known; an epoch past it still loads, only without a head start.
+    # The epochs the run reads, when known. Near an epoch's end the loader runs on into the
+    # next; nothing is built or fetched past the last. None: no end known.
     epochs: int | None = None
 
     def __post_init__(self) -> None:
@@ -63,7 +59,7 @@ class LoaderConfig:
             raise ConfigError(f"epochs must be at least 1 (or None: no end known), not {self.epochs}")
 
     def reads(self, epoch: int) -> bool:
-        """Whether the run reads `epoch` (as far as `epochs` tells)."""
+        """Whether the run reads `epoch`, as far as `epochs` tells."""
         return self.epochs is None or epoch < self.epochs
 
     @property
@@ -73,8 +69,9 @@ class LoaderConfig:
 
 
 def default_workers(workers: int | None, world: World) -> int:
-    """`workers`, or when None one per core this rank gets: the node's cores shared by the
-    node's ranks (more only makes them compete; torch warns about it)."""
+    """`workers`, or when None one per core this rank gets of the node's cores.
+
+    More only makes them compete, and torch warns about it."""
     if workers is not None:
         return workers
     return max(1, available_cores() // world.local_world_size)

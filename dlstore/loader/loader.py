@@ -1,10 +1,9 @@
-"""From the dataset to the training loop: an engine that builds this rank's batches in plan
-order (decode threads, or DataLoader worker processes when the batches go to a GPU), and a GPU
-prefetcher that copies them ahead on a side CUDA stream.
+"""From the dataset to the training loop.
 
-What the training loop sees does not depend on the engine or the number of threads/workers.
-The loader counts batches *delivered to the loop* (not those built ahead), so `state_dict()`
-is the exact position.
+An engine builds this rank's batches in plan order: decode threads, or worker processes for a
+GPU. A GPU prefetcher copies them ahead on a side CUDA stream. What the loop sees does not
+depend on the engine or its number of workers. The loader counts batches delivered to the
+loop, not those built ahead, so `state_dict()` is the exact position.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ __all__ = ["Loader", "choose_engine", "resolve_auto"]
 
 log = logging.getLogger(__name__)
 
-# What a plan setting was before a loader state recorded it (a state of an older dlstore).
+# A plan setting's value in a loader state that does not record it.
 _BEFORE_FINGERPRINTED = {"window_ramp": False}
 # Plan settings a loaded state sets rather than checks (`Loader._follow_saved_order`).
 _FOLLOWS_THE_STATE = ("window_ramp",)
@@ -46,10 +45,9 @@ class Loader:
         loader.set_epoch(0)
         for images, labels in loader: ...
 
-    With `Dataset(..., return_keys=True)` each batch comes as `(images, labels, meta)`, where
-    `meta["keys"]` are the samples' keys and `meta["padding"]` (on the device, as the labels)
-    marks the samples that repeat one already delivered this epoch to keep the ranks equal
-    (count them out of evaluation).
+    With `Dataset(..., return_keys=True)` each batch is `(images, labels, meta)`. `meta["keys"]`
+    are the samples' keys. `meta["padding"]`, on the device, marks samples that repeat one
+    delivered this epoch to keep the ranks equal: count them out of evaluation.
     """
 
     def __init__(self, dataset: Dataset, num_workers: int | None = None, device: str = "cuda", **options: Any) -> None:
@@ -66,9 +64,8 @@ class Loader:
         kind = "decode threads" if self.cfg.engine == "threads" else "worker processes"
         log.info("engine: %s, %d %s, batches to %s", self.cfg.engine, self.cfg.num_workers, kind, self.device)
         self.state = EpochState(epoch=0, history=())
-        # A state saved in another order is resumed on a copy of the dataset: (the caller's
-        # dataset, the epoch planned on the copy, the copy's corrupt count at the start) until
-        # that epoch is left (`_follow_saved_order`).
+        # A state saved in another order resumes on a copy of the dataset until that epoch is
+        # left: (the caller's dataset, the epoch planned on the copy, the copy's corrupt count).
         self._resumed_in: tuple[Dataset, int, int] | None = None
         # Made once: an nvImageCodec decoder starts threads and streams.
         self.jpeg_decoder = None
@@ -80,9 +77,10 @@ class Loader:
         self.engine: ThreadEngine | ProcessEngine = engine(dataset, self.cfg, self.slots)
 
     def _slots(self, count: int) -> BatchSlots | None:
-        """Slots pay where the batch is copied out of them anyway: to the GPU, into the float batch on a
-        CPU device, or, from worker processes, into a reused uint8 buffer instead of a fresh
-        shared-memory file each time. A uint8 batch of the decode threads on the CPU goes as it is."""
+        """Slots pay where the batch is copied out of them anyway.
+
+        That is to the GPU, into a float batch on the CPU, or from worker processes. There a
+        reused buffer replaces a fresh shared-memory file. A uint8 CPU batch of threads goes as is."""
         cfg, data = self.cfg, self.dataset.cfg
         copied_out = self.device.type == "cuda" or cfg.dtype != "uint8" or cfg.engine == "processes"
         in_process = cfg.engine == "processes" and cfg.num_workers == 0
@@ -94,8 +92,7 @@ class Loader:
         except RuntimeError as exc:
             if not shared:
                 raise
-            # A container's 64 MB /dev/shm, say. Not batches handed over whole instead: they
-            # need /dev/shm too, and a worker that cannot put one there stalls the epoch.
+            # A small container /dev/shm, say. Whole batches are no fallback: they need it too.
             need = count * data.batch_size * data.transform.image_size**2 * 3
             raise NoSpace(
                 f"the worker processes' {count} batch slots need {need / 1e6:.0f} MB of /dev/shm ({exc}): give it"
@@ -104,15 +101,16 @@ class Loader:
             ) from None
 
     def set_epoch(self, epoch: int) -> None:
-        """Go on to `epoch`: from its beginning, unless the loader stands in this very epoch
-        (a loaded state's, or one a loop left early), which then goes on where it stands:
-        what a resumed training loop's `set_epoch` at each epoch's start needs."""
+        """Go on to `epoch` from its beginning, unless the loader already stands in it.
+
+        A loaded state's epoch, or one a loop left early, goes on where it stands. A resumed loop
+        calls `set_epoch` at each epoch's start and needs exactly that."""
         if epoch != self.state.epoch:
             self.state = EpochState(epoch=epoch, history=())
             self._leave_saved_order()
 
     def __len__(self) -> int:
-        """Batches this rank has left in the current epoch (the same on every rank)."""
+        """Batches this rank has left in the current epoch; the same on every rank."""
         return self.dataset.plan(self.state.epoch, self.state.history).num_batches
 
     def __iter__(self) -> Iterator:
@@ -128,8 +126,7 @@ class Loader:
         )
         for batch in prefetcher:
             self.state = self.state.advance(self.dataset.world, self.dataset.cfg.batch_size, 1)
-            # Counted as delivered, not as built: batches built ahead (by workers, or by device
-            # decode's prefetch thread) of a pass that is left early are never delivered.
+            # Counted as delivered, not as built: a pass left early never delivers its lookahead.
             self.dataset.corrupt_samples += batch.get("corrupt", 0) + batch.get("undecodable", 0)
             if self.dataset.cfg.return_keys:
                 yield batch["images"], batch["labels"], {"keys": batch["keys"], "padding": batch["padding"]}
@@ -140,8 +137,7 @@ class Loader:
         self._leave_saved_order()
 
     def close(self) -> None:
-        """Stop the decode threads or worker processes now (they also stop when the loader is
-        garbage-collected)."""
+        """Stop the decode threads or worker processes now; garbage collection also stops them."""
         self.engine.close()
 
     def __enter__(self) -> Loader:
@@ -151,17 +147,19 @@ class Loader:
         self.close()
 
     def state_dict(self) -> dict:
-        """The exact position: epoch and the steps done in it per world layout, with the fingerprint
-        of what decides the order (the manifest's shards, the plan settings). Version 2 has the
-        window ramp; a reader of version 1 only refuses it rather than resume in another order."""
+        """The exact position: the epoch and its steps done per world layout.
+
+        It carries a fingerprint of what decides the order: the manifest's shards and plan settings.
+        Version 2 has the window ramp, so a version 1 reader refuses it rather than reorder."""
         version = 2 if self.dataset.cfg.window_ramp else 1
         return {"version": version, "seed": self.dataset.cfg.seed, **self.state.to_dict(), "data": self._fingerprint()}
 
     def load_state_dict(self, state: dict, strict: bool = True) -> None:
-        """Continue from `state`. A state saved on other data (a dataset converted again) or
-        other plan settings would replay another order, skipping and repeating samples: that
-        is a `ConfigError` naming what changed, unless `strict=False` (then a warning). The
-        window ramp follows the state (see `_follow_saved_order`)."""
+        """Continue from `state`.
+
+        A state saved on other data or plan settings would replay another order. That skips and
+        repeats samples, so it raises `ConfigError` naming what changed. `strict=False` warns
+        instead. The window ramp follows the state."""
         if not isinstance(state, Mapping):
             raise ConfigError(f"a loader state is the dict Loader.state_dict() gives, not a {type(state).__name__}")
         version, seed, data = state.get("version"), state.get("seed"), state.get("data")
@@ -200,9 +198,10 @@ class Loader:
         }
 
     def _follow_saved_order(self, window_ramp: bool, epoch: int) -> None:
-        """The epoch a state was saved in goes on in its order. A state saved with the other window
-        ramp setting has this loader plan `epoch` on a copy of its dataset with the state's setting,
-        with a new engine. The epochs after it are planned as the caller's dataset says."""
+        """The epoch a state was saved in goes on in its order.
+
+        With the other window ramp setting, `epoch` is planned on a dataset copy with the state's
+        setting and a new engine. Later epochs follow the caller's dataset."""
         self._back_to_configured()  # from the copy of an earlier load
         if window_ramp == self.dataset.cfg.window_ramp:
             return
@@ -229,24 +228,23 @@ class Loader:
         configured.corrupt_samples += copy.corrupt_samples - counted_from
 
     def _swap(self, dataset: Dataset) -> None:
-        """Plan and build on `dataset` from now on: a new engine, made before the old one is
-        closed, so that a failure to make it leaves the loader as it was."""
+        """Plan and build on `dataset` from now on, with a new engine.
+
+        It is made before the old one closes, so a failure leaves the loader as it was."""
         engine = type(self.engine)(dataset, self.cfg, self.slots)
         self.engine.close()
         self.dataset, self.engine = dataset, engine
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
-    """What `engine="auto"` means: worker processes when the batches go to a GPU, decode threads
-    otherwise.
-    Why: beside a GPU training loop, threads and the loop share one GIL, handed over at every
-    decode call and kernel launch; processes feed far more there. On the CPU, threads are as fast
-    on a few cores and spare what processes cost: /dev/shm, a fork, more resident memory, and the
-    `__main__` guard a fork server needs. On many cores the GIL holds threads back, yet they stay
-    the CPU default: a script that ran on threads must not fail for want of that guard because its
-    machine has more cores. `resolve_auto` warns then, and says to ask for processes. Processes
-    need room in `/dev/shm` for the node's batches in flight: without it, threads, with a warning.
-    `docs/performance.md` has the figures."""
+    """What `engine="auto"` means: worker processes for a GPU, decode threads otherwise.
+
+    Beside a GPU loop, threads share one GIL with it, handed over at every decode and kernel
+    launch. Processes feed far more there. On a few CPU cores threads are as fast. They spare
+    /dev/shm, a fork, resident memory and the `__main__` guard a fork server needs. On many cores
+    the GIL holds threads back, yet they stay the CPU default. A script that ran on threads must
+    not fail for want of that guard on a bigger machine; `resolve_auto` warns instead. Processes
+    need room in `/dev/shm` for the node's batches in flight; without it, threads and a warning."""
     if device.type != "cuda" or cfg.num_workers == 0:
         return "threads"
     data = dataset.cfg
@@ -262,8 +260,7 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
         total, free = usage.total, usage.free
     except OSError:
         total = free = 0
-    # The node's ranks together against the size; this rank against what is free (the ranks
-    # made before it already hold theirs).
+    # The node's ranks against the size; this rank against what is free, as earlier ranks hold theirs.
     if total < node or free < own:
         log.warning(
             "%s has %.1f GB free of %.1f GB; worker processes need about %.1f GB for this rank's "
@@ -277,12 +274,13 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
 
 
 def resolve_auto(cfg: LoaderConfig, dataset: Dataset, device: torch.device, shm: str = "/dev/shm") -> LoaderConfig:
-    """`cfg` with `engine="auto"` resolved (`choose_engine`). Worker processes it chooses start from
-    a fork server unless `start_method` says otherwise: the loader's process runs the cache's
-    threads, and a fork can copy a lock one of them holds. A script that starts them needs
-    `if __name__ == "__main__":`."""
+    """`cfg` with `engine="auto"` resolved by `choose_engine`.
+
+    Worker processes start from a fork server unless `start_method` says otherwise. The loader's
+    process runs the cache's threads, and a fork can copy a lock one of them holds. A script
+    that starts them needs `if __name__ == "__main__":`."""
     engine = choose_engine(dataset, cfg, device, shm)
-    # Threads that decode at once: no more than the cores this rank gets.
+    # Threads that decode at once: at most the cores this rank gets.
     decoding = min(cfg.num_workers, max(1, available_cores() // dataset.world.local_world_size))
     if (
         engine == "threads"

@@ -1,5 +1,4 @@
-"""The GPU prefetcher: batches copied to the device ahead of the loop on a side CUDA stream,
-converted and normalised there."""
+"""The GPU prefetcher: batches copied ahead of the loop on a side stream, normalised there."""
 
 from __future__ import annotations
 
@@ -23,13 +22,12 @@ log = logging.getLogger(__name__)
 
 
 class GpuPrefetcher:
-    """Copies the next `lookahead` batches to `device` on a side stream, then converts them
-    (uint8 NHWC → float NCHW channels_last, normalised) on the GPU.
+    """Copies the next `lookahead` batches to `device` on a side stream, then converts them.
 
-    Why a side stream: the host-to-device copy of batch k+1 overlaps the compute of batch k.
-    The consumer's stream waits on an event before it touches a batch, and the tensors are
-    marked with `record_stream` so the caching allocator does not reuse their memory early.
-    On a CPU device the same code runs without streams.
+    Conversion turns uint8 NHWC into normalised float NCHW, channels_last, on the GPU. The side
+    stream lets the copy of batch k+1 overlap the compute of batch k. The consumer's stream waits
+    on an event before it touches a batch. `record_stream` keeps the caching allocator from
+    reusing their memory early. On a CPU device the same code runs without streams.
     """
 
     def __init__(
@@ -44,16 +42,16 @@ class GpuPrefetcher:
         padding_to_device: bool = False,
     ) -> None:
         self.batches = batches
-        self.padding_to_device = padding_to_device  # the marks are handed on (`return_keys`): on the device too
-        self.decoder = decoder  # of batches of JPEGs (`decode_on="device"`); torchvision's if None
+        self.padding_to_device = padding_to_device  # `return_keys` hands the marks on: on the device too
+        self.decoder = decoder  # decodes batches of JPEGs on the device; torchvision's if None
         self.slots = slots
         self.on_corrupt = on_corrupt
         self.background = background
         self.cfg = cfg
         self.cuda = device.type == "cuda"
         if self.cuda and device.index is None:
-            # An index-less "cuda" is the current device; a background thread must be told
-            # which (`torch.cuda.set_device` refuses a device without an index).
+            # An index-less "cuda" is the current device. A background thread must be told which:
+            # `torch.cuda.set_device` refuses a device without an index.
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.stream = torch.cuda.Stream(device) if self.cuda else None
@@ -61,12 +59,11 @@ class GpuPrefetcher:
         self.dtype = dtype
         self.mean = torch.tensor(IMAGENET_MEAN, device=device, dtype=torch.float32).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, device=device, dtype=torch.float32).view(1, 3, 1, 1)
-        # (x - mean) / std, written as x * scale + shift so that it can run in place.
+        # x * scale + shift is (x - mean) / std, written to run in place.
         self.scale = 1.0 / self.std
         self.shift = -self.mean / self.std
         self.pending: list[tuple[dict, Any]] = []
-        # uint8 batches copied out of their slots on the CPU go into reused buffers: fresh ones
-        # cost page faults in the training process.
+        # uint8 CPU batches copied out of slots go into reused buffers: fresh ones cost page faults.
         self.handed = HandedBuffers(keep=cfg.device_lookahead + 2)
         if self.cuda:  # the constants above were made on the current stream; the side stream reads them
             self.stream.wait_stream(torch.cuda.current_stream(device))
@@ -74,7 +71,7 @@ class GpuPrefetcher:
     def _to_device(self, batch: dict) -> dict:
         if batch.get("encoded") is not None:
             size = batch["image_size"]  # the data config's, carried by the batch
-            # nvJPEG reads the encoded bytes from (pinned) host memory itself.
+            # nvJPEG reads the encoded bytes from pinned host memory itself.
             data, lengths = batch["encoded"]
             parts = data.split(lengths) if lengths else []
             images, bad = decode_on_device(parts, batch["boxes"], size, self.device, self.decoder)
@@ -91,13 +88,13 @@ class GpuPrefetcher:
         else:
             images = batch["images"].to(self.device, non_blocking=True)
         labels = batch["labels"].to(self.device, non_blocking=True)
-        # Beside the labels, on this side stream: a consumer's copy from pageable memory on its
-        # own stream may wait there for the work queued before it (evaluation, each batch).
+        # Beside the labels, on this side stream. A consumer's copy on its own stream might wait
+        # there for the work queued before it.
         padding = batch["padding"].to(self.device, non_blocking=True) if self.padding_to_device else None
         # NHWC uint8 -> NCHW view with channels_last strides: no copy.
         images = images.permute(0, 3, 1, 2)
         if self.dtype != torch.uint8:
-            # One float copy (it keeps the channels_last strides), then scale and shift in place:
+            # One float copy keeps the channels_last strides; scale and shift then run in place.
             # `(images - mean) / std` would make two more batch-sized temporaries.
             images = images.to(torch.float32, copy=True)
             if self.cfg.normalize:
@@ -116,8 +113,10 @@ class GpuPrefetcher:
         return out
 
     def _drop_undecodable(self, batch: dict, bad: list[int]) -> dict:
-        """The batch without the samples whose JPEG the device could not decode (the worker
-        read their headers, so this is rare): skipped and counted, or `CorruptSample`."""
+        """The batch without samples whose JPEG the device could not decode.
+
+        The worker read their headers, so this is rare. They are skipped and counted, or raise
+        `CorruptSample`."""
         if self.on_corrupt == "raise":
             raise CorruptSample(f"{len(bad)} JPEG(s) of batch {batch.get('index')} do not decode on {self.device}")
         log.warning("skipping %d sample(s) whose JPEG does not decode on %s", len(bad), self.device)
@@ -129,7 +128,7 @@ class GpuPrefetcher:
         return out
 
     def _prepare(self, batch: dict) -> tuple[dict, Any]:
-        """`batch` on the device (on the side stream), and the event that marks it ready."""
+        """`batch` on the device via the side stream, and the event that marks it ready."""
         if self.cuda:
             with torch.cuda.stream(self.stream):
                 ready = self._to_device(batch)
@@ -163,10 +162,9 @@ class GpuPrefetcher:
         if self.background:
             yield from self._iter_background()
             return
-        # The copies ahead are topped up after each batch is handed over, not before the first:
-        # taking a batch from the engine waits for its decode, and the loop should start as
-        # soon as the first one is ready. On a CPU device a batch is ready when prepared, so
-        # nothing is prepared ahead there.
+        # Copies ahead are topped up after each hand-over, not before the first. Taking a batch
+        # waits for its decode, and the loop should start once the first is ready. On a CPU
+        # device a batch is ready when prepared, so nothing is prepared ahead.
         ahead = max(1, self.cfg.device_lookahead) if self.cuda else 1
         self._enqueue()
         while self.pending:
@@ -177,10 +175,10 @@ class GpuPrefetcher:
                 pass
 
     def _iter_background(self) -> Iterator[dict]:
-        """`__iter__` with the batches prepared by a thread. Why: decoding on the device
-        blocks the calling thread for the whole decode (torchvision waits for nvJPEG), and
-        the resize of each image is a handful of kernel launches; in the training thread
-        both would hold back the launch of the next training step."""
+        """`__iter__` with the batches prepared by a thread.
+
+        Decoding on the device blocks the calling thread for the whole decode. Each image's resize
+        is a handful of kernel launches. In the training thread both would delay the next step."""
         ready: queue.Queue = queue.Queue(maxsize=max(1, self.cfg.device_lookahead))
         stop = threading.Event()
 
@@ -196,8 +194,8 @@ class GpuPrefetcher:
             try:
                 if self.cuda:
                     torch.cuda.set_device(self.device)
-                # The stop is looked at before each batch is taken: taking one builds it (or
-                # waits for a store's retries), which a loop that has left need not wait for.
+                # Check the stop before each batch: taking one builds it or waits for retries.
+                # A loop that has left need not wait for that.
                 while not stop.is_set():
                     try:
                         batch = next(self.batches)

@@ -1,19 +1,17 @@
 """The process engine: DataLoader worker processes, each building whole batches.
 
-The default for a GPU (`choose_engine`), and for custom transforms that hold the GIL. The main
-process owns the epoch plan: a sampler walks this rank's batches in order and hands each worker
-a whole batch request. Persistent workers decode and collate into a slot of a shared-memory
-ring (`BatchSlots`, page-locked on a GPU node); the DataLoader returns batches in plan order.
+The default on a GPU and for custom transforms that hold the GIL. The main process owns the
+epoch plan. A sampler walks this rank's batches in order and hands each worker a whole batch
+request. Persistent workers decode and collate into a slot of `BatchSlots`, a shared-memory
+ring. The DataLoader returns batches in plan order.
 
-The first batch of each pass (loader start, each epoch, a resume) is the exception. Built whole
-by one worker, it would keep the loop waiting a whole batch's decode. It goes out as one chunk
-of consecutive samples per worker instead, all written into the batch's slot, and the engine
-joins the chunks. Later batches stay whole: that costs the least per image.
+The first batch of each pass is the exception. Built by one worker, it would keep the loop
+waiting a whole batch's decode. So it goes out as one chunk of samples per worker, all written
+into the batch's slot, and the engine joins them. Later batches stay whole: that is cheapest.
 
-Epochs follow on without a pause. After a fresh epoch's last batch request the sampler goes on
-with the next epoch's, whose plan is a pure function of the epoch. The workers never run dry at
-an epoch's end, and the loop's next `iter()` finds that epoch's first batches built. Anything
-else (a resumed epoch, another epoch, a pass left early) starts a fresh pass.
+Epochs follow on without a pause. After a fresh epoch's last request the sampler goes on with
+the next epoch's, whose plan is a pure function of the epoch. So the workers never run dry, and
+the next `iter()` finds that epoch's first batches built. Anything else starts a fresh pass.
 """
 
 from __future__ import annotations
@@ -44,14 +42,12 @@ __all__ = ["ProcessEngine"]
 
 
 def start_fork_server() -> None:
-    """Start the fork server that `start_method="forkserver"` workers come from, now, with torch and
-    this module imported in it once. It starts while the model is built, and each worker is then a
-    fork of it, not a fresh interpreter importing torch. Idempotent; the preload list is this
-    process's `multiprocessing` setting.
-    The server and multiprocessing's resource tracker start with SIGUSR1 ignored, which stays
-    ignored across their exec. Slurm's pre-emption warning (`--signal=USR1@180`) goes to every
-    process of the step; its default action would end the server and the workers before the
-    training process checkpoints."""
+    """Start the fork server for `start_method="forkserver"` now, with torch imported once.
+
+    It starts while the model is built, so each worker is a fork, not a fresh interpreter. The call
+    is idempotent. The server and the resource tracker start with SIGUSR1 ignored, and that lasts
+    across their exec. Slurm's pre-emption warning goes to every process of the step. Its default
+    action would end the server and workers before the training process checkpoints."""
     multiprocessing.get_context("forkserver").set_forkserver_preload([__name__])
     if threading.current_thread() is not threading.main_thread():  # signal() works only there
         multiprocessing.forkserver.ensure_running()
@@ -65,10 +61,10 @@ def start_fork_server() -> None:
 
 
 def _ignore_stop_signals(_worker_id: int) -> None:
-    """Workers leave SIGUSR1 (Slurm's pre-emption warning, `--signal=USR1@180`) to the
-    training process, which checkpoints and then stops them. SIGTERM keeps its default:
-    multiprocessing ends workers with it when the process exits, and a worker that ignored
-    it would hang that exit."""
+    """Workers leave SIGUSR1, Slurm's pre-emption warning, to the training process.
+
+    That process checkpoints and then stops them. SIGTERM keeps its default: multiprocessing
+    ends workers with it at exit, and a worker that ignored it would hang that exit."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 
@@ -82,8 +78,9 @@ class _Whole:
 
 @dataclass(frozen=True)
 class _Chunk:
-    """Rows `start:start + len(part.ids)` of a batch built in `count` chunks; `part` is a request
-    for those samples alone (a sample's augmentation depends on its id, not on its row)."""
+    """Rows `start:start + len(part.ids)` of a batch built in `count` chunks.
+
+    `part` requests those samples alone: a sample's augmentation depends on its id, not its row."""
 
     part: BatchRequest
     start: int
@@ -104,8 +101,7 @@ def _chunks(request: BatchRequest, count: int, slot: int | None) -> Iterator[_Wh
 
 
 class _BatchWriter(torch.utils.data.Dataset):
-    """What the workers run: the dataset's batch or a chunk of it, its images written into the
-    batch's slot (at the chunk's rows) when there are slots."""
+    """What the workers run: a batch or a chunk of it, written into the batch's slot if any."""
 
     def __init__(self, dataset: Dataset, slots: BatchSlots | None) -> None:
         self.dataset = dataset
@@ -130,15 +126,16 @@ class _BatchWriter(torch.utils.data.Dataset):
 
 def _into_shared_memory(batch: dict) -> None:
     """Move the batch's tensors into /dev/shm here, in the worker, as its hand-off would.
-    Why: the hand-off does it in the queue's feeder thread, which only prints a failure and drops
-    the batch; the loop would then wait for that batch for ever. Raised here, the error reaches it."""
+
+    The hand-off does it in the queue's feeder thread, which only prints a failure and drops the
+    batch. The loop would then wait for it forever. Raised here, the error reaches the loop."""
     for name, value in _tensors(batch):
         if not value.is_shared():
             try:
                 value.share_memory_()
             except (RuntimeError, OSError) as exc:
                 if "No space" not in str(exc) and getattr(exc, "errno", None) != errno.ENOSPC:
-                    raise  # another trouble (too many open files, say): not for this advice
+                    raise  # another trouble, such as too many open files: not for this advice
                 raise NoSpace(
                     f"a worker process cannot put its batch's {name!r} ({value.nbytes} bytes) into /dev/shm "
                     f"({exc}): give /dev/shm more room (docker run --shm-size), or use engine='threads' "
@@ -147,8 +144,7 @@ def _into_shared_memory(batch: dict) -> None:
 
 
 def _tensors(batch: dict) -> Iterator[tuple[str, torch.Tensor]]:
-    """The batch's tensors, with their names: those in tuples and lists too (the JPEG bytes of
-    `decode_on="device"`, the largest part of its batch, are `encoded`'s first element)."""
+    """The batch's tensors with their names, including those in tuples and lists."""
     for name, value in batch.items():
         values = value if isinstance(value, (tuple, list)) else (value,)
         for part in values:
@@ -157,9 +153,10 @@ def _tensors(batch: dict) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class _PlanSampler(Sampler):
-    """Yields this rank's batch requests from (`epoch`, `history`) on: that epoch's rest and,
-    when it is a fresh one, the epochs after it (see the module docstring); the pass's first
-    batch as its chunks, one per worker. Batches take the ring's slots in turn."""
+    """Yields this rank's batch requests from `epoch` and `history` on.
+
+    That is the epoch's rest and, for a fresh epoch, the epochs after it. The pass's first batch
+    goes as chunks, one per worker. Batches take the ring's slots in turn."""
 
     def __init__(
         self, dataset: Dataset, slots: BatchSlots | None = None, chunks: int = 1, reads=lambda epoch: True
@@ -211,14 +208,12 @@ class ProcessEngine:
         self.slots = slots
         if workers > 0:
             dataset.samples.share_decode_marks()
-        # Chunks of the first batch: one per worker (the DataLoader hands its items to the
-        # workers in turn, so consecutive ones go to different workers).
+        # One chunk of the first batch per worker: the DataLoader hands items to workers in turn.
         self.sampler = _PlanSampler(dataset, slots, chunks=workers, reads=cfg.reads)
-        # The batches already requested for the pass that follows the last one, if it ran to its
-        # end: (that pass's (epoch, history), the DataLoader's batches).
+        # Batches already requested for the pass after a full one: ((epoch, history), batches).
         self._follow_on: tuple[tuple, Iterator[dict]] | None = None
         self._closes = 0  # close() calls: a pass that ends after one keeps nothing for the next
-        # A pass waiting in the DataLoader (`_waiting`), and close() in another thread: `_guard`.
+        # `_guard` orders a pass waiting in the DataLoader against close() in another thread.
         self._guard = threading.Lock()
         self._waiting = 0
         self._dataloader = DataLoader(
@@ -242,16 +237,15 @@ class ProcessEngine:
         return cfg.prefetch_factor * cfg.num_workers + 2
 
     def batches(self, epoch: int, history: tuple) -> Iterator[dict]:
-        """This epoch's batches after `history`: from the batches requested ahead when the last
-        pass ended in full and this one follows it, else from a fresh pass of the DataLoader."""
+        """This epoch's batches after `history`: those requested ahead if this pass follows a
+        full one, else a fresh pass of the DataLoader."""
         follow_on, self._follow_on = self._follow_on, None
         if follow_on is not None and follow_on[0] == (epoch, history):
             items = follow_on[1]
         else:
             self.sampler.epoch, self.sampler.history = epoch, history
-            # The DataLoader's iterator is made here, in the caller's (main) thread, not at the
-            # first batch, which device decode takes in its prefetch thread: torch watches its
-            # workers with a SIGCHLD handler only when they start from the main thread.
+            # Make the iterator here, in the caller's main thread, not in a prefetch thread.
+            # Torch watches its workers with a SIGCHLD handler only when started from there.
             try:
                 items = self._with_chunks_joined(iter(self._dataloader))
             except OSError as exc:  # its queues' locks are POSIX semaphores, files in /dev/shm
@@ -264,8 +258,7 @@ class ProcessEngine:
         return self._one_epoch(items, epoch, history)
 
     def _one_epoch(self, items: Iterator[dict], epoch: int, history: tuple) -> Iterator[dict]:
-        """The epoch's batches from `items`; once all are taken, the rest of `items` (the next
-        epoch's, when this one is fresh) is kept for the pass that follows."""
+        """The epoch's batches from `items`; the rest of `items` is kept for the next pass."""
         closes, count = self._closes, self.dataset.plan(epoch, history).num_batches
         for index in range(count):
             with self._guard:
@@ -292,8 +285,9 @@ class ProcessEngine:
             self._follow_on = ((epoch + 1, ()), items)
 
     def _check_open(self, closes: int) -> None:
-        """Raise if `close()` was called since the pass that saw `closes` began; the workers a
-        close() from another thread ended are cleaned up here, in the pass's thread."""
+        """Raise if `close()` was called since the pass that saw `closes` began.
+
+        Workers ended by a close() from another thread are cleaned up here, in the pass's thread."""
         if self._closes == closes:
             return
         iterator = getattr(self._dataloader, "_iterator", None)
@@ -309,11 +303,10 @@ class ProcessEngine:
             yield batch
 
     def _joined(self, parts: list[dict]) -> dict:
-        """One batch from its chunks, in order, equal to what a whole build gives; under
-        "chunk_workers", the worker that built each chunk.
+        """One batch from its chunks, equal to what a whole build gives.
 
-        Its slot is released (and may be claimed again) only after this batch is handed on,
-        so only after every chunk written into it is done."""
+        "chunk_workers" names the worker that built each chunk. The slot is released only after
+        this batch is handed on, so only after every chunk written into it is done."""
         batch = {name: value for name, value in parts[0].items() if name != "chunk"}
         batch["labels"] = torch.cat([part["labels"] for part in parts])
         batch["padding"] = torch.cat([part["padding"] for part in parts])
@@ -328,8 +321,8 @@ class ProcessEngine:
         elif batch.get("slot") is None:
             batch["images"] = torch.cat([part["images"] for part in parts])
         else:
-            # Each chunk's good rows start at its first row; after a skipped (corrupt) sample the
-            # rows after it move up, as a whole build leaves them (a copy, but a rare one).
+            # Each chunk's good rows start at its first row. After a skipped corrupt sample, later
+            # rows move up, as a whole build leaves them. That copy is rare.
             rows = [row for part in parts for row in range(part["chunk"][0], part["chunk"][0] + len(part["labels"]))]
             if rows != list(range(len(rows))):
                 images = self.slots.buffers[batch["slot"]]
@@ -337,9 +330,10 @@ class ProcessEngine:
         return batch
 
     def close(self) -> None:
-        """Stop the workers. A pass waiting for a batch in another thread cannot be woken by
-        the DataLoader's own shutdown (it then waits for workers it no longer watches,
-        forever), so its workers are ended instead: the pass sees them die, and raises."""
+        """Stop the workers.
+
+        The DataLoader's shutdown cannot wake a pass waiting in another thread: it would wait
+        forever for workers it no longer watches. So its workers are ended, and the pass raises."""
         with self._guard:
             self._closes += 1
             self._follow_on = None
@@ -357,9 +351,10 @@ class ProcessEngine:
 
 @atexit.register  # after multiprocessing's and torch's hooks: it runs before them
 def _close_live_engines() -> None:
-    """Close the loaders a program left open as it exits. Their persistent workers were
-    otherwise killed by multiprocessing's exit hook, and each left the temp folder (a
-    `pymp-*` with a socket) that its own exit removes, in /tmp, at every run."""
+    """Close the loaders a program left open as it exits.
+
+    Otherwise multiprocessing's exit hook kills their persistent workers. Each would leave its
+    `pymp-*` temp folder in /tmp, which its own exit removes."""
     for engine in list(ProcessEngine.live):
         with contextlib.suppress(Exception):  # the exit goes on: what is left is what a kill leaves
             engine.close()

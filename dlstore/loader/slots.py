@@ -18,20 +18,17 @@ log = logging.getLogger(__name__)
 class BatchSlots:
     """A ring of image buffers that batches are written into, allocated once.
 
-    Why: handing a batch from a worker as an ordinary tensor puts it into a fresh
-    shared-memory file each time, which the worker faults in page by page and the training
-    process maps again and, on a GPU node, copies once more into pinned memory. Slots are
-    allocated once; on CUDA they are page-locked (`cudaHostRegister`), so the host-to-device
-    copy reads the worker's bytes directly.
+    Why: a worker's batch as an ordinary tensor goes into a fresh shared-memory file each time.
+    The worker faults it in page by page, and the training process maps it again. On a GPU node
+    it is copied once more into pinned memory. Slots are allocated once and page-locked on CUDA,
+    so the host-to-device copy reads the worker's bytes directly.
 
-    Batch `i` goes into slot `i % count`. The engine keeps at most a known number of batches
-    requested but not yet handed on (the DataLoader `prefetch_factor x workers`, the thread
-    engine its lookahead), so with two more slots than that, a slot is requested again only
-    after the batch in it has been taken; `claim` checks that, and waits for that batch's
-    copy to the device to finish.
+    Batch `i` goes into slot `i % count`. An engine keeps a known number of batches requested but
+    not yet handed on. With two more slots than that, a slot is requested again only after its
+    batch was taken. `claim` checks that, and waits for that batch's copy to the device.
 
-    `shared=True` puts the ring in shared memory (`/dev/shm`), for worker processes; the
-    thread engine writes into ordinary memory of its own process.
+    `shared=True` puts the ring in `/dev/shm`, for worker processes. The thread engine writes into
+    ordinary memory of its own process.
     """
 
     def __init__(self, count: int, batch_size: int, image_size: int, device: torch.device, shared: bool = True) -> None:
@@ -63,14 +60,15 @@ class BatchSlots:
         return self.buffers[slot, :count]
 
     def release(self, slot: int, copied: Any = None) -> None:
-        """The batch in `slot` was taken; `copied` (a CUDA event) marks the end of its copy."""
+        """The batch in `slot` was taken; `copied`, a CUDA event, marks the end of its copy."""
         self.claimed.discard(slot)
         if copied is not None:
             self.copies[slot] = copied
 
     def claim_next(self) -> int:
-        """Claim the slot after the last one claimed this way (the thread engine's order, which
-        runs on across epochs: batch indexes start again at 0 each epoch)."""
+        """Claim the slot after the last one claimed this way.
+
+        This is the thread engine's order. It runs on across epochs, whose batch indexes restart."""
         slot = self._turn = (getattr(self, "_turn", -1) + 1) % self.count
         self.claim(slot)
         return slot
@@ -81,12 +79,12 @@ class BatchSlots:
 
 
 class HandedBuffers:
-    """Buffers for uint8 batches on the CPU, reused once the loop has let go of them. The decode
-    threads write batches into them; worker processes' batches are copied into them.
-    Why: a fresh batch is mapped anew by the allocator and faulted in page by page as the threads
-    write it. Each batch is a tensor made with `torch.from_numpy` over a pooled array, so it is
-    the root of every view the loop takes. When that tensor is garbage, no view is left, and its
-    array goes back to the pool."""
+    """Buffers for uint8 batches on the CPU, reused once the loop has let go of them.
+
+    Decode threads write into them, and worker processes' batches are copied into them. A fresh
+    batch would be mapped anew and faulted in page by page. Each batch is a `torch.from_numpy`
+    tensor over a pooled array, the root of every view the loop takes. When that tensor is
+    garbage, no view is left, and its array goes back to the pool."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
@@ -94,7 +92,7 @@ class HandedBuffers:
         self.lock = threading.Lock()
 
     def take(self, n: int, batch_size: int, size: int) -> torch.Tensor:
-        """A tensor of `n` rows (a short last batch has fewer) over a pooled whole batch."""
+        """A tensor of `n` rows over a pooled whole batch; a short last batch has fewer."""
         shape = (batch_size, size, size, 3)
         with self.lock:
             found = next((i for i, a in enumerate(self.free) if a.shape == shape), None)

@@ -1,25 +1,21 @@
-"""The thread engine: decode threads in the training process build this rank's batches in plan
-order, with a bounded lookahead.
+"""The thread engine: decode threads in the training process build batches in plan order.
 
-Why threads: JPEG decode and the resize release the GIL, so threads do the work of worker
-processes without their costs. Processes need a fork of a threaded process, where a child can
-inherit a held lock; a torch import each; shared memory for every batch; a pickled hand-off
-per batch; and a restart at every epoch and resize.
+Why threads: JPEG decode and the resize release the GIL. So threads do the work of worker
+processes without their costs. Processes need a fork of a threaded process, which can inherit
+a held lock. Each also needs a torch import, shared memory and a pickled hand-off per batch.
 
-Where threads lose: beside a GPU training loop, whose Python shares the GIL with them, and on
-many cores, since each image takes the GIL a few times. `engine="auto"` takes processes for a
-GPU; `docs/performance.md` has the figures.
+Where threads lose: beside a GPU training loop, whose Python shares the GIL with them. They
+also lose on many cores, since each image takes the GIL a few times. So `engine="auto"` takes
+processes for a GPU.
 
 How: each batch is cut into `threads` chunks of consecutive samples. A chunk reads its samples
-from the node cache, one `pread` each, and writes each augmented image straight into its row
-of the batch's buffer. Every thread builds the first batch at once, and later batches queue
-behind it in plan order. The loop takes batch `j` when all its chunks are done; by then
-batches `j+1 .. j+lookahead` are in the pool.
+from the node cache, one `pread` each. It writes each augmented image straight into its row of
+the batch's buffer. Every thread builds the first batch at once; later batches queue behind it.
+The loop takes batch `j` when its chunks are done; by then `j+1 .. j+lookahead` are queued.
 
-Why our own pool and not a pipeline library: SPDL and `torchdata.nodes`, built as their docs
-build an image pipeline, cost more CPU per image through per-sample hand-offs. Neither gives
-what this engine needs: SPDL drops a sample whose stage raises, neither resumes from our
-plan's (epoch, history), and torchdata has no `close()`.
+Why our own pool: SPDL and `torchdata.nodes` cost more CPU per image through per-sample
+hand-offs. Neither gives what this engine needs. SPDL drops a sample whose stage raises.
+Neither resumes from our plan's epoch and history, and torchdata has no `close()`.
 """
 
 from __future__ import annotations
@@ -44,14 +40,13 @@ __all__ = ["ThreadEngine"]
 
 log = logging.getLogger(__name__)
 
-# How long close() waits for chunks already running (a batch's decode takes well under it).
+# How long close() waits for chunks already running; a batch's decode takes well under it.
 _CLOSE_GRACE_S = 1.0
 
 
 @dataclass
 class _Row:
-    """One sample's outcome: its image went into its row of the buffer, or, for the device, `image`
-    holds its JPEG and crop row. None in a chunk's list marks a corrupt sample."""
+    """One sample: its image went into its buffer row, or `image` holds its JPEG. None: corrupt."""
 
     label: int
     key: str | None
@@ -62,7 +57,7 @@ class _Row:
 @dataclass
 class _Job:
     request: BatchRequest
-    images: torch.Tensor | None  # the buffer rows are written into (None: device decode)
+    images: torch.Tensor | None  # the buffer rows are written into; None for device decode
     slot: int | None
     chunks: list[futures.Future]
 
@@ -76,7 +71,7 @@ class ThreadEngine:
         self.threads = max(1, cfg.num_workers)
         self.lookahead = max(1, cfg.lookahead)
         self.slots = slots
-        self.reads = cfg.reads  # whether the run reads an epoch: none is started ahead past its last
+        self.reads = cfg.reads  # whether the run reads an epoch: none starts ahead past the last
         self.handed = HandedBuffers(keep=self.lookahead + 2)
         # Jobs started for the next epoch: ((epoch, history), jobs, batches submitted).
         self._ahead: tuple[tuple, deque[_Job], int] | None = None
@@ -84,12 +79,10 @@ class ThreadEngine:
         self._closes = 0  # close() calls so far: a pass begun before one does not go on
         # Done at each close(): wakes a pass waiting for a batch in another thread.
         self._closed = futures.Future()
-        # Chunks still running when close() stopped waiting for them (a shard still downloading):
-        # they write into buffers a new pass must not take before they are done.
+        # Chunks close() stopped waiting for. They write into buffers a new pass must not take yet.
         self._stale: list[futures.Future] = []
         self._live: set[futures.Future] = set()  # chunks submitted and not yet done
-        # close() against a pass running in another thread: `_closes`, `_closed`, `_ahead`,
-        # `_pool`, `_stale`.
+        # Guards the fields above against a close() from another thread.
         self._guard = threading.Lock()
 
     @staticmethod
@@ -98,10 +91,11 @@ class ThreadEngine:
         return max(1, cfg.lookahead) + 2
 
     def batches(self, epoch: int, history: tuple) -> Iterator[dict]:
-        """This epoch's batches after `history`, in plan order. Leaving early cancels what is queued
-        and waits only for the chunks already running. Near an epoch's end the lookahead runs on into
-        the next epoch from its start: no pause between epochs. A pass may run in another thread than
-        `close()`; after a `close()` it starts nothing more and raises at its next batch."""
+        """This epoch's batches after `history`, in plan order.
+
+        Leaving early cancels what is queued and waits only for running chunks. Near an epoch's
+        end the lookahead runs on into the next epoch, so epochs follow without a pause. After a
+        `close()` from another thread, a pass starts nothing more and raises at its next batch."""
         plan = self.dataset.plan(epoch, history)
         with self._guard:
             closes, closed = self._closes, self._closed
@@ -137,8 +131,7 @@ class ThreadEngine:
             raise RuntimeError("the loader was closed during this pass: iterate it again to go on")
 
     def _started_for(self, ahead, epoch: int, history: tuple) -> tuple[deque[_Job], int]:
-        """The jobs started ahead (`ahead`, taken from `_ahead`) if this pass (the next epoch
-        from its start) is the one they were started for; otherwise they are abandoned."""
+        """The jobs in `ahead` if they were started for this pass; otherwise they are abandoned."""
         if ahead is not None and ahead[0] == (epoch, history):
             return ahead[1], ahead[2]
         if ahead is not None:
@@ -148,8 +141,8 @@ class ThreadEngine:
         return deque(), 0
 
     def _start_next_epoch(self, epoch: int, room: int, closes: int) -> None:
-        """Start up to `room` first batches of `epoch` (only a fresh epoch: a resumed one's
-        history is not known here), unless the loader was closed since the pass began."""
+        """Start up to `room` first batches of the fresh `epoch`, unless the loader was closed.
+        Only a fresh epoch starts ahead: a resumed one's history is not known here."""
         if room <= 0:
             return
         with self._guard:
@@ -169,8 +162,9 @@ class ThreadEngine:
         self._abandon(jobs)  # closed meanwhile: close() did not see these
 
     def _submit(self, request: BatchRequest, closes: int) -> _Job:
-        """Start building `request`'s batch: its chunks queued on the pool (made here the first
-        time, and again after a `close()`), unless the loader was closed since `closes`."""
+        """Queue `request`'s chunks on the pool, unless the loader was closed since `closes`.
+
+        The pool is made here the first time, and again after a `close()`."""
         self._check_open(closes)
         with self._guard:
             stale, self._stale = self._stale, []
@@ -214,8 +208,9 @@ class ThreadEngine:
             self._live.discard(chunk)
 
     def _chunk(self, request: BatchRequest, lo: int, hi: int, images: torch.Tensor | None) -> list[_Row | None]:
-        """Samples `lo:hi` of the batch: read, decode, augment, each into its row. Not once the
-        program exits: its exit runs every chunk still queued on the pool, which nobody reads."""
+        """Samples `lo:hi` of the batch: read, decode, augment, each into its row.
+
+        Raises once the program exits: the exit runs every queued chunk, and nobody reads them."""
         raise_if_exiting("a batch's decoding")
         ids = request.ids[lo:hi]
         rows: list[_Row | None] = []
@@ -223,7 +218,7 @@ class ThreadEngine:
         samples = self.path.read(ids, direct=request.direct)
         for k, (sample_id, sample) in enumerate(zip(ids.tolist(), samples)):
             try:
-                # The image is resized straight into its row of the batch (no copy after).
+                # The image is resized straight into its row of the batch, with no copy after.
                 image, label = self.path.image(
                     sample, request.epoch, sample_id, out=None if out is None else out[lo + k]
                 )
@@ -240,8 +235,9 @@ class ThreadEngine:
         return rows
 
     def _finish(self, job: _Job, closed: futures.Future) -> dict:
-        """The batch dict of a job once its chunks are done (a chunk's error is raised here);
-        a close() meanwhile (`closed`) ends the wait at once, even in another thread."""
+        """The batch dict of a job once its chunks are done; a chunk's error is raised here.
+
+        A close() meanwhile, even in another thread, sets `closed` and ends the wait at once."""
         waiting = set(job.chunks)
         while waiting:
             done, waiting = futures.wait(waiting | {closed}, return_when=futures.FIRST_COMPLETED)
@@ -257,7 +253,7 @@ class ThreadEngine:
         if job.images is None:  # device decode: the JPEGs and crop rows, joined
             batch = self.path.collate(job.request.index, [r.image for r in real], labels, keys, padding)
         elif len(kept) < len(rows):
-            # Corrupt samples were skipped: the good rows move up (a copy, but a rare one).
+            # Corrupt samples were skipped: the good rows move up. That copy is rare.
             images = job.images[torch.as_tensor(kept, dtype=torch.long)]
             if job.slot is not None:
                 job.images[: len(kept)] = images
@@ -271,11 +267,12 @@ class ThreadEngine:
         return batch
 
     def _abandon(self, pending: deque[_Job], wait: bool = True) -> None:
-        """Cancel queued chunks, wait for running ones (they write into slots), free their slots.
-        Jobs started for the next epoch keep their own. Without `wait` (after a close(), which gave
-        them `_CLOSE_GRACE_S`), running chunks end on their own and the next pass waits for them.
-        Only chunks that could not be cancelled are waited for: after `close()` no pool thread takes
-        a cancelled future off the queue, so `futures.wait` would never count it done."""
+        """Cancel queued chunks, wait for running ones, and free their slots.
+
+        Running chunks write into slots, hence the wait. Jobs started for the next epoch keep
+        their own. Without `wait`, as after a close(), running chunks end on their own and the
+        next pass waits for them. Only chunks that could not be cancelled are waited for. After
+        `close()` no pool thread takes a cancelled future off the queue, so it never counts done."""
         started = [chunk for job in pending for chunk in job.chunks if not chunk.cancel()]
         _, running = futures.wait(started, timeout=None if wait else 0)
         if running:
@@ -286,8 +283,9 @@ class ThreadEngine:
                 self.slots.release(job.slot)
 
     def close(self) -> None:
-        """Stop the decode threads: at once for a pass waiting in another thread, and within
-        `_CLOSE_GRACE_S` here (a chunk waiting for a shard's download is left to end alone)."""
+        """Stop the decode threads: at once for a pass waiting in another thread.
+
+        Here it waits up to `_CLOSE_GRACE_S`; a chunk waiting for a download is left to end alone."""
         with self._guard:
             self._closes += 1
             closed, self._closed = self._closed, futures.Future()

@@ -1,7 +1,7 @@
 """Decode and augmentation presets: bytes in, uint8 HWC arrays out.
 
-Images stay uint8 until the GPU normalises them (`loader.GpuPrefetcher`): a quarter of float32's
-bytes. HWC samples make NHWC batches, which is `channels_last` NCHW memory: a `permute` away.
+Images stay uint8, a quarter of float32's bytes, until the GPU normalises them. HWC samples
+make NHWC batches, which are `channels_last` NCHW memory: a `permute` away.
 
 - `crops`: crop planning, from a per-sample generator, so a resumed run crops the same.
 - `cpu_decode`: decode and resize on the CPU, with optional native parts.

@@ -1,7 +1,7 @@
 """CPU decode and resize: image bytes in, uint8 HWC arrays out.
 
-Three native parts speed it up, each optional: simplejpeg, the crop-only decode `jpeg_region`
-(this package's C source) and OpenCV. Without them Pillow works; `dlstore doctor` says which ran.
+Three optional native parts speed it up: simplejpeg, OpenCV and `jpeg_region`, this package's
+crop-only decode in C. Without them Pillow works. `dlstore doctor` says which ran.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ JPEG_MAGIC = b"\xff\xd8"
 
 
 def decode_image(data: bytes) -> Image.Image:
-    """Decode image bytes to RGB: JPEGs by libjpeg-turbo where it is there, the rest by Pillow.
+    """Decode image bytes to RGB: JPEGs by libjpeg-turbo if present, the rest by Pillow.
     Raises `CorruptSample` for bytes that are not a readable image."""
     try:
         if simplejpeg is not None and data[:2] == JPEG_MAGIC:
@@ -52,7 +52,7 @@ def decode_image(data: bytes) -> Image.Image:
 
 
 def transform_image(data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None) -> np.ndarray:
-    """Bytes → uint8 array (image_size, image_size, 3) by the preset in `cfg`.
+    """Bytes to a uint8 array of `image_size` x `image_size` x 3, by the preset in `cfg`.
 
     >>> transform_image(jpeg_bytes, TransformConfig("eval", 224)).shape   # doctest: +SKIP
     (224, 224, 3)
@@ -62,7 +62,7 @@ def transform_image(data: bytes, cfg: TransformConfig, rng: np.random.Generator 
 
 @dataclass(frozen=True)
 class CropSource:
-    """A decoded image (uint8 HWC RGB), its crop box in the image's pixels, and its flip.
+    """A decoded uint8 HWC RGB image, its crop box in the image's pixels, and its flip.
     `decode_for_crop` gives it and `resize_crop` takes it."""
 
     pixels: np.ndarray
@@ -73,12 +73,12 @@ class CropSource:
 def decode_for_crop(
     data: bytes, cfg: TransformConfig, rng: np.random.Generator | None = None, known_to_decode: bool = False
 ) -> CropSource:
-    """Decode `data` and draw its crop: the first half of `transform_image`, apart so a caller can time it.
-    The draws are `augment_image`'s. A JPEG is decoded at the smallest of 1/2, 1/4 and 1/8 scale at which
-    the box still covers `cfg.image_size`; the box is scaled with the image.
-    Where `jpeg_region` is built, a box on whole pixels is decoded alone, with the same pixels. The rows
-    below it are still read, so bad data anywhere fails as a whole decode would. With `known_to_decode`
-    (these bytes decoded before) they are not read at all.
+    """Decode `data` and draw its crop: the first half of `transform_image`.
+    It stands apart so a caller can time it. The draws are `augment_image`'s. A JPEG decodes at
+    the smallest of 1/2, 1/4 and 1/8 scale where the box still covers `cfg.image_size`. The box is
+    scaled with the image. With `jpeg_region`, a box on whole pixels decodes alone, to the same
+    pixels. The rows below it are still read, so bad data fails as a whole decode would. With
+    `known_to_decode`, for bytes that decoded before, they are not read at all.
 
     >>> resize_crop(decode_for_crop(jpeg_bytes, cfg, rng), cfg).shape   # doctest: +SKIP
     (224, 224, 3)
@@ -96,15 +96,15 @@ def decode_for_crop(
             return CropSource(region[0], region[1], flip)
     scaled = (math.ceil(height * scale), math.ceil(width * scale))
     pixels = _decode_jpeg(data, scaled)
-    if pixels.shape[:2] != scaled:  # libjpeg-turbo chose another scale (tiny images only)
+    if pixels.shape[:2] != scaled:  # libjpeg-turbo chose another scale, for tiny images only
         pixels, scale = _decode_jpeg(data, (height, width)), 1.0
     return CropSource(pixels, tuple(v * scale for v in box), flip)
 
 
 def resize_crop(source: CropSource, cfg: TransformConfig, out: np.ndarray | None = None) -> np.ndarray:
-    """The crop, resize and flip of `transform_image` (its second half) on a `CropSource`.
-    The "none" preset keeps the decoded image as it is. `out` (uint8, size x size x 3, such
-    as a row of a batch) receives the image and is returned; OpenCV and torch write into it."""
+    """The crop, resize and flip of `transform_image`, its second half, on a `CropSource`.
+    The "none" preset keeps the decoded image as it is. `out`, such as a batch row, receives the
+    image and is returned. OpenCV and torch write into it directly."""
     if cfg.preset == "none":
         pixels = source.pixels
     else:
@@ -119,8 +119,7 @@ def resize_crop(source: CropSource, cfg: TransformConfig, out: np.ndarray | None
 
 def check_kept_size(data: bytes, size: int) -> None:
     """Raise `ConfigError` for a JPEG stored at another size than `size` x `size`.
-    For the "none" preset. The header tells, so a huge image is refused before its decode.
-    Other formats are compared once decoded."""
+    For the "none" preset. The header tells, so a huge image is refused before its decode."""
     if data[:2] != JPEG_MAGIC or simplejpeg is None:
         return
     height, width = _jpeg_size(data)
@@ -162,7 +161,7 @@ def _jpeg_size(data: bytes) -> tuple[int, int]:
 
 
 def _decode_jpeg(data: bytes, size: tuple[int, int]) -> np.ndarray:
-    """The JPEG as uint8 HWC RGB, at the smallest libjpeg-turbo scale of at least `size` (h, w)."""
+    """The JPEG as uint8 HWC RGB, at the smallest libjpeg-turbo scale of at least `size`."""
     try:
         return simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=size[0], min_width=size[1])
     except Exception as exc:  # decoders raise many types; all mean "bad bytes"
@@ -170,11 +169,11 @@ def _decode_jpeg(data: bytes, size: tuple[int, int]) -> np.ndarray:
 
 
 def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float, check_all: bool = True):
-    """The part of the JPEG that the resize of `box` reads, decoded at `scale`, with the box in its pixels.
-    None where the crop-only decoder does not serve: a fractional box, or a JPEG it does not take. The
-    caller then decodes the whole image, which also tells a corrupt one. The result is bit for bit the
-    whole-image transform's. The region reaches one pixel past the box: that column's upsampling sees the
-    region's edge. A fractional box goes to Pillow, whose output shifts when the image around it is smaller."""
+    """The part of the JPEG that the resize of `box` reads, decoded at `scale`, and its box.
+    None where the crop-only decoder does not serve: a fractional box, or a JPEG it does not take.
+    The caller then decodes the whole image, which also tells a corrupt one. The result is bit for
+    bit the whole-image transform's. The region reaches one pixel past the box, so that column's
+    upsampling sees the region's edge. Pillow's output for a fractional box would shift here."""
     left, top, right, bottom = (v * scale for v in box)
     if not all(float(v).is_integer() for v in (left, top, right, bottom)):
         return None
@@ -191,17 +190,16 @@ def _decode_region(data: bytes, shape: tuple[int, int], box, scale: float, check
 
 
 def can_check_decodes() -> bool:
-    """Whether `check_decodes` checks JPEGs as the loader's crop-only decode does.
+    """Whether `check_decodes` checks JPEGs as the crop-only decode does.
     Not without simplejpeg: Pillow decodes past damaged data."""
     return simplejpeg is not None
 
 
 def check_decodes(data: bytes) -> None:
     """Raise `CorruptSample` where `decode_for_crop` would for these bytes, whatever the crop.
-    It makes the check of a sample's first decode: every row read, libjpeg's warnings taken
-    as errors. It decodes at 1/8 scale, where the cost is mostly the entropy decode that
-    finds bad data. `dlstore convert` runs it on every JPEG, so that a dataset's first epoch
-    may decode crop-only (`Manifest.decode_checked`). The verdict is this libjpeg-turbo build's."""
+    It checks as a sample's first decode does: every row read, libjpeg's warnings as errors. At
+    1/8 scale the cost is mostly the entropy decode that finds bad data. `dlstore convert` runs
+    it on every JPEG, so a first epoch may decode crop-only. The verdict is this build's."""
     if simplejpeg is None or data[:2] != JPEG_MAGIC:
         decode_image(data)
         return
@@ -211,14 +209,14 @@ def check_decodes(data: bytes) -> None:
             jpeg_region.decode_region(data, 0, 0, -(-width // 8), -(-height // 8), 8, True)
             return
         except ValueError:
-            pass  # as in `decode_for_crop`: the whole decode decides
+            pass  # as in `decode_for_crop`, the whole decode decides
     _decode_jpeg(data, (1, 1))
 
 
 def _decode_scale(box, cfg: TransformConfig) -> float:
     """The smallest of 1/8, 1/4 and 1/2 at which `box` still covers the output size, else 1.
-    The resize after the decode then shrinks, antialiased, and loses no detail the output
-    could show. Other k/8 scales do not pay: libjpeg-turbo has no SIMD inverse DCT for them."""
+    The resize then shrinks, antialiased, and loses no detail the output could show. Other k/8
+    scales do not pay: libjpeg-turbo has no SIMD inverse DCT for them."""
     if cfg.preset == "none":
         return 1.0
     short_side = min(box[2] - box[0], box[3] - box[1])
@@ -226,10 +224,10 @@ def _decode_scale(box, cfg: TransformConfig) -> float:
 
 
 def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Crop `box`, resize to size x size (antialiased when shrinking), flip if asked.
-    A whole-pixel box goes to torch's SIMD resize where it runs, which is exactly
-    torchvision's `resized_crop(..., antialias=True)`; else to OpenCV. A fractional box goes
-    to Pillow, which resamples it exactly: rounding would move the crop by up to half a pixel."""
+    """Crop `box`, resize to `size` x `size`, antialiased when shrinking, and flip if asked.
+    A whole-pixel box goes to torch's SIMD resize, exactly torchvision's antialiased
+    `resized_crop`, or else to OpenCV. A fractional box goes to Pillow, which resamples it
+    exactly: rounding would move the crop by up to half a pixel."""
     whole_pixels = all(float(v).is_integer() for v in box)
     if whole_pixels and torch_resizes_uint8():
         return _resize_with_torch(np.asarray(image), box, flip, size, out)
@@ -240,8 +238,8 @@ def _resize(image: Image.Image | np.ndarray, box, flip: bool, size: int, out: np
 
 @functools.cache
 def torch_resizes_uint8() -> bool:
-    """Whether torch has its SIMD antialiased resize of uint8 images (x86 AVX2 and up).
-    The generic kernel elsewhere is slower than OpenCV's and splits work over torch's threads."""
+    """Whether torch has its SIMD antialiased resize of uint8 images, on x86 AVX2 and up.
+    The generic kernel is slower than OpenCV's and splits work over torch's threads."""
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a dependency; the transforms need not be
@@ -251,9 +249,9 @@ def torch_resizes_uint8() -> bool:
 
 def _resize_with_torch(pixels: np.ndarray, box, flip: bool, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """torch's antialiased bilinear resize of the crop: torchvision's RandomResizedCrop step.
-    Serial for uint8. It writes into `out` (a row of the batch) or a new HWC array. HWC
-    arrays are NCHW tensors in channels_last memory, the SIMD kernel's layout; its out= form
-    keeps that layout, where `interpolate` would return NCHW and need a copy back."""
+    It is serial for uint8, and writes into `out` or a new HWC array. HWC arrays are NCHW
+    tensors in channels_last memory, the SIMD kernel's layout. Its out= form keeps that layout;
+    `interpolate` would return NCHW and need a copy back."""
     import torch
 
     left, top, right, bottom = (int(v) for v in box)
@@ -261,8 +259,8 @@ def _resize_with_torch(pixels: np.ndarray, box, flip: bool, size: int, out: np.n
     if not (crop.flags.c_contiguous and crop.flags.writeable):  # torch takes no read-only arrays
         crop = np.array(crop)
     target = out if out is not None else np.empty((size, size, 3), dtype=np.uint8)
-    # NCHW views made by numpy, one torch call each: every torch call lets go of the GIL, and
-    # with the decode threads beside this one each let-go can cost a wait to get it back.
+    # NCHW views made by numpy, one torch call each. Every torch call lets go of the GIL, and
+    # beside other decode threads each let-go can cost a wait to get it back.
     source = torch.from_numpy(crop.transpose(2, 0, 1)[np.newaxis])
     dest = torch.from_numpy(target.transpose(2, 0, 1)[np.newaxis])
     try:
@@ -292,13 +290,13 @@ def _resize_with_pillow(image: Image.Image | np.ndarray, box, flip: bool, size: 
 
 def _resize_with_opencv(pixels: np.ndarray, box, flip: bool, size: int, out: np.ndarray | None = None) -> np.ndarray:
     """OpenCV's resize of the crop: INTER_AREA where it shrinks, INTER_LINEAR where it grows.
-    OpenCV releases the GIL and keeps no state between calls. The last step writes into
-    `out` when it fits; otherwise OpenCV makes a new array and `resize_crop` copies."""
+    OpenCV releases the GIL and keeps no state between calls. The last step writes into `out`
+    when it fits; otherwise OpenCV makes a new array and `resize_crop` copies."""
     left, top, right, bottom = (int(v) for v in box)
     crop = pixels[top:bottom, left:right]
     crop_height, crop_width = crop.shape[:2]
-    # One side shrinks and the other grows: INTER_AREA would sample the shrinking side then,
-    # not average it, so that side is shrunk alone first.
+    # If one side shrinks and the other grows, INTER_AREA would sample the shrinking side.
+    # So that side is shrunk alone first.
     if crop_width > size > crop_height:
         crop = cv2.resize(crop, (size, crop_height), interpolation=cv2.INTER_AREA)
     elif crop_height > size > crop_width:

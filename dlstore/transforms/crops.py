@@ -1,6 +1,6 @@
 """Crop planning: the random part of the presets, drawn from a per-sample generator.
 
-The generator is seeded by (seed, epoch, sample id). A resumed run then crops and flips
+The generator is seeded by seed, epoch and sample id. A resumed run then crops and flips
 exactly as the uninterrupted one, whatever the worker count.
 """
 
@@ -28,7 +28,7 @@ def _sample_key(seed: int, epoch: int, sample_id: int) -> np.ndarray:
 
 class SampleRngs:
     """`sample_rng`'s generators, with the same draws, for the loader's hot loop.
-    One generator per thread is re-keyed for each sample: cheaper than a new `Philox`,
+    One generator per thread is re-keyed for each sample. That is cheaper than a new `Philox`,
     which also reads OS entropy. A generator stays good until its thread asks for the next."""
 
     def __init__(self) -> None:
@@ -39,8 +39,7 @@ class SampleRngs:
         generator = getattr(mine, "generator", None)
         if generator is None:
             generator = mine.generator = np.random.Generator(np.random.Philox(0))
-        # A fresh Philox's state: counter and buffer zeroed, the buffer used up.
-        generator.bit_generator.state = {
+        generator.bit_generator.state = {  # a fresh Philox: counter and buffer zeroed, buffer used up
             "bit_generator": "Philox",
             "state": {"counter": _ZERO_WORDS, "key": _sample_key(seed, epoch, sample_id)},
             "buffer": _ZERO_WORDS,

@@ -1,7 +1,7 @@
 """Device decode: JPEGs decoded, cropped, resized and flipped on the GPU, in batches.
 
-Decode is most of a sample's CPU cost: on a node with few cores per GPU, the device must do it.
-The worker only reads each JPEG's header (`device_jpeg`); the crops are `crop_plan`'s.
+Decode is most of a sample's CPU cost. On a node with few cores per GPU, the device must do it.
+The worker only reads each JPEG's header in `device_jpeg`. The crops are `crop_plan`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from dlstore.transforms.cpu_decode import JPEG_MAGIC, decode_image
 
 
 def device_jpeg(data: bytes) -> tuple[bytes, int, int]:
-    """`data` as a JPEG the device decoder takes, with its (width, height) from the frame header.
-    nvJPEG reads 8-bit baseline and progressive JPEGs, greyscale or YCbCr. Any other image,
-    such as a CMYK JPEG or a PNG, is decoded and re-encoded here on the worker's CPU, as
-    the CPU path would read it. `CorruptSample` when it is no image, or a JPEG cut short."""
+    """`data` as a JPEG the device decoder takes, with its width and height from the frame header.
+    nvJPEG reads 8-bit baseline and progressive JPEGs, greyscale or YCbCr. Any other image, such
+    as a CMYK JPEG or a PNG, is re-encoded here on the worker's CPU, as the CPU path reads it.
+    Raises `CorruptSample` for bytes that are no image, or a JPEG cut short."""
     frame = jpeg_frame(data)
     if frame is not None and _device_decodes(*frame):
         if not _ends_after_its_last_scan(data):
@@ -34,25 +34,24 @@ def device_jpeg(data: bytes) -> tuple[bytes, int, int]:
 
 
 def _ends_after_its_last_scan(data: bytes) -> bool:
-    """Whether an end-of-image marker follows the JPEG's last start-of-scan: not in a file cut short.
+    """Whether an end-of-image marker follows the JPEG's last start-of-scan; a cut file has none.
     Scan data never holds FF D9, and an EXIF thumbnail's scan and end come before the image's."""
     last_scan = data.rfind(b"\xff\xda")
     return last_scan >= 0 and data.find(b"\xff\xd9", last_scan + 2) >= 0
 
 
-# Start-of-frame markers (0xC4, 0xC8 and 0xCC, in their range, are other segments).
+# Start-of-frame markers. 0xC4, 0xC8 and 0xCC, in their range, are other segments.
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
-# What nvJPEG decodes, its hardware decoder included: Huffman-coded baseline (0xC0) and
-# progressive (0xC2) frames of 8-bit samples, greyscale or YCbCr 4:4:4, 4:2:2 or 4:2:0.
-# Not: other frame kinds, 12-bit samples, other chroma layouts, nor CMYK.
+# What nvJPEG decodes, its hardware decoder included: Huffman-coded baseline and progressive
+# frames of 8-bit samples, greyscale or YCbCr 4:4:4, 4:2:2 or 4:2:0. Nothing else, nor CMYK.
 _DEVICE_FRAMES = frozenset({0xC0, 0xC2})
 _DEVICE_LUMA_SAMPLING = frozenset({(1, 1), (2, 1), (2, 2)})
 
 
 def jpeg_frame(data: bytes) -> tuple[int, int, int, int, tuple] | None:
     """The frame header of JPEG `data`, found by walking the marker segments before it.
-    It returns (SOF marker, sample precision, width, height, each component's sampling
-    factors), or None when `data` does not start as a well-formed JPEG. Nothing is decoded."""
+    It gives the SOF marker, sample precision, width, height and each component's sampling
+    factors. It is None when `data` does not start as a well-formed JPEG. Nothing is decoded."""
     if data[:2] != JPEG_MAGIC:
         return None
     pos, end = 2, len(data)
@@ -81,7 +80,7 @@ def jpeg_frame(data: bytes) -> tuple[int, int, int, int, tuple] | None:
 
 
 def _device_decodes(marker: int, precision: int, width: int, height: int, sampling: tuple) -> bool:
-    """Whether nvJPEG decodes a JPEG of this frame header (`jpeg_frame`; see `_DEVICE_FRAMES`)."""
+    """Whether nvJPEG decodes a JPEG of this `jpeg_frame` header; see `_DEVICE_FRAMES`."""
     if marker not in _DEVICE_FRAMES or precision != 8 or not (width and height):
         return False
     if len(sampling) == 1:
@@ -92,10 +91,10 @@ def _device_decodes(marker: int, precision: int, width: int, height: int, sampli
 
 def decode_on_device(encoded, boxes, image_size: int, device, decoder: DeviceJpegDecoder | None = None):
     """Decode JPEGs on `device` in a batch, then crop, resize and flip them by `boxes`.
-    `boxes` rows are `(left, top, right, bottom, flip)`; `decoder` is torchvision's nvJPEG
-    unless given. It returns uint8 NHWC, as the CPU path gives, and the positions of the
-    JPEGs that did not decode, which are left out of the output."""
-    import torch  # loaded on first use, as torchvision below: not needed to decode on the CPU
+    `boxes` rows are `(left, top, right, bottom, flip)`. `decoder` is torchvision's nvJPEG
+    unless given. It returns uint8 NHWC, as the CPU path does. It also returns the positions
+    of JPEGs that did not decode, which are left out of the output."""
+    import torch  # loaded on first use, as torchvision: the CPU decode does not need them
 
     device = torch.device(device)
     decoder = decoder if decoder is not None else TorchvisionJpegDecoder(device)
@@ -107,8 +106,8 @@ def decode_on_device(encoded, boxes, image_size: int, device, decoder: DeviceJpe
     chunks = list(_resample_chunks(shapes, image_size))
     groups = [_shape_groups(shapes[start:end]) for start, end in chunks]
     # All that the weights are made of, in one copy to the device. A copy from pageable memory
-    # waits for the work queued on the stream; one per chunk would make this thread wait for
-    # the GPU, behind the model's kernels, several times a batch.
+    # waits for the work queued on the stream. One per chunk would wait behind the model's
+    # kernels several times a batch.
     order = [start + i for (start, _), chunk in zip(chunks, groups) for members in chunk.values() for i in members]
     table = torch.cat(
         [boxes.to(torch.float64).reshape(-1, 5), torch.tensor(shapes, dtype=torch.float64).reshape(-1, 2),
@@ -126,7 +125,7 @@ def decode_on_device(encoded, boxes, image_size: int, device, decoder: DeviceJpe
 class TorchvisionJpegDecoder:
     """nvJPEG through torchvision, batched; on a CPU device, torchvision's CPU decoder.
     The tests use the CPU decoder as a stand-in. Each decode first waits for the work
-    queued on the caller's stream (`_decode_jpegs` says why)."""
+    queued on the caller's stream; `_decode_jpegs` says why."""
 
     name = "torchvision"
 
@@ -135,12 +134,12 @@ class TorchvisionJpegDecoder:
 
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
-            # torchvision keeps one nvJPEG decoder per device spelling, and leaks the last:
+            # torchvision keeps one nvJPEG decoder per device spelling, and leaks the last.
             # "cuda" and "cuda:0" are two.
             self.device = torch.device("cuda", torch.cuda.current_device())
 
     def decode(self, encoded: list) -> tuple[list, list[int]]:
-        """(3, h, w) uint8 images of the JPEGs (uint8 tensors) that decode, and the positions of the rest."""
+        """The uint8 CHW images of the JPEGs that decode, and the positions of the rest."""
         return _decode_all(encoded, self.device)
 
     def done_with(self, images: list) -> None:
@@ -148,8 +147,8 @@ class TorchvisionJpegDecoder:
 
 
 class NvImageCodecJpegDecoder:
-    """nvImageCodec (`pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg`), batched.
-    On GPUs with JPEG engines it decodes there, not on the SMs the model trains on, and it
+    """nvImageCodec, batched: `pip install nvidia-nvimgcodec-cu13 nvidia-nvjpeg`.
+    On GPUs with JPEG engines it decodes there, not on the SMs the model trains on. It also
     releases the GIL. JPEGs the engines do not take go to its hybrid CPU and GPU decoder.
     Make one per loader: making one starts its threads and streams."""
 
@@ -187,7 +186,7 @@ class NvImageCodecJpegDecoder:
         for i in bad:
             _check_the_data_is_bad(encoded[i], f"nvImageCodec on {self.device}")
         images = [image for image in decoded if image is not None]
-        # The images are ready on the stream they name; ours waits for it (no host wait).
+        # The images are ready on the stream they name. Ours waits for it, and the host does not.
         for other in {image.cuda_stream for image in images} - {0, stream.cuda_stream}:
             stream.wait_stream(torch.cuda.ExternalStream(other, device=self.device))
         self._in_use = [(event, kept) for event, kept in self._in_use if not event.query()]
@@ -195,8 +194,8 @@ class NvImageCodecJpegDecoder:
 
     def done_with(self, images: list) -> None:
         """Keep `images` until the kernels queued on this stream that read them have run.
-        Their memory is nvImageCodec's, which torch's allocator does not track. nvImageCodec
-        frees an image in order on the stream it names; this also holds images that name another."""
+        Their memory is nvImageCodec's, which torch's allocator does not track. nvImageCodec frees
+        an image in order on the stream it names. This also holds images that name another."""
         import torch
 
         event = torch.cuda.Event()
@@ -208,8 +207,8 @@ DeviceJpegDecoder = TorchvisionJpegDecoder | NvImageCodecJpegDecoder
 
 
 def device_jpeg_decoder(name: str, device) -> DeviceJpegDecoder:
-    """The JPEG decoder of `decode_on="device"` (`DataConfig.device_decoder`).
-    "torchvision" decodes with nvJPEG on the SMs; "nvimgcodec" on the GPU's JPEG engines
+    """The JPEG decoder of `decode_on="device"`, named by `DataConfig.device_decoder`.
+    "torchvision" decodes with nvJPEG on the SMs. "nvimgcodec" uses the GPU's JPEG engines
     where it has them. torchvision is the default: nvImageCodec did not train faster."""
     if name not in DEVICE_DECODERS:
         raise ConfigError(f"device_decoder must be one of {DEVICE_DECODERS}, not {name!r}")
@@ -222,10 +221,10 @@ def device_jpeg_decoder(name: str, device) -> DeviceJpegDecoder:
 
 
 def _check_the_data_is_bad(encoded, decoder: str, error: BaseException | None = None) -> None:
-    """Raise unless the JPEG (a uint8 tensor) that `decoder` refused is bad data for the CPU too.
-    Why: a decoder that fails whatever it is given must not pass for corrupt data. Every
-    sample would be skipped, and a run would train on nothing. Refusals are rare, so one
-    CPU decode here costs little."""
+    """Raise unless the JPEG tensor that `decoder` refused is bad data for the CPU too.
+    A decoder that fails whatever it is given must not pass for corrupt data. Every sample
+    would be skipped, and a run would train on nothing. Refusals are rare, so one CPU decode
+    here costs little."""
     try:
         decode_image(encoded.numpy().tobytes())
     except CorruptSample:
@@ -238,7 +237,7 @@ def _check_the_data_is_bad(encoded, decoder: str, error: BaseException | None = 
 
 
 def _decode_all(encoded: list, device, first: int = 0) -> tuple[list, list[int]]:
-    """The images of `encoded` that decode, and the positions (counted from `first`) of the rest.
+    """The images of `encoded` that decode, and the positions of the rest, counted from `first`.
     A batched decode gives nothing when one JPEG fails. Halving the batch until each failure
     is alone finds a bad JPEG in about 2 log2(n) decodes rather than n."""
     if not encoded:
@@ -255,13 +254,13 @@ def _decode_all(encoded: list, device, first: int = 0) -> tuple[list, list[int]]
     return head + tail, bad_head + bad_tail
 
 
-# Floats that the resampling weights and the float copies of decoded images may take at
-# once (128 MiB): a batch of large images is resampled in parts rather than all at once.
+# Floats that the resampling weights and float copies of decoded images may take at once.
+# A batch of large images is resampled in parts rather than all at once.
 _RESAMPLE_FLOATS = 1 << 25
 
 
 def _resample_chunks(shapes: list, size: int, budget: int = _RESAMPLE_FLOATS):
-    """Ranges `(start, end)` of decoded `shapes` ((height, width) each) whose weights and float copies fit `budget`."""
+    """Ranges `(start, end)` of decoded `shapes` whose weights and float copies fit `budget`."""
     start, tallest, widest, pixels = 0, 0, 0, 0
     for i, (height, width) in enumerate(shapes):
         tallest, widest, pixels = max(tallest, height), max(widest, width), pixels + 3 * height * width
@@ -281,12 +280,12 @@ def _shape_groups(shapes: list) -> dict[tuple, list[int]]:
 
 
 def _resample_chunk(images: list, table, groups: dict[tuple, list[int]], out) -> None:
-    """Crop, resize and flip `images` ((3, h, w) uint8) into `out` (uint8 NHWC) by the rows of `table`.
-    Rows are `(left, top, right, bottom, flip, height, width, order)`, on the device;
-    `order` lists the chunk's positions group by group of `groups`. Each output is
-    `rows @ image @ columns.T`, with `_triangle_weights` that use the box exactly and put
-    a flip in the columns' order. Images of one size go through one batched product. The
-    weights are made on the device, so nothing makes the host wait for the GPU."""
+    """Crop, resize and flip uint8 CHW `images` into uint8 NHWC `out` by the rows of `table`.
+    Rows are `(left, top, right, bottom, flip, height, width, order)`, on the device. `order`
+    lists the chunk's positions group by group of `groups`. Each output is
+    `rows @ image @ columns.T`. The `_triangle_weights` use the box exactly and put a flip in
+    the columns' order. Images of one size go through one batched product. The weights are
+    made on the device, so nothing makes the host wait for the GPU."""
     import torch
 
     size = out.shape[1]
@@ -306,17 +305,17 @@ def _resample_chunk(images: list, table, groups: dict[tuple, list[int]], out) ->
             product = rows[index, None, :, :height] @ stack @ columns[index, None, :, :width].transpose(-1, -2)
             resampled.index_copy_(0, index, product)
         start += len(members)
-    # Under TF32 matmuls (the trainer allows them) a pixel may round one level off.
+    # Under TF32 matmuls, which the trainer allows, a pixel may round one level off.
     out.copy_(resampled.round_().clamp_(0, 255).permute(0, 2, 3, 1))
 
 
 def _triangle_weights(starts, ends, lengths, longest: int, size: int, flips):
-    """Resampling weights (n, size, `longest`) along one axis, as Pillow's bilinear filter.
-    Output pixel i of a box from `start` to `end` takes source point
-    `start + (i + 0.5) * scale`, where `scale` is source pixels per output pixel. The filter
-    is a triangle of half-width max(scale, 1): interpolation when enlarging, antialiasing
-    when shrinking. Rows are normalised over the image's own `lengths`, as Pillow does at
-    edges; `flips` reverses the rows of flipped boxes."""
+    """Resampling weights of shape `n, size, longest` along one axis, as Pillow's bilinear filter.
+    Output pixel i of a box from `start` to `end` takes source point `start + (i + 0.5) * scale`.
+    `scale` is source pixels per output pixel. The filter is a triangle of half-width
+    `max(scale, 1)`: interpolation when enlarging, antialiasing when shrinking. Rows are
+    normalised over the image's own `lengths`, as Pillow does at edges. `flips` reverses the
+    rows of flipped boxes."""
     import torch
 
     device = starts.device
@@ -339,9 +338,9 @@ def _decode_jpegs(encoded: list, device) -> list:
 
     if device.type != "cuda":
         return tio.decode_jpeg(encoded, mode=tio.ImageReadMode.RGB, device=device)
-    # torchvision's CUDA decoder allocates outputs on the current stream but writes them from its own,
-    # without waiting: memory this stream freed, still read by queued kernels, could be overwritten.
-    # Wait first. A decoder stream would not do: `torch.cuda.Stream` hands out streams of a shared pool.
+    # torchvision's CUDA decoder allocates outputs on the current stream but writes them from its
+    # own, without waiting. Memory this stream freed, still read by queued kernels, could be
+    # overwritten, so wait first. A decoder stream would not do: `torch.cuda.Stream` shares a pool.
     # In deterministic mode `torch.empty` also queues a fill that could land on the pixels: off here.
     torch.cuda.current_stream(device).synchronize()
     if not torch.are_deterministic_algorithms_enabled():
