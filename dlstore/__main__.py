@@ -1,4 +1,4 @@
-"""`python -m dlstore` runs the CLI (the same as the `dlstore` command)."""
+"""`python -m dlstore` runs the CLI, as the `dlstore` command does."""
 
 import sys
 

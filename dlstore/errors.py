@@ -60,15 +60,15 @@ class DamagedObject(DlstoreError):
 
 
 class CorruptShard(DlstoreError):
-    """A shard's bytes do not match its manifest (size or checksum), or its tar is malformed."""
+    """A shard's size or checksum does not match its manifest, or its tar is malformed."""
 
 
 class CorruptSample(DlstoreError):
-    """One sample could not be decoded (bad image bytes, bad label)."""
+    """One sample could not be decoded: bad image bytes or a bad label."""
 
 
 class FormatError(DlstoreError):
-    """Input does not have the expected layout (a source dataset, a manifest, an index)."""
+    """Input does not have the expected layout: a source dataset, a manifest or an index."""
 
 
 class ConfigError(DlstoreError):
@@ -76,14 +76,14 @@ class ConfigError(DlstoreError):
 
 
 class NoSpace(DlstoreError):
-    """The local disk (cache or destination), or /dev/shm, is full; nothing partial was left behind."""
+    """The cache's or destination's disk, or /dev/shm, is full. Nothing partial was left behind."""
 
 
 class ProgramExiting(DlstoreError):
     """The program's exit has begun: waits and queued work in dlstore's threads give up.
 
     The exit joins every non-daemon thread. A wait there for a shard, for room or for a
-    download would hold the exit, so it raises this instead (`raise_if_exiting`).
+    download would hold the exit, so `raise_if_exiting` raises this instead.
     """
 
 
@@ -101,7 +101,7 @@ def raise_if_exiting(what: str) -> None:
 
 
 class StoppedBySignal(BaseException):
-    """A stop signal (SIGTERM, SIGUSR1) ended a command, as Ctrl-C does.
+    """A stop signal, SIGTERM or SIGUSR1, ended a command as Ctrl-C does.
 
     A BaseException, so no `except Exception` on its way, a retry say, holds it."""
 

@@ -1,6 +1,6 @@
-"""Log output a user can read: dlstore's lines at the asked level, its libraries at WARNING.
+"""Log output a user can read.
 
-So a run prints what it does, not every request, unless `-vv`."""
+dlstore logs at the asked level, its libraries at WARNING. A run prints what it does, not every request, unless `-vv`."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from urllib.parse import urlsplit
 
 __all__ = ["STORAGE_SECRETS", "THIRD_PARTY", "configure_logging", "redact_storage_secrets"]
 
-# Loggers of the libraries under the storage layer; python-swiftclient logs every failed
-# request (404 probes included) with its curl line and headers at INFO.
+# Loggers of the libraries under the storage layer. python-swiftclient logs every failed
+# request at INFO, 404 probes included, with its curl line and headers.
 THIRD_PARTY = ("swiftclient", "keystoneauth", "botocore", "boto3", "s3transfer", "urllib3", "fsspec", "PIL")
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def configure_logging(verbosity: int = 0, level: int | None = None) -> None:
-    """Set up the root logger for a command-line run: WARNING, INFO with `verbosity=1`, DEBUG
-    with 2 (or `level`); the third-party loggers stay at WARNING below `verbosity=2`.
+    """Set up the root logger: WARNING, INFO with `verbosity=1`, DEBUG with 2, or `level`.
+    Third-party loggers stay at WARNING below `verbosity=2`.
 
     >>> configure_logging(1)     # what `dlstore -v ...` does
     """
@@ -33,9 +33,9 @@ def configure_logging(verbosity: int = 0, level: int | None = None) -> None:
         logging.getLogger(name).setLevel(logging.DEBUG if verbosity >= 2 else logging.WARNING)
 
 
-# Secrets the storage SDKs write into their own log lines, and the loggers that write them; a
-# filter sees only its own logger's records. python-swiftclient logs `X-Auth-Token` headers;
-# botocore at DEBUG logs `x-amz-security-token`. Group 1 is what is kept before each secret.
+# Secrets the storage SDKs write into their log lines, and the loggers that write them. A filter
+# sees only its own logger's records. swiftclient logs `X-Auth-Token`, botocore at DEBUG logs
+# `x-amz-security-token`. Group 1 is what is kept before each secret.
 STORAGE_SECRETS: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = (
     (
         ("swiftclient",),
@@ -48,8 +48,8 @@ STORAGE_SECRETS: tuple[tuple[tuple[str, ...], re.Pattern[str]], ...] = (
         ),
     ),
     (
-        # Every botocore module's logger: botocore.parsers, for one, logs an error's body, which
-        # echoes the canonical request (a wrong signature's), token included.
+        # Every botocore module's logger. botocore.parsers logs an error's body, which echoes
+        # the canonical request of a wrong signature, token included.
         ("botocore", "botocore.auth", "botocore.endpoint", "botocore.awsrequest", "botocore.httpsession"),
         re.compile(r"""(?i)(x-amz-security-token['"]?\s*[:=]\s*b?['"]?)[^'"\s&,}<]+"""),
     ),
@@ -61,8 +61,8 @@ URL_LOGGERS = ("fsspec", "fsspec.http")
 
 
 def _package_loggers(package: str) -> list[str]:
-    """The logger names of `package`'s modules (`logging.getLogger(__name__)` in each), found
-    without importing it: a filter must be on the very logger a record is made on."""
+    """The logger names of `package`'s modules, found without importing it.
+    A filter must sit on the very logger a record is made on."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         return []
@@ -85,9 +85,9 @@ class _RedactSecrets(logging.Filter):
 
 
 def redact_storage_secrets() -> None:
-    """Blank the secrets of `STORAGE_SECRETS` in the storage SDKs' log lines. Called when
-    `dlstore.storage` is imported, before any client exists (an SDK call made before the first
-    store, e.g. a user's own swiftclient Connection, is covered too). Idempotent."""
+    """Blank the `STORAGE_SECRETS` in the storage SDKs' log lines; idempotent.
+    Importing `dlstore.storage` calls this before any client exists. So SDK calls made
+    before the first store are covered too, a user's own swiftclient Connection say."""
     for loggers, pattern in STORAGE_SECRETS:
         names = dict.fromkeys([*loggers, *(n for p in loggers if "." not in p for n in _package_loggers(p))])
         for name in names:
@@ -101,9 +101,9 @@ def redact_storage_secrets() -> None:
 
 
 def printable(text: str) -> str:
-    """`text` with its control characters (escape sequences, carriage returns, line breaks)
-    written as escapes, for a terminal: names from a manifest or a tar are anyone's, and a
-    shard named with "\\r\\n" and ESC[8m printed a forged "OK" line in `dlstore verify`.
+    """`text` with its control characters written as escapes, for a terminal.
+    Names from a manifest or a tar are anyone's. A carriage return or an escape sequence
+    in one could forge a line of output.
 
     >>> printable("shard\\r\\n\\x1b[2Jok")
     'shard\\\\r\\\\n\\\\x1b[2Jok'
@@ -116,8 +116,8 @@ _SECRET_QUERY = re.compile(r"(signature|token|credential|password|secret|key|sig
 
 
 def redact_url(url: str) -> str:
-    """`url` for messages: the password of its user part and every query value that is a
-    credential or signs the request (S3 and GCS presigned URLs, Azure SAS tokens) as `***`.
+    """`url` for messages, with its user's password and credential query values as `***`.
+    A value that signs the request counts: S3 and GCS presigned URLs, Azure SAS tokens.
 
     >>> redact_url("http://alice:hunter2@host/data?X-Amz-Signature=abc&part=1")
     'http://alice:***@host/data?X-Amz-Signature=***&part=1'
@@ -138,13 +138,13 @@ def redact_url(url: str) -> str:
 
 
 def redact_urls_in(text: str) -> str:
-    """`text` (an exception's, say) with every URL in it as `redact_url` gives it."""
+    """`text`, an exception's say, with every URL in it as `redact_url` gives it."""
     return re.sub(r"[a-z][a-z0-9+.-]*://[^\s'\"<>]+", lambda found: redact_url(found[0]), text)
 
 
 class _RedactUrls(logging.Filter):
-    """Hides the credentials of every URL in a record (`redact_urls_in`): fsspec logs the URLs
-    it opens at DEBUG, a password in one or a presigned URL's signature and token included."""
+    """Hides the credentials of every URL in a record, as `redact_urls_in` does.
+    fsspec logs the URLs it opens at DEBUG, passwords and presigned signatures included."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()

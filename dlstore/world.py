@@ -1,7 +1,7 @@
 """Who this process is in a data-parallel job: the one `World` every layer takes.
 
-The plan partitions by it, the dataset and loader read this rank's share with it, the
-trainer joins the process group with it and the bench runs its scaling rounds with it.
+The plan partitions by it, and the dataset and loader read this rank's share with it.
+The trainer joins the process group with it. The bench runs its scaling rounds with it.
 `World.from_env` is the one place that reads the launchers' variables.
 """
 
@@ -20,8 +20,8 @@ __all__ = ["LAUNCHERS", "World", "available_cores"]
 
 log = logging.getLogger(__name__)
 
-# How the process was started: torchrun (TORCHELASTIC_RUN_ID set), plain RANK/WORLD_SIZE
-# variables ("env"), Slurm's srun, a process group made by the caller, or a single process.
+# How the process was started: torchrun sets TORCHELASTIC_RUN_ID, "env" has plain RANK and
+# WORLD_SIZE. Then Slurm's srun, a process group made by the caller, or a single process.
 LAUNCHERS = ("torchrun", "env", "slurm", "torch.distributed", "none")
 
 
@@ -47,7 +47,7 @@ def _int(name: str, value: object, minimum: int) -> int:
 
 
 def available_cores() -> int:
-    """CPU cores this process may run on (its affinity, not the machine's count)."""
+    """CPU cores this process may run on: its affinity, not the machine's count."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -56,8 +56,8 @@ def available_cores() -> int:
 
 @dataclass(frozen=True)
 class World:
-    """One rank's place in the job; ranks are numbered node by node (torchrun's and srun's
-    block layout), so the node index and the local rank follow from the rank.
+    """One rank's place in the job, with ranks numbered node by node as torchrun and srun do.
+    So the node index and the local rank follow from the rank.
 
     >>> w = World(rank=5, world_size=8, local_world_size=4)
     >>> (w.node, w.local_rank, w.num_nodes)

@@ -57,7 +57,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
-# Data settings the bench sweeps (batch sizes, workers) or keeps apart (its own temporary cache).
+# Data settings the bench sweeps, such as batch sizes and workers, or keeps apart, as its cache.
 BENCH_OWN_SETTINGS = ("batch_size", "workers", "cache_dir", "cache_limit")
 
 
@@ -92,7 +92,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir or "",
     )
     config = BenchConfig.quick(data, **changes) if args.quick else BenchConfig(data, **changes)
-    if args.json:  # before the run: a path that cannot be written lost its results to a traceback
+    if args.json:  # before the run: a path that cannot be written would lose its results
         writable_file(args.json, "--json")
     if args.plot:
         check_plot_path(args.plot)

@@ -100,14 +100,14 @@ class DataConfig:
     on_corrupt: str = "skip"
     return_keys: bool = False
     prefetch_shards: int = 4
-    # How the cache downloads (`dlstore.cache.CacheConfig`); None: the cache's own default.
+    # How the cache downloads, as `dlstore.cache.CacheConfig`; None keeps the cache's default.
     fetch_parts: int | None = None
     fetch_shards: int | None = None
     fetch_part_size: int | str | None = None
     fetch_node_connections: int | None = None
     # A pass's first batch reads samples of shards not cached yet straight from the store.
     first_batch_direct: bool = True
-    # Credentials and retries: not part of what the data is (nor of equality, nor of `to_dict`).
+    # Credentials and retries: not part of what the data is, of equality or of `to_dict`.
     store: StoreConfig | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -145,7 +145,7 @@ class S3Config:
     multipart_chunk_size: int = 64 * 2**20
     multipart_threshold: int = 64 * 2**20
     # Keys per list request. Swift's s3api asks the cluster for one more than this, so a
-    # cluster with a lowered `container_listing_limit` (L) needs at most L - 1 here.
+    # cluster whose `container_listing_limit` is lowered to L needs at most L - 1 here.
     list_page_size: int = 1000
 
     def __post_init__(self) -> None:
@@ -177,7 +177,7 @@ class S3Config:
 
 @dataclass(frozen=True)
 class SwiftConfig:
-    """Swift credentials: v1 (tempauth, `ST_*`) or Keystone (an openrc's `OS_*`).
+    """Swift credentials: v1 tempauth's `ST_*`, or Keystone's from an openrc's `OS_*`.
 
     Keystone takes a password or an application credential.
     """
@@ -208,7 +208,7 @@ class SwiftConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> SwiftConfig:
-        """`ST_*` (v1) win when `ST_AUTH` is set; otherwise an openrc's `OS_*` (v3)."""
+        """The v1 `ST_*` win when `ST_AUTH` is set; otherwise an openrc's v3 `OS_*`."""
         env = os.environ if env is None else env
         common = dict(
             cacert=_first(env, "OS_CACERT", "SWIFTCLIENT_CACERT"),

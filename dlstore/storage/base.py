@@ -134,7 +134,7 @@ _CONTENT_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/(\d+|\*)")
 def answered_range(
     what: str, start: int, end: int | None, status: int, content_range: str | None, content_length: int | None
 ) -> tuple[int, int | None]:
-    """(body bytes to skip before byte `start`, the object's size if told) of a GET's answer.
+    """Of a GET's answer: the body bytes to skip before byte `start`, and the object's size if told.
 
     The GET asked for bytes `[start, end)`, and the answer has HTTP `status`. A server may
     ignore the Range header and send the whole object: its first `start` bytes are skipped.
@@ -234,7 +234,7 @@ class Store(ABC):
         return True
 
     def get(self, key: str, start: int = 0, end: int | None = None) -> Iterator[bytes]:
-        """Stream bytes `[start, end)` of `key` (to the end when `end` is None).
+        """Stream bytes `[start, end)` of `key`, to its end when `end` is None.
 
         A transient failure mid-stream re-opens the object at the next byte, so the
         chunks are exactly the object's bytes, once.
@@ -330,7 +330,7 @@ class Store(ABC):
         other.config = dataclasses.replace(self.config, retry=retry)
         return other
 
-    #: Byte ranges one GET of `get_ranges` may ask for (1: a GET per range).
+    #: Byte ranges one GET of `get_ranges` may ask for; 1 is a GET per range.
     ranges_per_get: int = 1
 
     def get_ranges(self, key: str, spans: list[tuple[int, int]]) -> list[bytes]:
@@ -384,7 +384,7 @@ class Store(ABC):
         return 0
 
     def delete(self, key: str) -> None:
-        """Remove `key` (and its segments); `NotFound` if it is not there."""
+        """Remove `key` and its segments; `NotFound` if it is not there."""
         key = check_key(key)
         call_with_retry(self.config.retry, lambda: self._delete(key))
 
@@ -430,7 +430,7 @@ class Store(ABC):
         version there now is `ObjectChanged`.
         """
 
-    #: Whether `_read` takes a `ReadPin` (see there).
+    #: Whether `_read` takes a `ReadPin`, as its docstring says.
     reads_versions: bool = False
 
     @abstractmethod

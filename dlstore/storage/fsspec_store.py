@@ -1,6 +1,6 @@
-"""Any other fsspec URL: `memory://`, `https://` (read-only), `gcs://`, `abfs://`, ...
+"""Any other fsspec URL: `memory://`, a read-only `https://`, `gcs://`, `abfs://`, ...
 
-The native backends (`file`, `s3`, `swift`) are faster and retry more precisely; this one
+The native `file`, `s3` and `swift` backends are faster and retry more precisely. This one
 exists so a dataset can live anywhere fsspec reaches.
 
     >>> store = FsspecStore("memory://scratch")
@@ -30,9 +30,9 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
     if unknown_host(exc):
         return ConfigError(f"{what}: the URL's host name does not resolve (no such host); check the URL")
     if isinstance(exc, FileNotFoundError):
-        # fsspec's HTTP `info` turns every failed HEAD/GET (503, 401, ...) into
-        # FileNotFoundError; the answer's status, kept in the chain, says what it was.
-        # So does a failed connection (a server down, a resolver that cannot answer): retried.
+        # fsspec's HTTP `info` turns every failed HEAD or GET, 503 or 401 say, into
+        # FileNotFoundError. The answer's status, kept in the chain, says what it was.
+        # So does a failed connection, a server down or a resolver that cannot answer: retried.
         cause = _http_cause(exc)
         if cause is not None and _response_status(cause) != 404:
             return _map_error(cause, what)
@@ -63,7 +63,7 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
 
 
 def _response_status(exc: BaseException | None) -> int | None:
-    """The HTTP status of an aiohttp `ClientResponseError` (fsspec's http, gcs, abfs), else None."""
+    """The HTTP status of an aiohttp `ClientResponseError` from fsspec's http, gcs or abfs, else None."""
     try:
         from aiohttp import ClientResponseError
     except ImportError:
@@ -93,7 +93,7 @@ def _connection_cause(exc: BaseException) -> BaseException | None:
 
 
 def _transient_client_errors() -> tuple[type[BaseException], ...]:
-    """aiohttp's connection errors (fsspec's http, gcs, abfs) when aiohttp is installed."""
+    """aiohttp's connection errors, as fsspec's http, gcs and abfs raise, when aiohttp is installed."""
     try:
         import aiohttp
     except ImportError:
@@ -115,8 +115,8 @@ class FsspecStore(Store):
             raise ConfigError("fsspec URLs need fsspec: pip install fsspec") from exc
         super().__init__(url, config)
         self.scheme = url.split("://", 1)[0]
-        # The URL as given opens the file system; `url`, in every message, log line and repr,
-        # hides what it holds of credentials (a password in it, a signed query's signature).
+        # The URL as given opens the file system. `url`, in every message, log line and repr,
+        # hides its credentials: a password in it, a signed query's signature.
         self._opens = self.url
         self.url = redact_url(self.url)
         try:
@@ -138,7 +138,7 @@ class FsspecStore(Store):
         return fs
 
     def _fs_options(self) -> dict[str, Any]:
-        """http(s)://: aiohttp's timeouts from the retry config.
+        """For http:// and https://, aiohttp's timeouts from the retry config.
 
         No byte for `read_timeout_s` fails the attempt, retried from the next byte. A long
         answer is not cut.
@@ -198,8 +198,8 @@ class FsspecStore(Store):
                     position += len(chunk)
                     yield chunk
             except ValueError:
-                # An HTTP server without range requests (fsspec finds out on the first read
-                # past its first block): stream from byte 0 and skip what was delivered.
+                # An HTTP server without range requests, found on the first read past fsspec's
+                # first block: stream from byte 0 and skip what was delivered.
                 yield from self._read_file(path, position, end, 0)
         except Exception as exc:
             raise _map_error(exc, what) from None
@@ -233,7 +233,7 @@ class FsspecStore(Store):
                     if not chunk:
                         break
                     out.write(chunk)
-            # cp_file + rm_file, not mv: mv and rm expand glob characters ("?", "[") in names.
+            # cp_file and rm_file, not mv: mv and rm expand glob characters such as "?" in names.
             fs.cp_file(temp, path)
         except Exception as exc:
             raise _map_error(exc, what) from None
@@ -244,7 +244,7 @@ class FsspecStore(Store):
                 pass
 
     def _ensure_container(self) -> None:
-        # A bucket on fsspec's object stores (gcsfs, adlfs), a directory elsewhere.
+        # A bucket on fsspec's object stores such as gcsfs and adlfs, a directory elsewhere.
         try:
             if self.root and not self.fs.exists(self.root):
                 self.fs.makedirs(self.root, exist_ok=True)

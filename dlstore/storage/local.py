@@ -26,7 +26,7 @@ def _os_error(exc: OSError, what: str) -> DlstoreError:
 
 
 class LocalStore(Store):
-    """Objects are files under a root directory; puts are atomic (temp file + `os.replace`)."""
+    """Objects are files under a root directory; puts are atomic, a temp file and `os.replace`."""
 
     scheme = "file"
 
@@ -113,9 +113,9 @@ class LocalStore(Store):
 
 
 def _new_temp_file(directory: str) -> tuple[int, str]:
-    """A new file in `directory` to write an object into before it is renamed into place,
-    with the permissions the umask gives (`tempfile.mkstemp`'s are 0600: a dataset written
-    to a shared NFS folder would be unreadable to the rest of the team)."""
+    """A new file in `directory` to write an object into before it is renamed into place.
+    It has the permissions the umask gives. `tempfile.mkstemp` gives 0600, which would make
+    a dataset in a shared NFS folder unreadable to the rest of the team."""
     while True:
         path = os.path.join(directory, f".dlstore-tmp-{secrets.token_hex(8)}")
         try:

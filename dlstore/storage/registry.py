@@ -34,7 +34,7 @@ def _backend_class(scheme: str) -> type[Store]:
 
 def open_store(url: str, config: StoreConfig | None = None) -> Store:
     """The store rooted at `url`: `file:///data`, a plain path, `s3://bucket/prefix`,
-    `swift://container/prefix`, or any fsspec URL (`memory://x`, `https://host/path`).
+    `swift://container/prefix`, or any fsspec URL such as `memory://x`.
 
     >>> open_store("/tmp/shards").url
     'file:///tmp/shards'
@@ -55,8 +55,8 @@ _SCHEMES_NOT_PATHS = ("file", "s3", "swift", "gs", "gcs", "az", "abfs", "http", 
 
 
 def _plain_path_or_file_url(url: str) -> str:
-    """The `file://` URL of a path, or of `file:/abs` (a file URI's short form); a store URL a
-    slash short (`swift:/data`) is refused, naming the URL meant."""
+    """The `file://` URL of a path, or of a file URI's short form `file:/abs`.
+    A store URL a slash short, `swift:/data`, is refused, naming the URL meant."""
     import os
 
     scheme, colon, rest = url.partition(":")

@@ -1,11 +1,11 @@
 """Retry only what is transient, with jittered exponential backoff and an overall deadline.
 
-Two shapes: `retrying`/`call_with_retry` for a call that either succeeds or fails whole
-(its attempts and deadline count from the first try), and `ProgressRetry` for a streamed
-read that resumes where it was cut, whose budget starts again each time the failed attempts
-have moved a chunk: a healthy but slow 1 GB download outlives any fixed deadline, and a stream
-cut every few minutes is never killed for it; only a stream that stops moving, or moves a few
-bytes per attempt (a server that closes every answer early, or trickles), is.
+`retrying` and `call_with_retry` serve a call that succeeds or fails whole. Its attempts and
+deadline count from the first try. `ProgressRetry` serves a streamed read that resumes where
+it was cut. Its budget starts again each time the failed attempts have moved a chunk.
+So a healthy but slow download outlives any fixed deadline, and a stream cut now and then
+is never killed for it. Only a stream that stops moving, or trickles a few bytes per attempt,
+runs out of retries.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class ProgressRetry:
         self._since = clock()
 
     def failed(self, exc: TransientError, moved: int) -> None:
-        """Count a failed attempt that `moved` bytes: sleep the backoff, or raise `exc` when spent.
+        """Count a failed attempt that moved `moved` bytes: sleep the backoff, or raise `exc` when spent.
 
         Once attempts since the last progress have moved `least` bytes, a fresh budget starts."""
         self._moved += moved
@@ -91,7 +91,7 @@ class ProgressRetry:
             self._failures += 1
             if self._failures >= self.policy.max_attempts or self._clock() - self._since >= self.policy.deadline_s:
                 raise exc
-        # Full jitter over an exponential cap, as `retrying` waits (tenacity's wait_random_exponential).
+        # Full jitter over an exponential cap, as tenacity's wait_random_exponential in `retrying`.
         cap = min(self.policy.max_backoff_s, self.policy.initial_backoff_s * 2 ** max(self._failures - 1, 0))
         pause = random.uniform(0, cap)
         log.warning("transient storage error (attempt %d, next in %.2fs): %s", self._failures + 1, pause, exc)

@@ -1,11 +1,10 @@
 """`s3://bucket/prefix` store on boto3: AWS, Ceph RGW, MinIO, and OpenStack Swift's s3api.
 
-Only dlstore's retry policy retries: botocore's own retries are off (one attempt per
-call), so an auth failure comes back at once and a transient one is retried with
-jittered backoff and a deadline (`dlstore.storage.retry`).
+Only dlstore's retry policy retries; botocore makes one attempt per call. So an auth failure
+comes back at once, and `storage.retry` retries a transient one with backoff and a deadline.
 
-`ensure_container()` creates the bucket when it is missing and the credentials may; a
-plain put into a missing bucket is `NotFound`, with the command that creates it.
+`ensure_container()` creates a missing bucket when the credentials may. A plain put into a
+missing bucket is `NotFound`, with the command that creates it.
 
     >>> store = S3Store("s3://datasets/imagenet", StoreConfig(s3=S3Config(endpoint_url="http://127.0.0.1:8080")))
     >>> store.put("train/shard-000000.tar", "/data/shard-000000.tar")   # doctest: +SKIP
@@ -76,7 +75,7 @@ _TRANSIENT_CODES = {
     "503",
     "500",
 }
-# Failures of the connection itself, including a body cut off mid-stream (a short read).
+# Failures of the connection itself, including a body cut off mid-stream: a short read.
 _TRANSIENT_EXCEPTIONS = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectionClosedError,
@@ -89,8 +88,8 @@ _TRANSIENT_EXCEPTIONS = (
     ConnectionError,
     TimeoutError,
 )
-# Multipart uploads: parts of at least 5 MiB (but the last) and at most 5 GiB; at most 1,000 of
-# them, Swift s3api's default (`max_upload_part_num`), where AWS, Ceph and MinIO take 10,000.
+# Multipart uploads: parts of 5 MiB to 5 GiB, the last may be smaller. At most 1,000 of them,
+# Swift s3api's `max_upload_part_num` default, where AWS, Ceph and MinIO take 10,000.
 _MIN_PART = 5 * 2**20
 _MAX_PART = 5 * 2**30
 _MAX_PARTS = 1000
@@ -108,16 +107,16 @@ os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _add_content_md5(request: Any, **_: Any) -> None:
-    """DeleteObjects needs Content-MD5 on Swift s3api 2.30, and boto3 >= 1.36 sends a CRC32
-    instead even with `when_required`."""
+    """DeleteObjects needs Content-MD5 on Swift s3api 2.30.
+    boto3 >= 1.36 sends a CRC32 instead, even with `when_required`."""
     body = request.body or b""
     body = body.encode() if isinstance(body, str) else body
     request.headers["Content-MD5"] = base64.b64encode(hashlib.md5(body).digest()).decode()
 
 
 def _botocore_config(options: dict[str, Any]) -> botocore.config.Config:
-    """botocore's Config for `options`. The checksum options came in botocore 1.36; an older
-    botocore raises a bare TypeError for them, which would say nothing about the version."""
+    """botocore's Config for `options`. The checksum options need botocore 1.36.
+    An older botocore raises a bare TypeError for them, which says nothing about the version."""
     try:
         return botocore.config.Config(**options)
     except TypeError as exc:
@@ -127,9 +126,9 @@ def _botocore_config(options: dict[str, Any]) -> botocore.config.Config:
         ) from None
 
 
-#: The calls cut when their answer stalls (`Store._answer_watched`); an upload's wait restarts
-#: at each block of its body sent (`_UPLOADS`). Not the completion of a multipart upload,
-#: which may work through its parts for minutes before it answers (AWS sends whitespace meanwhile).
+#: The calls `Store._answer_watched` cuts when their answer stalls. An upload's wait restarts
+#: at each block of its body sent. Completing a multipart upload is not watched: it may work
+#: through its parts for minutes before it answers, and AWS sends whitespace meanwhile.
 _UPLOADS = frozenset({"put_object", "upload_part"})
 _AWAITED = frozenset({"head_object", "head_bucket", "create_multipart_upload", "delete_object"}) | _UPLOADS
 
@@ -187,8 +186,8 @@ _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 def _bucket_name_fault(what: str) -> str | None:
-    """What S3's naming rules find wrong with the bucket of `what` (an `s3://` URL), if anything:
-    a refused name is a bare "400 Bad Request" to a HEAD, whose answer has no body."""
+    """What S3's naming rules find wrong with the bucket of the `s3://` URL `what`, if anything.
+    A refused name gets a bare "400 Bad Request" to a HEAD, whose answer has no body."""
     if not what.startswith("s3://"):
         return None
     name = what[len("s3://") :].split("/", 1)[0]
@@ -202,8 +201,8 @@ def _bucket_name_fault(what: str) -> str | None:
 
 
 def _map_error(exc: BaseException, what: str) -> DlstoreError:
-    """Our error for a boto3/botocore/urllib3 exception. Messages carry the object URL, the
-    S3 error code and message, never a credential (`str(ClientError)` holds neither)."""
+    """Our error for a boto3, botocore or urllib3 exception. Messages carry the object URL,
+    the S3 error code and message, never a credential; `str(ClientError)` holds none."""
     if isinstance(exc, DlstoreError):
         return exc
     if isinstance(exc, botocore.exceptions.ClientError):
@@ -218,8 +217,8 @@ def _map_error(exc: BaseException, what: str) -> DlstoreError:
         if code in _TRANSIENT_CODES or status in (408, 429) or status >= 500:
             return TransientError(text)
         if status == 400 and code in ("400", "InvalidBucketName") and (fault := _bucket_name_fault(what)):
-            # A HEAD's bare 400 has no reason; stores that allow other names (Ceph's and Swift's
-            # relaxed settings) refuse a HEAD for other reasons too.
+            # A HEAD's bare 400 has no reason. Stores that allow other names, as Ceph and Swift
+            # can, refuse a HEAD for other reasons too.
             likely = "breaks" if code == "InvalidBucketName" else "may be the cause: it breaks"
             return ConfigError(f"{text}: the bucket's name {likely} S3's naming rules (a bucket name {fault})")
         return DlstoreError(text)
@@ -249,7 +248,7 @@ class S3Store(Store):
     def __init__(self, url: str, config: StoreConfig | None = None) -> None:
         self.bucket, self.prefix, canonical = split_bucket_url(url, "s3", "bucket")
         super().__init__(canonical, config)
-        # Attributes named `_client*` are dropped when pickled (see `Store.__getstate__`).
+        # `Store.__getstate__` drops attributes named `_client*` when pickled.
         self._client: Any = None
         self._client_pid = 0
 
@@ -268,7 +267,7 @@ class S3Store(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _call(self, what: str, method: str, **kwargs: Any) -> Any:
-        # What waits for an answer only (not an upload) is cut if the answer stalls.
+        # A call that only waits for an answer, not an upload, is cut if the answer stalls.
         watched = self._answer_watched(what) if method in _AWAITED else contextlib.nullcontext()
         with watched as read:
             if method in _UPLOADS:  # its wait restarts at each block sent
@@ -343,7 +342,7 @@ class S3Store(Store):
                 response = self.client.get_object(Bucket=self.bucket, **kwargs)
         except botocore.exceptions.ClientError as exc:
             code = exc.response.get("Error", {}).get("Code")
-            # 416: the range starts at or past the end (or the object is empty): no bytes.
+            # 416: the range starts at or past the end, or the object is empty: no bytes.
             if code == "InvalidRange":
                 return
             if code == "PreconditionFailed" and "IfMatch" in kwargs:
@@ -363,8 +362,8 @@ class S3Store(Store):
             pin.note(response.get("ETag"), size)
         received = 0
         chunk_size = self.config.chunk_size
-        # A trickling server is cut from the watch's thread (urllib3's `HTTPResponse.shutdown`).
-        # (botocore's StreamingBody keeps the urllib3 response in `_raw_stream`; else a close.)
+        # The watch's thread cuts a trickling server with urllib3's `HTTPResponse.shutdown`.
+        # botocore's StreamingBody keeps that response in `_raw_stream`; else it is closed.
         read = self._stall_watch().watch(getattr(getattr(body, "_raw_stream", None), "shutdown", body.close))
         try:
             # Body.read(n) hands back urllib3's own bytes object: no copy here, no hashing.
@@ -445,7 +444,7 @@ class S3Store(Store):
             ) from None
 
     def _bucket_exists(self) -> bool:
-        """False only when the bucket is known to be missing (an error tells nothing here)."""
+        """False only when the bucket is known to be missing; an error tells nothing here."""
         try:
             self._call(f"s3://{self.bucket}", "head_bucket")
         except NotFound:
@@ -460,7 +459,7 @@ class S3Store(Store):
         size = remaining_size(stream)
         threshold = max(cfg.multipart_threshold, 1)
         if size is not None and size < threshold:
-            # Small and seekable: stream it in one PUT (the caller retries from the start).
+            # Small and seekable: stream it in one PUT; the caller retries from the start.
             self._call(what, "put_object", Key=self._name(key), Body=stream, ContentLength=size)
             return
         # Parts large enough for `_MAX_PARTS` of them to hold the object when its size is
@@ -525,7 +524,7 @@ class S3Store(Store):
             raise
 
     def remove_abandoned_uploads(self, prefix: str = "", older_than_s: float = 3600.0) -> int:
-        """Multipart uploads under `prefix` begun over `older_than_s` ago, aborted (their parts go)."""
+        """Abort the multipart uploads under `prefix` begun over `older_than_s` ago; their parts go."""
         cutoff = time.time() - older_than_s
         query: dict[str, Any] = {"Prefix": self._name(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")}
         removed = 0

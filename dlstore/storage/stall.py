@@ -14,8 +14,8 @@ shuts the response. The read fails as `StalledRead`, and `Store.get` resumes it.
 ... finally:
 ...     read.done()
 
-A call awaited inside the client library has no response yet to shut, so its socket is
-shut: pools made by `watched_pools` note each thread's socket in a `ConnectionRegistry`.
+A call awaited inside the client library has no response yet to shut, so its socket is shut.
+Pools made by `watched_pools` note each thread's socket in a `ConnectionRegistry`.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 
 
 class WatchedRead:
-    """One read under a `StallWatch`: `waiting()` around each wait for the server's next chunk,
-    `done()` at its end; `cut` is true once the watch has cut it."""
+    """One read under a `StallWatch`; `cut` is true once the watch has cut it.
+    Wrap each wait for the server's next chunk in `waiting()`, and call `done()` at its end."""
 
     def __init__(self, watch: StallWatch, cut: Callable[[], bool | None]) -> None:
         self._watch = watch
@@ -57,8 +57,8 @@ class WatchedRead:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Around the client's own work inside a watched call (reading an upload's next block
-        from its source): not a wait for the server. The wait starts again after it."""
+        """Around the client's own work inside a watched call, such as reading an upload's next
+        block. That is no wait for the server. The wait starts again after it."""
         with self._lock:
             self.since = None
         try:
@@ -119,7 +119,7 @@ class StallWatch:
         self._thread: threading.Thread | None = None
 
     def watch(self, cut: Callable[[], bool | None]) -> WatchedRead:
-        """A `WatchedRead` that `cut()` ends (called from the watch's thread) when it stalls;
+        """A `WatchedRead` that the watch's thread ends with `cut()` when it stalls.
         `cut` returns False when it found nothing to shut."""
         read = WatchedRead(self, cut)
         with self._lock:

@@ -16,16 +16,16 @@ __all__ = ["copy_object"]
 def copy_object(
     src_store: Store, src_key: str, dst: str, progress: Callable[[int], object] | None = None
 ) -> tuple[Store, str]:
-    """Stream `src_key` of `src_store` to the object URL (or local path) `dst`; a `dst` ending
-    in "/" (or a bare "scheme://"), or a local folder, keeps the source's name. `progress` is called with the size
-    of each chunk as it goes. A destination container or bucket that does not exist yet is made
-    first, as `swift upload` and `rclone copy` do. Returns where the copy is.
+    """Stream `src_key` of `src_store` to `dst`, an object URL or local path; returns where the copy is.
+    A `dst` ending in "/" or "://", or a local folder, keeps the source's name. `progress` gets each
+    chunk's size as it goes. A missing destination container or bucket is made first, as
+    `swift upload` and `rclone copy` do.
 
     >>> copy_object(*open_object("swift://data/train/shard-000000.tar"), "/tmp/")   # doctest: +SKIP
     (LocalStore('file:///tmp'), 'shard-000000.tar')
     """
     local = dst.removeprefix("file://") if dst.startswith("file://") or "://" not in dst else None
-    if local and os.path.isdir(local):  # as `cp` does; it was found only after the whole download
+    if local and os.path.isdir(local):  # as `cp` does, and before the whole download
         dst = local + "/"
     if dst.endswith("/") or dst.endswith("://"):
         dst_store, dst_key = open_store(dst.rstrip("/")), src_key.rsplit("/", 1)[-1]
@@ -33,7 +33,7 @@ def copy_object(
         dst_store, dst_key = open_object(dst)
 
     # The size, when the source tells it, lets the destination size its segments or parts for
-    # the whole object up front (a stream of unknown length may outgrow their limits).
+    # the whole object up front. A stream of unknown length may outgrow their limits.
     try:
         size: int | None = src_store.stat(src_key).size
     except NotFound:
@@ -44,7 +44,7 @@ def copy_object(
         dst_store.ensure_container()
     except AuthError:
         pass  # e.g. a write-only ACL may not even HEAD the container; the put says what is wrong
-    if size:  # 0 may be "unknown" (fsspec): an empty object goes as well as a stream
+    if size:  # fsspec may say 0 for unknown: an empty object goes as well as a stream
         with io.BufferedReader(_SourceReader(src_store, src_key, size, progress), src_store.config.chunk_size) as file:
             dst_store.put(dst_key, file)
         return dst_store, dst_key

@@ -1,4 +1,4 @@
-"""Training checkpoints in any store (`file://`, `swift://`, `s3://`, fsspec URLs).
+"""Training checkpoints in any store: `file://`, `swift://`, `s3://` or an fsspec URL.
 
 Layout under the checkpoint URL::
 
@@ -6,7 +6,7 @@ Layout under the checkpoint URL::
     ckpt-000001500.pt
     latest                {"key": "ckpt-000001500.pt", "step": 1500, ...}: written last
     config.json           the run's resolved config
-    metrics.jsonl         the metrics so far (a convenience copy; the checkpoint holds them too)
+    metrics.jsonl         a copy of the metrics so far; the checkpoint holds them too
 
 A store `put` is atomic, and `latest` is written only after the checkpoint's put returned,
 so the object it names is complete. A crash between the two leaves an unpublished checkpoint
@@ -64,7 +64,7 @@ def checkpoint_key(step: int) -> str:
 
 
 def to_cpu(value: Any) -> Any:
-    """`value` with every tensor moved to the CPU (nested dicts, lists and tuples)."""
+    """`value` with every tensor in its nested dicts, lists and tuples moved to the CPU."""
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, dict):
@@ -75,8 +75,8 @@ def to_cpu(value: Any) -> Any:
 
 
 def _damaged_zip(data: bytes) -> bool:
-    """Whether a zip archive (torch's checkpoint format) has a member whose bytes fail its CRC:
-    a cut or damaged checkpoint, not one that holds what a safe load refuses."""
+    """Whether torch's zip archive has a member whose bytes fail its CRC.
+    That is a cut or damaged checkpoint, not one holding what a safe load refuses."""
     try:
         with zipfile.ZipFile(io.BytesIO(data)) as archive:
             return archive.testzip() is not None
@@ -85,8 +85,8 @@ def _damaged_zip(data: bytes) -> bool:
 
 
 def _load_bytes(data: bytes, where: str) -> dict:
-    # torch.save writes a zip whose members carry CRCs, which torch.load does not check: a bit
-    # flipped in the weights loaded silently. Checked here (about a second per GB).
+    # torch.save writes a zip whose members carry CRCs, which torch.load does not check.
+    # A bit flipped in the weights would load silently, so they are checked here.
     archive = zipfile.is_zipfile(io.BytesIO(data))
     if archive and _damaged_zip(data):
         raise FormatError(f"checkpoint {where} cannot be read ({len(data)} bytes): a part of it fails its checksum")
@@ -95,7 +95,7 @@ def _load_bytes(data: bytes, where: str) -> dict:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises what its parsers meet: ValueError, KeyError, UnicodeDecodeError...
         if archive and "Weights only load failed" in str(exc):  # whole, but holding what may run code
-            # torch's page of advice, down to its line that says what was refused
+            # torch's page of advice, cut down to its line that says what was refused
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             refused = next((line for line in lines if "Unpickler error" in line), lines[0] if lines else "")
             raise ConfigError(f"checkpoint {where} holds objects a safe load refuses: {refused}") from None
@@ -115,9 +115,9 @@ def _load_bytes(data: bytes, where: str) -> dict:
 
 
 _TEMP_PREFIX = "dlstore-ckpt-"
-#: A temp file younger than this is never swept (made, and not locked yet, by a save starting now).
+#: A temp file younger than this is never swept: a save starting now may not have locked it yet.
 _SWEEP_MIN_AGE_S = 60.0
-#: Less free space than this where a save failed: the disk was full (torch says only "unexpected pos").
+#: Less free space than this where a save failed means a full disk; torch says only "unexpected pos".
 _FULL_BELOW_BYTES = 64 * 2**20
 
 
@@ -177,8 +177,8 @@ class CheckpointStore:
         ckpts.load(ckpts.latest_key())["step"]  # 1200
     """
 
-    #: An upload begun this long ago and not complete is a killed save's (its parts, its
-    #: segments): removed when checkpoints are pruned. Longer than any save takes.
+    #: An upload begun this long ago and not complete is a killed save's parts or segments.
+    #: Pruning removes them. Longer than any save takes.
     abandoned_after_s = 3600.0
 
     def __init__(self, target: str | Store, keep: int = 3, tmp_dir: str | None = None) -> None:
@@ -196,8 +196,8 @@ class CheckpointStore:
     def save(self, state: dict, step: int) -> str:
         """Write `state` as `ckpt-{step}.pt`, then point `latest` at it, then prune.
 
-        The state is serialised to a temporary file first (not to memory), and the store
-        streams that file, in segments when it is large.
+        The state is serialised to a temporary file first, not to memory. The store streams
+        that file, in segments when it is large.
         """
         self._make_container()
         key = checkpoint_key(step)
@@ -208,8 +208,8 @@ class CheckpointStore:
         fd, path = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=".pt", dir=tmp_dir)
         lock = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            # Held until the upload is done: a later sweep passes it over. Best effort: a file
-            # system without flock (Lustre without -o flock, NFS without lockd) saves all the same.
+            # Held until the upload is done, so a later sweep passes it over. Best effort: a file
+            # system without flock, Lustre without -o flock or NFS without lockd, saves all the same.
             with contextlib.suppress(OSError):
                 fcntl.flock(lock, fcntl.LOCK_EX)
             file = os.fdopen(fd, "wb")
@@ -255,14 +255,14 @@ class CheckpointStore:
             self.store.put(name, data)
 
     def _make_container(self) -> None:
-        """A run pointed at a new container (`swift://ckpt-run7/...`) makes it, as `convert`
-        does, before it writes there (its config, its first checkpoint) rather than failing."""
+        """A run pointed at a new container makes it before it writes there, as `convert` does.
+        Its config and first checkpoint then land rather than fail."""
         if not self._container_ready:
             self.store.ensure_container()
             self._container_ready = True
 
     def prune(self, protect: str | None = None) -> list[str]:
-        """Delete all but the newest `keep` checkpoints (never `protect`); returns what went."""
+        """Delete all but the newest `keep` checkpoints, never `protect`; returns what went."""
         keys = self.keys()
         doomed = [k for k in keys[: max(0, len(keys) - self.keep)] if k != protect]
         for key in doomed:
@@ -278,14 +278,14 @@ class CheckpointStore:
 
     # -- reading ------------------------------------------------------------------------
     def keys(self) -> list[str]:
-        """Checkpoint keys, oldest first (none in a container not made yet)."""
+        """Checkpoint keys, oldest first; none in a container not made yet."""
         try:
             return sorted(info.key for info in self.store.list("ckpt-") if _NAME.match(info.key))
         except NotFound:
             return []
 
     def latest_key(self) -> str | None:
-        """The published checkpoint (`latest`); failing that, the newest complete one listed."""
+        """The checkpoint `latest` publishes; failing that, the newest complete one listed."""
         try:
             pointer = json.loads(self.store.get_bytes(LATEST))
             key = pointer["key"]
@@ -339,7 +339,7 @@ def load_checkpoint_url(url: str) -> dict:
 def checkpoint_named(url: str) -> tuple[str, str | None]:
     """Where `--resume URL` points: `(url, None)` for a checkpoint object.
 
-    For a checkpoint folder or its `latest`, it is `(the folder's URL, the published key)`.
+    For a checkpoint folder or its `latest`, it is the folder's URL and the published key.
     """
     url = url.rstrip("/")
     store, key = open_object(url)
@@ -356,7 +356,7 @@ def checkpoint_named(url: str) -> tuple[str, str | None]:
 
 
 def load_checkpoint_at(url: str, published: str | None = None) -> tuple[dict, str]:
-    """The state of the checkpoint `checkpoint_named` found, and its URL (credentials hidden)."""
+    """The state of the checkpoint `checkpoint_named` found, and its URL with credentials hidden."""
     if published is None:
         store, key = open_object(url)
         return _load_bytes(_damaged_is_unreadable(store, key), redact_url(url)), redact_url(url)
@@ -367,8 +367,8 @@ def load_checkpoint_at(url: str, published: str | None = None) -> tuple[dict, st
 
 
 def _damaged_is_unreadable(store: Store, key: str) -> bytes:
-    """The object's bytes; one the store cannot serve whole (a segment gone) is a checkpoint
-    that cannot be read (`FormatError`: `--resume auto` goes back past it), not a store failure."""
+    """The object's bytes. One the store cannot serve whole is an unreadable checkpoint, not a
+    store failure: `FormatError`, so `--resume auto` goes back past it."""
     try:
         return store.get_bytes(key)
     except DamagedObject as exc:

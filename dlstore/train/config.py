@@ -1,7 +1,7 @@
 """The trainer's settings: one frozen dataclass, saved beside the outputs and in every checkpoint.
 
-The data settings are the embedded `DataConfig` (the same one `Dataset`, `Loader` and the bench take);
-the rest is the model, the optimisation, checkpoints and logging."""
+The data settings are the embedded `DataConfig`, the one `Dataset`, `Loader` and the bench take.
+The rest is the model, the optimisation, checkpoints and logging."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ _AMP = ("auto", "bf16", "fp16", "none")
 _SCHEDULES = ("cosine", "step")
 
 
-#: Settings that are URLs (besides the data's own): a password or a presigned query in one is
+#: Settings that are URLs, besides the data's own. A password or a presigned query in one is
 #: hidden in the config's repr and in the config saved with the run and its checkpoints.
 _URL_FIELDS = ("val_url", "checkpoint_url", "resume")
 
@@ -36,7 +36,7 @@ class TrainConfig:
     >>> cfg = TrainConfig(DataConfig.from_env("swift://imagenet/train", batch_size=256),
     ...                   val_url="swift://imagenet/val", model="resnet50", epochs=90)   # doctest: +SKIP
 
-    `data` may be given as a URL alone (all other data settings at their defaults).
+    `data` may be given as a URL alone, with all other data settings at their defaults.
     """
 
     data: DataConfig | str
@@ -52,9 +52,9 @@ class TrainConfig:
     sync_bn: bool = False
 
     # data beyond `data`: the loader's engine, evaluation and progressive resizing
-    engine: str = "auto"  # worker processes on a GPU, decode threads on the CPU (dlstore.loader.choose_engine)
+    engine: str = "auto"  # worker processes on a GPU, decode threads on the CPU: loader.choose_engine
     eval_image_size: int | None = None  # default: image_size
-    # Progressive resizing (FFCV): image size ramps linearly from resize_min at
+    # Progressive resizing as FFCV does it: image size ramps linearly from resize_min at
     # resize_start_epoch to image_size at resize_end_epoch, in steps of resize_step pixels.
     resize_min: int | None = None
     resize_start_epoch: int = 0
@@ -74,7 +74,7 @@ class TrainConfig:
     min_lr_factor: float = 0.0  # cosine floor, as a fraction of the peak lr
     step_milestones: tuple[int, ...] = (30, 60, 80)  # epochs, for schedule="step"
     step_gamma: float = 0.1
-    max_steps: int | None = None  # stop after this many optimiser steps (smoke runs)
+    max_steps: int | None = None  # stop after this many optimiser steps, for smoke runs
 
     # checkpoints
     checkpoint_url: str | None = None
@@ -82,8 +82,8 @@ class TrainConfig:
     checkpoint_every_minutes: float = 30.0  # 0: off
     keep_checkpoints: int = 3
     resume: str = "none"  # "none", "auto", or a checkpoint URL
-    # Resume even when the data or the plan settings changed since the checkpoint (the
-    # loader's fingerprint differs): samples are then skipped or repeated in that epoch.
+    # Resume even when the data or the plan settings changed since the checkpoint, so the
+    # loader's fingerprint differs. Samples are then skipped or repeated in that epoch.
     resume_any_data: bool = False
 
     # logging and reproducibility
@@ -122,8 +122,8 @@ class TrainConfig:
         self._check_optimisation()
 
     def _check_optimisation(self) -> None:
-        """The optimiser's and the schedule's numbers, checked before the run starts: torch
-        refused some only at the first step, with a traceback, and took others silently."""
+        """The optimiser's and the schedule's numbers, checked before the run starts.
+        torch refuses some only at the first step, with a traceback, and takes others silently."""
         bounds = {  # name: (lowest, highest, whether the lowest itself is allowed)
             "base_lr": (0.0, math.inf, False),
             "momentum": (0.0, 1.0, True),
@@ -148,15 +148,15 @@ class TrainConfig:
 
     @property
     def image_size(self) -> int:
-        """The final training resolution (the data's)."""
+        """The final training resolution, the data's."""
         return self.data.image_size
 
     def __repr__(self) -> str:
         return repr_hiding_credentials(self, _URL_FIELDS)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able values (tuples become lists); the data settings under "data",
-        without the store's credentials, and the URLs' credentials hidden (`redact_url`)."""
+        """Plain JSON-able values, tuples as lists, with the data settings under "data".
+        The store's credentials are left out and the URLs' are hidden by `redact_url`."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "data"}
         values.update({name: redact_url(values[name]) for name in _URL_FIELDS if values[name] is not None})
         return json.loads(json.dumps({"data": self.data.to_dict(), **values}))
@@ -180,8 +180,8 @@ class TrainConfig:
 
 
 def image_size_for_epoch(cfg: TrainConfig, epoch: int) -> int:
-    """The training resolution of `epoch` under progressive resizing (FFCV's linear ramp,
-    rounded to a multiple of `resize_step`), or `image_size` without it.
+    """The training resolution of `epoch` under progressive resizing, or `image_size` without it.
+    FFCV's linear ramp, rounded to a multiple of `resize_step`.
 
     >>> cfg = TrainConfig(DataConfig("x", image_size=192), resize_min=128, resize_start_epoch=2, resize_end_epoch=6)
     >>> [image_size_for_epoch(cfg, e) for e in range(8)]
@@ -251,8 +251,8 @@ _CLI: dict[str, tuple[Any, str]] = {
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add every `TrainConfig` field to an argparse parser: `train_url` positional, the data
-    settings as `DataConfig` adds them, the rest from `_CLI`."""
+    """Add every `TrainConfig` field to an argparse parser.
+    `train_url` is positional, the data settings come from `DataConfig`, the rest from `_CLI`."""
     DataConfig.add_arguments(parser)
     defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
     parser.add_argument("train_url", help="dataset URL of the training split, e.g. swift://imagenet/train")
@@ -269,8 +269,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> TrainConfig:
-    """The `TrainConfig` of parsed `dlstore train` arguments; the environment (`env`, default
-    `os.environ`) is read here, once, for the cache directory and the store's settings."""
+    """The `TrainConfig` of parsed `dlstore train` arguments.
+    `env`, by default `os.environ`, is read here once for the cache directory and the store."""
     values = {name: getattr(args, name) for name in _CLI}
     values["step_milestones"] = tuple(values["step_milestones"])
     return TrainConfig(DataConfig.from_args(args.train_url, args, env), **values)

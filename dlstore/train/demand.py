@@ -1,10 +1,9 @@
 """What the accelerator demands: the trainer's own training step, timed on synthetic data.
 
-The loader-vs-GPU benchmark compares this rate (images/s the model can consume) with what
-the data path delivers; the ratio is the expected data stall. The step is exactly the one
-`dlstore train` runs (`step.training_step`: the same model, optimiser, AMP, memory format
-and optional `torch.compile`), on one batch made once on the device, so no data loading
-or host-to-device copy is in the number.
+The loader-vs-GPU benchmark compares the images/s the model can consume with what the
+data path delivers. The ratio is the expected data stall. The step is `step.training_step`,
+the one `dlstore train` runs, with the same model, optimiser, AMP and memory format.
+It runs on one batch made once on the device, so no loading or copy is in the number.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ __all__ = ["DemandResult", "measure_training_rate", "precision_name"]
 
 @dataclass(frozen=True)
 class DemandResult:
-    """One measurement: `images_per_s` = batch_size * steps / seconds on `device`."""
+    """One measurement on `device`: `images_per_s` is batch_size * steps / seconds."""
 
     model: str
     batch_size: int
@@ -50,12 +49,12 @@ class DemandResult:
         return asdict(self)
 
 
-# The names of `--amp` (what users type and read in the bench report); float32 without AMP.
+# The names `--amp` takes, as users type and read them; float32 without AMP.
 _PRECISION_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "float32"}
 
 
 def precision_name(amp_dtype: torch.dtype | None) -> str:
-    """The precision a step runs in, named as `--amp` names it ("bf16", "fp16"), or "float32".
+    """The precision a step runs in, named as `--amp` names it, or "float32" without AMP.
 
     >>> precision_name(torch.bfloat16)
     'bf16'
@@ -69,8 +68,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _time_steps(step: Callable[[], object], warmup_steps: int, steps: int, device: torch.device) -> float:
-    """Seconds for `steps` calls of `step` after `warmup_steps` untimed ones; the device is
-    drained before and after, so queued GPU work counts where it was launched."""
+    """Seconds for `steps` calls of `step` after `warmup_steps` untimed ones.
+    The device is drained before and after, so queued GPU work counts where it was launched."""
     for _ in range(warmup_steps):  # cuDNN autotuning, compilation, allocator warm-up
         step()
     _sync(device)
@@ -95,8 +94,8 @@ def measure_training_rate(
     steps: int = 20,
     seed: int = 0,
 ) -> DemandResult:
-    """Time `steps` training steps (after `warmup_steps` untimed ones) of `model` on one
-    synthetic batch kept on the device::
+    """Time `steps` training steps of `model` on one synthetic batch kept on the device.
+    `warmup_steps` untimed ones go first::
 
         r = measure_training_rate("resnet50", batch_size=256, device="cuda")
         round(r.images_per_s)  # e.g. 3000

@@ -1,9 +1,8 @@
 """Process-group setup for torchrun, Slurm (`srun`) and single-process runs.
 
-DDP gradients go over NCCL on GPUs and gloo on CPUs. The trainer's own small control
-messages (the stop flag, "is a checkpoint due", RNG states for a checkpoint) go over a
-separate gloo group, so they never need a CUDA tensor and never make the host wait for
-the GPU's queue to drain.
+DDP gradients go over NCCL on GPUs and gloo on CPUs. The trainer's small control messages
+go over a separate gloo group: the stop flag, whether a checkpoint is due, RNG states.
+So they never need a CUDA tensor, and never make the host wait for the GPU's queue.
 """
 
 from __future__ import annotations
@@ -129,7 +128,7 @@ class DistContext:
         return [bool(v) for v in values.tolist()]
 
     def gather_objects(self, obj: Any) -> list[Any]:
-        """`obj` of every rank, in rank order (pickled over the gloo control group)."""
+        """`obj` of every rank in rank order, pickled over the gloo control group."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
@@ -149,7 +148,7 @@ class DistContext:
             dist.barrier(group=self.control_group)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place, over the main (NCCL or gloo) group; `tensor` on `device`."""
+        """Sum over ranks in place, over the main NCCL or gloo group; `tensor` is on `device`."""
         if self.distributed:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
@@ -171,8 +170,8 @@ def _pick_device(local_rank: int, want_cuda: bool, world: World | None = None) -
         visible = torch.cuda.device_count()
         shared = visible == 1 and world is not None and world.local_world_size > 1 and world.launcher != "slurm"
         if shared:
-            # torchrun gives its processes the same GPUs (srun --gpus-per-task binds one to each):
-            # every rank on cuda:0 failed later, in NCCL's "Duplicate GPU detected".
+            # torchrun gives its processes the same GPUs, unlike srun --gpus-per-task. Every
+            # rank would take cuda:0 and fail later with NCCL's "Duplicate GPU detected".
             raise ConfigError(
                 f"{world.local_world_size} ranks on this node and 1 GPU: start one process per GPU "
                 f"(torchrun --nproc-per-node {visible})"
@@ -183,7 +182,7 @@ def _pick_device(local_rank: int, want_cuda: bool, world: World | None = None) -
                 f"local rank {local_rank} has no GPU of its own: this process sees {visible}; "
                 "start one process per GPU (torchrun --nproc-per-node, srun --gpus-per-task=1)"
             )
-        # One visible GPU: the launcher bound this task to it (srun --gpus-per-task=1).
+        # One visible GPU: the launcher bound this task to it, as srun --gpus-per-task=1 does.
         index = local_rank if visible > 1 else 0
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
@@ -191,9 +190,9 @@ def _pick_device(local_rank: int, want_cuda: bool, world: World | None = None) -
 
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-#: This process's parent when dlstore's trainer was imported: one that has changed by the time
-#: the death signal is asked for has ended already. (A parent of PID 1 is no sign of that: in a
-#: container, torchrun itself is often PID 1.)
+#: This process's parent when the trainer was imported. If it has changed by the time the
+#: death signal is asked for, it has ended. A parent of PID 1 is no sign of that: in a
+#: container, torchrun itself is often PID 1.
 _PARENT_AT_IMPORT = os.getppid()
 
 
@@ -223,7 +222,7 @@ def stop_when_the_parent_dies() -> bool:
 def setup_distributed(
     launch: Rendezvous | None = None, *, device: str = "auto", timeout_minutes: float = 30.0
 ) -> DistContext:
-    """Join the job's process group (if there is more than one process) and pick the device.
+    """Join the job's process group when there is more than one process, and pick the device.
 
     `device` is "auto", "cuda" or "cpu"; the backend follows it: NCCL for CUDA, gloo for CPU.
 
@@ -251,7 +250,7 @@ def setup_distributed(
             raise ConfigError("an existing process group disagrees with the launcher's rank/world size")
     else:
         timeout = datetime.timedelta(minutes=timeout_minutes)
-        # torchrun: env:// reuses the agent's store. srun / plain env: rendezvous at rank 0's host.
+        # torchrun: env:// reuses the agent's store. srun or plain env: rendezvous at rank 0's host.
         init = "env://" if launch.launcher == "torchrun" else f"tcp://{launch.master_addr}:{launch.master_port}"
         kwargs: dict[str, Any] = {}
         if dev.type == "cuda":

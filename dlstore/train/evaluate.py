@@ -1,5 +1,5 @@
-"""Evaluation: which split to score (`--val-url`, or the `val` beside `train`) and loss,
-top-1 and top-5 over all of it, each real sample counted exactly once across the ranks."""
+"""Evaluation: loss, top-1 and top-5 over the val split, `--val-url` or the `val` beside `train`.
+Each real sample is counted exactly once across the ranks."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def score(
     k = min(5, num_classes)
     # loss, top1, top5, samples, and the ranks whose pass broke off for a stop
     sums = torch.zeros(5, dtype=torch.float64, device=ctx.device)
-    # fork_rng: evaluating (and starting its loader) leaves the training RNG stream as it was.
+    # fork_rng: evaluating and starting its loader leave the training RNG stream as it was.
     with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast(ctx.device, amp_dtype):
         try:
             _score_batches(model, loader, k, sums)
@@ -69,7 +69,7 @@ def score(
 
 
 def _score_batches(model: nn.Module, loader, k: int, sums: torch.Tensor) -> None:
-    """Add each batch's loss, hits and real samples into `sums` (no collective in here)."""
+    """Add each batch's loss, hits and real samples into `sums`; no collective in here."""
     for images, labels, meta in loader:
         logits = model(images).float()
         real = meta["padding"].to(labels.device).logical_not().double()  # there already, from the loader

@@ -77,7 +77,7 @@ def main(config: TrainConfig) -> int:
 
 
 class _LoaderBrokenByStop(Exception):
-    """A rank's training loader failed after a stop signal (`_next_trainable_batch`)."""
+    """A rank's training loader failed after a stop signal, in `_next_trainable_batch`."""
 
 
 class Trainer:
@@ -118,7 +118,7 @@ class Trainer:
 
     # -- construction -------------------------------------------------------------------
     def _build_data(self) -> None:
-        """The train and (when there is one) val datasets and loaders, and the step counts."""
+        """The train and val datasets and loaders, when there is a val split, and the step counts."""
         cfg = self.cfg
         self.train_set = self._dataset(cfg.data.replace(image_size=image_size_for_epoch(cfg, 0)))
         self.classes = list(self.train_set.manifest.classes)
@@ -169,7 +169,7 @@ class Trainer:
         )
 
     def _build_model(self) -> None:
-        """The model (DDP-wrapped, compiled as asked), the optimiser, its schedule and the loss."""
+        """The model, DDP-wrapped and compiled as asked, the optimiser, its schedule and the loss."""
         cfg = self.cfg
         self.module = build_model(cfg.model, len(self.classes))
         self._build_parallel_model()
@@ -288,8 +288,8 @@ class Trainer:
             code = self._train_epoch(epoch)
             if code is not None:
                 return code
-            # All its batches taken (the loader then stands at the next epoch's start), not an
-            # epoch cut short by --max-steps (the loader stays in it).
+            # All its batches taken, so the loader stands at the next epoch's start. An epoch
+            # cut short by --max-steps is not done, and the loader stays in it.
             done = self.train_loader.state.epoch > epoch or len(self.train_loader) == 0
             self._evaluate(epoch, done)
             if done:
@@ -311,7 +311,7 @@ class Trainer:
         return self.cfg.max_steps is not None and self.step >= self.cfg.max_steps
 
     def _train_epoch(self, epoch: int) -> int | None:
-        """The epoch's steps (from the loader's position); an exit code if the run must stop."""
+        """The epoch's steps from the loader's position; an exit code if the run must stop."""
         self.set_train_resolution(epoch)
         loader = self.train_loader
         loader.set_epoch(epoch)
@@ -373,13 +373,13 @@ class Trainer:
             except Exception as exc:
                 if self.signals.received is None:
                     raise
-                # A stop signal to the whole process group (Slurm's) ended the loader's worker
-                # processes while this rank waited for a batch: the run stops as for the signal.
+                # A stop signal to the whole process group, as Slurm sends, ended the loader's
+                # workers while this rank waited for a batch. The run stops as for the signal.
                 log.warning("the training loader broke off after %s (%s); stopping", self.signals.name, exc)
                 broken, batch = True, None
             first = False
             if batch is None and not broken:
-                return None  # the epoch's end (the same step on every rank)
+                return None  # the epoch's end, the same step on every rank
             empty, stop = self.ctx.any_flags(not broken and len(batch[1]) == 0, broken)
             if stop:
                 self.train_loader.state = before  # no rank trains on this step's batch: a resume reads it
@@ -419,7 +419,7 @@ class Trainer:
         self.window.add(loss, logits, labels)
 
     def set_train_resolution(self, epoch: int) -> None:
-        """Progressive resizing: a new loader (same position) when this epoch's size differs."""
+        """Progressive resizing: a new loader at the same position when this epoch's size differs."""
         size = image_size_for_epoch(self.cfg, epoch)
         transform = self.train_set.cfg.transform
         if size == transform.image_size:
@@ -467,8 +467,8 @@ class Trainer:
         if self.val_loader is None:
             return None
         self.val_loader.set_epoch(epoch)
-        # Each rank's BatchNorm statistics were last updated by its own batch; evaluate (and
-        # later checkpoint) rank 0's on every rank, as the next training forward would.
+        # Each rank's BatchNorm statistics were last updated by its own batch. Evaluate and
+        # later checkpoint rank 0's on every rank, as the next training forward would.
         self.ctx.broadcast_tensors(list(self.module.buffers()))
         self.eval_model.eval()
         scores = score(
@@ -481,7 +481,7 @@ class Trainer:
         )
         self.train_model.train()
         if scores is None:  # broken off by a stop signal: the step boundary after it checkpoints,
-            # and the resumed run evaluates this epoch first (`_evaluate_a_broken_off_epoch`)
+            # and the resumed run evaluates this epoch first in `_evaluate_a_broken_off_epoch`
             if self.ctx.is_main:
                 log.warning("epoch %d's evaluation broken off by %s; a resume evaluates it", epoch, self.signals.name)
             return None
@@ -517,7 +517,7 @@ class Trainer:
             self.ckpts.put_json("config.json", resolved)
 
     def _resolved_settings(self) -> dict:
-        """What the config left to the run (world, device, precision, batch, steps), as decided."""
+        """What the config left to the run, as decided: world, device, precision, batch, steps."""
         return {
             "world_size": self.ctx.world_size,
             "local_world_size": self.ctx.local_world_size,
@@ -555,7 +555,7 @@ class Trainer:
         return self.epoch == self.cfg.epochs - 1 and len(self.train_loader) == 0
 
     def _control(self) -> tuple[bool, bool]:
-        """(stop now, checkpoint now), the same on every rank."""
+        """Whether to stop now and whether to checkpoint now, the same on every rank."""
         # Clocks differ between ranks, and a signal may reach only some of them: OR over all.
         stop, minutes_due = self.ctx.any_flags(self.signals.received is not None, self.save_schedule.minutes_due())
         steps_due = self.save_schedule.steps_due(self.step)
@@ -583,7 +583,7 @@ class Trainer:
         if self.ctx.is_main:
             self.ckpts.save(checkpoint_state(self, ranks), self.step)
             self.ckpts.put_text("metrics.jsonl", self.metrics.jsonl_text())
-        # Nobody runs ahead (or exits) before the checkpoint is published.
+        # Nobody runs ahead or exits before the checkpoint is published.
         self.ctx.barrier()
         self.save_schedule.mark_saved(self.step)
 

@@ -1,9 +1,9 @@
-"""The run's metrics: a JSONL file (the record of truth), a CSV copy and TensorBoard events.
+"""The run's metrics: a JSONL file of record, a CSV copy and TensorBoard events.
 
-Only rank 0 writes. Every record has `split` ("train" or "val") and `step` (optimiser steps
-done), and no (split, step) pair is written twice. On resume the files are rebuilt from the
-records stored in the checkpoint, so a run interrupted any number of times leaves the same
-files as one that never was, apart from timings.
+Only rank 0 writes. Every record has `split`, "train" or "val", and `step`, the optimiser
+steps done. No split and step pair is written twice. On resume the files are rebuilt from the
+checkpoint's records. So a run interrupted any number of times leaves the same files as one
+that never was, apart from timings.
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ def find_resume_state(cfg: TrainConfig, ckpts: CheckpointStore | None, ctx: Dist
                 log.info("no checkpoint under %s yet: starting fresh", redact_url(cfg.checkpoint_url or ""))
             return None
         return (found[1] if found is not None else ckpts.load(key)), ckpts.store.join(key)
-    # Rank 0 finds what the URL names (a folder's `latest` may move meanwhile), the others load that.
+    # Rank 0 finds what the URL names, the others load that: a folder's `latest` may move meanwhile.
     named, failure = None, None
     if ctx.is_main:
         try:

@@ -13,15 +13,15 @@ __all__ = ["rng_state", "seed_everything", "set_determinism", "set_rng_state"]
 
 
 def seed_everything(seed: int) -> None:
-    """Seed Python's, NumPy's and torch's global generators (the same seed on every rank gives
-    identical initial weights)."""
+    """Seed Python's, NumPy's and torch's global generators.
+    The same seed on every rank gives identical initial weights."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
 
 
 def set_determinism(deterministic: bool) -> None:
-    """Deterministic kernels (and no cuDNN autotuning), or the fastest ones (TF32, autotuning)."""
+    """Deterministic kernels without cuDNN autotuning, or the fastest ones with TF32 and autotuning."""
     if deterministic:
         # cuBLAS reads this when its first handle is made; harmless on the CPU.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -34,7 +34,7 @@ def set_determinism(deterministic: bool) -> None:
 
 
 def rng_state(device: torch.device) -> dict:
-    """This process's RNG states, as tensors and plain values (weights_only-loadable)."""
+    """This process's RNG states, as tensors and plain values that `weights_only` loads."""
     _, keys, pos, has_gauss, cached = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
@@ -50,7 +50,7 @@ def rng_state(device: torch.device) -> dict:
 
 
 def set_rng_state(state: dict, device: torch.device) -> None:
-    """Restore what `rng_state` returned (on the same rank, so the streams continue exactly)."""
+    """Restore what `rng_state` returned; on the same rank the streams continue exactly."""
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)

@@ -1,7 +1,7 @@
-"""Pre-emption: SIGTERM (Slurm, Kubernetes) and SIGUSR1 (Slurm's `--signal`) ask the run to
-checkpoint and stop; the exit code tells the job script to run it again. Before training has
-begun there is nothing to save, and start-up (opening the data, building the model, loading
-a checkpoint) ends where it stands."""
+"""Pre-emption: SIGTERM and SIGUSR1 ask the run to checkpoint and stop.
+
+Slurm and Kubernetes send SIGTERM, Slurm's `--signal` SIGUSR1. The exit code tells the job
+script to run it again. Before training there is nothing to save: start-up ends where it stands."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ __all__ = ["EXIT_PREEMPTED", "STOP_SIGNALS", "StopSignals"]
 
 log = logging.getLogger(__name__)
 
-# sysexits' EX_TEMPFAIL: "try again later". A job script (or Slurm's --requeue) reruns the
+# sysexits' EX_TEMPFAIL: "try again later". A job script or Slurm's --requeue reruns the
 # same command with `--resume auto` when it sees this code.
 EXIT_PREEMPTED = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-#: How long a stop during start-up may wait for the main thread to take it (`_watch_start_up`).
+#: How long a stop during start-up may wait for the main thread to take it.
 START_UP_STOP_GRACE_S = 10.0
 
 
@@ -57,14 +57,14 @@ class StopSignals:
             self.restore()
 
     def note_only(self) -> None:
-        """From here on a signal only notes itself: the training loop checkpoints at its next
-        step (called as it begins), and clean-up is never cut short by one."""
+        """From here on a signal only notes itself; the training loop calls this as it begins.
+        The loop checkpoints at its next step, and clean-up is never cut short by a signal."""
         self._raising = False
         self._stop_watching_start_up()
 
     @property
     def name(self) -> str:
-        """The received signal's name, for the log (another rank's when this one got none)."""
+        """The received signal's name for the log, or another rank's when this one got none."""
         return signal.Signals(self.received).name if self.received else "a signal on another rank"
 
     def install(self) -> None:
@@ -116,7 +116,7 @@ class StopSignals:
                     return  # start-up is over
                 stops = [number for number in data if number in self.signals]
                 if not stops:
-                    continue  # another signal (a worker's SIGCHLD)
+                    continue  # another signal, a worker's SIGCHLD say
                 deadline = time.monotonic() + START_UP_STOP_GRACE_S
                 while self._raising and time.monotonic() < deadline:
                     time.sleep(0.05)

@@ -26,7 +26,7 @@ __all__ = [
 
 
 def resolve_device(device: str) -> torch.device:
-    """`device` ("auto", "cpu", "cuda", "cuda:N") as a torch device; "auto" is CUDA when there is one.
+    """`device` as a torch device: "cpu", "cuda", "cuda:N", or "auto" for CUDA when there is one.
 
     >>> resolve_device("cpu")
     device(type='cpu')
@@ -40,8 +40,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def check_model_name(name: str) -> None:
-    """`ConfigError` unless `name` is one of torchvision's classification models: checked before
-    the datasets open, so that a typo is not found only after minutes of listing and caching."""
+    """`ConfigError` unless `name` is one of torchvision's classification models.
+    Checked before the datasets open, so a typo is not found after minutes of listing and caching."""
     import torchvision
 
     known = torchvision.models.list_models(module=torchvision.models)
@@ -52,8 +52,8 @@ def check_model_name(name: str) -> None:
 
 
 def build_model(name: str, num_classes: int) -> nn.Module:
-    """A torchvision classification model by name (`resnet18`, `resnet50`, ...), randomly
-    initialised with `num_classes` outputs.
+    """A torchvision classification model by name, such as `resnet50`.
+    It is randomly initialised with `num_classes` outputs.
 
     >>> build_model("resnet18", num_classes=10).fc.out_features   # doctest: +SKIP
     10
@@ -70,8 +70,8 @@ def build_model(name: str, num_classes: int) -> nn.Module:
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """SGD parameter groups: `weight_decay` on weight matrices and kernels, none on 1-d ones."""
-    # No weight decay on BatchNorm weights and biases (all 1-d parameters): decaying them
-    # only fights the normalisation and costs accuracy (Goyal et al. 2017, FFCV, timm).
+    # No weight decay on BatchNorm weights and biases, the 1-d parameters. Decaying them only
+    # fights the normalisation and costs accuracy, as Goyal et al. 2017, FFCV and timm note.
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
@@ -80,15 +80,15 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def amp_dtype_for(amp: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype that `amp` ("auto", "bf16", "fp16", "none") means on `device`."""
+    """The autocast dtype that `amp`, one of "auto", "bf16", "fp16", "none", means on `device`."""
     if amp == "auto":
         return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
 
 
 def image_dtype_for(amp_dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype the loader hands the step: bf16 under bf16 autocast, else float32. The first
-    convolution would cast bf16 anyway, and the normalise kernel writes half the bytes."""
+    """The dtype the loader hands the step: bf16 under bf16 autocast, else float32.
+    The first convolution would cast to bf16 anyway, and normalising writes half the bytes."""
     return torch.bfloat16 if amp_dtype == torch.bfloat16 else torch.float32
 
 
@@ -109,12 +109,11 @@ def training_step(
     labels: torch.Tensor,
     keep_grads: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimiser step (forward under autocast, backward, step); returns (loss, logits).
-    No host sync: the caller decides when to look at the numbers. `dlstore.train.demand`
-    times this same function on synthetic data.
+    """One optimiser step: forward under autocast, backward, step. Returns loss and logits.
+    No host sync: the caller decides when to look at the numbers. `train.demand` times it.
 
-    `keep_grads` zeroes the gradients rather than dropping them: under DDP with
-    `gradient_as_bucket_view` they are views of the all-reduce buckets, and dropped ones
+    `keep_grads` zeroes the gradients rather than dropping them. Under DDP with
+    `gradient_as_bucket_view` they are views of the all-reduce buckets. Dropped ones
     would be allocated again and copied into the buckets at every step."""
     with autocast(images.device, amp_dtype):
         logits = model(images)

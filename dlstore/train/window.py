@@ -1,5 +1,5 @@
-"""The logging window: loss, accuracy and timings summed on the device over the steps since
-the last log line, so the host waits for the GPU once per window, not once per step."""
+"""The logging window: loss, accuracy and timings since the last log line, summed on the device.
+So the host waits for the GPU once per window, not once per step."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["StepWindow"]
 
 
 class StepWindow:
-    """Sums over the steps since the last log line, on the device (no host sync per step).
+    """Sums over the steps since the last log line, on the device, with no host sync per step.
 
     >>> w = StepWindow(torch.device("cpu"))
     >>> w.add(torch.tensor(2.0), torch.eye(3), torch.tensor([0, 1, 1]))
@@ -43,10 +43,10 @@ class StepWindow:
 
     def reduce(self, ctx: DistContext) -> dict:
         """The window over all ranks: loss, top1, samples, img_per_s and where the time went."""
-        # The one host<->device sync of the window, and one all-reduce for all three sums. On a
-        # GPU the loop runs ahead of the device until this sync: the wait is compute time of
-        # the window's steps, or img/s would be overstated. (`torch.full`, not `torch.tensor`:
-        # a blocking copy from the host would sync before the clock starts.)
+        # The window's one host-device sync, and one all-reduce for all three sums. On a GPU
+        # the loop runs ahead of the device until this sync. The wait is the window's compute
+        # time, or img/s would be overstated. `torch.full`, not `torch.tensor`: a blocking
+        # copy from the host would sync before the clock starts.
         waited = time.perf_counter()
         count = torch.full((), float(self.samples), dtype=torch.float64, device=self.device)
         sums = torch.stack([self.loss_sum, self.correct, count])
@@ -64,8 +64,8 @@ class StepWindow:
         }
 
     def state(self) -> dict:
-        # Each rank's own, unreduced sums: restored on the same rank they reproduce exactly
-        # the sums (and so the logged means) of an uninterrupted run.
+        # Each rank's own, unreduced sums. Restored on the same rank, they reproduce exactly
+        # the sums and logged means of an uninterrupted run.
         return {
             "loss_sum": self.loss_sum.item(),
             "correct": self.correct.item(),

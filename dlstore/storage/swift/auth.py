@@ -170,7 +170,7 @@ def _watch_requests(session: requests.Session, registry: ConnectionRegistry) -> 
 
 
 def _tempauth(cfg: SwiftConfig, timeout: tuple[float, float], registry: ConnectionRegistry) -> tuple[Any, Any]:
-    """(storage URL, token) from a v1 auth endpoint, on a connection the stall watch can cut."""
+    """The storage URL and token from a v1 auth endpoint, on a connection the stall watch can cut."""
     conn = swiftclient.client.HTTPConnection(cfg.auth_url, cacert=cfg.cacert, insecure=cfg.insecure, timeout=timeout)
     _watch_requests(conn.request_session, registry)
     headers = {"X-Auth-User": cfg.user or "", "X-Auth-Key": cfg.key.reveal() if cfg.key else ""}
@@ -244,7 +244,7 @@ class SwiftClient(Store):
         self._client_pid = 0
 
     def _process_state(self) -> None:
-        """(Re)create the per-process client state: after unpickling or in a forked child."""
+        """Create the per-process client state, again after unpickling or in a forked child."""
         if getattr(self, "_client_pid", 0) == os.getpid():
             return
         with _auth_lock:
@@ -256,9 +256,9 @@ class SwiftClient(Store):
             self._client_segments_ready = False
             self._client_login_failures = 0  # failed logins in this process, and the last one's error
             self._client_login_failure: DlstoreError | None = None
-            # A token handed in (`swift auth`) is tried first, once per process.
+            # A token handed in by `swift auth` is tried first, once per process.
             self._client_preauth_unused = True
-            # A fresh token was refused: the next one is the last try (see `_on_unauthorized`).
+            # A fresh token was refused, so `_on_unauthorized` makes the next one the last try.
             self._client_fresh_refused = False
             self._client_pid = os.getpid()
         redact_storage_secrets()
@@ -334,7 +334,7 @@ class SwiftClient(Store):
                 timeout=(retry.connect_timeout_s, retry.read_timeout_s),
             )
             local.conn = conn
-        # swiftclient clears these after a 401; set them on every call (cheap).
+        # swiftclient clears these after a 401, so they are set on every call.
         conn.url, conn.token = token.storage_url, token.token
         return conn, token
 
@@ -371,8 +371,8 @@ class SwiftClient(Store):
     def _on_unauthorized(self, token: SwiftToken, what: str) -> None:
         """A 401: drop the token, and say whether another login may help.
 
-        It is transient when the token had worked (it expired), or when it was fresh and not
-        itself a renewal (the server may have lost it). A refused renewal is an `AuthError`.
+        It is transient when the token had worked and so expired, or was fresh and no renewal:
+        the server may have lost it. A refused renewal is an `AuthError`.
         """
         can_reauthenticate = bool(self.config.swift.auth_url)
         with _auth_lock:

@@ -22,7 +22,7 @@ _SINGLE_RANGE = re.compile(r"\s*bytes\s+(\d+)-(\d+)/")
 
 
 def parse_byteranges(body: bytes, boundary: bytes) -> dict[int, bytes]:
-    """{first byte: bytes} of each part of a multipart/byteranges `body` (RFC 9110 14.6).
+    """The bytes of each part of a multipart/byteranges `body` by first byte, as RFC 9110 14.6 says.
 
     >>> parse_byteranges(b"--b\\r\\nContent-Range: bytes 2-4/9\\r\\n\\r\\nabc\\r\\n--b--", b"b")
     {2: b'abc'}
@@ -47,8 +47,8 @@ def parse_byteranges(body: bytes, boundary: bytes) -> dict[int, bytes]:
 class SwiftStore(SloWrites):
     """Objects in one Swift container under a prefix, on python-swiftclient.
 
-    Credentials come from the environment or from `config`: v1 (tempauth, `ST_*`), Keystone
-    v2 or v3 (an openrc's `OS_*`), or a storage URL and token. No connection is made yet:
+    Credentials come from the environment or from `config`: v1 tempauth's `ST_*`, Keystone
+    v2 or v3 from an openrc's `OS_*`, or a storage URL and token. No connection is made yet:
 
     >>> config = StoreConfig(swift=SwiftConfig(storage_url="http://127.0.0.1:8080/v1/AUTH_test", auth_token="t"))
     >>> store = SwiftStore("swift://container/train", config)
@@ -58,7 +58,7 @@ class SwiftStore(SloWrites):
 
     scheme = "swift"
     reads_versions = True
-    #: Swift serves up to 50 ascending byte ranges in one GET (`swift.common.swob.MAX_RANGES`).
+    #: Swift serves up to 50 ascending byte ranges in one GET: `swift.common.swob.MAX_RANGES`.
     ranges_per_get = 50
 
     def _list(self, prefix: str) -> Iterator[ObjectInfo]:

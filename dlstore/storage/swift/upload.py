@@ -1,6 +1,6 @@
 """Swift writes and deletes: small objects in one PUT, large ones as static large objects.
 
-Objects of `segment_size` bytes or more go as static large objects (SLO). Segments go to
+Objects of `segment_size` bytes or more go as static large objects, SLOs. Segments go to
 `<container>_segments`, made when missing, each buffered in memory and retried on its own.
 The manifest follows them. A manifest lists at most so many segments: segments are made
 larger up front when the size is known, and grow as the upload goes when it is not.
@@ -27,8 +27,8 @@ __all__ = ["MAX_SEGMENTS", "MAX_SEGMENT_SIZE", "SloWrites"]
 
 log = logging.getLogger(__name__)
 
-#: Swift's defaults: a manifest lists at most 1,000 segments (`max_manifest_segments`), and a
-#: segment holds at most 5 GiB (`max_file_size`). A cluster's own are in its /info.
+#: Swift's defaults: a manifest lists at most 1,000 segments, `max_manifest_segments`. A
+#: segment holds at most 5 GiB, `max_file_size`. A cluster's own are in its /info.
 MAX_SEGMENTS = 1000
 MAX_SEGMENT_SIZE = 5 * 2**30
 
@@ -48,7 +48,7 @@ class SloWrites(SwiftClient):
             ) from None
 
     def _slo_limits(self) -> tuple[int, int]:
-        """(segments a manifest may list, bytes a segment may hold) on this cluster.
+        """The segments a manifest may list and the bytes a segment may hold on this cluster.
 
         They come from its /info, asked once per process, else Swift's defaults. A cluster
         set below the defaults would refuse a large upload only once all its segments are up.
@@ -85,7 +85,7 @@ class SloWrites(SwiftClient):
             )
         old_segments = call_with_retry(self.config.retry, lambda: self._segments_of(key))
         if size is not None and size < segment_size:
-            # Small and seekable: stream it in one PUT (base.put retries from the start).
+            # Small and seekable: stream it in one PUT; base.put retries from the start.
             self._call(
                 what, "put_object", self.container, name, stream, content_length=size, chunk_size=self.config.chunk_size
             )
@@ -105,7 +105,7 @@ class SloWrites(SwiftClient):
         """Segments of `segment_size` bytes, each retried on its own, then the manifest.
 
         `first` is the first segment. With `grow`, for a stream of unknown length, segments
-        grow as it goes (`grown_part_size`), so the manifest's segment limit is not reached.
+        grow as `grown_part_size` says, so the manifest's segment limit is not reached.
         """
         what = self.join(key)
         retry = self.config.retry
