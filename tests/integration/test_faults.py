@@ -502,7 +502,8 @@ def test_parts_through_the_wan_emulator(swift_server, swift_container, tmp_path,
     segmented = {**direct, "DLSTORE_SEGMENT_SIZE": "3MB"}
     open_store(f"{api}://{swift_container}/wan", config_for(segmented)).put("shard.tar", data)
     with WanProxy(server_port(swift_server), rate=4e6, delay_s=0.005, lifetime_s=120) as wan:
-        proxied = open_store(f"{api}://{swift_container}/wan", config_for(proxied_env(swift_server, wan, api)))
+        env = proxied_env(swift_server, wan, api)
+        proxied = open_store(f"{api}://{swift_container}/wan", config_for(env, PATIENT_READS))  # one GET a part
         cache = parts_cache(tmp_path, proxied, part_size="2MiB")
         started = time.monotonic()
         with open(cache.fetch("shard.tar", len(data), checksum), "rb") as file:
