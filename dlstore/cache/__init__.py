@@ -65,8 +65,8 @@ A `ShardCache` pickles into DataLoader workers and survives `fork`. Its pickled 
 open file, lock or thread. It rebuilds its per-process state on first use: see `runtime`.
 
 Eviction, in `policy`: with hints, the shard needed furthest ahead goes first, by Belady's rule.
-Shards no hint names go before any hinted one. A prefetch never evicts a shard needed no later
-than its own. Without hints, the least recently used goes first.
+Shards no hint names go before any hinted one. A prefetch evicts only shards no hint names: it
+waits rather than displace one the plan keeps. Without hints, the least recently used goes first.
 
 Downloads: each process has one `engine.DownloadEngine`, shared by its reader and prefetch. It
 runs at most `CacheConfig.connections` worker threads. A shard comes as up to `parts_in_flight`

@@ -26,8 +26,15 @@ How the hints are kept, in files, since the processes share nothing else::
 
 Victim order, given the hints, in `victim_order`: first the shards no hint names, least
 recently used first. Then the hinted ones, furthest next use first. With no live hints the
-order is plain LRU. A prefetch, which may wait, never evicts a shard needed no later than its
-own. A reader that needs a shard now may evict any shard no one holds.
+order is plain LRU. A reader that needs a shard now may evict any shard no one holds. A
+prefetch, which may wait, evicts only shards no hint names.
+
+Why a prefetch spares every hinted shard: Belady's rule picks its victim at the time of need.
+By then the shards in use now are done, and their next use may be later than any kept one's.
+An eviction made ahead of need chooses among fewer, and it keeps a worse set. Each shard
+fetched ahead also takes a kept one's place for longer. So in a cache too small for the share,
+the prefetch fills only free room, and the readers' fetches make room by the plan. A cache
+with room to spare, or one without hints, prefetches as before.
 """
 
 from __future__ import annotations
@@ -160,24 +167,23 @@ def _read_live_order(path: str) -> list[str]:
 
 
 def victim_order(
-    shards: Sequence[CachedShard], next_use: dict[str, int], incoming: str | None = None
+    shards: Sequence[CachedShard], next_use: dict[str, int], prefetching: bool = False
 ) -> list[CachedShard]:
     """The cached shards in the order eviction should try them. See the module docstring.
 
-    `incoming` is the stem a prefetch makes room for. With hints, shards needed no later than
-    it are left out, and an unhinted one may only displace unhinted ones. Without hints the
-    order is LRU and `incoming` changes nothing.
+    With hints, a fetch that is `prefetching` may displace only the shards no hint names.
+    Without hints the order is LRU for every fetch.
 
     >>> victim_order([(1, "a", 9), (2, "b", 9), (3, "c", 9)], {"a": 0, "b": 5})
     [(3, 'c', 9), (2, 'b', 9), (1, 'a', 9)]
+    >>> victim_order([(1, "a", 9), (2, "b", 9), (3, "c", 9)], {"a": 0, "b": 5}, prefetching=True)
+    [(3, 'c', 9)]
     """
     lru = sorted(shards)
     if not next_use:
         return lru
     unhinted = [s for s in lru if s[1] not in next_use]
-    hinted = sorted((s for s in lru if s[1] in next_use), key=lambda s: -next_use[s[1]])  # stable: LRU breaks ties
-    if incoming is None:
-        return unhinted + hinted
-    if incoming not in next_use:
+    if prefetching:
         return unhinted
-    return unhinted + [s for s in hinted if next_use[s[1]] > next_use[incoming]]
+    hinted = sorted((s for s in lru if s[1] in next_use), key=lambda s: -next_use[s[1]])  # stable: LRU breaks ties
+    return unhinted + hinted

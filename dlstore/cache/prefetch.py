@@ -20,6 +20,8 @@ from dlstore.errors import ProgramExiting
 log = logging.getLogger(__name__)
 
 _PACE_RECHECK_S = 0.25
+# How long a prefetch that found no room waits before it looks again.
+_NO_ROOM_RETRY_S = 0.2
 
 #: Fetch a shard for the prefetch, given the shards its eviction must spare and its priority.
 #: Returns its lock descriptor held shared, None when there is no room now, or `PREFETCH_DROPPED`.
@@ -217,7 +219,16 @@ def _prefetch_loop(rt: Runtime, fetch: PrefetchFetch, caps: Concurrency) -> None
             if error is not None:
                 rt.errors[spec.name] = error
                 rt.done.add(spec.name)
-            elif fd is None:  # no room without evicting what is needed sooner: try again later
-                rt.wake.wait(timeout=0.2)
+            elif fd is None:  # no room without evicting a shard the plan keeps: look again later
+                _wait_for_room(rt, generation)
             elif generation == rt.generation:
                 rt.done.add(spec.name)
+
+
+def _wait_for_room(rt: Runtime, generation: int) -> None:
+    """Holding `rt.lock`, wait before a prefetch without room looks again. A new list or
+    `stop_prefetch` ends the wait, a reader's release does not. In a cache full of hinted
+    shards a release makes no room for a prefetch, and each wake would rescan the cache."""
+    deadline = time.monotonic() + _NO_ROOM_RETRY_S
+    while not rt.closing and rt.generation == generation and (left := deadline - time.monotonic()) > 0:
+        rt.wake.wait(timeout=left)

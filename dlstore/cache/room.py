@@ -134,8 +134,8 @@ class Room:
     ) -> tuple[int, str] | None:
         """Reserve `size` bytes under the limit, evicting shards no reader holds. Return the
         new temp file's descriptor and path. Wait for room up to `wait_timeout_s`, or return
-        None at once when not `wait`. Room is also kept for the `ahead` shards, as stem and
-        size, that are neither cached nor downloading."""
+        None at once when not `wait`, a prefetch's call. Room is also kept for the `ahead`
+        shards, as stem and size, that are neither cached nor downloading."""
         deadline = time.monotonic() + self.config.wait_timeout_s
         delay, waited, evicted = _ROOM_POLL_S[0], 0.0, 0
         try:
@@ -145,9 +145,7 @@ class Room:
                     usage = self.directory.scan()
                     excess = usage.total + size + usage.unreserved(ahead or []) - self.config.limit_bytes
                     if excess > 0:
-                        freed, count = self.evict(
-                            usage, excess, protect, strict=not wait, incoming=None if wait else stem
-                        )
+                        freed, count = self.evict(usage, excess, protect, strict=not wait, prefetching=not wait)
                         excess -= freed
                         evicted += count
                     if excess <= 0:
@@ -173,15 +171,15 @@ class Room:
         protect: frozenset[str],
         strict: bool,
         partial: bool = False,
-        incoming: str | None = None,
+        prefetching: bool = False,
     ) -> tuple[int, int]:
         """Under the cache-wide lock, evict shards no one holds until `need` bytes are free.
         If that is impossible, evict none, unless `partial`. The order is `policy.victim_order`'s:
-        furthest next use by the readers' hints, else least recently used. A prefetch of stem
-        `incoming` spares shards needed no later than it. Shards in `protect` go last, and
-        never when `strict`. Return the bytes and shards freed."""
+        furthest next use by the readers' hints, else least recently used. When `prefetching`,
+        every hinted shard is spared. Shards in `protect` go last, and never when `strict`.
+        Return the bytes and shards freed."""
         protected = {self.stem(name) for name in protect}
-        ordered = victim_order(usage.shards, read_next_use(self.directory), incoming)
+        ordered = victim_order(usage.shards, read_next_use(self.directory), prefetching)
         candidates = [s for s in ordered if s[1] not in protected]
         if not strict:
             candidates += [s for s in ordered if s[1] in protected]

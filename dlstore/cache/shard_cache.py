@@ -163,7 +163,8 @@ class ShardCache:
     def prefetch(self, shards: Iterable[ShardSpec | tuple], depth: int | None = None, lead: int = 0) -> None:
         """Set the shards the reader will ask for next, in order, replacing any earlier list.
         Daemon threads keep the first `depth` not yet reached cached, within the limit. They
-        never evict a held shard or one sooner in the list. `depth` defaults to `config.prefetch`.
+        never evict a held shard, one sooner in the list, or one the hints name: they wait for
+        room instead. `depth` defaults to `config.prefetch`.
         The first `lead` shards, those in use, come before any later one. `hold` moves the window on.
 
         >>> cache.prefetch([(s.name, s.size, s.checksum) for s in my_shards])  # doctest: +SKIP

@@ -1,7 +1,7 @@
 """Plan-aware eviction (issue 12): the victim order given the readers' hints, the hint files
-shared by the processes of a node, a prefetch that never evicts what is needed sooner, and
-the bytes fetched per epoch through the real `Dataset` and `Loader` when the dataset is twice
-the cache."""
+shared by the processes of a node, a prefetch that never evicts a shard the plan keeps (issue
+39), and the bytes fetched per epoch through the real `Dataset` and `Loader` when the dataset
+is twice the cache."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import multiprocessing
 import os
 import random
 import signal
+import threading
 import time
 
 import dlstore
-from benchmarks.cache_policy import fetched_per_epoch, node_fetched_per_epoch, offline_optimum
+from benchmarks.cache_policy import SurvivorDataset, fetched_per_epoch, node_fetched_per_epoch, offline_optimum
 from benchmarks.data import write_bench_dataset
 from dlstore.cache import STATS_FILE_BYTES, CacheConfig, ShardCache, cache_report
 from dlstore.cache.layout import CacheDir
@@ -79,7 +80,7 @@ SHARDS = [(30, "a", 1), (10, "b", 1), (20, "c", 1), (50, "d", 1), (40, "e", 1)] 
 
 def test_without_hints_the_order_is_least_recently_used():
     assert [s[1] for s in victim_order(SHARDS, {})] == ["b", "c", "a", "e", "d"]
-    assert [s[1] for s in victim_order(SHARDS, {}, incoming="x")] == ["b", "c", "a", "e", "d"]
+    assert [s[1] for s in victim_order(SHARDS, {}, prefetching=True)] == ["b", "c", "a", "e", "d"]
 
 
 def test_unhinted_shards_go_first_then_the_one_needed_furthest_ahead():
@@ -90,11 +91,12 @@ def test_unhinted_shards_go_first_then_the_one_needed_furthest_ahead():
     assert [s[1] for s in victim_order(SHARDS, {"a": 2, "b": 2, "c": 2, "d": 2, "e": 2})] == ["b", "c", "a", "e", "d"]
 
 
-def test_a_prefetch_spares_shards_needed_no_later_than_its_own():
-    next_use = {"a": 0, "b": 7, "c": 3, "x": 3}
-    assert [s[1] for s in victim_order(SHARDS, next_use, incoming="x")] == ["e", "d", "b"]
-    # A prefetch of a shard no hint names may displace only shards no hint names either.
-    assert [s[1] for s in victim_order(SHARDS, next_use, incoming="y")] == ["e", "d"]
+def test_a_prefetch_displaces_only_shards_no_hint_names():
+    # b is needed after any shard a prefetch could be fetching, and it is still spared:
+    # Belady's rule picks a victim at the time of need, which the prefetch is ahead of.
+    next_use = {"a": 0, "b": 7, "c": 3}
+    assert [s[1] for s in victim_order(SHARDS, next_use, prefetching=True)] == ["e", "d"]
+    assert victim_order(SHARDS, {s[1]: 1 for s in SHARDS}, prefetching=True) == []
 
 
 # -- through the cache -----------------------------------------------------------------------------
@@ -118,7 +120,7 @@ def test_eviction_keeps_the_shards_needed_soonest_and_is_lru_without_hints(tmp_p
     cache.close()
 
 
-def test_prefetch_waits_rather_than_evict_a_shard_needed_sooner(tmp_path):
+def test_prefetch_waits_rather_than_evict_a_hinted_shard(tmp_path):
     cache, specs = open_cache(tmp_path, shards_held=2, prefetch=2)
     cache.fetch(*specs[0])
     cache.fetch(*specs[1])
@@ -127,10 +129,58 @@ def test_prefetch_waits_rather_than_evict_a_shard_needed_sooner(tmp_path):
     time.sleep(0.6)  # the prefetch retries every 0.2 s
     assert cached(cache, specs) == {0, 1}
     assert cache.stats.evictions == 0
-    # Now shard 2 is needed before shard 1: the prefetch may evict shard 1, and only it.
+    # Shard 1 needed after shard 2 is still kept: only a reader evicts a hinted shard.
     cache.hint(names(specs, 0, 2, 1))
+    time.sleep(0.6)
+    assert cached(cache, specs) == {0, 1}
+    # Once no hint names shard 1, the prefetch may take its place, and only its.
+    cache.hint(names(specs, 0, 2))
     wait_for(lambda: cached(cache, specs) == {0, 2})
     cache.close()
+
+
+def test_a_fetch_ahead_leaves_the_kept_shards_and_the_reader_evicts_by_the_plan(tmp_path):
+    """Issue 39: a cache of 3 holds shard 0, in use, and shards 2 and 3, kept for the next
+    epoch. A prefetch of shard 1, needed after shard 0, used to evict shard 3 at once: it is
+    needed later than shard 1. But once shard 0 is done, the next epoch needs it last, so
+    Belady's rule at the time of need evicts shard 0 and keeps both."""
+    cache, specs = open_cache(tmp_path, shards_held=3, count=4, prefetch=2)
+    cache.fetch(*specs[2])
+    cache.fetch(*specs[3])
+    with cache.hold(*specs[0]):
+        cache.hint(names(specs, 0, 1, 2, 3))
+        cache.prefetch([specs[1]])
+        time.sleep(0.6)  # the prefetch found no room, and looked again every 0.2 s
+        assert cached(cache, specs) == {0, 2, 3}
+        assert cache.stats.evictions == 0
+    cache.hint(names(specs, 1, 2, 3, 0))  # shard 0 is done: next needed last
+    cache.fetch(*specs[1])
+    assert cached(cache, specs) == {1, 2, 3}
+    cache.close()
+
+
+def test_a_prefetch_waiting_for_room_neither_delays_a_reader_nor_outlives_close(tmp_path):
+    """Two prefetch threads find no room in a cache full of hinted shards. A reader's fetch of
+    the shard one of them waits for goes ahead at once, evicting by the plan. `close()` then
+    ends both threads without waiting out `wait_timeout_s`."""
+    cache, specs = open_cache(tmp_path, shards_held=2, count=4, prefetch=2)
+    cache.fetch(*specs[0])
+    cache.fetch(*specs[1])
+    cache.hint(names(specs, 0, 2, 3, 1))
+    before = set(threading.enumerate())
+    cache.prefetch(specs[2:])
+    time.sleep(0.5)
+    assert cached(cache, specs) == {0, 1}
+    started = time.monotonic()
+    cache.fetch(*specs[2])
+    assert time.monotonic() - started < 2.0
+    assert cached(cache, specs) == {0, 2}  # shard 1, needed last, went
+    threads = [t for t in set(threading.enumerate()) - before if t.name == "dlstore-cache-prefetch"]
+    assert threads
+    started = time.monotonic()
+    cache.close()
+    assert time.monotonic() - started < 2.0
+    assert not any(t.is_alive() for t in threads)
 
 
 def hint_stems(cache: ShardCache, specs, *indexes: int) -> list[str]:
@@ -327,6 +377,18 @@ def test_the_issues_layout_at_half_the_cache_fetches_half_of_it_per_epoch(tmp_pa
     print(f"fraction of the dataset fetched per epoch: {shares}")
     assert run.hinted and run.fetched[0] == run.dataset_bytes
     assert sum(shares[1:]) / len(shares[1:]) <= 0.55 and all(share <= 0.6 for share in shares[1:]), shares
+
+
+def test_a_survivor_whose_share_outgrows_its_cache_fetches_half_of_it_per_epoch(tmp_path):
+    """Issue 39: the same layout, read with 4 shards ahead, as a node whose prefetch was sized
+    for a share that fit. Those fetches ahead evicted kept shards: later epochs fetched
+    0.62-0.67. Now they take free room only, and each later epoch fetches about half."""
+    url = write_bench_dataset(str(tmp_path / "data"), shards=24, samples=16)
+    run = fetched_per_epoch(url, str(tmp_path / "cache"), 0.5, epochs=4, dataset_class=SurvivorDataset)
+    shares = [round(share, 3) for share in run.shares]
+    print(f"fraction of the dataset fetched per epoch, 4 shards ahead: {shares}")
+    assert run.hinted and run.fetched[0] == run.dataset_bytes
+    assert all(share <= 0.55 for share in shares[1:]), shares
 
 
 def test_the_offline_optimum_misses_what_does_not_fit_and_no_more(tmp_path):

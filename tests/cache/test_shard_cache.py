@@ -517,7 +517,7 @@ def test_a_download_waiting_for_room_wakes_when_a_reader_lets_go(tmp_path, monke
 
 def test_prefetch_threads_without_room_do_not_wake_each_other(tmp_path, monkeypatch):
     """Two prefetch threads with no room (the reader holds the one shard that fits) try again
-    when a reader lets go or their wait ends, not each time the other gives up: a refusal
+    when their wait ends or the list changes, not each time the other gives up: a refusal
     announced as a release would have them wake each other in a busy loop."""
     specs, _ = make_remote(tmp_path / "remote", [8000] * 4)
     cache = ShardCache(
