@@ -2,7 +2,7 @@
 # Install dlstore and what it needs into .venv, a virtual environment in this checkout, on a fresh
 # Debian/Ubuntu machine with Python >= 3.10; then run it with .venv/bin/python (or source .venv/bin/activate).
 #   bash tools/setup.sh          # the package, torch + torchvision, the trainer's extras
-#   bash tools/setup.sh --test   # also the test tools, memcached, the local Swift server and Slurm
+#   bash tools/setup.sh --test   # also the test tools, memcached, the local Swift server, Keystone and Slurm
 # Always a venv, because Debian's and Ubuntu's own python3 refuse `pip install` (PEP 668). .venv is made
 # from $PYTHON (default python3) and copies no torch that is already there:
 #   - $PYTHON runs in a venv already (an activated one): .venv is a link to that venv;
@@ -99,6 +99,17 @@ if [[ "${1:-}" == "--test" ]]; then
     apt_install curl  # WebDataset's pipe:curl in the cold-read benchmark's peers (tests/integration/test_benchmarks.py)
     "$VENV_PYTHON" -m tests.support.swift_server install
     "$VENV_PYTHON" -m tests.support.swift_server install --flavor debian
+    # A real Keystone in front of Debian's Swift (tests/integration/test_keystone.py): Debian's Keystone 22
+    # and keystonemiddleware. A start and stop checks the install, in about 10 s.
+    apt_install python3-keystone python3-keystonemiddleware
+    ks_dir=$(mktemp -d -t dlstore-keystone-XXXXXX)
+    if ! "$VENV_PYTHON" -m tests.support.keystone_server start --data-dir "$ks_dir" >/dev/null; then
+        echo "setup.sh: the local Keystone does not start; see the logs above" >&2
+        rm -rf "$ks_dir"
+        exit 1
+    fi
+    "$VENV_PYTHON" -m tests.support.keystone_server stop --data-dir "$ks_dir"
+    rm -rf "$ks_dir"
     "$VENV_PYTHON" -m tests.support.slurm_server install  # Debian's slurmctld, slurmd, slurm-client, munge
 fi
 echo "setup.sh: done; run dlstore with $VENV_PYTHON -m dlstore (or: source .venv/bin/activate)"

@@ -1,6 +1,7 @@
-"""The store as the loader will meet it: endpoint, credentials, listing, manifest and a read.
+"""The store as the loader will meet it: endpoint, credentials, login, listing, manifest and a read.
 
 Each check runs only when the one before it passed: one root cause, one FAIL.
+A Swift store logs in first: who it is, its project, and the endpoint its requests go to.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dlstore.doctor.check import FAIL, OK, WARN, Check
 from dlstore.errors import AuthError, ConfigError, DlstoreError, FormatError, NotFound
 from dlstore.format.manifest import MANIFEST_NAME, Manifest
 from dlstore.storage import ObjectInfo, Store, open_store
+from dlstore.storage.swift.auth import NoEndpoint, SwiftClient, SwiftLogin
 
 __all__ = ["ProbeResult", "endpoint_check", "probe_store"]
 
@@ -124,6 +126,8 @@ def probe_store(url: str, config: StoreConfig, read_bytes: int) -> ProbeResult:
     except DlstoreError as exc:
         return ProbeResult([Check("store", FAIL, f"{url}: {exc}", "see the credentials line above")])
     checks: list[Check] = []
+    if isinstance(store, SwiftClient) and not _swift_login(store, checks):
+        return ProbeResult(checks)
     listed = _list_first(store, scheme, config, checks)
     if listed is None:
         return ProbeResult(checks)
@@ -134,14 +138,68 @@ def probe_store(url: str, config: StoreConfig, read_bytes: int) -> ProbeResult:
     return ProbeResult(checks, manifest)
 
 
+def _swift_login(store: SwiftClient, checks: list[Check]) -> bool:
+    """`auth` and `catalog` lines: who the store logged in as, and where its requests go."""
+    try:
+        login = store.login()
+    except AuthError as exc:
+        checks.append(Check("auth", FAIL, f"the store refused the credentials: {exc}", _auth_fix("swift")))
+        return False
+    except NoEndpoint as exc:
+        checks.append(Check("catalog", FAIL, str(exc), "`openstack catalog list` shows the endpoints"))
+        return False
+    except ConfigError as exc:
+        checks.append(Check("auth", FAIL, str(exc), "check OS_AUTH_URL, OS_CACERT and the credentials"))
+        return False
+    except DlstoreError as exc:
+        checks.append(
+            Check(
+                "auth",
+                FAIL,
+                f"logging in failed: {type(exc).__name__}: {exc}",
+                "the identity service or the proxy did not answer: try again, then ask the storage operators",
+            )
+        )
+        return False
+    checks.append(Check("auth", OK, _login_text(login)))
+    if login.method in ("password", "application credential"):
+        checks.append(Check("catalog", OK, _catalog_text(login)))
+    return True
+
+
+def _login_text(login: SwiftLogin) -> str:
+    if login.method == "v1":
+        return f"Swift v1 login as {login.user}: storage URL {login.storage_url}"
+    if login.method == "token":
+        return f"a pre-authenticated token for {login.storage_url}"
+    until = f"; token valid until {login.expires_at:%Y-%m-%d %H:%M:%S %Z}" if login.expires_at else ""
+    return (
+        f"Keystone {login.method} login: user {login.user} (domain {login.user_domain}), project {login.project} "
+        f"(id {login.project_id}, domain {login.project_domain}){until}"
+    )
+
+
+def _catalog_text(login: SwiftLogin) -> str:
+    where = f"region {login.region}, interface {login.interface}"
+    if login.catalog_url is None:
+        return f"OS_STORAGE_URL {login.storage_url} (no object-store endpoint with {where} in the catalog)"
+    if login.catalog_url != login.storage_url:
+        return f"OS_STORAGE_URL {login.storage_url} overrides the catalog's object-store endpoint ({where}: {login.catalog_url})"
+    return f"object-store endpoint of {where}: {login.storage_url}"
+
+
 def _list_first(store: Store, scheme: str, config: StoreConfig, checks: list[Check]) -> list[ObjectInfo] | None:
     """The first objects under the store's root, or None after a FAIL; this request authenticates."""
-    needs_auth = scheme in ("swift", "s3")
+    logged_in = any(check.name == "auth" for check in checks)
+    needs_auth = scheme in ("swift", "s3") and not logged_in
     started = time.monotonic()
     try:
         listed = list(itertools.islice(store.list(), LISTED_AT_MOST))
     except AuthError as exc:
-        checks.append(Check("auth", FAIL, f"the store refused the credentials: {exc}", _auth_fix(scheme)))
+        if logged_in:  # the login worked: this container is what is refused
+            checks.append(Check("listing", FAIL, f"the store refused the listing: {exc}", _auth_fix(scheme)))
+        else:
+            checks.append(Check("auth", FAIL, f"the store refused the credentials: {exc}", _auth_fix(scheme)))
         return None
     except NotFound as exc:
         if needs_auth:

@@ -1,7 +1,7 @@
 """Credentials and TLS (issue 6, cases 7 and 10), against the real Swift server.
 
-Case 7: wrong, expired and revoked credentials on the Swift API (tempauth and Keystone v3)
-and the S3 API are an `AuthError` within 5 s, after one or two requests (counted by the
+Case 7: wrong, expired and revoked credentials on the Swift API (tempauth) and the S3 API
+are an `AuthError` within 5 s, after one or two requests (counted by the
 fault proxy), never a retry storm; an expired Swift token is renewed once and the run goes
 on. No key, secret or token text appears in any log line (everything at DEBUG, botocore,
 urllib3 and swiftclient included), exception text, traceback or repr. (The checkpoint and
@@ -10,6 +10,9 @@ metrics files of a training run are scanned in `tests/integration/test_node.py`.
 Case 10: TLS in front of the server (a TLS-terminating `FaultProxy` with a throw-away CA):
 `OS_CACERT` and `AWS_CA_BUNDLE` are honoured; another CA, or none, is a clear error before
 any request is sent, never a silent fallback to no verification.
+
+Keystone's cases run against a real Keystone in `test_keystone.py`, which imports this
+module's TLS fixture. Nothing here uses the Keystone stand-in any more.
 """
 
 from __future__ import annotations
@@ -103,20 +106,8 @@ def dataset(url: str, tmp_path: Path, config: StoreConfig, **options) -> dlstore
     )
 
 
-def keystone_env(server, secret: str, auth_url: str | None = None) -> dict[str, str]:
-    return {
-        "OS_AUTH_URL": auth_url or server.keystone_url,
-        "OS_IDENTITY_API_VERSION": "3",
-        "OS_AUTH_TYPE": "v3applicationcredential",
-        "OS_APPLICATION_CREDENTIAL_ID": server.app_cred_id,
-        "OS_APPLICATION_CREDENTIAL_SECRET": secret,
-        "OS_REGION_NAME": "RegionOne",
-        "OS_INTERFACE": "public",
-    }
-
-
 # -- case 7: wrong credentials -------------------------------------------------------------------
-WRONG = ["swift key", "keystone secret", "s3 secret", "s3 session token", "s3 secret with a session token"]
+WRONG = ["swift key", "s3 secret", "s3 session token", "s3 secret with a session token"]
 
 
 @pytest.mark.parametrize("what", WRONG)
@@ -124,12 +115,9 @@ def test_wrong_credentials_are_an_auth_error_at_once(swift_server, swift_contain
     wrong = f"Wr0ng-{uuid.uuid4().hex}"
     api = "s3" if what.startswith("s3") else "swift"
     write_dataset(open_store(f"{api}://{swift_container}/d", config_for(swift_server.env())), [3, 3])
-    target = urlsplit(swift_server.keystone_url).port if what == "keystone secret" else server_port(swift_server)
-    with FaultProxy(target) as proxy:
+    with FaultProxy(server_port(swift_server)) as proxy:
         if what == "swift key":
             env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": wrong}
-        elif what == "keystone secret":
-            env = keystone_env(swift_server, wrong, auth_url=f"{proxy.url}/v3")
         else:
             env = {**swift_server.s3_env(), "AWS_ENDPOINT_URL": proxy.url}
             if what == "s3 secret":
@@ -208,23 +196,16 @@ def test_credentials_revoked_mid_run_stop_the_loader_at_once(swift_server, swift
     report(f"case 7 (revoked mid-run, {api})", error=type(error).__name__, requests_after=after, detect_s=f"{took:.2f}")
 
 
-@pytest.mark.parametrize("auth", ["tempauth", "keystone"])
 def test_an_expired_swift_token_is_renewed_once_and_nothing_is_lost(
-    swift_server, swift_container, tmp_path, debug_logs, auth
+    swift_server, swift_container, tmp_path, debug_logs
 ):
+    """tempauth: the 401 of an expired token is injected. A real Keystone's tokens expire in
+    `test_keystone.py`."""
     url = f"swift://{swift_container}/d"
     keys = write_dataset(open_store(url, config_for(swift_server.env())), [4] * 6)
     _, token = swift_server.swift_connection().get_auth()
-    keystone_port = urlsplit(swift_server.keystone_url).port
-    with FaultProxy(server_port(swift_server)) as proxy, FaultProxy(keystone_port) as keystone:
-        storage = f"{proxy.url}{urlsplit(swift_server.storage_url).path}"
-        if auth == "tempauth":
-            env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
-            secrets = [swift_server.key]
-        else:
-            env = {**keystone_env(swift_server, swift_server.app_cred_secret, f"{keystone.url}/v3")}
-            env["OS_STORAGE_URL"] = storage  # the catalog names the server itself, not the proxy
-            secrets = [swift_server.app_cred_secret]
+    with FaultProxy(server_port(swift_server)) as proxy:
+        env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
         config = config_for(env, SLOW_RETRY)
         ds = dataset(url, tmp_path, config, shuffle_window=1)
         loader = dlstore.Loader(ds, num_workers=0, device="cpu")
@@ -234,31 +215,27 @@ def test_an_expired_swift_token_is_renewed_once_and_nothing_is_lost(
             if step == 0:
                 proxy.add_rule(401, method="GET", path=r"/shard-", times=1)  # the token expired
         ds.cache.close()
-        logins = proxy.count("GET", r"^/auth/") + keystone.count("POST", r"/auth/tokens$")
+        logins = proxy.count("GET", r"^/auth/")
     assert sorted(seen) == sorted(keys)
     assert proxy.injected_kinds() == {"401": 1}
     assert logins == 2  # the first login, and one after the 401
-    leaks = find_leaks([*secrets, token], texts_of(None, config, ds.store, log_text=debug_logs.text))
+    leaks = find_leaks([swift_server.key, token], texts_of(None, config, ds.store, log_text=debug_logs.text))
     assert not leaks, leaks
-    report(f"case 7 (expired token, {auth})", lost=0, repeated=0, logins=logins)
+    report("case 7 (expired token, tempauth)", lost=0, repeated=0, logins=logins)
 
 
 @contextlib.contextmanager
 def _identity_behind_a_proxy(swift_server, swift_container, auth: str):
     """(store env, the identity endpoint's FaultProxy, its login method and path regex), the
     logins of `auth` going through a proxy that trickles at 0.2 s a byte when told to; an
-    object `auth/obj` is there."""
+    object `auth/obj` is there. Keystone's logins stall in `test_keystone.py`."""
     open_store(f"swift://{swift_container}/auth", config_for(swift_server.env())).put("obj", b"x" * 1000)
-    keystone_port = urlsplit(swift_server.keystone_url).port
-    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy, FaultProxy(keystone_port, trickle_s=0.2) as ks:
-        if auth == "tempauth":
-            env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
-            yield env, proxy, "GET", r"^/auth/v1\.0$"
-        else:
-            yield keystone_env(swift_server, swift_server.app_cred_secret, f"{ks.url}/v3"), ks, "POST", r"/auth/tokens$"
+    with FaultProxy(server_port(swift_server), trickle_s=0.2) as proxy:
+        env = {"ST_AUTH": f"{proxy.url}/auth/v1.0", "ST_USER": swift_server.user, "ST_KEY": swift_server.key}
+        yield env, proxy, "GET", r"^/auth/v1\.0$"
 
 
-@pytest.mark.parametrize("auth", ["tempauth", "keystone"])
+@pytest.mark.parametrize("auth", ["tempauth"])
 def test_an_authentication_whose_answer_trickles_is_cut_and_asked_again(swift_server, swift_container, auth):
     """An identity endpoint that sends its answer a byte every 0.2 s never trips the read
     timeout: the stall timeout cuts it. Once, the login is asked again and the read goes on;
@@ -286,7 +263,7 @@ def test_an_authentication_whose_answer_trickles_is_cut_and_asked_again(swift_se
     report(f"trickled login ({auth})", resumed_s=f"{took:.2f}", gave_up_s=f"{gave_up:.2f}")
 
 
-@pytest.mark.parametrize("auth", ["tempauth", "keystone"])
+@pytest.mark.parametrize("auth", ["tempauth"])
 def test_threads_waiting_for_a_login_that_stalls_share_its_failure(swift_server, swift_container, auth):
     """Threads of one store that need a token wait for one login. When it stalled, each then
     logged in in turn, each cut only after the stall timeout: the last of K threads waited K
@@ -396,7 +373,7 @@ def tls_files(tmp_path_factory) -> dict[str, str]:
     }
 
 
-def _server_context(pem: str) -> ssl.SSLContext:
+def server_context(pem: str) -> ssl.SSLContext:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(pem)
     return context
@@ -420,47 +397,35 @@ def _tls_env(server, proxy: FaultProxy, api: str, auth: str, ca: str | None) -> 
     return env
 
 
-TLS_CASES = [("swift", "tempauth"), ("swift", "keystone"), ("s3", "")]
+TLS_CASES = [("swift", "tempauth"), ("s3", "")]  # Keystone's: test_keystone.py
 
 
-@pytest.mark.parametrize(("api", "auth"), TLS_CASES, ids=["swift", "keystone", "s3"])
+@pytest.mark.parametrize(("api", "auth"), TLS_CASES, ids=["swift", "s3"])
 def test_tls_with_a_custom_ca_bundle(swift_server, swift_container, tls_files, api, auth):
-    context = _server_context(tls_files["server"])
-    with (
-        FaultProxy(server_port(swift_server), ssl_context=context) as proxy,
-        FaultProxy(urlsplit(swift_server.keystone_url).port, ssl_context=context) as keystone,
-    ):
+    context = server_context(tls_files["server"])
+    with FaultProxy(server_port(swift_server), ssl_context=context) as proxy:
         env = _tls_env(swift_server, proxy, api, auth, tls_files["ca"])
-        if auth == "keystone":
-            env.update(keystone_env(swift_server, swift_server.app_cred_secret, auth_url=f"{keystone.url}/v3"))
         store = open_store(f"{api}://{swift_container}/tls", config_for(env))
         store.put("hello", b"over TLS")
         assert store.get_bytes("hello") == b"over TLS"
         assert [i.key for i in store.list()] == ["hello"]
         assert proxy.count() >= 3
-        if auth == "keystone":
-            assert keystone.count("POST", r"/auth/tokens") == 1
 
 
 @pytest.mark.parametrize("trust", ["another CA", "no CA bundle", "wrong host name"])
-@pytest.mark.parametrize(("api", "auth"), [*TLS_CASES, ("swift", "token")], ids=["swift", "keystone", "s3", "token"])
+@pytest.mark.parametrize(("api", "auth"), [*TLS_CASES, ("swift", "token")], ids=["swift", "s3", "token"])
 def test_tls_verification_is_never_silently_off(swift_server, swift_container, tls_files, api, auth, trust):
     server_pem = tls_files["wrong_host" if trust == "wrong host name" else "server"]
     ca = {"another CA": tls_files["other_ca"], "no CA bundle": None, "wrong host name": tls_files["ca"]}[trust]
-    context = _server_context(server_pem)
-    with (
-        FaultProxy(server_port(swift_server), ssl_context=context) as proxy,
-        FaultProxy(urlsplit(swift_server.keystone_url).port, ssl_context=context) as keystone,
-    ):
+    context = server_context(server_pem)
+    with FaultProxy(server_port(swift_server), ssl_context=context) as proxy:
         env = _tls_env(swift_server, proxy, api, auth, ca)
-        if auth == "keystone":
-            env.update(keystone_env(swift_server, swift_server.app_cred_secret, auth_url=f"{keystone.url}/v3"))
         store = open_store(f"{api}://{swift_container}/tls", config_for(env, SLOW_RETRY))
         started = time.monotonic()
         with pytest.raises(DlstoreError) as caught:
             store.get_bytes("anything")
         took = time.monotonic() - started
-        sent = proxy.count() + keystone.count()
+        sent = proxy.count()
     error = caught.value
     assert not isinstance(error, (TransientError, AuthError)), error  # a configuration problem: not retried
     assert "TLS" in str(error) and ("OS_CACERT" in str(error) or "AWS_CA_BUNDLE" in str(error))

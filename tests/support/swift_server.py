@@ -361,7 +361,14 @@ def probe_xattrs(directory: Path) -> None:
         probe.unlink()
 
 
-def write_configs(data_dir: Path, ports: dict[str, int], listing_limit: int, workers: int) -> None:
+def write_configs(
+    data_dir: Path, ports: dict[str, int], listing_limit: int, workers: int, auth: dict[str, str] | None = None
+) -> None:
+    """The configs of the four servers, the proxy's pipeline with tempauth and s3api.
+
+    `auth` (filter name -> its section's lines, `use` included) replaces those two, in order:
+    ``keystone_server.py`` passes Keystone's ``authtoken`` and ``keystoneauth`` so.
+    """
     etc, srv, run = data_dir / "etc", data_dir / "srv", data_dir / "run"
     user = pwd.getpwuid(os.geteuid()).pw_name  # Swift defaults to user "swift", which may not exist
     (etc / "swift.conf").write_text(
@@ -404,12 +411,17 @@ def write_configs(data_dir: Path, ports: dict[str, int], listing_limit: int, wor
         "symlink": "",
     }
     egg = {"cache": "memcache", "proxy-logging": "proxy_logging"}
+    pipeline = PROXY_PIPELINE
+    if auth is not None:  # s3api would need s3token before authtoken, and EC2 credentials
+        del filters["s3api"], filters["tempauth"]
+        pipeline = pipeline.replace("s3api tempauth", " ".join(auth))
     sections = "".join(
         f"[filter:{name}]\nuse = egg:swift#{egg.get(name, name)}\n{extra}\n" for name, extra in filters.items()
     )
+    sections += "".join(f"[filter:{name}]\n{lines}\n" for name, lines in (auth or {}).items())
     (etc / "proxy-server.conf").write_text(
         f"{common}bind_port = {ports['proxy']}\nlog_name = proxy-server\n\n"
-        f"[pipeline:main]\npipeline = {PROXY_PIPELINE}\n\n"
+        f"[pipeline:main]\npipeline = {pipeline}\n\n"
         # account_autocreate: without it the first container PUT of a new account gets a 404
         "[app:proxy-server]\nuse = egg:swift#proxy\naccount_autocreate = true\n\n"
         f"{sections}"

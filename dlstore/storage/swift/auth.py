@@ -10,11 +10,14 @@ Who retries what:
 * `dlstore.storage.retry` retries everything transient, with backoff and a deadline.
 
 Errors are built from the URL and the HTTP status only, so no credential reaches a message.
+A Keystone login that is refused says what to fix: a deleted application credential, the
+user's domain, or a project the user may not use (`_keystone_refusal`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import re
 import socket
@@ -34,7 +37,16 @@ from dlstore.logs import redact_storage_secrets
 from dlstore.storage.base import Store, connection_failure, split_bucket_url, unknown_host
 from dlstore.storage.stall import ConnectionRegistry, ProgressBody, watched_pools
 
-__all__ = ["Forbidden", "PreconditionFailed", "RangeNotSatisfiable", "SwiftClient", "SwiftToken", "map_error"]
+__all__ = [
+    "Forbidden",
+    "NoEndpoint",
+    "PreconditionFailed",
+    "RangeNotSatisfiable",
+    "SwiftClient",
+    "SwiftLogin",
+    "SwiftToken",
+    "map_error",
+]
 
 _V1 = ("1", "1.0")
 _TRANSIENT_STATUS = {408, 429, 498, 499}
@@ -74,6 +86,10 @@ class PreconditionFailed(DlstoreError):
 
 class Forbidden(AuthError):
     """HTTP 403: the credentials work, but not for this container or operation."""
+
+
+class NoEndpoint(ConfigError):
+    """The Keystone catalog has no object-store endpoint for the region and interface asked."""
 
 
 def map_error(exc: BaseException, what: str) -> DlstoreError:
@@ -143,6 +159,30 @@ class SwiftToken:
     proven: bool
     # Issued because the fresh token before it was refused: a 401 on this one is an AuthError.
     renewal: bool = False
+
+
+@dataclass(frozen=True)
+class SwiftLogin:
+    """Who a store logged in as, and where its requests go. It holds no secret.
+
+    `method` is "v1", "password", "application credential" or "token". The Keystone fields
+    come from the token: its user, its project, and the catalog's object-store endpoint.
+
+    >>> SwiftLogin("https://swift.example/v1/AUTH_p", "v1", user="acct:me").project is None
+    True
+    """
+
+    storage_url: str
+    method: str
+    user: str | None = None
+    user_domain: str | None = None
+    project: str | None = None
+    project_id: str | None = None
+    project_domain: str | None = None
+    region: str | None = None
+    interface: str | None = None
+    catalog_url: str | None = None  # the catalog's choice; OS_STORAGE_URL may override it
+    expires_at: datetime.datetime | None = None
 
 
 class _Connection(swiftclient.Connection):
@@ -227,6 +267,110 @@ def _keystone_session(cfg: SwiftConfig, timeout: float, registry: ConnectionRegi
     return ks_session.Session(auth=plugin, verify=verify, timeout=timeout, session=http)
 
 
+def _keystone_login(cfg: SwiftConfig, session: Any) -> tuple[str | None, str, SwiftLogin]:
+    """The catalog's storage URL, the token and the login, from one Keystone login.
+
+    Token and catalog come from one answer: keystoneauth logs in again for a token that
+    expires within two minutes, so asking for each apart made two logins.
+    """
+    access = session.auth.get_access(session)
+    interface = (cfg.interface or "public").removesuffix("URL")
+    endpoint = _object_store_endpoint(access, interface, cfg.region_name, required=not cfg.storage_url)
+    url = endpoint.url if endpoint is not None else None
+    login = SwiftLogin(
+        storage_url=cfg.storage_url or url or "",
+        method="application credential" if cfg.application_credential_id else "password",
+        user=access.username,
+        user_domain=access.user_domain_name,
+        project=access.project_name,
+        project_id=access.project_id,
+        project_domain=access.project_domain_name,
+        region=endpoint.region_name if endpoint is not None else cfg.region_name,
+        interface=interface,
+        catalog_url=url,
+        expires_at=access.expires,
+    )
+    return url, access.auth_token, login
+
+
+def _object_store_endpoint(access: Any, interface: str, region: str | None, required: bool) -> Any:
+    """The catalog's object-store endpoint for `interface` in `region` (any region if None)."""
+    from keystoneauth1 import exceptions as ks
+
+    catalog = access.service_catalog
+    try:
+        return catalog.endpoint_data_for(service_type="object-store", interface=interface, region_name=region)
+    except ks.EndpointNotFound:
+        if not required:
+            return None
+    found = catalog.get_endpoints_data(service_type="object-store").get("object-store", [])
+    there = ", ".join(sorted({f"{e.region_name or '(no region)'} {e.interface}" for e in found})) or "none"
+    raise NoEndpoint(
+        f"no object-store endpoint with region {region or '(any)'} and interface {interface} in the catalog; "
+        f"it has: {there}. Set OS_REGION_NAME and OS_INTERFACE to one of those"
+    )
+
+
+def _keystone_refusal(exc: BaseException, cfg: SwiftConfig, session: Any, what: str) -> DlstoreError | None:
+    """Our error for a login the identity service refused, saying what to fix; else None.
+
+    Keystone answers 404 for an application credential that was deleted. It answers 401 for a
+    wrong password, user, domain or project alike. So a refused password login is tried once
+    more without a project: if that works, the project or its domain is what is wrong.
+    """
+    if cfg.auth_version in _V1:
+        return None
+    from keystoneauth1 import exceptions as ks
+
+    app_id = cfg.application_credential_id
+    if isinstance(exc, ks.NotFound) and app_id:
+        return AuthError(
+            f"{what}: the identity service has no application credential {app_id} (HTTP 404): it was deleted, "
+            "or its user was; create another (`openstack application credential create`)"
+        )
+    if isinstance(exc, ks.NotFound):
+        return ConfigError(f"{what}: the identity service answered HTTP 404; is OS_AUTH_URL Keystone's v3 endpoint?")
+    if isinstance(exc, ks.Unauthorized) and app_id:
+        return AuthError(
+            f"{what}: the identity service refused application credential {app_id}: a wrong secret, or it expired"
+        )
+    if isinstance(exc, ks.Unauthorized) and session is not None and not cfg.auth_version.startswith("2"):
+        return _password_refusal(cfg, session, what)
+    return None
+
+
+def _password_refusal(cfg: SwiftConfig, session: Any, what: str) -> AuthError:
+    from keystoneauth1 import exceptions as ks
+    from keystoneauth1.identity import v3
+
+    auth_url = session.auth.auth_url
+    domain = cfg.user_domain_name or "Default"
+    who = f"user {cfg.user!r} of domain {domain!r}"
+    unscoped = v3.Password(
+        auth_url=auth_url, username=cfg.user, password=cfg.key.reveal() if cfg.key else None, user_domain_name=domain
+    )
+    try:
+        token = unscoped.get_token(session)
+        answer = session.get(f"{auth_url}/auth/projects", headers={"X-Auth-Token": token}, authenticated=False)
+        projects = answer.json().get("projects", [])
+    except ks.Unauthorized:
+        return AuthError(
+            f"{what}: the identity service refused {who}: a wrong password, or no such user in that domain "
+            "(check OS_USERNAME, OS_PASSWORD and OS_USER_DOMAIN_NAME)"
+        )
+    except Exception:  # a best-effort diagnosis
+        return AuthError(f"{what}: the identity service refused the credentials (Unauthorized)")
+    if cfg.project_name:
+        wanted = f"project {cfg.project_name!r} of domain {cfg.project_domain_name or 'Default'!r}"
+    else:
+        wanted = f"project id {cfg.project_id}"
+    theirs = ", ".join(f"{p.get('name')} (domain id {p.get('domain_id')})" for p in projects) or "none"
+    return AuthError(
+        f"{what}: {who} logs in, but not to {wanted} (check OS_PROJECT_NAME and OS_PROJECT_DOMAIN_NAME); "
+        f"its projects: {theirs}"
+    )
+
+
 class SwiftClient(Store):
     """One Swift container under a prefix, and the logins and connections its calls go through."""
 
@@ -253,6 +397,7 @@ class SwiftClient(Store):
             self._client_local = threading.local()
             self._client_token: SwiftToken | None = None
             self._client_session: Any = None
+            self._client_login: SwiftLogin | None = None
             self._client_segments_ready = False
             self._client_login_failures = 0  # failed logins in this process, and the last one's error
             self._client_login_failure: DlstoreError | None = None
@@ -299,21 +444,31 @@ class SwiftClient(Store):
             with self._answer_watched(what):
                 if cfg.auth_version in _V1:
                     url, token = _tempauth(cfg, timeout, self._connections())
+                    login = SwiftLogin(cfg.storage_url or url or "", "v1", user=cfg.user, catalog_url=url)
                 else:
                     if self._client_session is None:
                         self._client_session = _keystone_session(cfg, retry.read_timeout_s, self._connections())
-                    session = self._client_session
-                    interface = (cfg.interface or "public").removesuffix("URL")
-                    url = session.get_endpoint(
-                        service_type="object-store", interface=interface, region_name=cfg.region_name
-                    )
-                    token = session.get_token()
+                    url, token, login = _keystone_login(cfg, self._client_session)
         except Exception as exc:
-            raise map_error(exc, what) from None
-        if not url or not token:
+            refusal = _keystone_refusal(exc, cfg, self._client_session, what)
+            raise (refusal or map_error(exc, what)) from None
+        if not (cfg.storage_url or url) or not token:
             raise AuthError(f"{what}: the identity service returned no storage URL or token")
+        self._client_login = login
         renewal, self._client_fresh_refused = self._client_fresh_refused, False
         return SwiftToken(cfg.storage_url or url, token, proven=False, renewal=renewal)
+
+    def login(self) -> SwiftLogin:
+        """Log in unless a token is at hand; who this store is and where its requests go.
+
+        >>> SwiftClient("swift://c", StoreConfig()).login()   # doctest: +SKIP
+        SwiftLogin(storage_url='https://swift.example/v1/AUTH_p', method='password', ...)
+        """
+        token = self._token()
+        login = getattr(self, "_client_login", None)
+        if login is None or login.storage_url != token.storage_url:  # a pre-authenticated token
+            login = SwiftLogin(token.storage_url, "token")
+        return login
 
     def _connection(self) -> tuple[swiftclient.Connection, SwiftToken]:
         token = self._token()
