@@ -1,7 +1,7 @@
 """What a busy Python thread costs the loader: one decode worker beside a thread that only runs Python.
 
 The busy thread stands in for a training loop's dispatch, optimiser and hooks. It runs on
-its own core; the loader gets the others. Each round times, for every engine, the loader
+its own core; the loader's threads get the others, so the two share the GIL, not a core. Each round times, for every engine, the loader
 alone, the busy thread alone, and the two together. The ratios within a round are the figures:
 what the loader keeps of its rate alone, and what the busy thread keeps of its own.
 
@@ -22,9 +22,9 @@ from benchmarks.pipelines import dlstore_loader
 from benchmarks.runner import interleave, show, workdir
 
 
-def busy_python(stop: threading.Event, counts: list[int]) -> None:
-    """Pure-Python work on the last core until `stop`; `counts` gets the loops done."""
-    os.sched_setaffinity(threading.get_native_id(), {max(os.sched_getaffinity(0))})
+def busy_python(stop: threading.Event, counts: list[int], core: int) -> None:
+    """Pure-Python work on `core` until `stop`; `counts` gets the loops done."""
+    os.sched_setaffinity(threading.get_native_id(), {core})
     done = 0
     while not stop.is_set():
         for _ in range(1000):
@@ -35,8 +35,11 @@ def busy_python(stop: threading.Event, counts: list[int]) -> None:
 def timed(seconds: float, loader_args=None, data=None, busy: bool = False, engine: str = "threads") -> tuple:
     """(images a second, busy loops a second) over `seconds`; either may be None."""
     stop, counts = threading.Event(), []
-    thread = threading.Thread(target=busy_python, args=(stop, counts), daemon=True) if busy else None
+    cores = os.sched_getaffinity(0)
+    thread = threading.Thread(target=busy_python, args=(stop, counts, max(cores)), daemon=True) if busy else None
     images, loader = 0, None
+    if len(cores) > 1:  # the loader's threads, made from this one, keep off the busy thread's core
+        os.sched_setaffinity(0, cores - {max(cores)})
     if loader_args is not None:
         loader, batches = dlstore_loader(data.url, data.cache_dir, loader_args, engine=engine)
         next(iter(batches(0)))  # the engine is up and the cache warm before the clock starts
@@ -61,6 +64,7 @@ def timed(seconds: float, loader_args=None, data=None, busy: bool = False, engin
             thread.join()
         if loader is not None:
             loader.close()
+        os.sched_setaffinity(0, cores)
     return (images / elapsed if loader is not None else None), (counts[0] / elapsed if counts else None)
 
 

@@ -34,16 +34,19 @@ from dlstore.config import DataConfig
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, TransientError
 from dlstore.format.manifest import Manifest, load_sample_index
 from dlstore.format.sample_index import SampleIndex
-from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, read_sample_from_file
+from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, read_sample
 from dlstore.plan import locate
 from dlstore.read import DirectReads, NodeMarks, cached_sample_index, forget_sample_index
 from dlstore.transforms import (
     CropSource,
     SampleRngs,
+    builds_rows_natively,
     check_kept_size,
     crop_plan,
+    crop_rows,
     decode_for_crop,
     device_jpeg,
+    jpeg_size,
     resize_crop,
 )
 
@@ -275,17 +278,17 @@ class SamplePath:
         spec: ShardSpec,
     ) -> CorruptShard | None:
         """Read the samples at `positions` from the cache entry `spec` of `shard` into `samples`.
-        Return the tar reader's error if the cached file is malformed. The cache's own propagate."""
+        Return the tar reader's error if the cached file is malformed. The cache's own propagate.
+        The entry stays mapped between reads (`ShardCache.mapped`): no system call per sample."""
         with contextlib.ExitStack() as held:
             with _timed(clock, "fetch"):
-                path = held.enter_context(self.cache.hold(*spec))
+                memory, path = held.enter_context(self.cache.mapped(*spec))
             try:
                 with _timed(clock, "read"):
                     # A run of samples maps each sample to its bytes in the entry's file itself.
                     index = spec.samples if spec.samples is not None else self._index(shard, path)
-                    with open(path, "rb") as file:
-                        for position in positions:
-                            samples[position] = read_sample_from_file(file, index[int(offsets[position])])
+                    for position in positions:
+                        samples[position] = read_sample(memory, index[int(offsets[position])])
             except CorruptShard as exc:
                 return exc
         return None
@@ -388,16 +391,26 @@ class SamplePath:
         if self.cfg.transform.preset == "none":
             check_kept_size(data, self.cfg.transform.image_size)
         rng = self._rngs(self.cfg.seed, epoch, sample_id)
-        decodes_cleanly = self._decodes_cleanly
-        if decodes_cleanly is None:  # two threads may both make one: a few marks lost, no more
-            decodes_cleanly = self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
-        known = self._all_decode_cleanly or bool(decodes_cleanly[sample_id]) or self._node_marks.known(sample_id)
+        marks = self._decode_marks()
+        known = self._known_to_decode(sample_id, marks)
         with _timed(clock, "decode"):
             source = decode_for_crop(data, self.cfg.transform, rng, known)
+        self._mark_decoded(sample_id, known, marks)
+        return source, label
+
+    def _decode_marks(self) -> np.ndarray:
+        marks = self._decodes_cleanly
+        if marks is None:  # two threads may both make one: a few marks lost, no more
+            marks = self._decodes_cleanly = np.zeros(int(self.shard_sizes.sum()), dtype=bool)
+        return marks
+
+    def _known_to_decode(self, sample_id: int, marks: np.ndarray) -> bool:
+        return self._all_decode_cleanly or bool(marks[sample_id]) or self._node_marks.known(sample_id)
+
+    def _mark_decoded(self, sample_id: int, known: bool, marks: np.ndarray) -> None:
         if not known:
             self._node_marks.mark(sample_id)
-        decodes_cleanly[sample_id] = True  # a race of two threads writes the same True
-        return source, label
+        marks[sample_id] = True  # a race of two threads writes the same True
 
     def augment(self, source: CropSource, clock: StageClock | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """The crop, resize and flip drawn by `decode`, as uint8 HWC at the preset's size. It is
@@ -436,6 +449,57 @@ class SamplePath:
         source, label = done
         return self.augment(source, clock, out), label
 
+    def images(
+        self, samples: list[dict], ids: list[int], epoch: int, rows: np.ndarray | None = None, clock=None
+    ) -> list[tuple[Any, int] | None]:
+        """Each sample through decode and augment, as `(image, label)`, in order. None stands
+        for a corrupt sample that `on_corrupt="skip"` skips; with "raise" it raises.
+
+        With `rows`, uint8 and C-contiguous, image k is written into `rows[k]`. Then the JPEGs go
+        through `crop_rows` where it is built: one C call for them all, the GIL released once.
+        Beside a training loop's Python, each GIL release costs a decode thread a wait of up
+        to the switch interval. What that call turns down takes the per-image path."""
+        done: list[tuple[Any, int] | None] = [None] * len(samples)
+        pending: list[int] = list(range(len(samples)))
+        if rows is not None and self.cfg.decode_on != "device" and builds_rows_natively(self.cfg.transform):
+            pending = self._native_rows(samples, ids, epoch, rows, done, clock)
+        for k in pending:
+            try:
+                done[k] = self.image(samples[k], epoch, ids[k], clock, out=None if rows is None else rows[k])
+            except CorruptSample as exc:
+                if self.cfg.on_corrupt == "raise":
+                    raise
+                log.warning("skipping corrupt sample %s: %s", samples[k].get("__key__"), exc)
+        return done
+
+    def _native_rows(self, samples, ids, epoch: int, rows: np.ndarray, done: list, clock) -> list[int]:
+        """`crop_rows` for the samples it takes, into `done`; the positions left to the per-image path."""
+        transform, marks = self.cfg.transform, self._decode_marks()
+        jobs, taken, left = [], [], []
+        for k, (sample, sample_id) in enumerate(zip(samples, ids)):
+            try:
+                data, label = self.image_bytes(sample), self.label(sample)
+            except CorruptSample:
+                left.append(k)  # the per-image path says so
+                continue
+            size = jpeg_size(data)
+            if size is None:
+                left.append(k)
+                continue
+            box, flip = crop_plan(size[1], size[0], transform, self._rngs(self.cfg.seed, epoch, sample_id))
+            known = self._known_to_decode(sample_id, marks)
+            jobs.append((data, box, flip, k, not known))
+            taken.append((k, sample_id, label, known))
+        with _timed(clock, "decode"):  # the resize too: one call does both
+            errors = crop_rows(jobs, transform, rows) if jobs else []
+        for (k, sample_id, label, known), error in zip(taken, errors):
+            if error is not None:
+                left.append(k)
+                continue
+            self._mark_decoded(sample_id, known, marks)
+            done[k] = (rows[k], label)
+        return sorted(left)
+
     # -- the whole path ----------------------------------------------------------------------
     def build_batch(
         self, request: BatchRequest, out: torch.Tensor | None = None, clock: StageClock | None = None
@@ -448,22 +512,22 @@ class SamplePath:
         "images" is a view of its first rows. The loader passes a slot of a shared-memory
         buffer, so a worker's batch reaches the training process uncopied."""
         samples = self.read(request.ids, clock, direct=request.direct)
-        images, labels, keys, padding = [], [], [], []
-        # Each image is resized straight into the next free row of `out`: no copy after.
-        rows = out.numpy() if out is not None and self.cfg.decode_on != "device" else None
-        for sample_id, is_padding, sample in zip(request.ids.tolist(), request.is_padding.tolist(), samples):
-            try:
-                row = None if rows is None else rows[len(images)]
-                image, label = self.image(sample, request.epoch, sample_id, clock, out=row)
-            except CorruptSample as exc:
-                if self.cfg.on_corrupt == "raise":
-                    raise
-                log.warning("skipping corrupt sample %s: %s", sample.get("__key__"), exc)
-                continue
-            images.append(image)
-            labels.append(label)
-            keys.append(sample.get("__key__"))
-            padding.append(is_padding)
+        # Each image is resized straight into its row of `out`: no copy after, unless some are
+        # skipped. Without an `out`, one is made: every batch takes the same path, to the pixel.
+        rows = None
+        if self.cfg.decode_on != "device":
+            if out is None:
+                size = self.cfg.transform.image_size
+                out = torch.empty((len(request.ids), size, size, 3), dtype=torch.uint8)
+            rows = out.numpy()
+        done = self.images(samples, request.ids.tolist(), request.epoch, rows, clock)
+        kept = [k for k, result in enumerate(done) if result is not None]
+        if rows is not None and len(kept) < len(done):
+            rows[: len(kept)] = rows[kept]  # the good rows move up
+        images = [done[k][0] for k in kept]
+        labels = [done[k][1] for k in kept]
+        keys = [samples[k].get("__key__") for k in kept]
+        padding = [bool(request.is_padding[k]) for k in kept]
         with _timed(clock, "collate"):
             batch = self.collate(request.index, images, labels, keys, padding, out)
         batch["corrupt"] = len(request.ids) - len(keys)

@@ -145,6 +145,8 @@ class Room:
                     usage = self.directory.scan()
                     excess = usage.total + size + usage.unreserved(ahead or []) - self.config.limit_bytes
                     if excess > 0:
+                        if wait:  # this process's mapped entries no read uses may be the best victims
+                            rt.mapped.let_go_idle()
                         freed, count = self.evict(usage, excess, protect, strict=not wait, prefetching=not wait)
                         excess -= freed
                         evicted += count

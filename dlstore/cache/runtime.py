@@ -15,7 +15,8 @@ import weakref
 from collections.abc import Callable
 
 from dlstore.cache.engine import DownloadEngine
-from dlstore.cache.layout import CacheDir, CacheStats, EpochStats
+from dlstore.cache.layout import CacheDir, CacheStats, EpochStats, unlock_and_close
+from dlstore.cache.mapped import MappedEntries
 from dlstore.cache.pace import PrefetchPace
 from dlstore.cache.spec import ShardSpec
 from dlstore.errors import raise_if_exiting
@@ -57,6 +58,12 @@ class Runtime:
         self.threads: list[threading.Thread] = []
         self.closing = False
         self.engine: DownloadEngine | None = None  # made when the cache is first used here
+        self.mapped = MappedEntries(self.release_lock)  # entries this process reads, held between reads
+
+    def release_lock(self, fd: int) -> None:
+        """Let go of a shard lock of this process, and say so."""
+        unlock_and_close(fd)
+        self.announce_release()
 
     def announce_release(self) -> None:
         """A shard lock of this process was released: wake its threads waiting for one."""
@@ -138,6 +145,8 @@ class ProcessLocal:
             if rt is None or rt.pid != os.getpid():
                 if rt is not None and rt.engine is not None and rt.engine.slots is not None:
                     rt.engine.slots.forget_after_fork()  # the parent's descriptors, not its locks
+                if rt is not None:
+                    rt.mapped.forget_after_fork()
                 rt = self._rt = Runtime()  # new process: fresh counters, no thread
             if not rt.started:
                 self._start(rt)

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import hashlib
 import logging
+import mmap
 import os
 from collections.abc import Iterable, Iterator
 
@@ -17,6 +18,7 @@ from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.fetcher import Fetcher
 from dlstore.cache.layout import CacheDir, CacheStats, entry_stem, unlock_and_close
+from dlstore.cache.mapped import map_file
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.policy import HintWriter
 from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
@@ -126,6 +128,8 @@ class ShardCache:
         ...     index = read_index(path)
         """
         rt = self._process.get()
+        if recheck:  # a copy that may be replaced: this process's own lock must not stand in the way
+            rt.mapped.forget(name)
         raise_prefetch_error(rt, name, moot=lambda: self.cached(name))
         protect = advance_window(rt, name, self.config.prefetch)
         fd = self._fetcher.acquire(rt, ShardSpec(name, size, checksum, samples), recheck=recheck, protect=protect)
@@ -136,6 +140,34 @@ class ShardCache:
             # before the prefetched ones the reader has not reached yet.
             unlock_and_close(fd)
             rt.announce_release()  # room for a reservation waiting in this process, maybe
+
+    @contextlib.contextmanager
+    def mapped(
+        self, name: str, size: int | None = None, checksum: str | None = None, samples: SampleRange | None = None
+    ) -> Iterator[tuple[mmap.mmap | bytes, str]]:
+        """Entry `name`'s bytes, mapped read-only, and its path, for the `with` block: `hold` for
+        readers that slice samples out of it. The first use in a process fetches and holds the
+        entry, as `hold` does. Later ones take no system call: the hold lasts until the entry
+        goes idle (see `dlstore.cache.mapped`), after `close()` only until the block ends."""
+        rt = self._process.get()
+        found = rt.mapped.use(name)
+        if found is not None:
+            rt.count(rt.epoch_of(name), hits=1)  # a read served from the cache, as a hold's
+        else:
+            raise_prefetch_error(rt, name, moot=lambda: self.cached(name))
+            protect = advance_window(rt, name, self.config.prefetch)
+            fd = self._fetcher.acquire(rt, ShardSpec(name, size, checksum, samples), protect=protect)
+            path = self._dir.shard_path(self._stem(name))
+            try:
+                found = map_file(path), path
+            except BaseException:
+                rt.release_lock(fd)
+                raise
+            rt.mapped.add(name, *found, fd)
+        try:
+            yield found
+        finally:
+            rt.mapped.done(name, keep=not rt.closing)
 
     def fetch(
         self,
@@ -249,6 +281,7 @@ class ShardCache:
         if rt is None:
             return
         stop_prefetch(rt, self.config.wait_timeout_s)
+        rt.mapped.let_go_idle()
         if rt.engine is not None:
             rt.engine.close()
         rt.flush(self._dir, force=True)

@@ -329,6 +329,9 @@ def iter_members(
     """
     reader = _Reader(source)
     read, skip = reader.read, reader.skip
+    # The closures refer to the reader. Without its own references to them there is no cycle,
+    # so a buffer, such as a mapped shard, goes when the walk does, not when the GC runs.
+    reader.read = reader.skip = None
     first_header: int | None = None
     long_name: bytes | None = None
     pax: dict[str, bytes] | None = None

@@ -24,7 +24,7 @@ from dlstore.loader.processes import ProcessEngine
 from dlstore.loader.slots import BatchSlots
 from dlstore.loader.threads import ThreadEngine
 from dlstore.plan import EpochState
-from dlstore.transforms import device_jpeg_decoder
+from dlstore.transforms import builds_rows_natively, device_jpeg_decoder
 from dlstore.world import available_cores
 
 __all__ = ["Loader", "choose_engine", "resolve_auto"]
@@ -237,15 +237,15 @@ class Loader:
 
 
 def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm: str = "/dev/shm") -> str:
-    """What `engine="auto"` means: worker processes for a GPU, decode threads otherwise.
+    """What `engine="auto"` means: decode threads, unless batches go to a GPU and this install
+    lacks the C row builder (`dlstore.transforms.builds_rows_natively`).
 
-    Beside a GPU loop, threads share one GIL with it, handed over at every decode and kernel
-    launch. Processes feed far more there. On a few CPU cores threads are as fast. They spare
-    /dev/shm, a fork, resident memory and the `__main__` guard a fork server needs. On many cores
-    the GIL holds threads back, yet they stay the CPU default. A script that ran on threads must
-    not fail for want of that guard on a bigger machine; `resolve_auto` warns instead. Processes
-    need room in `/dev/shm` for the node's batches in flight; without it, threads and a warning."""
-    if device.type != "cuda" or cfg.num_workers == 0:
+    With it, a thread builds a chunk of a batch with the GIL released once, so it keeps its pace
+    beside a GPU loop's Python. Without it, each image takes the GIL a few times, and there
+    processes feed far more. Threads spare /dev/shm, a fork, resident memory and the `__main__`
+    guard a fork server needs. Processes need room in `/dev/shm` for the node's batches in
+    flight; without it, threads and a warning."""
+    if device.type != "cuda" or cfg.num_workers == 0 or builds_rows_natively(dataset.cfg.transform):
         return "threads"
     data = dataset.cfg
     in_flight = cfg.prefetch_factor * cfg.num_workers + 2
@@ -286,6 +286,7 @@ def resolve_auto(cfg: LoaderConfig, dataset: Dataset, device: torch.device, shm:
         engine == "threads"
         and device.type == "cpu"
         and dataset.cfg.decode_on != "device"
+        and not builds_rows_natively(dataset.cfg.transform)
         and decoding > THREADS_SCALE_TO
     ):
         log.warning(

@@ -9,8 +9,8 @@ also lose on many cores, since each image takes the GIL a few times. So `engine=
 processes for a GPU.
 
 How: each batch is cut into `threads` chunks of consecutive samples. A chunk reads its samples
-from the node cache, one `pread` each. It writes each augmented image straight into its row of
-the batch's buffer. Every thread builds the first batch at once; later batches queue behind it.
+from the node cache. It writes each augmented image straight into its row of the batch's
+buffer, all JPEGs of the chunk in one C call where it is built (`SamplePath.images`). Every thread builds the first batch at once; later batches queue behind it.
 The loop takes batch `j` when its chunks are done; by then `j+1 .. j+lookahead` are queued.
 
 Why our own pool: SPDL and `torchdata.nodes` cost more CPU per image through per-sample
@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from dlstore.dataset import Dataset
-from dlstore.errors import CorruptSample, raise_if_exiting
+from dlstore.errors import raise_if_exiting
 from dlstore.loader.config import LoaderConfig
 from dlstore.loader.slots import BatchSlots, HandedBuffers
 from dlstore.sample_path import BatchRequest
@@ -213,24 +213,16 @@ class ThreadEngine:
         Raises once the program exits: the exit runs every queued chunk, and nobody reads them."""
         raise_if_exiting("a batch's decoding")
         ids = request.ids[lo:hi]
-        rows: list[_Row | None] = []
-        out = images.numpy() if images is not None else None
         samples = self.path.read(ids, direct=request.direct)
-        for k, (sample_id, sample) in enumerate(zip(ids.tolist(), samples)):
-            try:
-                # The image is resized straight into its row of the batch, with no copy after.
-                image, label = self.path.image(
-                    sample, request.epoch, sample_id, out=None if out is None else out[lo + k]
-                )
-            except CorruptSample as exc:
-                if self.path.cfg.on_corrupt == "raise":
-                    raise
-                log.warning("skipping corrupt sample %s: %s", sample.get("__key__"), exc)
+        done = self.path.images(samples, ids.tolist(), request.epoch, None if images is None else images.numpy()[lo:hi])
+        rows: list[_Row | None] = []
+        for k, (sample, result) in enumerate(zip(samples, done)):
+            if result is None:  # corrupt, and skipped
                 rows.append(None)
                 continue
-            row = _Row(label, sample.get("__key__"), bool(request.is_padding[lo + k]))
-            if out is None:
-                row.image = image
+            row = _Row(result[1], sample.get("__key__"), bool(request.is_padding[lo + k]))
+            if images is None:
+                row.image = result[0]  # device decode: the JPEG and its crop row
             rows.append(row)
         return rows
 

@@ -1,7 +1,9 @@
 """CPU decode and resize: image bytes in, uint8 HWC arrays out.
 
 Three optional native parts speed it up: simplejpeg, OpenCV and `jpeg_region`, this package's
-crop-only decode in C. Without them Pillow works. `dlstore doctor` says which ran.
+C part. `jpeg_region` decodes a crop's region only, and `crop_rows` builds many rows of a batch
+from JPEGs in one call, with the GIL released once: decode, antialiased resize and flip. Without
+them Pillow works. `dlstore doctor` says which ran.
 """
 
 from __future__ import annotations
@@ -115,6 +117,37 @@ def resize_crop(source: CropSource, cfg: TransformConfig, out: np.ndarray | None
         raise _kept_size_error(pixels.shape[1], pixels.shape[0], out.shape[1], out.shape[0])
     out[...] = pixels
     return out
+
+
+def builds_rows_natively(cfg: TransformConfig) -> bool:
+    """Whether `crop_rows` serves `cfg`: the C part is built, and the preset crops."""
+    return jpeg_region is not None and hasattr(jpeg_region, "crop_rows") and cfg.preset != "none"
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """A JPEG's (height, width) from its header, read with the GIL held: no wait to take it back.
+    None for bytes `crop_rows` does not take; the per-image path then decides."""
+    if data[:2] != JPEG_MAGIC:
+        return None
+    try:
+        return jpeg_region.jpeg_size(data)
+    except ValueError:
+        return None
+
+
+def crop_rows(jobs: list[tuple], cfg: TransformConfig, out: np.ndarray) -> list[str | None]:
+    """Decode, crop, resize and flip each JPEG of `jobs` into its row of `out`, in one C call.
+
+    A job is `(data, box, flip, row, check_all)`: the box and flip from `crop_plan`, the row of
+    `out` (uint8, rows x size x size x 3, C-contiguous), and whether to read the whole stream.
+    Each JPEG decodes at `decode_for_crop`'s scale. The pixels are within rounding of
+    `transform_image`'s. The result is None per row written, else libjpeg's complaint; the
+    caller then takes the per-image path, which raises `CorruptSample` where it should."""
+    calls = [
+        (data, *(float(v) for v in box), flip, round(1 / _decode_scale(box, cfg)), check_all, row)
+        for data, box, flip, row, check_all in jobs
+    ]
+    return jpeg_region.crop_rows(calls, out, cfg.image_size)
 
 
 def check_kept_size(data: bytes, size: int) -> None:

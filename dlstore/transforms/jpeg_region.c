@@ -22,11 +22,15 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <setjmp.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
 #include <jpeglib.h>
+
+#include "resample.h"
 
 #ifndef LIBJPEG_TURBO_VERSION
 #error "needs libjpeg-turbo's jpeglib.h (jpeg_skip_scanlines and jpeg_crop_scanline)"
@@ -70,74 +74,87 @@ static int crop_columns(const struct jpeg_decompress_struct *cinfo, JDIMENSION x
     return 1;
 }
 
-static PyObject *decode_region(PyObject *self, PyObject *args) {
-    Py_buffer source;
-    int left, top, width, height, denom, check_all = 1;
-    if (!PyArg_ParseTuple(args, "y*iiiii|p", &source, &left, &top, &width, &height, &denom, &check_all))
-        return NULL;
+/* One region decode, with no Python: what to decode, and what came out. */
+typedef struct {
+    const unsigned char *data;
+    size_t length;
+    int denom, check_all;
+    int has_box;        /* the region is `box`, in the whole image's pixels, and a pixel more around */
+    double box[4];      /* left, top, right, bottom */
+    int region[4];      /* else this: left, top, width, height, at the scale */
+    size_t slack;       /* bytes malloc'd past the pixels */
+    unsigned char *pixels; /* malloc'd: rows of out_width RGB pixels from column x0, row y0 */
+    int x0, y0, out_width, rows;
+    char message[JMSG_LENGTH_MAX];
+} Decode;
+
+/* Decode `job`'s region: 0, or -1 with `job->message` set (pixels then NULL). Takes no GIL. */
+static int decode_rows(Decode *job) {
     /* cinfo and err are written after setjmp; their addresses escape to libjpeg, as in
      * libjpeg's own example.c. Locals changed after setjmp and read after a longjmp: volatile. */
     struct jpeg_decompress_struct cinfo;
     ErrorManager err;
-    PyObject *volatile out = NULL;
-    PyThreadState *volatile released = NULL;
-    JDIMENSION x0 = 0, out_width = 0;
+    unsigned char *volatile pixels = NULL;
 
     memset(&cinfo, 0, sizeof cinfo); /* jpeg_destroy_decompress does nothing before create */
     cinfo.err = jpeg_std_error(&err.pub);
     err.pub.error_exit = raise_error;
     err.pub.emit_message = on_message;
     err.message[0] = '\0';
+    job->pixels = NULL;
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&cinfo);
-        if (released != NULL)
-            PyEval_RestoreThread(released);
-        Py_XDECREF(out);
-        PyBuffer_Release(&source);
-        PyErr_SetString(PyExc_ValueError, err.message);
-        return NULL;
+        free(pixels);
+        snprintf(job->message, sizeof job->message, "%s", err.message);
+        return -1;
     }
-    released = PyEval_SaveThread();
     jpeg_create_decompress(&cinfo);
-    if (denom != 1 && denom != 2 && denom != 4 && denom != 8)
+    if (job->denom != 1 && job->denom != 2 && job->denom != 4 && job->denom != 8)
         fail(&err, "denom must be 1, 2, 4 or 8");
-    jpeg_mem_src(&cinfo, (const unsigned char *)source.buf, (unsigned long)source.len);
+    jpeg_mem_src(&cinfo, job->data, (unsigned long)job->length);
     jpeg_read_header(&cinfo, TRUE);
     cinfo.out_color_space = JCS_RGB;
     cinfo.scale_num = 1;
-    cinfo.scale_denom = (unsigned int)denom;
+    cinfo.scale_denom = (unsigned int)job->denom;
     jpeg_start_decompress(&cinfo);
     if (cinfo.output_components != 3)
         fail(&err, "not an RGB decode");
+    int left = job->region[0], top = job->region[1], width = job->region[2], height = job->region[3];
+    if (job->has_box) {
+        double scale = 1.0 / job->denom, *box = job->box;
+        for (int k = 0; k < 4; k++)
+            box[k] *= scale;
+        if (!(box[0] >= 0 && box[1] >= 0 && box[2] <= cinfo.output_width && box[3] <= cinfo.output_height &&
+              box[2] - box[0] > 0 && box[3] - box[1] > 0))
+            fail(&err, "box outside the image");
+        int right = (int)ceil(box[2]) + 1, bottom = (int)ceil(box[3]) + 1;
+        left = (int)floor(box[0]) - 1, top = (int)floor(box[1]) - 1;
+        left = left < 0 ? 0 : left, top = top < 0 ? 0 : top;
+        right = right > (int)cinfo.output_width ? (int)cinfo.output_width : right;
+        bottom = bottom > (int)cinfo.output_height ? (int)cinfo.output_height : bottom;
+        width = right - left, height = bottom - top;
+    }
     if (left < 0 || top < 0 || width <= 0 || height <= 0 || (JDIMENSION)left + (JDIMENSION)width > cinfo.output_width ||
         (JDIMENSION)top + (JDIMENSION)height > cinfo.output_height)
         fail(&err, "region outside the image");
-    x0 = (JDIMENSION)left;
-    out_width = (JDIMENSION)width;
+    JDIMENSION x0 = (JDIMENSION)left, out_width = (JDIMENSION)width;
     if (crop_columns(&cinfo, x0, out_width))
         jpeg_crop_scanline(&cinfo, &x0, &out_width); /* widened to iMCU boundaries */
     else
         x0 = 0, out_width = cinfo.output_width;
-
-    PyEval_RestoreThread(released);
-    released = NULL;
     /* With check_all, one row more than the region: the image's last row is read into it. */
-    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)out_width * 3 * (height + (check_all ? 1 : 0)));
-    if (out == NULL) { /* MemoryError set */
-        jpeg_destroy_decompress(&cinfo);
-        PyBuffer_Release(&source);
-        return NULL;
-    }
-    unsigned char *pixels = (unsigned char *)PyByteArray_AS_STRING(out);
-    released = PyEval_SaveThread();
+    size_t row_bytes = (size_t)out_width * 3;
+    pixels = malloc(row_bytes * (size_t)(height + 1) + job->slack);
+    if (pixels == NULL)
+        fail(&err, "out of memory");
     if (top > 0 && jpeg_skip_scanlines(&cinfo, (JDIMENSION)top) != (JDIMENSION)top)
         fail(&err, "the image ended before the region");
     while (cinfo.output_scanline < (JDIMENSION)top + (JDIMENSION)height) {
-        JSAMPROW row = pixels + (size_t)(cinfo.output_scanline - (JDIMENSION)top) * out_width * 3;
+        JSAMPROW row = pixels + (size_t)(cinfo.output_scanline - (JDIMENSION)top) * row_bytes;
         if (jpeg_read_scanlines(&cinfo, &row, 1) != 1)
             fail(&err, "the image ended inside the region");
     }
-    if (check_all) {
+    if (job->check_all) {
         /* The rows below are skipped too (entropy-decoded, not transformed) but for the last,
          * which is read: a skip to the very end would only mark the end reached, unread. So bad
          * data anywhere in the JPEG fails it, as a whole-image decode would. */
@@ -145,7 +162,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         if (rest > 1 && jpeg_skip_scanlines(&cinfo, rest - 1) != rest - 1)
             fail(&err, "the image ended early");
         if (rest > 0) {
-            JSAMPROW row = pixels + (size_t)height * out_width * 3;
+            JSAMPROW row = pixels + (size_t)height * row_bytes;
             if (jpeg_read_scanlines(&cinfo, &row, 1) != 1)
                 fail(&err, "the image ended early");
         }
@@ -154,19 +171,152 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
         jpeg_abort_decompress(&cinfo); /* the rows below the region are never read */
     }
     jpeg_destroy_decompress(&cinfo);
-    PyEval_RestoreThread(released);
+    job->pixels = pixels;
+    job->x0 = (int)x0, job->y0 = top, job->out_width = (int)out_width, job->rows = height;
+    return 0;
+}
+
+static PyObject *decode_region(PyObject *self, PyObject *args) {
+    Py_buffer source;
+    Decode job = {0};
+    job.check_all = 1;
+    if (!PyArg_ParseTuple(args, "y*iiiii|p", &source, &job.region[0], &job.region[1], &job.region[2],
+                          &job.region[3], &job.denom, &job.check_all))
+        return NULL;
+    job.data = (const unsigned char *)source.buf, job.length = (size_t)source.len;
+    int failed;
+    Py_BEGIN_ALLOW_THREADS
+    failed = decode_rows(&job);
+    Py_END_ALLOW_THREADS
     PyBuffer_Release(&source);
-    if (check_all && PyByteArray_Resize(out, (Py_ssize_t)out_width * 3 * height) < 0) {
-        Py_DECREF(out);
+    if (failed) {
+        PyErr_SetString(PyExc_ValueError, job.message);
         return NULL;
     }
-    return Py_BuildValue("(Nii)", out, (int)x0, (int)out_width);
+    PyObject *out = PyByteArray_FromStringAndSize((const char *)job.pixels, (Py_ssize_t)job.out_width * 3 * job.rows);
+    free(job.pixels);
+    return out == NULL ? NULL : Py_BuildValue("(Nii)", out, job.x0, job.out_width);
+}
+
+static PyObject *jpeg_size(PyObject *self, PyObject *args) {
+    Py_buffer source;
+    if (!PyArg_ParseTuple(args, "y*", &source))
+        return NULL;
+    struct jpeg_decompress_struct cinfo;
+    ErrorManager err;
+    memset(&cinfo, 0, sizeof cinfo);
+    cinfo.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = raise_error;
+    err.pub.emit_message = on_message;
+    if (setjmp(err.jump)) {
+        jpeg_destroy_decompress(&cinfo);
+        PyBuffer_Release(&source);
+        PyErr_SetString(PyExc_ValueError, err.message);
+        return NULL;
+    }
+    /* The header only, with the GIL held: microseconds, and no wait to take it back. */
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, (const unsigned char *)source.buf, (unsigned long)source.len);
+    jpeg_read_header(&cinfo, TRUE);
+    PyObject *size = Py_BuildValue("(ii)", (int)cinfo.image_height, (int)cinfo.image_width);
+    jpeg_destroy_decompress(&cinfo);
+    PyBuffer_Release(&source);
+    return size;
+}
+
+/* One row of crop_rows: a region decode, then its resize into the batch. */
+typedef struct {
+    Decode decode;
+    Py_buffer source;
+    int flip, row, failed;
+} Crop;
+
+static PyObject *crop_rows(PyObject *self, PyObject *args) {
+    PyObject *jobs;
+    Py_buffer out;
+    int size;
+    if (!PyArg_ParseTuple(args, "O!w*i", &PyList_Type, &jobs, &out, &size))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(jobs), parsed = 0;
+    size_t image_bytes = (size_t)size * size * 3;
+    Crop *crops = calloc((size_t)(n > 0 ? n : 1), sizeof(Crop));
+    PyObject *results = NULL;
+    if (crops == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (size <= 0 || !PyBuffer_IsContiguous(&out, 'C')) {
+        PyErr_SetString(PyExc_ValueError, "out must be a C-contiguous buffer, and size positive");
+        goto done;
+    }
+    for (; parsed < n; parsed++) {
+        Crop *c = &crops[parsed];
+        Decode *d = &c->decode;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(jobs, parsed), "y*ddddpipi;a job is (data, left, top, right, bottom, "
+                              "flip, denom, check_all, row)", &c->source, &d->box[0], &d->box[1], &d->box[2],
+                              &d->box[3], &c->flip, &d->denom, &d->check_all, &c->row))
+            goto done;
+        if (c->row < 0 || (size_t)(c->row + 1) * image_bytes > (size_t)out.len) {
+            PyBuffer_Release(&c->source);
+            PyErr_Format(PyExc_ValueError, "row %d lies outside out", c->row);
+            goto done;
+        }
+        d->data = (const unsigned char *)c->source.buf, d->length = (size_t)c->source.len;
+        d->has_box = 1, d->slack = SOURCE_SLACK;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char *scratch = NULL;
+    size_t scratch_size = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Crop *c = &crops[i];
+        Decode *d = &c->decode;
+        if (decode_rows(d) < 0) {
+            c->failed = 1;
+            continue;
+        }
+        size_t need = resize_scratch_size(d->rows, size);
+        if (need > scratch_size) {
+            free(scratch);
+            scratch = malloc(need), scratch_size = scratch == NULL ? 0 : need;
+        }
+        double *box = d->box;
+        if (scratch == NULL ||
+            resize_crop(d->pixels, (size_t)d->out_width * 3, box[0] - d->x0, box[1] - d->y0, box[2] - d->x0,
+                        box[3] - d->y0, size, c->flip, (unsigned char *)out.buf + (size_t)c->row * image_bytes,
+                        scratch) < 0) {
+            snprintf(d->message, sizeof d->message, "out of memory");
+            c->failed = 1;
+        }
+        free(d->pixels);
+        d->pixels = NULL;
+    }
+    free(scratch);
+    Py_END_ALLOW_THREADS
+    results = PyList_New(n);
+    for (Py_ssize_t i = 0; results != NULL && i < n; i++) {
+        PyObject *r = crops[i].failed ? PyUnicode_FromString(crops[i].decode.message) : Py_NewRef(Py_None);
+        if (r == NULL)
+            Py_CLEAR(results);
+        else
+            PyList_SET_ITEM(results, i, r);
+    }
+done:
+    for (Py_ssize_t i = 0; i < parsed; i++)
+        PyBuffer_Release(&crops[i].source);
+    free(crops);
+    PyBuffer_Release(&out);
+    return results;
 }
 
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, left, top, width, height, denom, check_all=True) -> (bytearray, x0, out_width): the rows and "
      "columns of a JPEG that a region needs, scaled by 1/denom, RGB (see the module's source)."},
+    {"jpeg_size", jpeg_size, METH_VARARGS, "jpeg_size(data) -> (height, width), from the header, with the GIL held."},
+    {"crop_rows", crop_rows, METH_VARARGS,
+     "crop_rows(jobs, out, size) -> [None or error]: each job (data, left, top, right, bottom, flip, denom, check_all, "
+     "row) decoded crop-only at 1/denom, resized to size x size and written into row `row` of `out`, with the GIL "
+     "released once for all (see the module's source)."},
     {NULL, NULL, 0, NULL},
 };
 

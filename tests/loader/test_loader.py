@@ -793,19 +793,19 @@ def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, m
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6])
     ds = _dataset(url, tmp_path)
-    real = ds.samples.image
+    real = ds.samples.images
 
-    def failing(sample, epoch, sample_id, clock=None, out=None):
-        if sample_id == 7:
+    def failing(samples, ids, epoch, rows=None, clock=None):
+        if 7 in ids:
             raise OSError("disk read error in a decode thread")
-        return real(sample, epoch, sample_id, clock, out)
+        return real(samples, ids, epoch, rows, clock)
 
-    monkeypatch.setattr(ds.samples, "image", failing)
+    monkeypatch.setattr(ds.samples, "images", failing)
     loader = dlstore.Loader(ds, num_workers=2, device="cpu")
     with pytest.raises(OSError, match="decode thread"):
         list(loader)
     loader.set_epoch(1)  # the loader is still usable: the abandoned batches freed their slots
-    monkeypatch.setattr(ds.samples, "image", real)
+    monkeypatch.setattr(ds.samples, "images", real)
     assert len(_epoch(loader)) == 12
 
 
@@ -1201,15 +1201,22 @@ def test_thread_engine_batches_equal_the_sample_paths_own(tmp_path):
     loader.close()
 
 
-def test_auto_engine_is_threads_on_the_cpu_and_processes_for_a_gpu_with_room_in_shm(local_dataset, tmp_path, caplog):
-    """`engine="auto"`: decode threads where no GPU training loop shares their GIL; worker
-    processes for a GPU, unless the shared memory they hand batches through (here a real file
-    system's free space) cannot hold the batches in flight: then threads, with a warning."""
+def test_auto_engine_is_threads_with_the_row_builder_and_else_processes_for_a_gpu(
+    local_dataset, tmp_path, caplog, monkeypatch
+):
+    """`engine="auto"`: decode threads wherever the C row builder is built, GPUs included; the
+    threads then take the GIL once per chunk. Without it, worker processes for a GPU, unless the
+    shared memory they hand batches through (here a real file system's free space) cannot hold
+    the batches in flight: then threads, with a warning."""
     url, _ = local_dataset
     small = _dataset(url, tmp_path)
     assert dlstore.Loader(small, num_workers=2, device="cpu").cfg.engine == "threads"
     gpu = torch.device("cuda")
     cfg = LoaderConfig(num_workers=2, device="cuda")
+    if dlstore.transforms.builds_rows_natively(small.cfg.transform):
+        assert choose_engine(small, cfg, gpu, shm=str(tmp_path)) == "threads"
+        assert resolve_auto(cfg, small, gpu, shm=str(tmp_path)).engine == "threads"
+    monkeypatch.setattr(dlstore.transforms.cpu_decode, "jpeg_region", None)  # as where it cannot be built
     assert choose_engine(small, cfg, torch.device("cpu"), shm=str(tmp_path)) == "threads"
     assert choose_engine(small, cfg, gpu, shm=str(tmp_path)) == "processes"
     assert choose_engine(small, LoaderConfig(num_workers=0), gpu, shm=str(tmp_path)) == "threads"
@@ -1234,7 +1241,7 @@ def test_auto_engine_is_threads_on_the_cpu_and_processes_for_a_gpu_with_room_in_
 def test_auto_says_when_worker_processes_would_feed_more_than_its_decode_threads(
     local_dataset, tmp_path, caplog, monkeypatch
 ):
-    """Many decode threads for CPU batches stop scaling (the GIL): `engine="auto"` keeps them
+    """Without the C row builder, many decode threads for CPU batches stop scaling (the GIL): `engine="auto"` keeps them
     (no `__main__` guard needed) but says to ask for processes; a few, threads asked for by
     name, threads on a box of few cores or threads that do not decode (device decode) pass
     without a word."""
@@ -1242,6 +1249,11 @@ def test_auto_says_when_worker_processes_would_feed_more_than_its_decode_threads
     small = _dataset(url, tmp_path)
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(dlstore.loader.loader, "available_cores", lambda: 16)
+    if dlstore.transforms.builds_rows_natively(small.cfg.transform):  # threads that take the GIL once a chunk
+        with caplog.at_level(logging.WARNING, logger="dlstore.loader.loader"):
+            assert resolve_auto(LoaderConfig(num_workers=8, device="cpu"), small, cpu).engine == "threads"
+        assert "stop scaling" not in caplog.text
+    monkeypatch.setattr(dlstore.transforms.cpu_decode, "jpeg_region", None)  # as where it cannot be built
     with caplog.at_level(logging.WARNING, logger="dlstore.loader.loader"):
         assert resolve_auto(LoaderConfig(num_workers=4, device="cpu"), small, cpu).engine == "threads"
         assert resolve_auto(LoaderConfig(num_workers=8, device="cuda"), small, gpu, str(tmp_path)).engine == "processes"
