@@ -8,6 +8,7 @@ import gc
 import logging
 import math
 import os
+import threading
 import time
 
 import numpy as np
@@ -46,14 +47,31 @@ def image_dtype(cfg: BenchConfig, device: torch.device) -> str:
 
 # -- loader side ----------------------------------------------------------------------------------
 def time_loader(
-    ds, workers: int, batches: int, device: torch.device, dtype: str, channels_last: bool, engine: str = "auto"
+    ds,
+    workers: int,
+    batches: int,
+    device: torch.device,
+    dtype: str,
+    channels_last: bool,
+    engine: str = "auto",
+    beside_python: bool = False,
 ) -> LoaderRun:
     """At least `batches` batches of epoch 0 through a fresh `Loader` with fresh workers.
 
     The workers start together, so the first batches arrive in a burst, one per worker. Timing
     from the first arrival would count the others' head start. So the rate is taken over whole
-    rounds after the first: from batch `workers` to the last, a whole number of rounds.
+    rounds after the first: from batch `workers` to the last, a whole number of rounds. With
+    `beside_python`, a thread runs pure Python meanwhile, as a training loop's dispatch does.
     """
+    if beside_python:
+        stop = threading.Event()
+        busy = threading.Thread(target=_run_python, args=(stop,), name="dlstore-bench-python", daemon=True)
+        busy.start()
+        try:
+            return time_loader(ds, workers, batches, device, dtype, channels_last, engine)
+        finally:
+            stop.set()
+            busy.join()
     created = time.perf_counter()
     loader = Loader(
         ds, num_workers=workers, device=str(device), dtype=dtype, channels_last=channels_last, engine=engine
@@ -127,11 +145,22 @@ def measure_loader(
         log.info("loader: batch %d, %d workers, engine %s, warm cache", ds.cfg.batch_size, workers, engine)
         warm = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last, engine)
         after_warm = _cache_totals(run_ds)
+        log.info(
+            "loader: batch %d, %d workers, engine %s, beside a Python-busy thread", ds.cfg.batch_size, workers, engine
+        )
+        beside = time_loader(run_ds, workers, cfg.batches, device, dtype, cfg.channels_last, engine, beside_python=True)
     finally:
         run_ds.cache.close()
     cold = _with_fetches(cold, after_cold.bytes_fetched, after_cold.max_connections)
     warm = _with_fetches(warm, after_warm.bytes_fetched - after_cold.bytes_fetched, 0)
-    return LoaderResult(batch_size=ds.cfg.batch_size, workers=workers, cold=cold, warm=warm)
+    return LoaderResult(batch_size=ds.cfg.batch_size, workers=workers, cold=cold, warm=warm, beside_python=beside)
+
+
+def _run_python(stop: threading.Event) -> None:
+    """Pure Python until `stop`: a training loop's dispatch, optimiser and hooks, as far as the GIL sees."""
+    while not stop.is_set():
+        for _ in range(1000):
+            pass
 
 
 def _cache_totals(ds) -> CacheStats:

@@ -9,8 +9,10 @@ import math
 from dataclasses import dataclass, field
 
 from dlstore.bench.config import BenchConfig
+from dlstore.config import TransformConfig
 from dlstore.loader.config import THREADS_SCALE_TO
 from dlstore.sample_path import STAGES as SAMPLE_STAGES
+from dlstore.transforms import builds_rows_natively
 from dlstore.world import available_cores
 
 __all__ = [
@@ -59,10 +61,14 @@ class LoaderRun:
 
 @dataclass(frozen=True)
 class LoaderResult:
+    """A cold pass, a warm one, and the warm one again beside a thread that only runs Python:
+    what a training loop's Python costs the loader, as the GIL is shared."""
+
     batch_size: int
     workers: int
     cold: LoaderRun
     warm: LoaderRun
+    beside_python: LoaderRun | None = None
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,7 @@ def verdict_for(report: BenchReport, row: LoaderResult, cfg: BenchConfig, device
         mean_source_pixels=report.dataset.get("mean_source_pixels"),
         image_size=cfg.image_size,
         engine=row.warm.engine,
+        native_rows=builds_rows_natively(TransformConfig("train", cfg.image_size)),
     )
     return Verdict(
         batch_size=row.batch_size,
@@ -237,6 +244,7 @@ def advise(
     mean_source_pixels: float | None = None,
     image_size: int = 224,
     engine: str = "",
+    native_rows: bool = False,
 ) -> list[str]:
     """What would make the loader keep up, read off the stage split; a pure function.
 
@@ -249,7 +257,7 @@ def advise(
     # Where a worker's time goes matters only when the warm loader is the bottleneck.
     if delivered < demanded and warm is not None:
         tips += [
-            _engine_tip(engine, workers, cores),
+            _engine_tip(engine, workers, cores, native_rows),
             _worker_tip(demanded, workers, cores, warm),
             _decode_tip(warm, cuda, gpu_decode_images_per_s),
             _stored_size_tip(mean_source_pixels, image_size),
@@ -279,8 +287,8 @@ def _cold_cache_tip(cold_delivered: float, delivered: float, demanded: float, co
     )
 
 
-def _engine_tip(engine: str, workers: int, cores: int) -> str | None:
-    if engine != "threads" or min(workers, cores) <= THREADS_SCALE_TO:
+def _engine_tip(engine: str, workers: int, cores: int, native_rows: bool) -> str | None:
+    if engine != "threads" or native_rows or min(workers, cores) <= THREADS_SCALE_TO:
         return None
     return (
         f"Worker processes: decode threads stop scaling past ~{THREADS_SCALE_TO} (the GIL; on 16 cores 14 worker "
@@ -397,6 +405,7 @@ def _loader_lines(report: BenchReport) -> list[str]:
                 _fmt_rate(r.cold.mb_per_s),
                 _fmt_rate(r.warm.images_per_s),
                 _fmt_rate(r.warm.mb_per_s),
+                _beside_python(r),
                 _fmt_rate(rate),
                 f"{r.warm.images_per_s / rate:.2f}" if rate else "-",
                 f"{stall_pct(r.warm.images_per_s, rate):.0f}%" if rate else "-",
@@ -410,12 +419,21 @@ def _loader_lines(report: BenchReport) -> list[str]:
         "cold MB/s",
         "warm img/s",
         "warm MB/s",
+        "beside Python",
         "demand img/s",
         "warm/demand",
         "stall",
     ]
     title = f"loader (>= {report.config['batches']} batches per pass; the first batch of each worker not timed)"
     return ["", title, *_table(headers, rows)]
+
+
+def _beside_python(r: LoaderResult) -> str:
+    """The warm rate beside a Python-busy thread, and its share of the warm rate alone."""
+    if r.beside_python is None:
+        return "-"
+    beside, alone = r.beside_python.images_per_s, r.warm.images_per_s
+    return f"{_fmt_rate(beside)} ({beside / alone:.2f})" if alone else _fmt_rate(beside)
 
 
 def _cold_lines(report: BenchReport) -> list[str]:

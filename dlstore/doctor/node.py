@@ -153,24 +153,29 @@ def shm_check(shape: LoaderShape, shm_dir: str = "/dev/shm") -> Check:
 
 
 def decode_check(cpu_decode) -> Check:
-    """Which native parts `cpu_decode`, the module or a stand-in, found.
-    Each one missing costs images per core; none breaks a run."""
+    """Which native parts `cpu_decode`, the module or a stand-in, found, and so which path builds
+    batches. Each one missing costs images per core; none breaks a run."""
     simplejpeg, cv2, region = cpu_decode.simplejpeg, cpu_decode.cv2, cpu_decode.jpeg_region
     if cpu_decode.torch_resizes_uint8():
         resizer = "torch's SIMD kernel"
     else:
         resizer = f"OpenCV {cv2.__version__}" if cv2 else "Pillow (no OpenCV)"
+    rows = region is not None and hasattr(region, "crop_rows")
     parts = [
         f"JPEG decode: {f'simplejpeg {simplejpeg.__version__}' if simplejpeg else 'Pillow (no simplejpeg)'}",
         f"crop-only decode: {f'libjpeg-turbo {region.libjpeg_turbo_version}' if region else 'not built'}",
-        f"resize: {resizer}",
+        "batches: built in C, the GIL released once a chunk"
+        if rows
+        else "batches: image by image (decode threads wait for the GIL; GPU nodes use worker processes)",
+        f"{'other transforms resize' if rows else 'resize'}: {resizer}",
     ]
     fixes = []
     if simplejpeg is None or cv2 is None:
         fixes.append('pip install -e ".[fast]" (simplejpeg, opencv-python-headless)')
-    if region is None:
+    if not rows:
         fixes.append(
             "install a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: apt-get install gcc libjpeg-dev), "
-            "then pip install -e . again: a crop's rows and columns are then decoded alone (~1.1-1.2x img/s a core)"
+            "then pip install -e . again: a crop's rows and columns are then decoded alone, and a chunk of a batch "
+            "is built with the GIL released once"
         )
     return Check("decode", WARN if fixes else OK, "; ".join(parts), "; ".join(fixes))

@@ -220,6 +220,10 @@ def test_advise_names_worker_processes_when_many_decode_threads_fall_short():
     assert not any(
         "engine='processes'" in tip for tip in advise(workers=14, engine="threads", **{**common, "cores": 2})
     )
+    # Threads that build rows in C take the GIL once a chunk: nothing to advise.
+    assert not any(
+        "engine='processes'" in tip for tip in advise(workers=14, engine="threads", native_rows=True, **common)
+    )
     # A loader that keeps up needs no advice on its engine.
     kept_up = advise(workers=14, engine="threads", **{**common, "delivered": 4000})
     assert not any("engine='processes'" in tip for tip in kept_up)

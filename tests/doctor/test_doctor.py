@@ -289,17 +289,19 @@ def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
         return types.SimpleNamespace(
             simplejpeg=types.SimpleNamespace(__version__="1.9.0") if simplejpeg else None,
             cv2=types.SimpleNamespace(__version__="5.0.0") if cv2 else None,
-            jpeg_region=types.SimpleNamespace(libjpeg_turbo_version="2.1.5") if region else None,
+            jpeg_region=types.SimpleNamespace(libjpeg_turbo_version="2.1.5", crop_rows=None) if region else None,
             torch_resizes_uint8=lambda: torch_resize,
         )
 
     check = decode_check(parts())
     assert check.status == OK and check.summary == (
-        "JPEG decode: simplejpeg 1.9.0; crop-only decode: libjpeg-turbo 2.1.5; resize: OpenCV 5.0.0"
+        "JPEG decode: simplejpeg 1.9.0; crop-only decode: libjpeg-turbo 2.1.5; batches: built in C, the GIL "
+        "released once a chunk; other transforms resize: OpenCV 5.0.0"
     )
     assert "resize: torch's SIMD kernel" in decode_check(parts(torch_resize=True)).summary
     check = decode_check(parts(region=False))
     assert check.status == WARN and "crop-only decode: not built" in check.summary and "libjpeg-dev" in check.fix
+    assert "batches: image by image" in check.summary and "worker processes" in check.summary
     assert "[fast]" not in check.fix
     check = decode_check(parts(simplejpeg=False, cv2=False))
     assert check.status == WARN and "Pillow (no simplejpeg)" in check.summary and "Pillow (no OpenCV)" in check.summary
