@@ -13,7 +13,8 @@
 # not tools/setup.sh's pinned pair (or DLSTORE_TORCH_SPEC, e.g. "torch torchvision" for any), when a
 # CUDA test is skipped for want of a device, or when a step fails.
 # The interpreter is setup.sh's: .venv/bin/python when there is one, else python3 (or $PYTHON).
-# The steps' timeouts add up to 10 minutes, a lent machine's limit for one command.
+# The steps' timeouts add up to 10 minutes, a lent machine's limit for one command; DLSTORE_FEW_CORES=0
+# leaves out the 4-core pass (taskset), for a rerun in less time.
 # On a lent device machine: carry [".whl"] (ignored by git). It writes more files than such a
 # machine sends back: set OUT=/tmp/gc, then tar /tmp/gc into $OUT. The torch wheels do not travel
 # there: the image's torch must be the pair, or DLSTORE_TORCH_SPEC must say which it is.
@@ -122,7 +123,8 @@ print("opencv", opencv, "simplejpeg", simplejpeg.__version__)
 try:
     from dlstore.transforms import jpeg_region
 
-    print("crop-only decode: libjpeg-turbo", jpeg_region.libjpeg_turbo_version)
+    rows = "batches built in C" if hasattr(jpeg_region, "crop_rows") else "image by image"
+    print("crop-only decode: libjpeg-turbo", jpeg_region.libjpeg_turbo_version, "-", rows)
 except ImportError:
     print("crop-only decode: not built (whole JPEGs are decoded)")
 EOF
@@ -152,21 +154,31 @@ if grep -q "needs a CUDA device" "$OUT/gpu-tests.txt" || ! grep -Eq "[0-9]+ pass
     if [[ $tests == 0 ]]; then tests=1; fi
 fi
 
-echo "== synthetic vs fed training rate"
+echo "== synthetic vs fed training rate, decode threads and worker processes"
 bench=0
-timeout -k 15 230 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full,341 --steps 200 --json "$OUT/bench_gpu.json" 2>&1 |
-    tee "$OUT/bench_gpu.txt" || bench=$?
-
-echo "== dlstore bench (stage split, verdict)"
-verdict=0
 workers=$(($(nproc) - 2))
+timeout -k 15 200 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full --steps 150 --engines threads,processes \
+    --workers "$workers" --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt" || bench=$?
+if [[ ${DLSTORE_FEW_CORES:-1} == 1 ]] && command -v taskset >/dev/null; then
+    # A node with few cores per GPU: the loader on 4 of them, CPU decode against nvJPEG (the decode modes).
+    echo "== the same on 4 cores (taskset -c 0-3)"
+    timeout -k 15 120 taskset -c 0-3 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full --steps 100 \
+        --engines threads --workers 4 --json "$OUT/bench_gpu_4cores.json" 2>&1 | tee "$OUT/bench_gpu_4cores.txt" || bench=$?
+fi
+
+echo "== one decode thread beside a Python-busy thread (benchmarks.gil)"
+timeout -k 10 40 "$PYTHON" -m benchmarks.gil --workdir "$work/gil" --images 1000 --rounds 1 --seconds 4 2>&1 |
+    tee "$OUT/gil.txt" || bench=$?
+
+echo "== dlstore bench (stage split, beside Python, verdict)"
+verdict=0
 timeout -k 15 60 "$PYTHON" -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" \
     --batches 10 --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt" || verdict=$?
 
 echo "== the peers on this node's cores (benchmarks.peers)"
 peers=0
 if "$PYTHON" -c "import webdataset" 2>/dev/null; then
-    timeout -k 15 130 "$PYTHON" -m benchmarks.peers --workdir "$work/peers" --workers "$workers" --images 8000 \
+    timeout -k 15 90 "$PYTHON" -m benchmarks.peers --workdir "$work/peers" --workers "$workers" --images 8000 \
         --shards 32 --rounds 1 --epochs 2 --batch-size 256 --rss-workers "$workers" --single-core-samples 300 \
         --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.txt" || peers=$?
 else
@@ -175,7 +187,7 @@ fi
 
 echo "== decode threads against worker processes (benchmarks.gpu workers)"
 engines=0
-timeout -k 10 80 "$PYTHON" -m benchmarks.gpu workers --workers "4,8,$workers" --images 4000 --rounds 1 \
+timeout -k 10 70 "$PYTHON" -m benchmarks.gpu workers --workers "4,8,$workers" --images 4000 --rounds 1 \
     --json "$OUT/workers.json" 2>&1 | tee "$OUT/workers.txt" || engines=$?
 
 echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict, peers $peers, engines $engines"

@@ -287,8 +287,10 @@ class SamplePath:
                 with _timed(clock, "read"):
                     # A run of samples maps each sample to its bytes in the entry's file itself.
                     index = spec.samples if spec.samples is not None else self._index(shard, path)
+                    # Uncopied where the C row builder reads them; the device decode wants bytes.
+                    views = self.cfg.decode_on != "device"
                     for position in positions:
-                        samples[position] = read_sample(memory, index[int(offsets[position])])
+                        samples[position] = read_sample(memory, index[int(offsets[position])], views=views)
             except CorruptShard as exc:
                 return exc
         return None

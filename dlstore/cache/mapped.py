@@ -8,7 +8,8 @@ samples are sliced from memory until it goes idle.
 A mapped entry keeps its shared lock: the cache cannot evict it, so its disk space is counted
 while it is mapped. Once no read uses it, the lock goes when it has been idle for `LINGER_S` (a
 thread looks each `LINGER_S` while there are entries), when more than `KEEP` entries are
-mapped, when a reader of this process waits for room, and at `close()`; after a close, until
+mapped, when this process's hints name it past the first `NEAR` shards, when a reader of this
+process waits for room, and at `close()`; after a close, until
 the next pass, at the end of each read. Its mapping goes with the lock.
 """
 
@@ -28,6 +29,8 @@ __all__ = ["KEEP", "LINGER_S", "MappedEntries", "map_file"]
 # About two shuffle windows of shards, and how long one may go unread before its lock goes.
 KEEP = 16
 LINGER_S = 1.0
+# With the readers' hints, the entries kept are among the first NEAR shards this process names.
+NEAR = KEEP // 2
 
 
 def map_file(path: str) -> mmap.mmap | bytes:
@@ -107,6 +110,13 @@ class MappedEntries:
         self._let_go(gone)
         return bool(gone)
 
+    def keep_only(self, names: list[str]) -> None:
+        """Let go of the entries no read uses that are not in `names`."""
+        near = set(names)
+        with self._lock:
+            gone = self._take(lambda entry: True, names=near)
+        self._let_go(gone)
+
     def forget_after_fork(self) -> None:
         """In a forked child: close the parent's descriptors, not its locks (see `unlock_and_close`)."""
         for entry in self._entries.values():
@@ -128,10 +138,13 @@ class MappedEntries:
             if self._sweeper is None:
                 return
 
-    def _take(self, which: Callable[[_Entry], bool], over_keep: bool = False) -> list[_Entry]:
-        """Under the lock: pop the entries no read uses for which `which` holds; with `over_keep`,
-        the oldest of them past `KEEP` only."""
-        names = [n for n, entry in self._entries.items() if entry.users <= 0 and which(entry)]
+    def _take(
+        self, which: Callable[[_Entry], bool], over_keep: bool = False, names: set[str] | None = None
+    ) -> list[_Entry]:
+        """Under the lock: pop the entries no read uses for which `which` holds, and not in
+        `names` if given; with `over_keep`, the oldest of them past `KEEP` only."""
+        spared = names or set()
+        names = [n for n, entry in self._entries.items() if entry.users <= 0 and n not in spared and which(entry)]
         if over_keep:
             names = names[: max(0, len(self._entries) - KEEP)]
         return [self._entries.pop(n) for n in names]

@@ -18,7 +18,7 @@ from dlstore.cache.config import STATS_FILE_BYTES, CacheConfig
 from dlstore.cache.engine import DownloadEngine
 from dlstore.cache.fetcher import Fetcher
 from dlstore.cache.layout import CacheDir, CacheStats, entry_stem, unlock_and_close
-from dlstore.cache.mapped import map_file
+from dlstore.cache.mapped import NEAR, map_file
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.policy import HintWriter
 from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
@@ -233,10 +233,13 @@ class ShardCache:
         writer = self._hints
         if writer is None or writer.pid != os.getpid():  # none yet, or the parent's after a fork
             writer = self._hints = HintWriter(self._dir, self._namespace, self._stem)
+        names = list(names)
         try:
             writer.write(names)
         except OSError as exc:
             log.warning("could not record the shard order in cache %s: %s", self.config.cache_dir, exc)
+        # Entries this process keeps mapped that it needs no time soon: other processes may evict them.
+        self._process.get().mapped.keep_only(names[:NEAR])
 
     def usage(self) -> int:
         """Bytes the cache directory holds now, counted as the limit counts them."""

@@ -225,7 +225,7 @@ class _Reader:
     the end. `length` is the byte count when it is known, for a buffer or a seekable file. So a
     member running past the end is found even when its data is skipped."""
 
-    __slots__ = ("read", "skip", "position", "length", "in_memory")
+    __slots__ = ("read", "skip", "position", "length", "in_memory", "_buffer")
 
     def __init__(self, source: Source) -> None:
         self.position = 0
@@ -240,6 +240,7 @@ class _Reader:
 
     def _init_buffer(self, view: memoryview) -> None:
         self.length = len(view)
+        self._buffer = view
 
         def read(n: int) -> bytes:
             start = self.position
@@ -250,6 +251,12 @@ class _Reader:
             self.position += n
 
         self.read, self.skip = read, skip
+
+    def view(self, n: int) -> memoryview:
+        """The next `n` bytes of a buffer, uncopied."""
+        start = self.position
+        self.position = start + n
+        return self._buffer[start : start + n]
 
     def _init_file(self, file: BinaryIO) -> None:
         raw_read = file.read
@@ -318,13 +325,19 @@ def _check_member(name: str, typeflag: bytes, size: int, start: int, max_member_
 
 
 def iter_members(
-    source: Source, *, data: bool = True, max_member_size: int = MAX_MEMBER_SIZE, base_offset: int = 0
+    source: Source,
+    *,
+    data: bool = True,
+    max_member_size: int = MAX_MEMBER_SIZE,
+    base_offset: int = 0,
+    views: bool = False,
 ) -> Iterator[TarMember]:
     """The regular files of a tar, in order, checked as the module docstring says.
 
     `source` is a buffer, a binary file or an iterator of byte chunks. With `data=False` the data is
-    skipped, seeked over when the file can seek, and `TarMember.data` is None. Directories and pax
-    global headers are passed over. The walk ends at the first all-zero block, or cleanly at the end
+    skipped, seeked over when the file can seek, and `TarMember.data` is None. With `views`, a
+    buffer's members are memoryviews of it, not copies. Directories and pax global headers are
+    passed over. The walk ends at the first all-zero block, or cleanly at the end
     of the input on a block boundary.
     """
     reader = _Reader(source)
@@ -374,7 +387,7 @@ def iter_members(
         if typeflag not in _REGULAR:
             raise CorruptShard(f"tar member {name[:100]!r} at byte {member_start} has unknown type {typeflag!r}")
         if data:
-            payload = read(size)
+            payload = reader.view(size) if views and reader.in_memory else read(size)
             if reader.in_memory:  # a buffer cannot shrink: the check above saw the padding there
                 skip(pad)
             if len(payload) < size or (not reader.in_memory and len(read(pad)) < pad):
@@ -386,13 +399,14 @@ def iter_members(
 
 
 def iter_samples_with_spans(
-    source: Source, *, max_member_size: int = MAX_MEMBER_SIZE
+    source: Source, *, max_member_size: int = MAX_MEMBER_SIZE, views: bool = False
 ) -> Iterator[tuple[dict, SampleSpan]]:
-    """Samples grouped by key, each with the byte span it occupies in the tar."""
+    """Samples grouped by key, each with the byte span it occupies in the tar. With `views`, see
+    `iter_members`."""
     sample: dict = {}
     key = None
     start = end = 0
-    for member in iter_members(source, max_member_size=max_member_size):
+    for member in iter_members(source, max_member_size=max_member_size, views=views):
         if _META_RE.match(member.name):
             continue
         parts = split_member_name(member.name)
@@ -429,14 +443,15 @@ def parse_samples(buffer: bytes | bytearray | memoryview, *, max_member_size: in
     return list(iter_samples(buffer, max_member_size=max_member_size))
 
 
-def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None = None) -> dict:
+def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None = None, *, views: bool = False) -> dict:
     """One sample: from a buffer of exactly that sample when `span` is None, as `store.get_range`
-    returns it. Else from a whole shard's bytes and the sample's `span`."""
+    returns it. Else from a whole shard's bytes and the sample's `span`. With `views`, its members
+    are memoryviews of `buffer`, for a buffer that outlives the sample, such as a mapped shard."""
     if span is not None:
         if span.offset < 0 or span.size <= 0 or span.end > len(buffer):
             raise CorruptShard(f"sample span {span} lies outside a {len(buffer)}-byte shard")
         buffer = memoryview(buffer)[span.offset : span.end]
-    samples = [sample for sample, _ in iter_samples_with_spans(buffer)]
+    samples = [sample for sample, _ in iter_samples_with_spans(buffer, views=views)]
     if len(samples) != 1:
         raise CorruptShard(f"expected one sample in the span, found {len(samples)}")
     return samples[0]

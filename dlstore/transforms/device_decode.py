@@ -20,7 +20,10 @@ def device_jpeg(data: bytes) -> tuple[bytes, int, int]:
     """`data` as a JPEG the device decoder takes, with its width and height from the frame header.
     nvJPEG reads 8-bit baseline and progressive JPEGs, greyscale or YCbCr. Any other image, such
     as a CMYK JPEG or a PNG, is re-encoded here on the worker's CPU, as the CPU path reads it.
-    Raises `CorruptSample` for bytes that are no image, or a JPEG cut short."""
+    Raises `CorruptSample` for bytes that are no image, or a JPEG cut short. A memoryview, as of
+    a mapped shard, is copied: the batch holds the JPEGs."""
+    if isinstance(data, memoryview):
+        data = data.tobytes()
     frame = jpeg_frame(data)
     if frame is not None and _device_decodes(*frame):
         if not _ends_after_its_last_scan(data):
