@@ -91,8 +91,11 @@ def stop_prefetch(rt: Runtime, timeout_s: float) -> None:
 
 def raise_prefetch_error(rt: Runtime, name: str, moot: Callable[[], bool]) -> None:
     """Raise the error the prefetch of `name` failed with, once. Not when `moot()`: the shard is
-    in the cache after all, and the error would end a run that has recovered."""
+    in the cache after all, and the error would end a run that has recovered. A prefetch of it
+    under way decides first: the reader would otherwise fetch a shard that just failed again."""
     with rt.lock:
+        while name in rt.active and not rt.closing:
+            rt.wake.wait(0.05)
         error = rt.errors.pop(name, None)
     if error is not None and not moot():
         raise error

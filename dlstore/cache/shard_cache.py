@@ -130,8 +130,8 @@ class ShardCache:
         rt = self._process.get()
         if recheck:  # a copy that may be replaced: this process's own lock must not stand in the way
             rt.mapped.forget(name)
+        protect = advance_window(rt, name, self.config.prefetch)  # first: it widens a prefetch under way
         raise_prefetch_error(rt, name, moot=lambda: self.cached(name))
-        protect = advance_window(rt, name, self.config.prefetch)
         fd = self._fetcher.acquire(rt, ShardSpec(name, size, checksum, samples), recheck=recheck, protect=protect)
         try:
             yield self._dir.shard_path(self._stem(name))
@@ -154,8 +154,8 @@ class ShardCache:
         if found is not None:
             rt.count(rt.epoch_of(name), hits=1)  # a read served from the cache, as a hold's
         else:
-            raise_prefetch_error(rt, name, moot=lambda: self.cached(name))
             protect = advance_window(rt, name, self.config.prefetch)
+            raise_prefetch_error(rt, name, moot=lambda: self.cached(name))
             fd = self._fetcher.acquire(rt, ShardSpec(name, size, checksum, samples), protect=protect)
             path = self._dir.shard_path(self._stem(name))
             try:

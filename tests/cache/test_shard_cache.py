@@ -1098,7 +1098,11 @@ def test_prefetch_error_is_raised_when_the_reader_reaches_the_shard(tmp_path, re
     store, specs, contents = remote([1000])
     cache = ShardCache(config(tmp_path, 100_000, prefetch=2), store)
     cache.prefetch([("train/missing.tar", 1000, None), specs[0]])
-    wait_for(lambda: specs[0][0] in cached_names(tmp_path / "cache"))  # the thread went past the failure
+    # The prefetch went past the failure: two may run at once, so the shard after it can be
+    # cached before the missing one was even asked for.
+    wait_for(
+        lambda: specs[0][0] in cached_names(tmp_path / "cache") and store.downloads().get("train/missing.tar") == 1
+    )
     with pytest.raises(NotFound):
         cache.fetch("train/missing.tar", 1000)
     assert store.downloads()["train/missing.tar"] == 1  # the prefetch's error, not a new attempt
