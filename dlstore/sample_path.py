@@ -34,7 +34,7 @@ from dlstore.config import DataConfig
 from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, TransientError
 from dlstore.format.manifest import Manifest, load_sample_index
 from dlstore.format.sample_index import SampleIndex
-from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, read_sample
+from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, release_views
 from dlstore.plan import locate
 from dlstore.read import DirectReads, NodeMarks, cached_sample_index, forget_sample_index
 from dlstore.transforms import (
@@ -206,11 +206,35 @@ class SamplePath:
         return ShardSpec(*self.shard_ref(shard))
 
     # -- read ------------------------------------------------------------------------------
-    def read(self, ids: np.ndarray, clock: StageClock | None = None, direct: tuple[int, ...] = ()) -> list[dict]:
+    def read(
+        self, ids: np.ndarray, clock: StageClock | None = None, direct: tuple[int, ...] = (), views: bool = False
+    ) -> list[dict]:
         """The raw samples of `ids`, in order. Each shard is held once for all its samples.
-        Samples of the shards in `direct` not cached yet are read straight from the store."""
-        shards, offsets = locate(ids, self.shard_sizes)
+        Samples of the shards in `direct` not cached yet are read straight from the store.
+
+        With `views`, members read from the cache are memoryviews of the entry's mapping, for
+        `viewed`, which releases them. Otherwise they are bytes."""
         samples: list[dict | None] = [None] * len(ids)
+        try:
+            self._read_into(samples, ids, clock, direct, views)
+        except BaseException:
+            release_views(samples)  # an error's traceback keeps `samples`, not the mappings
+            raise
+        return samples  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def viewed(self, ids: np.ndarray, direct: tuple[int, ...] = (), clock: StageClock | None = None):
+        """`read` for the `with` block, its members uncopied where the C row builder reads them.
+        At the end the views are released: a mapping goes with its last view, and an entry the
+        cache evicted gives its disk space back only then."""
+        samples = self.read(ids, clock, direct, views=self.cfg.decode_on != "device")
+        try:
+            yield samples
+        finally:
+            release_views(samples)
+
+    def _read_into(self, samples: list, ids: np.ndarray, clock, direct: tuple[int, ...], views: bool) -> None:
+        shards, offsets = locate(ids, self.shard_sizes)
         read_already = set()
         if direct:
             with _timed(clock, "fetch"):
@@ -220,13 +244,12 @@ class SamplePath:
                 continue
             positions = np.flatnonzero(shards == shard).tolist()
             spec = self.cache_spec(shard, offsets[positions])
-            error = self._read_from_shard(shard, positions, offsets, samples, clock, spec)
+            error = self._read_from_shard(shard, positions, offsets, samples, clock, spec, views)
             if error is not None and self._recheck(shard, spec):
-                error = self._read_from_shard(shard, positions, offsets, samples, clock, spec)
+                error = self._read_from_shard(shard, positions, offsets, samples, clock, spec, views)
             if error is not None:
                 name = self.manifest.shards[shard].name
                 raise CorruptShard(f"shard {name!r} of {self.store_url}: {error}") from None
-        return samples  # type: ignore[return-value]
 
     def _index(self, shard: int, path: str):
         """The sample index of `shard`, held at `path`: this process's copy, else the one kept
@@ -276,6 +299,7 @@ class SamplePath:
         samples: list,
         clock: StageClock | None,
         spec: ShardSpec,
+        views: bool,
     ) -> CorruptShard | None:
         """Read the samples at `positions` from the cache entry `spec` of `shard` into `samples`.
         Return the tar reader's error if the cached file is malformed. The cache's own propagate.
@@ -287,8 +311,6 @@ class SamplePath:
                 with _timed(clock, "read"):
                     # A run of samples maps each sample to its bytes in the entry's file itself.
                     index = spec.samples if spec.samples is not None else self._index(shard, path)
-                    # Uncopied where the C row builder reads them; the device decode wants bytes.
-                    views = self.cfg.decode_on != "device"
                     for position in positions:
                         samples[position] = read_sample(memory, index[int(offsets[position])], views=views)
             except CorruptShard as exc:
@@ -513,7 +535,10 @@ class SamplePath:
         `out` is a uint8 tensor of shape `batch_size, size, size, 3` that receives the images.
         "images" is a view of its first rows. The loader passes a slot of a shared-memory
         buffer, so a worker's batch reaches the training process uncopied."""
-        samples = self.read(request.ids, clock, direct=request.direct)
+        with self.viewed(request.ids, request.direct, clock) as samples:
+            return self._build_batch(request, samples, out, clock)
+
+    def _build_batch(self, request: BatchRequest, samples: list[dict], out: torch.Tensor | None, clock) -> dict:
         # Each image is resized straight into its row of `out`: no copy after, unless some are
         # skipped. Without an `out`, one is made: every batch takes the same path, to the pixel.
         rows = None

@@ -30,6 +30,7 @@ SampleSpan(offset=0, size=2048)
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -53,6 +54,7 @@ __all__ = [
     "parse_label",
     "parse_samples",
     "read_sample",
+    "release_views",
     "read_sample_from_file",
     "read_shard_index",
     "scan_shard",
@@ -455,6 +457,18 @@ def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None 
     if len(samples) != 1:
         raise CorruptShard(f"expected one sample in the span, found {len(samples)}")
     return samples[0]
+
+
+def release_views(samples: list[dict | None]) -> None:
+    """Release the memoryviews among the samples' members, as `read_sample(views=True)` makes.
+    A released view no longer keeps its buffer: an unlinked mapped file's disk space returns
+    even while something, such as an error's traceback, still refers to the sample. A view a
+    consumer still exports stays."""
+    for sample in samples:
+        for value in (sample or {}).values():
+            if isinstance(value, memoryview):
+                with contextlib.suppress(BufferError):
+                    value.release()
 
 
 def read_sample_from_file(file: BinaryIO, span: SampleSpan) -> dict:

@@ -213,9 +213,9 @@ class ThreadEngine:
         Raises once the program exits: the exit runs every queued chunk, and nobody reads them."""
         raise_if_exiting("a batch's decoding")
         ids = request.ids[lo:hi]
-        samples = self.path.read(ids, direct=request.direct)
-        done = self.path.images(samples, ids.tolist(), request.epoch, None if images is None else images.numpy()[lo:hi])
         rows: list[_Row | None] = []
+        with self.path.viewed(ids, request.direct) as samples:
+            done = self.path.images(samples, ids.tolist(), request.epoch, None if images is None else images.numpy()[lo:hi])
         for k, (sample, result) in enumerate(zip(samples, done)):
             if result is None:  # corrupt, and skipped
                 rows.append(None)
