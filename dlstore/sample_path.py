@@ -211,9 +211,7 @@ class SamplePath:
     ) -> list[dict]:
         """The raw samples of `ids`, in order. Each shard is held once for all its samples.
         Samples of the shards in `direct` not cached yet are read straight from the store.
-
-        With `views`, members read from the cache are memoryviews of the entry's mapping, for
-        `viewed`, which releases them. Otherwise they are bytes."""
+        With `views`, members read from the cache are views of its mapping (see `viewed`)."""
         samples: list[dict | None] = [None] * len(ids)
         try:
             self._read_into(samples, ids, clock, direct, views)
@@ -224,9 +222,8 @@ class SamplePath:
 
     @contextlib.contextmanager
     def viewed(self, ids: np.ndarray, direct: tuple[int, ...] = (), clock: StageClock | None = None):
-        """`read` for the `with` block, its members uncopied where the C row builder reads them.
-        At the end the views are released: a mapping goes with its last view, and an entry the
-        cache evicted gives its disk space back only then."""
+        """`read` for the `with` block, uncopied where the C row builder reads them. The views
+        are released at its end: an evicted entry's disk space returns with its last view."""
         samples = self.read(ids, clock, direct, views=self.cfg.decode_on != "device")
         try:
             yield samples

@@ -215,7 +215,9 @@ class ThreadEngine:
         ids = request.ids[lo:hi]
         rows: list[_Row | None] = []
         with self.path.viewed(ids, request.direct) as samples:
-            done = self.path.images(samples, ids.tolist(), request.epoch, None if images is None else images.numpy()[lo:hi])
+            done = self.path.images(
+                samples, ids.tolist(), request.epoch, None if images is None else images.numpy()[lo:hi]
+            )
         for k, (sample, result) in enumerate(zip(samples, done)):
             if result is None:  # corrupt, and skipped
                 rows.append(None)
