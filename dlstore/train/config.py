@@ -52,7 +52,7 @@ class TrainConfig:
     sync_bn: bool = False
 
     # data beyond `data`: the loader's engine, evaluation and progressive resizing
-    engine: str = "auto"  # worker processes on a GPU, decode threads on the CPU: loader.choose_engine
+    engine: str = "auto"  # decode threads; processes on a GPU without the C row builder: choose_engine
     eval_image_size: int | None = None  # default: image_size
     # Progressive resizing as FFCV does it: image size ramps linearly from resize_min at
     # resize_start_epoch to image_size at resize_end_epoch, in steps of resize_step pixels.
@@ -215,7 +215,7 @@ _CLI: dict[str, tuple[Any, str]] = {
     "sync_bn": (bool, "synchronise BatchNorm statistics across ranks"),
     "engine": (
         str,
-        "auto (worker processes when training on a GPU, decode threads on the CPU), threads "
+        "auto (decode threads; worker processes on a GPU if the C row builder is not built), threads "
         "(decode threads in the training process) or processes (DataLoader worker processes)",
     ),
     "eval_image_size": (int, "evaluation resolution (default: --image-size)"),
