@@ -18,6 +18,8 @@ source "${OPENRC:-$HOME/openrc.sh}"   # OS_* (Keystone) or ST_* (tempauth) crede
 # Nodes with several network interfaces: name the one the ranks should use, e.g.
 # export NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=eth0   (gloo carries the trainer's control messages)
 export OMP_NUM_THREADS=4
+# For an elastic run that goes on without a lost node (--nnodes 1:2 --max-restarts 1), also:
+# export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   (a restart then gets a store of its own)
 
 torchrun \
     --nnodes 2 --nproc-per-node 8 \

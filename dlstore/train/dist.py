@@ -219,6 +219,24 @@ def stop_when_the_parent_dies() -> bool:
     return True
 
 
+def warn_of_a_shared_store(env: Mapping[str, str], rank: int) -> bool:
+    """Warn, on rank 0, when torchrun may restart its workers over the store it gave the last ones.
+
+    A restarted attempt then can read the failed one's addresses, and its group fails to
+    connect (pytorch issue 135712; seen here after a lost node). Without the shared store,
+    each attempt's rank 0 starts a store of its own. Whether it warned."""
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if rank != 0 or not shared or not restarts.isdigit() or int(restarts) == 0:
+        return False
+    log.warning(
+        "torchrun --max-restarts %s shares one store across restarts: a restart may fail to connect to "
+        "addresses of the failed attempt. Set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun",
+        restarts,
+    )
+    return True
+
+
 def setup_distributed(
     launch: Rendezvous | None = None, *, device: str = "auto", timeout_minutes: float = 30.0
 ) -> DistContext:
@@ -233,6 +251,7 @@ def setup_distributed(
     launch = launch or Rendezvous.from_env()
     if launch.launcher == "torchrun":
         stop_when_the_parent_dies()
+        warn_of_a_shared_store(os.environ, launch.world.rank)
     if device not in ("auto", "cuda", "cpu"):
         raise ConfigError(f"device must be 'auto', 'cuda' or 'cpu', not {device!r}")
     if device == "cuda" and not torch.cuda.is_available():

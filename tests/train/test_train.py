@@ -51,7 +51,7 @@ from dlstore.train import (
 from dlstore.train.checkpoint import checkpoint_key, checkpoint_named, load_checkpoint_at, load_checkpoint_url
 from dlstore.train.config import config_from_args
 from dlstore.train.demand import precision_name
-from dlstore.train.dist import Rendezvous, first_slurm_host
+from dlstore.train.dist import Rendezvous, first_slurm_host, warn_of_a_shared_store
 from dlstore.train.loop import EXIT_PREEMPTED, Trainer, main
 from dlstore.train.signals import START_UP_STOP_GRACE_S
 from dlstore.train.step import amp_dtype_for
@@ -461,6 +461,17 @@ def test_launch_env_from_torchrun_and_slurm():
     assert slurm.master_port == 20000 + 4242
     assert Rendezvous.from_env({}).world.world_size == 1
     assert first_slurm_host("a-1,b-2") == "a-1"
+
+
+def test_torchrun_restarts_over_a_shared_store_are_warned_of(caplog):
+    """A torchrun that may restart its workers, with its store shared: rank 0 names the remedy."""
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    with caplog.at_level(logging.WARNING, logger="dlstore.train.dist"):
+        assert warn_of_a_shared_store(shared, rank=0)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in caplog.text
+    assert not warn_of_a_shared_store(shared, rank=1)
+    assert not warn_of_a_shared_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}, rank=0)
+    assert not warn_of_a_shared_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}, rank=0)
 
 
 def test_metrics_files_are_rebuilt_from_the_checkpoint_records(tmp_path):
