@@ -13,6 +13,7 @@ The session fixture starts the cloud (about 10 s) unless ``DLSTORE_KEYSTONE_ENV`
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -31,6 +32,7 @@ import requests
 
 import dlstore
 from dlstore.config import DataConfig, RetryConfig, StoreConfig
+from dlstore.demo.datagen import make_imagefolder
 from dlstore.doctor import FAIL, OK, DoctorOptions, format_check, run_doctor
 from dlstore.errors import AuthError, ConfigError, DlstoreError, StalledRead, TransientError
 from dlstore.storage import open_store
@@ -292,6 +294,36 @@ def test_login_then_ls_put_and_get_with_the_cli(cloud, container, app_cred, tmp_
     assert "hello.txt" in outputs[1]
     assert back.read_bytes() == source.read_bytes()
     assert cloud.swift().get_object(container, "d/hello.txt")[1] == source.read_bytes()  # project A's account
+
+
+@pytest.mark.slow
+def test_convert_verify_train_and_resume_through_an_application_credential(cloud, container, app_cred, tmp_path):
+    """The main job as a testbed user runs it: an ImageFolder converted into project A's
+    container, verified, trained from with checkpoints to it, then resumed for a second epoch."""
+    env = cloud.app_cred_env(*app_cred)
+    made = make_imagefolder(tmp_path / "src", num_classes=3, per_class=8, image_size=(24, 24), formats=("jpg",))
+    data, ckpt = f"swift://{container}/data", f"swift://{container}/ckpt"
+    train = ["train", data, "--model", "resnet18", "--image-size", "16", "--batch-size", "4", "--workers", "1"]
+    train += ["--checkpoint-url", ckpt, "--checkpoint-every-steps", "2", "--checkpoint-every-minutes", "0"]
+    train += ["--cache-dir", str(tmp_path / "cache"), "--output-dir", str(tmp_path / "out"), "--no-progress"]
+    train += ["--no-tensorboard", "--resume", "auto", "--log-every", "1"]
+    steps = [
+        ("convert", "imagefolder", str(made.root), data, "--samples-per-shard", "6", "--workers", "1", "-q"),
+        ("verify", data, "--deep"),
+        (*train, "--epochs", "1"),
+        (*train, "--epochs", "2"),
+    ]
+    outputs = []
+    for args in steps:
+        done = cli(*args, env=env)
+        assert done.returncode == 0, f"{args[0]}: {done.stderr[-3000:]}"
+        outputs.append(done.stdout + done.stderr)
+    assert "resumed from" in outputs[3] and "at epoch 1" in outputs[3]
+    objects = {o["name"] for o in cloud.swift().get_container(container, full_listing=True)[1]}
+    assert "data/index.json" in objects and sum(name.startswith("ckpt/ckpt-") for name in objects) >= 2
+    records = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["split"] == "train"] == list(range(1, 13))  # 24 images, 6 steps an epoch
+    assert not leaks([app_cred[1]], {f"step {n}": text for n, text in enumerate(outputs)})
 
 
 def test_a_wrong_application_credential_secret_is_an_auth_error_at_once(cloud, container, app_cred, debug_logs):
