@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_check.sh --wheels               # here, with pip: wheels a bare GPU image lacks -> .whl/
 #   bash benchmarks/gpu_check.sh --wheels --with-torch  # ... and the pinned torch pair with its CUDA libraries
 #   bash benchmarks/gpu_check.sh                        # on the GPU node (installs what .whl/ holds and it lacks)
+#   DLSTORE_GPU_CHECK_DRY=1 bash benchmarks/gpu_check.sh  # a dry run: every step on the CPU, small and short
 #
 # It fails, with the reason, when there is no GPU or torch sees none, when torch and torchvision are
 # not tools/setup.sh's pinned pair (or DLSTORE_TORCH_SPEC, e.g. "torch torchvision" for any), when a
@@ -59,7 +60,23 @@ fi
 # -- preflight: a GPU, a torch that sees it, the pinned pair ----------------------------------
 OUT=${OUT:-$PWD/gpu-check}
 mkdir -p "$OUT"
-if ! command -v nvidia-smi >/dev/null; then
+DRY=${DLSTORE_GPU_CHECK_DRY:-0}
+device=cuda
+# Per step: the sizes of a real run, or of a dry run, which checks the script and not the figures.
+gpu_sizes=(--images 8000 --steps 150)
+gil_sizes=(--images 1000 --seconds 4)
+bench_sizes=(--batches 10)
+peers_sizes=(--images 8000 --shards 32 --batch-size 256 --single-core-samples 300)
+engines_sizes=(--images 4000)
+if [[ $DRY == 1 ]]; then
+    device=cpu
+    gpu_sizes=(--images 256 --steps 8 --skip-steps 2 --demand-steps 4 --model resnet18 --batch-size 16 --decode worker)
+    gil_sizes=(--images 200 --seconds 1)
+    bench_sizes=(--quick)
+    peers_sizes=(--images 400 --shards 4 --batch-size 32 --single-core-samples 40)
+    engines_sizes=(--images 256 --batch-size 32)
+    echo "gpu_check: a dry run on the CPU (DLSTORE_GPU_CHECK_DRY=1): the steps, not the figures"
+elif ! command -v nvidia-smi >/dev/null; then
     echo "gpu_check: no GPU here (no nvidia-smi): run it on a GPU node" >&2
     exit 2
 fi
@@ -128,19 +145,22 @@ try:
 except ImportError:
     print("crop-only decode: not built (whole JPEGs are decoded)")
 EOF
-if ! torch_matches; then
+if [[ $DRY == 1 ]]; then
+    :
+elif ! torch_matches; then
     echo "gpu_check: torch and torchvision are not $TORCH_SPEC (tools/setup.sh's pair, or DLSTORE_TORCH_SPEC):" \
         "put that pair's wheels in .whl/torch (--wheels --with-torch), or set DLSTORE_TORCH_SPEC to the pair to check" >&2
     exit 3
 fi
-if ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
+if [[ $DRY != 1 ]] && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     driver=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
     echo "gpu_check: torch sees no CUDA device, though nvidia-smi does (driver ${driver:-?}, this torch" \
         "built for CUDA $("$PYTHON" -c "import torch; print(torch.version.cuda)")): a wheel newer than the" \
         "driver, CUDA_VISIBLE_DEVICES, or a CPU-only torch; see $OUT/nvidia-smi.txt" >&2
     exit 3
 fi
-"$PYTHON" -c "import torch; print(torch.cuda.get_device_name(0))" | tee -a "$OUT/versions.txt"
+"$PYTHON" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU')" |
+    tee -a "$OUT/versions.txt"
 # The batch slots live in /dev/shm (prefetch x workers + 2 batches per rank).
 { nproc; df -h /dev/shm; ulimit -n; } >"$OUT/host.txt" 2>&1
 
@@ -149,45 +169,46 @@ echo "== CUDA tests"
 tests=0
 timeout -k 15 100 "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/loader/test_gpu.py tests/transforms/test_transforms.py 2>&1 |
     tee "$OUT/gpu-tests.txt" || tests=$?
-if grep -q "needs a CUDA device" "$OUT/gpu-tests.txt" || ! grep -Eq "[0-9]+ passed" "$OUT/gpu-tests.txt"; then
+if [[ $DRY != 1 ]] && { grep -q "needs a CUDA device" "$OUT/gpu-tests.txt" || ! grep -Eq "[0-9]+ passed" "$OUT/gpu-tests.txt"; }; then
     echo "gpu_check: CUDA tests were skipped or none passed: they did not run on the GPU" >&2
     if [[ $tests == 0 ]]; then tests=1; fi
 fi
 
 echo "== synthetic vs fed training rate, decode threads and worker processes"
 bench=0
-workers=$(($(nproc) - 2))
-timeout -k 15 200 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full --steps 150 --engines threads,processes \
-    --workers "$workers" --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt" || bench=$?
+workers=$(($(nproc) > 3 ? $(nproc) - 2 : 1))
+counts="4,8,$workers"
+if [[ $DRY == 1 ]]; then counts="1,$workers"; fi
+timeout -k 15 200 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full "${gpu_sizes[@]}" --device $device \
+    --engines threads,processes --workers "$workers" --json "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.txt" || bench=$?
 if [[ ${DLSTORE_FEW_CORES:-1} == 1 ]] && command -v taskset >/dev/null; then
     # A node with few cores per GPU: the loader on 4 of them, CPU decode against nvJPEG (the decode modes).
     echo "== the same on 4 cores (taskset -c 0-3)"
-    timeout -k 15 120 taskset -c 0-3 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full --steps 100 \
-        --engines threads --workers 4 --json "$OUT/bench_gpu_4cores.json" 2>&1 | tee "$OUT/bench_gpu_4cores.txt" || bench=$?
+    timeout -k 15 120 taskset -c 0-3 "$PYTHON" -m benchmarks.gpu --workdir "$work" --stored full "${gpu_sizes[@]}" \
+        --device $device --engines threads --workers 4 --json "$OUT/bench_gpu_4cores.json" 2>&1 | tee "$OUT/bench_gpu_4cores.txt" || bench=$?
 fi
 
 echo "== one decode thread beside a Python-busy thread (benchmarks.gil)"
-timeout -k 10 40 "$PYTHON" -m benchmarks.gil --workdir "$work/gil" --images 1000 --rounds 1 --seconds 4 2>&1 |
+timeout -k 10 40 "$PYTHON" -m benchmarks.gil --workdir "$work/gil" "${gil_sizes[@]}" --rounds 1 2>&1 |
     tee "$OUT/gil.txt" || bench=$?
 
 echo "== dlstore bench (stage split, beside Python, verdict)"
 verdict=0
-timeout -k 15 60 "$PYTHON" -m dlstore bench "file://$work/store/train" --device cuda --workers "$workers" \
-    --batches 10 --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt" || verdict=$?
+timeout -k 15 60 "$PYTHON" -m dlstore bench "file://$work/store/train" --device $device --workers "$workers" \
+    "${bench_sizes[@]}" --json "$OUT/dlstore_bench.json" 2>&1 | tee "$OUT/dlstore_bench.txt" || verdict=$?
 
 echo "== the peers on this node's cores (benchmarks.peers)"
 peers=0
 if "$PYTHON" -c "import webdataset" 2>/dev/null; then
-    timeout -k 15 90 "$PYTHON" -m benchmarks.peers --workdir "$work/peers" --workers "$workers" --images 8000 \
-        --shards 32 --rounds 1 --epochs 2 --batch-size 256 --rss-workers "$workers" --single-core-samples 300 \
-        --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.txt" || peers=$?
+    timeout -k 15 90 "$PYTHON" -m benchmarks.peers --workdir "$work/peers" --workers "$workers" "${peers_sizes[@]}" \
+        --rounds 1 --epochs 2 --rss-workers "$workers" --json "$OUT/peers.json" 2>&1 | tee "$OUT/peers.txt" || peers=$?
 else
     echo "no webdataset here: skipped (bash benchmarks/gpu_check.sh --wheels fetches it)"
 fi
 
 echo "== decode threads against worker processes (benchmarks.gpu workers)"
 engines=0
-timeout -k 10 70 "$PYTHON" -m benchmarks.gpu workers --workers "4,8,$workers" --images 4000 --rounds 1 \
+timeout -k 10 70 "$PYTHON" -m benchmarks.gpu workers --workers "$counts" "${engines_sizes[@]}" --rounds 1 \
     --json "$OUT/workers.json" 2>&1 | tee "$OUT/workers.txt" || engines=$?
 
 echo "exit codes: tests $tests, bench_gpu $bench, dlstore bench $verdict, peers $peers, engines $engines"

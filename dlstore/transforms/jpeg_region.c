@@ -18,6 +18,18 @@
  * data, warnings included, as simplejpeg's strict default does; a CMYK image), and for a region outside
  * the image. Without check_all the rows below are never read: for a JPEG known to decode. The GIL is
  * released while libjpeg works.
+ *
+ *   jpeg_size(data) -> (height, width) or None
+ *
+ * The header's size, read with the GIL held: a crop is drawn from it before the decode.
+ *
+ *   crop_rows(jobs, out, size) -> [None or an error string, one per job]
+ *
+ * A job is (data, left, top, right, bottom, flip, denom, check_all, row). Each is decoded as above,
+ * resized to size x size with an antialiased triangle filter (resample.c), flipped when asked, and
+ * written into row `row` of `out`, a C-contiguous uint8 buffer of rows of size x size x 3. The GIL is
+ * released once for the whole list: beside a training loop's Python, each release costs a decode
+ * thread a wait of up to the switch interval. A job that fails leaves its row to the caller.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

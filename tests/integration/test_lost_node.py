@@ -44,7 +44,7 @@ from dlstore.config import StoreConfig
 from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from tests.support import elastic_rank
-from tests.support.launch_support import REPO, free_port
+from tests.support.launch_support import REPO, free_port, latest_checkpoint, metrics_records
 from tests.support.loader_support import write_dataset
 from tests.support.netns import NODE_IFNAME, Nodes, netns_missing
 from tests.support.tcp_proxy import TcpProxy
@@ -58,7 +58,6 @@ pytestmark = [
 
 NODES, RANKS_PER_NODE = 2, 2
 SHARDS, PER_SHARD, BATCH = 16, 8, 4  # 128 samples: 8 steps an epoch in a world of 4, 16 in 2
-RECORD_FIELDS = ("split", "step", "epoch", "loss", "top1", "lr", "image_size", "samples")
 
 
 def report(case: str, **fields: object) -> None:
@@ -189,27 +188,6 @@ def _traces(trace_dir: Path, attempt: int) -> dict[int, list[dict]]:
     return out
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line being written as we read
-            continue
-        if record.get("split") == "train":
-            records.append({k: record.get(k) for k in RECORD_FIELDS})
-    return records
-
-
-def _latest(store) -> dict | None:
-    try:
-        return json.loads(store.get_bytes("latest"))
-    except Exception:  # not written yet
-        return None
-
-
 def _dataset(swift_server, swift_container) -> tuple[str, list[str], dict[str, int]]:
     data = f"swift://{swift_container}/data"
     store = open_store(data, StoreConfig.from_env(swift_server.swift_env()))
@@ -231,13 +209,13 @@ def test_a_lost_node_the_survivor_resumes_in_a_smaller_world_exactly(cluster, sw
     metrics = [tmp_path / f"node{n}" / "out" / "metrics.jsonl" for n in range(NODES)]
     deadline, ready = time.monotonic() + 300, False
     while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not ready:
-        latest = _latest(ckpt)
-        done = max((r["step"] for m in metrics for r in _records(m)), default=0)
+        latest = latest_checkpoint(ckpt)
+        done = max((r["step"] for m in metrics for r in metrics_records(m, "train")), default=0)
         ready = bool(latest) and steps_per_epoch < latest["step"] < done < 2 * steps_per_epoch
         time.sleep(0.02)
     assert ready, f"the run ended before node 1 could be killed:\n{_logs(tmp_path)}"
     _kill_tree(procs[1:])
-    killed_after = max(r["step"] for m in metrics for r in _records(m))
+    killed_after = max(r["step"] for m in metrics for r in metrics_records(m, "train"))
     assert _wait(procs[:1], tmp_path, 300) == [0], _logs(tmp_path)
 
     before = _traces(tmp_path / "node0" / "trace", 0) | _traces(tmp_path / "node1" / "trace", 0)
@@ -292,9 +270,11 @@ def test_a_lost_node_the_survivor_resumes_in_a_smaller_world_exactly(cluster, sw
             start_new_session=True,
         )
     assert _wait([plain], tmp_path, 300) == [0], _logs(tmp_path)
-    survivor = _after_restart(_records(metrics[0]), resumed_step)
+    survivor = _after_restart(metrics_records(metrics[0], "train"), resumed_step)
     # A resumed run's log starts with the checkpoint's history: the steps after it are compared.
-    assert survivor and survivor == _after_restart(_records(reference / "out" / "metrics.jsonl"), resumed_step)
+    assert survivor and survivor == _after_restart(
+        metrics_records(reference / "out" / "metrics.jsonl", "train"), resumed_step
+    )
     assert sorted(post) == sorted(k for t in _traces(reference / "trace", 0).values() for r in t[1:] for k in r["keys"])
     report(
         "lost node",
@@ -337,9 +317,11 @@ def test_a_node_cut_off_from_storage_waits_and_goes_on(cluster, swift_server, sw
     procs = _launch(cluster, tmp_path, data, f"swift://{swift_container}/ckpt-cut", cache_limit=limit)
     metrics = tmp_path / "node0" / "out" / "metrics.jsonl"
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not _records(metrics):
+    while (
+        time.monotonic() < deadline and all(p.poll() is None for p in procs) and not metrics_records(metrics, "train")
+    ):
         time.sleep(0.02)
-    assert _records(metrics), f"the run did not start:\n{_logs(tmp_path)}"
+    assert metrics_records(metrics, "train"), f"the run did not start:\n{_logs(tmp_path)}"
     nodes.cut_storage(1)
     cut_at = time.time()
     try:

@@ -33,7 +33,7 @@ from dlstore.config import StoreConfig
 from dlstore.format.manifest import Manifest
 from dlstore.storage import open_store
 from tests.support.fault_proxy import FaultProxy
-from tests.support.launch_support import REPO, launch_ranks, logs, wait_all
+from tests.support.launch_support import REPO, latest_checkpoint, launch_ranks, logs, metrics_records, wait_all
 from tests.support.loader_support import write_dataset
 
 pytestmark = pytest.mark.swift
@@ -147,27 +147,6 @@ def test_eight_processes_share_one_cache_then_one_is_killed_mid_download(swift_s
 
 
 # -- case 9: SIGKILL of a training process, then --resume auto ------------------------------------
-DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "lr", "image_size", "samples")
-
-
-def _records(path: Path) -> list[dict]:
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line being written as we read
-            continue
-        records.append({k: record.get(k) for k in DETERMINISTIC_FIELDS})
-    return records
-
-
-def _latest(store) -> dict | None:
-    try:
-        return json.loads(store.get_bytes("latest"))
-    except Exception:  # not written yet
-        return None
-
-
 @pytest.mark.torchrun
 @pytest.mark.slow
 def test_sigkill_then_resume_auto_continues_from_the_last_complete_checkpoint(swift_server, swift_container, tmp_path):
@@ -221,8 +200,8 @@ def _kill_and_resume(swift_server, swift_container, tmp_path, config, env, secre
     deadline = time.monotonic() + 120
     ready = False
     while time.monotonic() < deadline and all(p.poll() is None for p in procs) and not ready:
-        latest = _latest(ckpt_b)
-        logged = _records(metrics_b) if metrics_b.exists() else []
+        latest = latest_checkpoint(ckpt_b)
+        logged = metrics_records(metrics_b) if metrics_b.exists() else []
         done = max((r["step"] for r in logged if r["split"] == "train"), default=0)
         ready = bool(latest) and steps_per_epoch < latest["step"] < done < total
         time.sleep(0.02)
@@ -236,16 +215,16 @@ def _kill_and_resume(swift_server, swift_container, tmp_path, config, env, secre
         pytest.fail(f"rank 0 hung after rank 1 was killed:\n{logs(tmp_path / 'b')}")
     survivor_exit_s = time.monotonic() - killed_at
     assert survivor != 0
-    at_kill = _latest(ckpt_b)
+    at_kill = latest_checkpoint(ckpt_b)
     assert at_kill is not None and ckpt_b.exists(at_kill["key"])  # `latest` names a complete checkpoint
-    logged = _records(tmp_path / "b" / "out" / "metrics.jsonl")
+    logged = metrics_records(tmp_path / "b" / "out" / "metrics.jsonl")
     killed_after = max(r["step"] for r in logged if r["split"] == "train")
 
     # The same command again: it resumes from that checkpoint and ends as the reference did.
     assert wait_all(launch_ranks(args("b"), 2, tmp_path / "b", env), tmp_path / "b") == [0, 0], logs(tmp_path / "b")
     assert f"ckpt-b/{at_kill['key']} at epoch" in (tmp_path / "b" / "rank0.log").read_text()
-    reference = _records(tmp_path / "a" / "out" / "metrics.jsonl")
-    resumed = _records(tmp_path / "b" / "out" / "metrics.jsonl")
+    reference = metrics_records(tmp_path / "a" / "out" / "metrics.jsonl")
+    resumed = metrics_records(tmp_path / "b" / "out" / "metrics.jsonl")
     assert [r["step"] for r in reference if r["split"] == "train"] == list(range(1, total + 1))
     assert resumed == reference  # every step's loss: the same batches, in the same order
 

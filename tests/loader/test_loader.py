@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import errno
 import faulthandler
+import gc
 import json
 import logging
 import os
@@ -445,6 +446,9 @@ def test_close_ends_a_pass_waiting_for_a_slow_download(local_dataset, tmp_path, 
         yield from read(self, key, start, end)
 
     monkeypatch.setattr(LocalStore, "_read", slow_read)
+    # An earlier test's DataLoader iterator, freed by the collector during the pass, would join
+    # its workers there (CI once saw 29 s of it, in json.dumps): collected now, outside the clock.
+    gc.collect()
     ds = _dataset(url, tmp_path, first_batch_direct=False, prefetch_shards=0)
     loader = dlstore.Loader(ds, num_workers=2, device="cpu", engine=engine)
     outcome: list[BaseException | None] = []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -61,3 +62,29 @@ def wait_all(procs: list[subprocess.Popen], log_dir: Path, timeout: float = 150)
             p.kill()
             p.wait()
         pytest.fail(f"training did not finish in {timeout} s:\n{logs(log_dir)}")
+
+
+#: The fields of a metrics record that an exact resume reproduces (not the timings).
+DETERMINISTIC_FIELDS = ("split", "step", "epoch", "loss", "top1", "lr", "image_size", "samples")
+
+
+def metrics_records(path: Path, split: str | None = None) -> list[dict]:
+    """The deterministic fields of the metrics records in `path` (of `split` only, if given).
+    A line being written as it is read, or a file not there yet, is no record."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if split is None or record.get("split") == split:
+            records.append({k: record.get(k) for k in DETERMINISTIC_FIELDS})
+    return records
+
+
+def latest_checkpoint(store) -> dict | None:
+    """The `latest` pointer under a checkpoint URL's store, or None before one is written."""
+    try:
+        return json.loads(store.get_bytes("latest"))
+    except Exception:  # not written yet
+        return None

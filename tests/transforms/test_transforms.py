@@ -648,7 +648,8 @@ def test_resize_crop_into_a_row_of_a_batch_gives_the_same_pixels(preset):
 
 # -- the crop-only decode (dlstore/transforms/jpeg_region.c) -------------------------------------------
 _NO_REGION = pytest.mark.skipif(
-    transforms_module.jpeg_region is None, reason="dlstore.transforms.jpeg_region was not built (no libjpeg-turbo headers)"
+    transforms_module.jpeg_region is None,
+    reason="dlstore.transforms.jpeg_region was not built (no libjpeg-turbo headers)",
 )
 
 
