@@ -70,7 +70,7 @@ peers_sizes=(--images 8000 --shards 32 --batch-size 256 --single-core-samples 30
 engines_sizes=(--images 4000)
 if [[ $DRY == 1 ]]; then
     device=cpu
-    gpu_sizes=(--images 256 --steps 8 --skip-steps 2 --demand-steps 4 --model resnet18 --batch-size 16 --decode worker)
+    gpu_sizes=(--images 512 --steps 30 --skip-steps 5 --demand-steps 4 --model resnet18 --batch-size 16 --decode worker)
     gil_sizes=(--images 200 --seconds 1)
     bench_sizes=(--quick)
     peers_sizes=(--images 400 --shards 4 --batch-size 32 --single-core-samples 40)
@@ -79,8 +79,7 @@ if [[ $DRY == 1 ]]; then
 elif ! command -v nvidia-smi >/dev/null; then
     echo "gpu_check: no GPU here (no nvidia-smi): run it on a GPU node" >&2
     exit 2
-fi
-if ! nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1; then
+elif ! nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1; then
     echo "gpu_check: nvidia-smi fails (no usable GPU or driver):" >&2
     cat "$OUT/nvidia-smi.txt" >&2
     exit 2
