@@ -66,7 +66,6 @@ from tests.support.swift_server import (
     StartError,
     add_stop_status_watch,
     apt_install,
-    dump_logs,
     env_lines,
     file_lock,
     free_ports,
@@ -77,8 +76,8 @@ from tests.support.swift_server import (
     proc_stat,
     read_env_file,
     read_pids,
-    running_state,
     spawn,
+    start_in,
     status,
     watch,
     write_configs,
@@ -402,45 +401,9 @@ def _account_ready(ports: dict[str, int], env: dict[str, str]) -> bool:
 
 
 def start(args: argparse.Namespace) -> int:
-    t0 = time.monotonic()
     data_dir = Path(args.data_dir).resolve()
-    data_dir.mkdir(parents=True, exist_ok=True)
-    with file_lock(data_dir / ".lock"):
-        alive, gone = running_state(data_dir)
-        if alive:
-            env_file = data_dir / "env.sh"
-            if not gone and env_file.exists():
-                log(f"already running in {data_dir}; printing its env (stop it with `keystone_server.py stop`)")
-                sys.stdout.write(env_file.read_text())
-                return 0
-            log(f"{data_dir} is partly running ({', '.join(alive)} up, {', '.join(gone)} gone): run stop first")
-            return 1
-        for attempt in (1, 2):
-            pids: dict[str, dict] = {}
-            try:
-                env = _start_servers(args, data_dir, pids)
-                break
-            except (StartError, OSError, subprocess.CalledProcessError) as exc:
-                kill_recorded(pids)
-                (data_dir / "pids").unlink(missing_ok=True)
-                if attempt == 1 and _lost_port_race(data_dir):
-                    log("a port was taken between choosing and binding it; trying again with new ports")
-                    continue
-                log(f"start failed: {exc}")
-                dump_logs(data_dir)
-                return 1
-        _write_env_files(data_dir, env)
-    sys.stdout.write((data_dir / "env.sh").read_text())
-    log(f"started in {time.monotonic() - t0:.1f} s; env in {data_dir / 'env.sh'}")
-    return 0
-
-
-def _lost_port_race(data_dir: Path) -> bool:
-    return any(
-        marker in logfile.read_text(errors="replace")
-        for logfile in (data_dir / "log").glob("*.log")
-        for marker in ("Address already in use", "Could not bind to")
-    )
+    starting = lambda pids: _start_servers(args, data_dir, pids)  # noqa: E731
+    return start_in(data_dir, "keystone_server.py", starting, lambda env: _write_env_files(data_dir, env))
 
 
 def _write_env_files(data_dir: Path, env: dict[str, str]) -> None:

@@ -63,7 +63,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 SWIFT_VERSION = "2.38.3"
@@ -532,18 +532,42 @@ def running_state(data_dir: Path) -> tuple[list[str], list[str]]:
 
 
 def start(args: argparse.Namespace) -> int:
-    t0 = time.monotonic()
     data_dir = Path(args.data_dir).resolve()
+
+    def copy(text: str) -> None:
+        if args.env_file:  # the caller's file, written where and as it is
+            Path(args.env_file).write_text(text)
+
+    return start_in(
+        data_dir,
+        "swift_server.py",
+        lambda pids: _start_servers(args, data_dir, pids),
+        lambda env: _write_private(data_dir / "env.sh", env_lines(env)),
+        copy,
+    )
+
+
+def start_in(
+    data_dir: Path,
+    tool: str,
+    start_servers: Callable[[dict[str, dict]], dict[str, str]],
+    write_env: Callable[[dict[str, str]], None],
+    copy: Callable[[str], None] = lambda text: None,
+) -> int:
+    """`tool start` in `data_dir`, under its lock, and its exit status. A set already running
+    prints its env.sh. Else `start_servers(pids)` starts every server, recording each in
+    `pids`, and once more after a lost port race; `write_env(env)` writes env.sh and the rest.
+    `copy(text)` gets env.sh's text either way, which is then printed."""
+    t0 = time.monotonic()
     data_dir.mkdir(parents=True, exist_ok=True)
     with file_lock(data_dir / ".lock"):
         alive, gone = running_state(data_dir)
         if alive:
             env_file = data_dir / "env.sh"
             if not gone and env_file.exists():
-                log(f"already running in {data_dir}; printing its env (stop it with `swift_server.py stop`)")
+                log(f"already running in {data_dir}; printing its env (stop it with `{tool} stop`)")
                 text = env_file.read_text()
-                if args.env_file:
-                    Path(args.env_file).write_text(text)
+                copy(text)
                 sys.stdout.write(text)
                 return 0
             log(f"{data_dir} is partly running ({', '.join(alive)} up, {', '.join(gone)} gone): run stop first")
@@ -551,7 +575,7 @@ def start(args: argparse.Namespace) -> int:
         for attempt in (1, 2):
             pids: dict[str, dict] = {}
             try:
-                env = _start_servers(args, data_dir, pids)
+                env = start_servers(pids)
                 break
             except (StartError, OSError, subprocess.CalledProcessError) as exc:
                 kill_recorded(pids)
@@ -562,10 +586,9 @@ def start(args: argparse.Namespace) -> int:
                 log(f"start failed: {exc}")
                 dump_logs(data_dir)
                 return 1
-        text = env_lines(env)
-        _write_private(data_dir / "env.sh", text)
-        if args.env_file:  # the caller's file, written where and as it is
-            Path(args.env_file).write_text(text)
+        write_env(env)
+        text = (data_dir / "env.sh").read_text()
+        copy(text)
     sys.stdout.write(text)
     log(f"started in {time.monotonic() - t0:.1f} s; env in {data_dir / 'env.sh'}")
     return 0
