@@ -35,7 +35,7 @@ from dlstore.errors import CorruptSample, CorruptShard, DlstoreError, TransientE
 from dlstore.format.manifest import Manifest, load_sample_index
 from dlstore.format.sample_index import SampleIndex
 from dlstore.format.shards import IMAGE_FIELDS, image_field, parse_label, read_sample, release_views
-from dlstore.plan import locate
+from dlstore.plan import by_shard, locate
 from dlstore.read import DirectReads, NodeMarks, cached_sample_index, forget_sample_index
 from dlstore.transforms import (
     CropSource,
@@ -82,8 +82,8 @@ def direct_shards(ids: np.ndarray, shard_sizes: np.ndarray) -> tuple[int, ...]:
     >>> direct_shards(np.array([0, 1, 2, 3, 4, 5, 40, 41]), np.array([40, 40]))  # 6 and 2 of 40
     (1,)
     """
-    shards, counts = np.unique(locate(ids, shard_sizes)[0], return_counts=True)
-    return tuple(int(s) for s, n in zip(shards, counts) if n <= DIRECT_SHARE * shard_sizes[s])
+    grouped = by_shard(np.asarray(ids).tolist(), np.cumsum(shard_sizes).tolist())
+    return tuple(s for s, (positions, _) in grouped.items() if len(positions) <= DIRECT_SHARE * shard_sizes[s])
 
 
 @dataclass
@@ -123,6 +123,7 @@ class SamplePath:
         self.cache = cache
         self.store_url = store_url
         self.shard_sizes = np.array([s.samples for s in manifest.shards], dtype=np.int64)
+        self._shard_ends = np.cumsum(self.shard_sizes).tolist()  # for `by_shard`
         # Only the fields this dataset has, in the one order of preference.
         self.image_fields = tuple(f for f in IMAGE_FIELDS if f in manifest.fields)
         self._indexes: OrderedDict[str, Any] = OrderedDict()
@@ -231,16 +232,15 @@ class SamplePath:
             release_views(samples)
 
     def _read_into(self, samples: list, ids: np.ndarray, clock, direct: tuple[int, ...], views: bool) -> None:
-        shards, offsets = locate(ids, self.shard_sizes)
+        grouped = by_shard(ids.tolist(), self._shard_ends)
         read_already = set()
         if direct:
             with _timed(clock, "fetch"):
-                read_already = self._read_direct(shards, offsets, samples, direct)
-        for shard in np.unique(shards).tolist():
+                read_already = self._read_direct(grouped, samples, direct)
+        for shard, (positions, offsets) in grouped.items():
             if shard in read_already:
                 continue
-            positions = np.flatnonzero(shards == shard).tolist()
-            spec = self.cache_spec(shard, offsets[positions])
+            spec = self.cache_spec(shard, offsets)
             error = self._read_from_shard(shard, positions, offsets, samples, clock, spec, views)
             if error is not None and self._recheck(shard, spec):
                 error = self._read_from_shard(shard, positions, offsets, samples, clock, spec, views)
@@ -292,7 +292,7 @@ class SamplePath:
         self,
         shard: int,
         positions: list[int],
-        offsets: np.ndarray,
+        offsets: list[int],
         samples: list,
         clock: StageClock | None,
         spec: ShardSpec,
@@ -308,26 +308,23 @@ class SamplePath:
                 with _timed(clock, "read"):
                     # A run of samples maps each sample to its bytes in the entry's file itself.
                     index = spec.samples if spec.samples is not None else self._index(shard, path)
-                    for position in positions:
-                        samples[position] = read_sample(memory, index[int(offsets[position])], views=views)
+                    for position, offset in zip(positions, offsets):
+                        samples[position] = read_sample(memory, index[offset], views=views)
             except CorruptShard as exc:
                 return exc
         return None
 
-    def _read_direct(self, shards: np.ndarray, offsets: np.ndarray, samples: list, allowed: tuple) -> set[int]:
+    def _read_direct(self, grouped: dict, samples: list, allowed: tuple) -> set[int]:
         """Read the samples whose shard is in `allowed` and not cached yet straight from the store
-        into `samples`. `DirectReads.read` checks each by its digest. `shards` and `offsets`
-        give each sample's shard and its index there. Return the shards so read. The others
-        are read from the cache as usual. They are cached or boundary shards, those without a
+        into `samples`. `DirectReads.read` checks each by its digest. `grouped` is `by_shard`'s
+        of the samples. Return the shards so read. The others are read from the cache as usual. They are cached or boundary shards, those without a
         checked index with digests, and those with a sample that does not match."""
         wanted, where = [], {}
-        for shard in np.unique(shards).tolist():
+        for shard, (positions, numbers) in grouped.items():
             name = self.manifest.shards[shard].name
             if shard not in allowed or not self.may_read_directly(shard):  # a warm pass: no request
                 continue
-            positions = np.flatnonzero(shards == shard).tolist()
             index = self._store_index(shard)
-            numbers = [int(offsets[position]) for position in positions]
             if index is None:
                 continue
             wanted.append((name, index, numbers))
@@ -573,11 +570,12 @@ class SamplePath:
 
     def batch_dict(self, index: int, images: torch.Tensor, labels: list, keys: list, padding: list) -> dict:
         """The batch as the loader hands it on: uint8 NHWC images, labels, padding marks, keys."""
+        # Made by numpy: `torch.tensor` lets go of the GIL, and each let-go costs a wait for it.
         batch: dict[str, Any] = {
             "images": images,
-            "labels": torch.tensor(labels, dtype=torch.int64),
+            "labels": torch.from_numpy(np.array(labels, dtype=np.int64)),
             "index": index,
-            "padding": torch.tensor(padding, dtype=torch.bool),
+            "padding": torch.from_numpy(np.array(padding, dtype=bool)),
         }
         if self.cfg.return_keys:
             batch["keys"] = keys

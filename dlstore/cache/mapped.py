@@ -72,6 +72,11 @@ class MappedEntries:
             self._entries.move_to_end(name)
             return entry.memory, entry.path
 
+    def holds(self, name: str) -> bool:
+        """Whether entry `name` is mapped here: cached, and held until it goes idle."""
+        with self._lock:
+            return name in self._entries
+
     def add(self, name: str, memory: mmap.mmap | bytes, path: str, fd: int) -> None:
         """Keep `memory`, the entry at `path`, and `fd`, its shared lock, for a read ended by `done`."""
         with self._lock:

@@ -21,7 +21,13 @@ from dlstore.cache.layout import CacheDir, CacheStats, entry_stem, unlock_and_cl
 from dlstore.cache.mapped import NEAR, map_file
 from dlstore.cache.pace import Concurrency
 from dlstore.cache.policy import HintWriter
-from dlstore.cache.prefetch import advance_window, raise_prefetch_error, start_prefetch, stop_prefetch
+from dlstore.cache.prefetch import (
+    PREFETCH_DROPPED,
+    advance_window,
+    raise_prefetch_error,
+    start_prefetch,
+    stop_prefetch,
+)
 from dlstore.cache.room import Room, check_fits, disk_room
 from dlstore.cache.runtime import ProcessLocal, Runtime
 from dlstore.cache.slots import node_slots
@@ -212,9 +218,15 @@ class ShardCache:
             rt,
             specs,
             depth if depth is not None else self.config.prefetch,
-            # The threads keep this function: the epoch is read when a shard is fetched.
-            lambda spec, sooner, priority: self._fetcher.acquire(
-                rt, spec, protect=sooner, prefetching=True, priority=priority, epoch=rt.prefetch_epoch
+            # The threads keep this function: the epoch is read when a shard is fetched. A shard
+            # this process holds mapped is there: a look at it would cost system calls, and each
+            # lets go of the GIL, which beside a training loop costs a wait to take back.
+            lambda spec, sooner, priority: (
+                PREFETCH_DROPPED
+                if rt.mapped.holds(spec.name)
+                else self._fetcher.acquire(
+                    rt, spec, protect=sooner, prefetching=True, priority=priority, epoch=rt.prefetch_epoch
+                )
             ),
             Concurrency(self.config.shards_in_flight, self.config.parts_in_flight),
             lead,

@@ -86,11 +86,11 @@ class GpuPrefetcher:
                 size = self.slots.buffers.shape[2]
                 images = self.handed.take(len(images), self.slots.buffers.shape[1], size).copy_(images)
         else:
-            images = batch["images"].to(self.device, non_blocking=True)
-        labels = batch["labels"].to(self.device, non_blocking=True)
+            images = self._moved(batch["images"])
+        labels = self._moved(batch["labels"])
         # Beside the labels, on this side stream. A consumer's copy on its own stream might wait
         # there for the work queued before it.
-        padding = batch["padding"].to(self.device, non_blocking=True) if self.padding_to_device else None
+        padding = self._moved(batch["padding"]) if self.padding_to_device else None
         # NHWC uint8 -> NCHW view with channels_last strides: no copy.
         images = images.permute(0, 3, 1, 2)
         if self.dtype != torch.uint8:
@@ -111,6 +111,11 @@ class GpuPrefetcher:
         else:  # not handed on: left behind, not passed on in host memory
             out.pop("padding", None)
         return out
+
+    def _moved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the device. One there already is passed as it is: even a no-op `to` lets
+        go of the GIL, and each let-go costs the loop a wait to take it back."""
+        return tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
 
     def _drop_undecodable(self, batch: dict, bad: list[int]) -> dict:
         """The batch without samples whose JPEG the device could not decode.

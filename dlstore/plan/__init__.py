@@ -96,7 +96,7 @@ under it was upgraded.
 from __future__ import annotations
 
 from dlstore.plan.epoch import RankPlan, node_ranges, rank_plan, world_plans
-from dlstore.plan.ranges import NodeRanges, assign_ranges, locate, shard_offsets, shard_order
+from dlstore.plan.ranges import NodeRanges, assign_ranges, by_shard, locate, shard_offsets, shard_order
 from dlstore.plan.state import EpochState, PlanConfig, Segment
 
 __all__ = [
@@ -106,6 +106,7 @@ __all__ = [
     "RankPlan",
     "Segment",
     "assign_ranges",
+    "by_shard",
     "locate",
     "node_ranges",
     "rank_plan",
