@@ -1,8 +1,10 @@
-"""The one compiled part: dlstore.transforms.jpeg_region, the crop-only JPEG decode and the batch rows
-built from it with the GIL released (see its source).
+"""The compiled parts: dlstore.transforms.jpeg_region, the crop-only JPEG decode and the batch rows
+built from it with the GIL released, and dlstore.format.tar_headers, a sample's tar headers read in
+C (see their sources).
 
 Optional: without a C compiler or libjpeg-turbo's headers (Debian/Ubuntu `libjpeg-dev`) the
-install goes on without it, and dlstore decodes whole images instead (`dlstore doctor` says which).
+install goes on without them. dlstore then decodes whole images and reads headers in Python
+(`dlstore doctor` says which).
 """
 
 from setuptools import Extension, setup
@@ -16,5 +18,6 @@ setup(
             libraries=["jpeg"],
             optional=True,
         ),
+        Extension("dlstore.format.tar_headers", ["dlstore/format/tar_headers.c"], optional=True),
     ]
 )

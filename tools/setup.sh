@@ -80,8 +80,9 @@ if ! "$VENV_PYTHON" -c "import torch, torchvision" >/dev/null 2>&1; then
     # shellcheck disable=SC2086
     "$VENV_PYTHON" -m pip install --quiet $TORCH_SPEC
 fi
-# dlstore/transforms/jpeg_region.c (the crop-only JPEG decode) needs a C compiler, libjpeg-turbo's headers and
-# Python's; without them the install goes on and whole JPEGs are decoded (`dlstore doctor` says which).
+# dlstore/transforms/jpeg_region.c (the crop-only JPEG decode) and dlstore/format/tar_headers.c need a C
+# compiler, libjpeg-turbo's headers and Python's; without them the install goes on, whole JPEGs are decoded
+# and tar headers read in Python (`dlstore doctor` says which).
 native_build_deps() {
     local packages=(gcc libjpeg-dev)
     if ! "$VENV_PYTHON" -c "import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"; then

