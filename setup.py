@@ -13,8 +13,8 @@ setup(
     ext_modules=[
         Extension(
             "dlstore.transforms.jpeg_region",
-            ["dlstore/transforms/jpeg_region.c", "dlstore/transforms/resample.c"],
-            depends=["dlstore/transforms/resample.h"],
+            ["dlstore/transforms/jpeg_region.c", "dlstore/transforms/resample.c", "dlstore/transforms/row_workers.c"],
+            depends=["dlstore/transforms/resample.h", "dlstore/transforms/row_workers.h"],
             libraries=["jpeg"],
             optional=True,
         ),

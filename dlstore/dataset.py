@@ -19,8 +19,8 @@ from dlstore.cache import CacheConfig, SampleRange, ShardCache
 from dlstore.config import DataConfig, StoreConfig, TransformConfig, format_size
 from dlstore.errors import ConfigError, DlstoreError
 from dlstore.format.manifest import Manifest, load_sample_index
-from dlstore.plan import PlanConfig, RankPlan, node_ranges, rank_plan
-from dlstore.sample_path import BatchRequest, SamplePath, StageClock, direct_shards
+from dlstore.plan import PlanConfig, RankPlan, by_shard, node_ranges, rank_plan
+from dlstore.sample_path import BatchRequest, SamplePath, StageClock
 from dlstore.storage import open_store
 from dlstore.world import World
 
@@ -60,6 +60,23 @@ def fetch_settings(cfg: DataConfig) -> dict[str, int]:
         "node_connections": cfg.fetch_node_connections,
     }
     return {name: value for name, value in given.items() if value is not None}
+
+
+# The most of a shard's samples a first batch reads straight from the store rather than wait
+# for the shard. Waiting costs the whole shard's fetch. Reading directly costs the batch's part
+# of it, plus GETs, digests and parsing. Past this share the shard itself comes sooner.
+DIRECT_SHARE = 0.125
+
+
+def direct_shards(ids: np.ndarray, shard_sizes: np.ndarray) -> tuple[int, ...]:
+    """The shards of which the batch of `ids` reads at most `DIRECT_SHARE` of the samples.
+    They are decided for the whole batch before it is split among workers.
+
+    >>> direct_shards(np.array([0, 1, 2, 3, 4, 5, 40, 41]), np.array([40, 40]))  # 6 and 2 of 40
+    (1,)
+    """
+    grouped = by_shard(np.asarray(ids).tolist(), np.cumsum(shard_sizes).tolist())
+    return tuple(s for s, (positions, _) in grouped.items() if len(positions) <= DIRECT_SHARE * shard_sizes[s])
 
 
 class Dataset(torch.utils.data.Dataset):

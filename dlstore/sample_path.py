@@ -50,16 +50,12 @@ from dlstore.transforms import (
     resize_crop,
 )
 
-__all__ = ["STAGES", "BatchRequest", "SamplePath", "StageClock", "direct_shards", "join_encoded"]
+__all__ = ["STAGES", "BatchRequest", "RowJobs", "SamplePath", "StageClock", "join_encoded"]
 
 log = logging.getLogger(__name__)
 
 # The stages a batch goes through on the host, in order: the `StageClock` keys.
 STAGES = ("fetch", "read", "decode", "augment", "collate")
-# The most of a shard's samples a first batch reads straight from the store rather than wait
-# for the shard. Waiting costs the whole shard's fetch. Reading directly costs the batch's part
-# of it, plus GETs, digests and parsing. Past this share the shard itself comes sooner.
-DIRECT_SHARE = 0.125
 
 
 @dataclass(frozen=True)
@@ -75,15 +71,13 @@ class BatchRequest:
     direct: tuple[int, ...] = ()
 
 
-def direct_shards(ids: np.ndarray, shard_sizes: np.ndarray) -> tuple[int, ...]:
-    """The shards of which the batch of `ids` reads at most `DIRECT_SHARE` of the samples.
-    They are decided for the whole batch before it is split among workers.
+@dataclass
+class RowJobs:
+    """The `crop_rows` jobs, each one's (position, id, label, known to decode), and the rest."""
 
-    >>> direct_shards(np.array([0, 1, 2, 3, 4, 5, 40, 41]), np.array([40, 40]))  # 6 and 2 of 40
-    (1,)
-    """
-    grouped = by_shard(np.asarray(ids).tolist(), np.cumsum(shard_sizes).tolist())
-    return tuple(s for s, (positions, _) in grouped.items() if len(positions) <= DIRECT_SHARE * shard_sizes[s])
+    jobs: list[tuple]
+    taken: list[tuple]
+    left: list[int]
 
 
 @dataclass
@@ -475,13 +469,51 @@ class SamplePath:
 
         With `rows`, uint8 and C-contiguous, image k is written into `rows[k]`. Then the JPEGs go
         through `crop_rows` where it is built: one C call for them all, the GIL released once.
-        Beside a training loop's Python, each GIL release costs a decode thread a wait of up
-        to the switch interval. What that call turns down takes the per-image path."""
+        What it turns down takes the per-image path."""
+        native = self.row_jobs(samples, ids, epoch, rows)
+        errors = []
+        if native is not None and native.jobs:
+            with _timed(clock, "decode"):  # the resize too: one call does both
+                errors = crop_rows(native.jobs, self.cfg.transform, rows)
+        return self.images_done(samples, ids, epoch, rows, native, errors, clock)
+
+    def row_jobs(self, samples: list[dict], ids: list[int], epoch: int, rows: np.ndarray | None) -> RowJobs | None:
+        """The first half of `images`: the `crop_rows` jobs of the samples it takes, or None
+        where it does not serve. The thread engine hands them to C threads (`RowWorkers`)."""
+        if rows is None or self.cfg.decode_on == "device" or not builds_rows_natively(self.cfg.transform):
+            return None
+        transform, marks = self.cfg.transform, self._decode_marks()
+        native = RowJobs([], [], [])
+        for k, (sample, sample_id) in enumerate(zip(samples, ids)):
+            try:
+                data, label = self.image_bytes(sample), self.label(sample)
+            except CorruptSample:
+                native.left.append(k)  # the per-image path says so
+                continue
+            size = jpeg_size(data)
+            if size is None:
+                native.left.append(k)
+                continue
+            box, flip = crop_plan(size[1], size[0], transform, self._rngs(self.cfg.seed, epoch, sample_id))
+            known = self._known_to_decode(sample_id, marks)
+            native.jobs.append((data, box, flip, k, not known))
+            native.taken.append((k, sample_id, label, known))
+        return native
+
+    def images_done(self, samples, ids, epoch: int, rows, native: RowJobs | None, errors: list, clock=None) -> list:
+        """The second half of `images`, given `crop_rows`' `errors` for `native`'s jobs: marks,
+        and the per-image path for what C turned down or did not take."""
         done: list[tuple[Any, int] | None] = [None] * len(samples)
-        pending: list[int] = list(range(len(samples)))
-        if rows is not None and self.cfg.decode_on != "device" and builds_rows_natively(self.cfg.transform):
-            pending = self._native_rows(samples, ids, epoch, rows, done, clock)
-        for k in pending:
+        left = range(len(samples)) if native is None else native.left
+        if native is not None:
+            marks = self._decode_marks()
+            for (k, sample_id, label, known), error in zip(native.taken, errors):
+                if error is not None:
+                    left.append(k)
+                    continue
+                self._mark_decoded(sample_id, known, marks)
+                done[k] = (rows[k], label)
+        for k in sorted(left):
             try:
                 done[k] = self.image(samples[k], epoch, ids[k], clock, out=None if rows is None else rows[k])
             except CorruptSample as exc:
@@ -489,34 +521,6 @@ class SamplePath:
                     raise
                 log.warning("skipping corrupt sample %s: %s", samples[k].get("__key__"), exc)
         return done
-
-    def _native_rows(self, samples, ids, epoch: int, rows: np.ndarray, done: list, clock) -> list[int]:
-        """`crop_rows` for the samples it takes, into `done`; the positions left to the per-image path."""
-        transform, marks = self.cfg.transform, self._decode_marks()
-        jobs, taken, left = [], [], []
-        for k, (sample, sample_id) in enumerate(zip(samples, ids)):
-            try:
-                data, label = self.image_bytes(sample), self.label(sample)
-            except CorruptSample:
-                left.append(k)  # the per-image path says so
-                continue
-            size = jpeg_size(data)
-            if size is None:
-                left.append(k)
-                continue
-            box, flip = crop_plan(size[1], size[0], transform, self._rngs(self.cfg.seed, epoch, sample_id))
-            known = self._known_to_decode(sample_id, marks)
-            jobs.append((data, box, flip, k, not known))
-            taken.append((k, sample_id, label, known))
-        with _timed(clock, "decode"):  # the resize too: one call does both
-            errors = crop_rows(jobs, transform, rows) if jobs else []
-        for (k, sample_id, label, known), error in zip(taken, errors):
-            if error is not None:
-                left.append(k)
-                continue
-            self._mark_decoded(sample_id, known, marks)
-            done[k] = (rows[k], label)
-        return sorted(left)
 
     # -- the whole path ----------------------------------------------------------------------
     def build_batch(

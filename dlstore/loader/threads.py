@@ -4,14 +4,17 @@ Why threads: JPEG decode and the resize release the GIL. So threads do the work 
 processes without their costs. Processes need a fork of a threaded process, which can inherit
 a held lock. Each also needs a torch import, shared memory and a pickled hand-off per batch.
 
-Where threads lose: beside a GPU training loop, whose Python shares the GIL with them. They
-also lose on many cores, since each image takes the GIL a few times. So `engine="auto"` takes
-processes for a GPU.
+Where threads lost: beside a GPU training loop, whose Python shares the GIL with them. Each
+time a thread takes the GIL back it may wait for the loop's switch interval. So where C builds
+the rows (`builds_rows_natively`), `RowWorkers` threads that never take the GIL do it.
 
-How: each batch is cut into `threads` chunks of consecutive samples. A chunk reads its samples
-from the node cache. It writes each augmented image straight into its row of the batch's
-buffer, all JPEGs of the chunk in one C call where it is built (`SamplePath.images`). Every thread builds the first batch at once; later batches queue behind it.
-The loop takes batch `j` when its chunks are done; by then `j+1 .. j+lookahead` are queued.
+How: each batch is cut into `threads` chunks of consecutive samples. A pool thread reads a
+chunk's samples from the node cache and draws their crops (`SamplePath.row_jobs`). The row
+workers decode, resize and flip each JPEG straight into its row of the batch's buffer. A
+finishing thread marks them and takes what C turned down (`SamplePath.images_done`). Without
+the C part a pool thread does it all (`SamplePath.images`). Every thread builds the first batch
+at once; later batches queue behind it. The loop takes batch `j` when its chunks are done; by
+then `j+1 .. j+lookahead` are queued.
 
 Why our own pool: SPDL and `torchdata.nodes` cost more CPU per image through per-sample
 hand-offs. Neither gives what this engine needs. SPDL drops a sample whose stage raises.
@@ -32,9 +35,12 @@ import torch
 
 from dlstore.dataset import Dataset
 from dlstore.errors import raise_if_exiting
+from dlstore.format.shards import release_views
 from dlstore.loader.config import LoaderConfig
+from dlstore.loader.row_workers import RowWorkers
 from dlstore.loader.slots import BatchSlots, HandedBuffers
 from dlstore.sample_path import BatchRequest
+from dlstore.transforms import builds_rows_natively, row_calls
 
 __all__ = ["ThreadEngine"]
 
@@ -76,6 +82,7 @@ class ThreadEngine:
         # Jobs started for the next epoch: ((epoch, history), jobs, batches submitted).
         self._ahead: tuple[tuple, deque[_Job], int] | None = None
         self._pool: futures.ThreadPoolExecutor | None = None  # made at the first batch, again after close()
+        self._row_workers: RowWorkers | None = None  # with the pool, where C builds the rows
         self._closes = 0  # close() calls so far: a pass begun before one does not go on
         # Done at each close(): wakes a pass waiting for a batch in another thread.
         self._closed = futures.Future()
@@ -192,12 +199,16 @@ class ThreadEngine:
                 self._check_open(closes)
             if self._pool is None:
                 self._pool = futures.ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
-            pool = self._pool
-            chunks = [
-                pool.submit(self._chunk, request, int(lo), int(hi), images)
-                for lo, hi in zip(bounds[:-1], bounds[1:])
-                if hi > lo
-            ]
+                if images is not None and builds_rows_natively(self.path.cfg.transform):
+                    self._row_workers = RowWorkers(self.threads)
+            pool, rows = self._pool, self._row_workers
+            spans = [(int(lo), int(hi)) for lo, hi in zip(bounds[:-1], bounds[1:]) if hi > lo]
+            if rows is not None and images is not None:
+                chunks = [futures.Future() for _ in spans]
+                for chunk, (lo, hi) in zip(chunks, spans):
+                    pool.submit(self._start_chunk, chunk, request, lo, hi, images, rows)
+            else:
+                chunks = [pool.submit(self._chunk, request, lo, hi, images) for lo, hi in spans]
             self._live.update(chunks)
         for chunk in chunks:
             chunk.add_done_callback(self._forget)
@@ -213,20 +224,43 @@ class ThreadEngine:
         Raises once the program exits: the exit runs every queued chunk, and nobody reads them."""
         raise_if_exiting("a batch's decoding")
         ids = request.ids[lo:hi]
-        rows: list[_Row | None] = []
         with self.path.viewed(ids, request.direct) as samples:
             done = self.path.images(
                 samples, ids.tolist(), request.epoch, None if images is None else images.numpy()[lo:hi]
             )
-        for k, (sample, result) in enumerate(zip(samples, done)):
-            if result is None:  # corrupt, and skipped
-                rows.append(None)
-                continue
-            row = _Row(result[1], sample.get("__key__"), bool(request.is_padding[lo + k]))
-            if images is None:
-                row.image = result[0]  # device decode: the JPEG and its crop row
-            rows.append(row)
-        return rows
+        return _rows(request, lo, samples, done, images is None)
+
+    def _start_chunk(self, chunk: futures.Future, request: BatchRequest, lo: int, hi: int, images, rows) -> None:
+        """`_chunk` with its C part handed to `rows`, the `RowWorkers`; `chunk` gets the result.
+        This thread reads and draws the crops, the finishing thread marks and takes what C
+        turned down. Neither waits for the GIL while the rows are built."""
+        if not chunk.set_running_or_notify_cancel():
+            return
+        try:
+            raise_if_exiting("a batch's decoding")
+            ids, out = request.ids[lo:hi], images.numpy()[lo:hi]
+            samples = self.path.read(ids, direct=request.direct, views=True)
+        except BaseException as exc:
+            chunk.set_exception(exc)
+            return
+
+        path = self.path  # not `self`: the finishing thread must not be the engine's last holder
+
+        def built(errors: list) -> None:
+            try:
+                done = path.images_done(samples, ids.tolist(), request.epoch, out, native, errors)
+                chunk.set_result(_rows(request, lo, samples, done, False))
+            except BaseException as exc:
+                chunk.set_exception(exc)
+            finally:
+                release_views(samples)
+
+        try:
+            native = self.path.row_jobs(samples, ids.tolist(), request.epoch, out)
+            rows.start(row_calls(native.jobs, self.path.cfg.transform), out, self.path.cfg.transform.image_size, built)
+        except BaseException as exc:
+            release_views(samples)
+            chunk.set_exception(exc)
 
     def _finish(self, job: _Job, closed: futures.Future) -> dict:
         """The batch dict of a job once its chunks are done; a chunk's error is raised here.
@@ -285,6 +319,7 @@ class ThreadEngine:
             closed, self._closed = self._closed, futures.Future()
             ahead, self._ahead = self._ahead, None
             pool, self._pool = self._pool, None
+            rows, self._row_workers = self._row_workers, None
         closed.set_result(None)
         if ahead is not None:
             self._abandon(ahead[1], wait=False)
@@ -295,3 +330,19 @@ class ThreadEngine:
             self._stale += running
         if pool is not None:
             pool.shutdown(wait=not running, cancel_futures=True)
+        if rows is not None:  # its threads end once the rows started are built
+            rows.stop()
+
+
+def _rows(request: BatchRequest, lo: int, samples: list, done: list, on_device: bool) -> list[_Row | None]:
+    """The rows of the chunk at `lo` from `images`' results: None for a corrupt sample."""
+    rows: list[_Row | None] = []
+    for k, (sample, result) in enumerate(zip(samples, done)):
+        if result is None:  # corrupt, and skipped
+            rows.append(None)
+            continue
+        row = _Row(result[1], sample.get("__key__"), bool(request.is_padding[lo + k]))
+        if on_device:
+            row.image = result[0]  # device decode: the JPEG and its crop row
+        rows.append(row)
+    return rows

@@ -21,6 +21,7 @@ from dlstore.transforms.cpu_decode import (
     decode_image,
     jpeg_size,
     resize_crop,
+    row_calls,
     transform_image,
 )
 from dlstore.transforms.crops import SampleRngs, crop_plan, sample_rng
@@ -59,6 +60,7 @@ __all__ = [
     "jpeg_frame",
     "jpeg_size",
     "resize_crop",
+    "row_calls",
     "sample_rng",
     "transform_image",
 ]

@@ -143,11 +143,15 @@ def crop_rows(jobs: list[tuple], cfg: TransformConfig, out: np.ndarray) -> list[
     Each JPEG decodes at `decode_for_crop`'s scale. The pixels are within rounding of
     `transform_image`'s. The result is None per row written, else libjpeg's complaint; the
     caller then takes the per-image path, which raises `CorruptSample` where it should."""
-    calls = [
+    return jpeg_region.crop_rows(row_calls(jobs, cfg), out, cfg.image_size)
+
+
+def row_calls(jobs: list[tuple], cfg: TransformConfig) -> list[tuple]:
+    """`crop_rows`' jobs as its C call takes them, as `jpeg_region.start_rows` does too."""
+    return [
         (data, *(float(v) for v in box), flip, round(1 / _decode_scale(box, cfg)), check_all, row)
         for data, box, flip, row, check_all in jobs
     ]
-    return jpeg_region.crop_rows(calls, out, cfg.image_size)
 
 
 def check_kept_size(data: bytes, size: int) -> None:

@@ -43,6 +43,7 @@
 #include <jpeglib.h>
 
 #include "resample.h"
+#include "row_workers.h"
 
 #ifndef LIBJPEG_TURBO_VERSION
 #error "needs libjpeg-turbo's jpeglib.h (jpeg_skip_scanlines and jpeg_crop_scanline)"
@@ -243,50 +244,78 @@ typedef struct {
     int flip, row, failed;
 } Crop;
 
-static PyObject *crop_rows(PyObject *self, PyObject *args) {
-    PyObject *jobs;
+struct Crops {
+    Crop *crops;
+    Py_ssize_t n, parsed;
     Py_buffer out;
-    int size;
-    if (!PyArg_ParseTuple(args, "O!w*i", &PyList_Type, &jobs, &out, &size))
-        return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(jobs), parsed = 0;
-    size_t image_bytes = (size_t)size * size * 3;
-    Crop *crops = calloc((size_t)(n > 0 ? n : 1), sizeof(Crop));
-    PyObject *results = NULL;
-    if (crops == NULL) {
+    int size, has_out;
+};
+
+void crops_free(Crops *c) {
+    if (c == NULL)
+        return;
+    for (Py_ssize_t i = 0; i < c->parsed; i++)
+        PyBuffer_Release(&c->crops[i].source);
+    if (c->has_out)
+        PyBuffer_Release(&c->out);
+    free(c->crops);
+    free(c);
+}
+
+Crops *crops_parse(PyObject *jobs, PyObject *out, int size) {
+    Crops *c = calloc(1, sizeof(Crops));
+    if (c == NULL)
+        return (Crops *)PyErr_NoMemory();
+    if (!PyList_Check(jobs)) {
+        PyErr_SetString(PyExc_TypeError, "jobs must be a list");
+        goto fail;
+    }
+    if (PyObject_GetBuffer(out, &c->out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        goto fail;
+    c->has_out = 1, c->size = size, c->n = PyList_GET_SIZE(jobs);
+    c->crops = calloc((size_t)(c->n > 0 ? c->n : 1), sizeof(Crop));
+    if (c->crops == NULL) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
-    if (size <= 0 || !PyBuffer_IsContiguous(&out, 'C')) {
-        PyErr_SetString(PyExc_ValueError, "out must be a C-contiguous buffer, and size positive");
-        goto done;
+    if (size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "size must be positive");
+        goto fail;
     }
-    for (; parsed < n; parsed++) {
-        Crop *c = &crops[parsed];
-        Decode *d = &c->decode;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(jobs, parsed), "y*ddddpipi;a job is (data, left, top, right, bottom, "
-                              "flip, denom, check_all, row)", &c->source, &d->box[0], &d->box[1], &d->box[2],
-                              &d->box[3], &c->flip, &d->denom, &d->check_all, &c->row))
-            goto done;
-        if (c->row < 0 || (size_t)(c->row + 1) * image_bytes > (size_t)out.len) {
-            PyBuffer_Release(&c->source);
-            PyErr_Format(PyExc_ValueError, "row %d lies outside out", c->row);
-            goto done;
+    size_t image_bytes = (size_t)size * size * 3;
+    for (; c->parsed < c->n; c->parsed++) {
+        Crop *crop = &c->crops[c->parsed];
+        Decode *d = &crop->decode;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(jobs, c->parsed), "y*ddddpipi;a job is (data, left, top, right, "
+                              "bottom, flip, denom, check_all, row)", &crop->source, &d->box[0], &d->box[1],
+                              &d->box[2], &d->box[3], &crop->flip, &d->denom, &d->check_all, &crop->row))
+            goto fail;
+        if (crop->row < 0 || (size_t)(crop->row + 1) * image_bytes > (size_t)c->out.len) {
+            PyBuffer_Release(&crop->source);
+            PyErr_Format(PyExc_ValueError, "row %d lies outside out", crop->row);
+            goto fail;
         }
-        d->data = (const unsigned char *)c->source.buf, d->length = (size_t)c->source.len;
+        d->data = (const unsigned char *)crop->source.buf, d->length = (size_t)crop->source.len;
         d->has_box = 1, d->slack = SOURCE_SLACK;
     }
-    Py_BEGIN_ALLOW_THREADS
+    return c;
+fail:
+    crops_free(c);
+    return NULL;
+}
+
+void crops_run(Crops *c) {
+    size_t image_bytes = (size_t)c->size * c->size * 3;
     unsigned char *scratch = NULL;
     size_t scratch_size = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Crop *c = &crops[i];
-        Decode *d = &c->decode;
+    for (Py_ssize_t i = 0; i < c->n; i++) {
+        Crop *crop = &c->crops[i];
+        Decode *d = &crop->decode;
         if (decode_rows(d) < 0) {
-            c->failed = 1;
+            crop->failed = 1;
             continue;
         }
-        size_t need = resize_scratch_size(d->rows, size);
+        size_t need = resize_scratch_size(d->rows, c->size);
         if (need > scratch_size) {
             free(scratch);
             scratch = malloc(need), scratch_size = scratch == NULL ? 0 : need;
@@ -294,29 +323,42 @@ static PyObject *crop_rows(PyObject *self, PyObject *args) {
         double *box = d->box;
         if (scratch == NULL ||
             resize_crop(d->pixels, (size_t)d->out_width * 3, box[0] - d->x0, box[1] - d->y0, box[2] - d->x0,
-                        box[3] - d->y0, size, c->flip, (unsigned char *)out.buf + (size_t)c->row * image_bytes,
-                        scratch) < 0) {
+                        box[3] - d->y0, c->size, crop->flip,
+                        (unsigned char *)c->out.buf + (size_t)crop->row * image_bytes, scratch) < 0) {
             snprintf(d->message, sizeof d->message, "out of memory");
-            c->failed = 1;
+            crop->failed = 1;
         }
         free(d->pixels);
         d->pixels = NULL;
     }
     free(scratch);
-    Py_END_ALLOW_THREADS
-    results = PyList_New(n);
-    for (Py_ssize_t i = 0; results != NULL && i < n; i++) {
-        PyObject *r = crops[i].failed ? PyUnicode_FromString(crops[i].decode.message) : Py_NewRef(Py_None);
+}
+
+PyObject *crops_results(Crops *c) {
+    PyObject *results = PyList_New(c->n);
+    for (Py_ssize_t i = 0; results != NULL && i < c->n; i++) {
+        PyObject *r = c->crops[i].failed ? PyUnicode_FromString(c->crops[i].decode.message) : Py_NewRef(Py_None);
         if (r == NULL)
             Py_CLEAR(results);
         else
             PyList_SET_ITEM(results, i, r);
     }
-done:
-    for (Py_ssize_t i = 0; i < parsed; i++)
-        PyBuffer_Release(&crops[i].source);
-    free(crops);
-    PyBuffer_Release(&out);
+    return results;
+}
+
+static PyObject *crop_rows(PyObject *self, PyObject *args) {
+    PyObject *jobs, *out;
+    int size;
+    if (!PyArg_ParseTuple(args, "O!Oi", &PyList_Type, &jobs, &out, &size))
+        return NULL;
+    Crops *c = crops_parse(jobs, out, size);
+    if (c == NULL)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    crops_run(c);
+    Py_END_ALLOW_THREADS
+    PyObject *results = crops_results(c);
+    crops_free(c);
     return results;
 }
 
@@ -329,6 +371,7 @@ static PyMethodDef methods[] = {
      "crop_rows(jobs, out, size) -> [None or error]: each job (data, left, top, right, bottom, flip, denom, check_all, "
      "row) decoded crop-only at 1/denom, resized to size x size and written into row `row` of `out`, with the GIL "
      "released once for all (see the module's source)."},
+    ROW_WORKER_METHODS
     {NULL, NULL, 0, NULL},
 };
 

@@ -793,23 +793,26 @@ def test_leaving_a_device_decode_loop_early_takes_no_more_batches():
     assert taken == [0, 1, 2], taken
 
 
-def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stage", ["read", "images_done"])
+def test_an_error_in_a_decode_thread_stops_the_epoch_with_that_error(stage, tmp_path, monkeypatch):
+    """Before the C rows (the reads, in a pool thread) and after them (in the finishing thread)."""
     url = f"file://{tmp_path}/data"
     write_dataset(open_store(url), [6, 6])
     ds = _dataset(url, tmp_path)
-    real = ds.samples.images
+    real = getattr(ds.samples, stage)
 
-    def failing(samples, ids, epoch, rows=None, clock=None):
-        if 7 in ids:
+    def failing(*args, **kwargs):
+        ids = args[0] if stage == "read" else args[1]
+        if 7 in list(ids):
             raise OSError("disk read error in a decode thread")
-        return real(samples, ids, epoch, rows, clock)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(ds.samples, "images", failing)
+    monkeypatch.setattr(ds.samples, stage, failing)
     loader = dlstore.Loader(ds, num_workers=2, device="cpu")
     with pytest.raises(OSError, match="decode thread"):
         list(loader)
     loader.set_epoch(1)  # the loader is still usable: the abandoned batches freed their slots
-    monkeypatch.setattr(ds.samples, "images", real)
+    monkeypatch.setattr(ds.samples, stage, real)
     assert len(_epoch(loader)) == 12
 
 
