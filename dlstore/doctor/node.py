@@ -165,7 +165,7 @@ def decode_check(cpu_decode, headers_in_c: bool = True) -> Check:
     parts = [
         f"JPEG decode: {f'simplejpeg {simplejpeg.__version__}' if simplejpeg else 'Pillow (no simplejpeg)'}",
         f"crop-only decode: {f'libjpeg-turbo {region.libjpeg_turbo_version}' if region else 'not built'}",
-        "batches: built in C, the GIL released once a chunk"
+        "batches: built by C threads that never take the GIL"
         if rows
         else "batches: image by image (decode threads wait for the GIL; GPU nodes use worker processes)",
         f"{'other transforms resize' if rows else 'resize'}: {resizer}",
@@ -177,7 +177,7 @@ def decode_check(cpu_decode, headers_in_c: bool = True) -> Check:
     if not rows or not headers_in_c:
         fixes.append(
             "install a C compiler and libjpeg-turbo's headers (Debian/Ubuntu: apt-get install gcc libjpeg-dev), "
-            "then pip install -e . again: a crop's rows and columns are then decoded alone, and a chunk of a batch "
-            "is built with the GIL released once"
+            "then pip install -e . again: a crop's rows and columns are then decoded alone, and C threads build "
+            "the batches without the GIL"
         )
     return Check("decode", WARN if fixes else OK, "; ".join(parts), "; ".join(fixes))

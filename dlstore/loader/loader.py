@@ -240,7 +240,7 @@ def choose_engine(dataset: Dataset, cfg: LoaderConfig, device: torch.device, shm
     """What `engine="auto"` means: decode threads, unless batches go to a GPU and this install
     lacks the C row builder (`dlstore.transforms.builds_rows_natively`).
 
-    With it, a thread builds a chunk of a batch with the GIL released once, so it keeps its pace
+    With it, C threads that never take the GIL build the batches, so they keep their pace
     beside a GPU loop's Python. Without it, each image takes the GIL a few times, and there
     processes feed far more. Threads spare /dev/shm, a fork, resident memory and the `__main__`
     guard a fork server needs. Processes need room in `/dev/shm` for the node's batches in

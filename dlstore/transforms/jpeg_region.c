@@ -30,6 +30,10 @@
  * written into row `row` of `out`, a C-contiguous uint8 buffer of rows of size x size x 3. The GIL is
  * released once for the whole list: beside a training loop's Python, each release costs a decode
  * thread a wait of up to the switch interval. A job that fails leaves its row to the caller.
+ *
+ *   row_queue, start_rows, serve_rows, next_done, stop_rows
+ *
+ * The same lists, built by threads that never take the GIL back (row_workers.c).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -295,8 +295,8 @@ def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
 
     check = decode_check(parts())
     assert check.status == OK and check.summary == (
-        "JPEG decode: simplejpeg 1.9.0; crop-only decode: libjpeg-turbo 2.1.5; batches: built in C, the GIL "
-        "released once a chunk; other transforms resize: OpenCV 5.0.0; tar headers: read in C"
+        "JPEG decode: simplejpeg 1.9.0; crop-only decode: libjpeg-turbo 2.1.5; batches: built by C threads that "
+        "never take the GIL; other transforms resize: OpenCV 5.0.0; tar headers: read in C"
     )
     check = decode_check(parts(), headers_in_c=False)
     assert check.status == WARN and "tar headers: read in Python" in check.summary and "C compiler" in check.fix
