@@ -165,7 +165,7 @@ def decode_check(cpu_decode, headers_in_c: bool = True) -> Check:
     parts = [
         f"JPEG decode: {f'simplejpeg {simplejpeg.__version__}' if simplejpeg else 'Pillow (no simplejpeg)'}",
         f"crop-only decode: {f'libjpeg-turbo {region.libjpeg_turbo_version}' if region else 'not built'}",
-        "batches: built by C threads that never take the GIL"
+        f"batches: built by C threads that never take the GIL, resized in {region.resize_path().upper()}"
         if rows
         else "batches: image by image (decode threads wait for the GIL; GPU nodes use worker processes)",
         f"{'other transforms resize' if rows else 'resize'}: {resizer}",

@@ -366,6 +366,47 @@ static PyObject *crop_rows(PyObject *self, PyObject *args) {
     return results;
 }
 
+static PyObject *resize(PyObject *self, PyObject *args) {
+    Py_buffer src, out;
+    int height, width, size, flip;
+    double box[4];
+    if (!PyArg_ParseTuple(args, "y*iiddddipw*", &src, &height, &width, &box[0], &box[1], &box[2], &box[3], &size,
+                          &flip, &out))
+        return NULL;
+    PyObject *result = NULL;
+    size_t stride = (size_t)(width > 0 ? width : 0) * 3;
+    unsigned char *scratch = NULL;
+    if (height <= 0 || width <= 0 || size <= 0 || (size_t)src.len < (size_t)height * stride + SOURCE_SLACK ||
+        (size_t)out.len < (size_t)size * size * 3)
+        PyErr_SetString(PyExc_ValueError, "src must hold height x width x 3 bytes and SOURCE_SLACK more, "
+                                          "out size x size x 3");
+    else if (!(box[0] >= 0 && box[1] >= 0 && box[0] < box[2] && box[1] < box[3] && box[2] <= width &&
+               box[3] <= height))
+        PyErr_SetString(PyExc_ValueError, "the box must lie in the image");
+    else if ((scratch = malloc(resize_scratch_size(height, size))) == NULL)
+        PyErr_NoMemory();
+    else {
+        int failed;
+        Py_BEGIN_ALLOW_THREADS
+        failed = resize_crop(src.buf, stride, box[0], box[1], box[2], box[3], size, flip, out.buf, scratch);
+        Py_END_ALLOW_THREADS
+        result = failed ? PyErr_NoMemory() : Py_NewRef(Py_None);
+    }
+    free(scratch);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+static PyObject *resize_path(PyObject *self, PyObject *args) {
+    const char *name = NULL;
+    if (!PyArg_ParseTuple(args, "|z", &name))
+        return NULL;
+    if (name != NULL && resample_choose(name) < 0)
+        return PyErr_Format(PyExc_ValueError, "no resize path %s in this build or CPU", name);
+    return PyUnicode_FromString(resample_path());
+}
+
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, left, top, width, height, denom, check_all=True) -> (bytearray, x0, out_width): the rows and "
@@ -375,6 +416,12 @@ static PyMethodDef methods[] = {
      "crop_rows(jobs, out, size) -> [None or error]: each job (data, left, top, right, bottom, flip, denom, check_all, "
      "row) decoded crop-only at 1/denom, resized to size x size and written into row `row` of `out`, with the GIL "
      "released once for all (see the module's source)."},
+    {"resize", resize, METH_VARARGS,
+     "resize(src, height, width, left, top, right, bottom, size, flip, out): the box of an RGB image resized to size x "
+     "size into out, as crop_rows does; src holds SOURCE_SLACK readable bytes past its pixels."},
+    {"resize_path", resize_path, METH_VARARGS,
+     "resize_path(name=None) -> str: the resize's SIMD path, 'avx2', 'sse2' or 'c' (the same bytes); a name chooses "
+     "it, for tests and benchmarks, while no resize runs."},
     ROW_WORKER_METHODS
     {NULL, NULL, 0, NULL},
 };
@@ -385,9 +432,11 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "jpeg_region", NULL, 
 #define STRINGIFY(x) STRINGIFY_(x)
 
 PyMODINIT_FUNC PyInit_jpeg_region(void) {
+    resample_choose(NULL);
     PyObject *m = PyModule_Create(&module);
     /* The libjpeg-turbo it was built against (`dlstore doctor` shows it). */
-    if (m != NULL && PyModule_AddStringConstant(m, "libjpeg_turbo_version", STRINGIFY(LIBJPEG_TURBO_VERSION)) < 0) {
+    if (m != NULL && (PyModule_AddStringConstant(m, "libjpeg_turbo_version", STRINGIFY(LIBJPEG_TURBO_VERSION)) < 0 ||
+                      PyModule_AddIntConstant(m, "SOURCE_SLACK", SOURCE_SLACK) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

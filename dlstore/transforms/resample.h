@@ -17,4 +17,11 @@ size_t resize_scratch_size(int rows, int size);
 int resize_crop(const unsigned char *src, size_t stride, double left, double top, double right, double bottom,
                 int size, int flip, unsigned char *dst, unsigned char *scratch);
 
+/* Choose the SIMD path by name, "avx2", "sse2" or "c", or the best this CPU has for NULL. All give
+ * the same bytes. Returns -1 for a path this build or CPU lacks. Not while a resize runs. */
+int resample_choose(const char *name);
+
+/* The name of the path in use. */
+const char *resample_path(void);
+
 #endif

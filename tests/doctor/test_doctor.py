@@ -289,14 +289,16 @@ def test_decode_names_the_native_parts_and_how_to_get_the_missing_ones():
         return types.SimpleNamespace(
             simplejpeg=types.SimpleNamespace(__version__="1.9.0") if simplejpeg else None,
             cv2=types.SimpleNamespace(__version__="5.0.0") if cv2 else None,
-            jpeg_region=types.SimpleNamespace(libjpeg_turbo_version="2.1.5", crop_rows=None) if region else None,
+            jpeg_region=types.SimpleNamespace(libjpeg_turbo_version="2.1.5", crop_rows=None, resize_path=lambda: "avx2")
+            if region
+            else None,
             torch_resizes_uint8=lambda: torch_resize,
         )
 
     check = decode_check(parts())
     assert check.status == OK and check.summary == (
         "JPEG decode: simplejpeg 1.9.0; crop-only decode: libjpeg-turbo 2.1.5; batches: built by C threads that "
-        "never take the GIL; other transforms resize: OpenCV 5.0.0; tar headers: read in C"
+        "never take the GIL, resized in AVX2; other transforms resize: OpenCV 5.0.0; tar headers: read in C"
     )
     check = decode_check(parts(), headers_in_c=False)
     assert check.status == WARN and "tar headers: read in Python" in check.summary and "C compiler" in check.fix

@@ -4,14 +4,24 @@ the GIL released for the whole call."""
 from __future__ import annotations
 
 import io
+import platform
 import threading
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from dlstore.config import TransformConfig
-from dlstore.transforms import builds_rows_natively, crop_plan, crop_rows, jpeg_size, sample_rng, transform_image
+from dlstore.transforms import (
+    builds_rows_natively,
+    cpu_decode,
+    crop_plan,
+    crop_rows,
+    jpeg_size,
+    sample_rng,
+    transform_image,
+)
 
 pytestmark = pytest.mark.skipif(
     not builds_rows_natively(TransformConfig("train", 32)),
@@ -105,3 +115,81 @@ def test_the_call_lets_other_python_threads_run():
     stop.set()
     thread.join()
     assert during > 1000, during
+
+
+def _resize_paths() -> list[str]:
+    """The resize's SIMD paths this build and CPU have; the choice is put back."""
+    region = cpu_decode.jpeg_region
+    best, found = region.resize_path(), []
+    for name in ("avx2", "sse2", "c"):
+        try:
+            found.append(region.resize_path(name))
+        except ValueError:
+            pass
+    region.resize_path(best)
+    return found
+
+
+@pytest.fixture
+def resize_path():
+    """Chooses a resize path for a test and puts the best back after it."""
+    best = cpu_decode.jpeg_region.resize_path()
+    yield cpu_decode.jpeg_region.resize_path
+    cpu_decode.jpeg_region.resize_path(best)
+
+
+def test_every_resize_path_writes_the_same_bytes(resize_path):
+    """AVX2, SSE2 and plain C, over boxes from 1 px to 900 and outputs from 1 px to 224: each path
+    is only a faster way to the same integer sums."""
+    paths = _resize_paths()
+    assert "c" in paths and ("sse2" in paths) == (platform.machine() in ("x86_64", "AMD64"))
+    sizes = [(64, 50), (900, 700), (37, 120), (1, 1), (3, 200), (500, 2)]
+    datas = [_photo(w, h, seed) for seed, (w, h) in enumerate(sizes * 2)]
+    for size in (1, 5, 48, 224):
+        cfg = TransformConfig("train", size)
+        jobs = _jobs(datas, cfg)
+        outs = []
+        for name in paths:
+            resize_path(name)
+            out = np.zeros((len(datas), size, size, 3), np.uint8)
+            assert crop_rows(jobs, cfg, out) == [None] * len(datas)
+            outs.append(out)
+        for name, out in zip(paths[1:], outs[1:]):
+            assert np.array_equal(out, outs[0]), (size, name)
+    with pytest.raises(ValueError, match="no resize path"):
+        resize_path("neon" if "sse2" in paths else "avx2")
+
+
+@pytest.mark.parametrize("shape", [(300, 400), (90, 61), (224, 224), (40, 30)])
+def test_the_resize_matches_torchs_antialiased_kernel(shape):
+    """`resize` of a whole image against torch's uint8 antialiased bilinear, the per-image path's
+    resize: shrinks, enlargements and the identity, within rounding."""
+    height, width = shape
+    pixels = np.random.default_rng(height).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    src = np.zeros(pixels.size + cpu_decode.jpeg_region.SOURCE_SLACK, np.uint8)
+    src[: pixels.size] = pixels.reshape(-1)
+    for size, flip in [(224, False), (224, True), (17, False)]:
+        out = np.zeros((size, size, 3), np.uint8)
+        cpu_decode.jpeg_region.resize(src, height, width, 0, 0, width, height, size, flip, out)
+        image = torch.from_numpy(pixels).permute(2, 0, 1)[None]
+        expected = torch.nn.functional.interpolate(image, (size, size), mode="bilinear", antialias=True)
+        expected = expected[0].permute(1, 2, 0).numpy()
+        expected = expected[:, ::-1] if flip else expected
+        diff = np.abs(out.astype(float) - expected)
+        # On noise, a resize off by a pixel or without its filter is off by tens of levels.
+        assert diff.mean() <= 0.05 and diff.max() <= 1, (shape, size, diff.mean(), diff.max())
+    if (height, width) == (224, 224):
+        same = np.zeros((224, 224, 3), np.uint8)
+        cpu_decode.jpeg_region.resize(src, height, width, 0, 0, width, height, 224, False, same)
+        assert np.array_equal(same, pixels)
+
+
+def test_the_resize_refuses_a_box_outside_the_image_or_a_short_buffer():
+    region = cpu_decode.jpeg_region
+    src, out = np.zeros(10 * 10 * 3 + region.SOURCE_SLACK, np.uint8), np.zeros((4, 4, 3), np.uint8)
+    with pytest.raises(ValueError, match="box"):
+        region.resize(src, 10, 10, 0, 0, 11, 10, 4, False, out)
+    with pytest.raises(ValueError, match="SOURCE_SLACK"):
+        region.resize(src[:-1], 10, 10, 0, 0, 10, 10, 4, False, out)
+    with pytest.raises(ValueError, match="SOURCE_SLACK"):
+        region.resize(src, 10, 10, 0, 0, 10, 10, 5, False, out)
