@@ -13,8 +13,17 @@ setup(
     ext_modules=[
         Extension(
             "dlstore.transforms.jpeg_region",
-            ["dlstore/transforms/jpeg_region.c", "dlstore/transforms/resample.c", "dlstore/transforms/row_workers.c"],
-            depends=["dlstore/transforms/resample.h", "dlstore/transforms/row_workers.h"],
+            [
+                "dlstore/transforms/jpeg_region.c",
+                "dlstore/transforms/crop_draw.c",
+                "dlstore/transforms/resample.c",
+                "dlstore/transforms/row_workers.c",
+            ],
+            depends=[
+                "dlstore/transforms/crop_draw.h",
+                "dlstore/transforms/resample.h",
+                "dlstore/transforms/row_workers.h",
+            ],
             libraries=["jpeg"],
             optional=True,
         ),

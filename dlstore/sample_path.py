@@ -46,7 +46,7 @@ from dlstore.transforms import (
     crop_rows,
     decode_for_crop,
     device_jpeg,
-    jpeg_size,
+    is_jpeg,
     resize_crop,
 )
 
@@ -482,7 +482,7 @@ class SamplePath:
         where it does not serve. The thread engine hands them to C threads (`RowWorkers`)."""
         if rows is None or self.cfg.decode_on == "device" or not builds_rows_natively(self.cfg.transform):
             return None
-        transform, marks = self.cfg.transform, self._decode_marks()
+        marks, seed = self._decode_marks(), self.cfg.seed
         native = RowJobs([], [], [])
         for k, (sample, sample_id) in enumerate(zip(samples, ids)):
             try:
@@ -490,13 +490,11 @@ class SamplePath:
             except CorruptSample:
                 native.left.append(k)  # the per-image path says so
                 continue
-            size = jpeg_size(data)
-            if size is None:
+            if not is_jpeg(data):
                 native.left.append(k)
                 continue
-            box, flip = crop_plan(size[1], size[0], transform, self._rngs(self.cfg.seed, epoch, sample_id))
             known = self._known_to_decode(sample_id, marks)
-            native.jobs.append((data, box, flip, k, not known))
+            native.jobs.append((data, seed, epoch, sample_id, not known, k))  # C draws the crop
             native.taken.append((k, sample_id, label, known))
         return native
 

@@ -3,7 +3,7 @@
 Why: a decode thread that runs `crop_rows` takes the GIL back when the call returns. Beside a
 training loop's Python that wait lasts up to the switch interval (5 ms): a tenth of a thread's
 time at 64 images a chunk. Here `workers` threads serve `jpeg_region`'s row queue and wait only
-for work. A chunk's Python, its reads, crop draws and marks, runs in the engine's pool threads
+for work. A chunk's Python, its reads and marks, runs in the engine's pool threads
 before, and in one finishing thread after.
 """
 
@@ -34,10 +34,11 @@ class RowWorkers:
         # Garbage collection stops them too: the threads refer to the queue, not to this.
         self._stop = weakref.finalize(self, region.stop_rows, self.queue)
 
-    def start(self, calls: list[tuple], out, size: int, done: Callable[[list], None]) -> None:
-        """Build `calls` (`cpu_decode.row_calls`) into `out`; `done(errors)` runs once they are
-        built, in the finishing thread, with `crop_rows`' results. It must not raise."""
-        cpu_decode.jpeg_region.start_rows(self.queue, calls, out, size, done)
+    def start(self, jobs: list[tuple], out, crop: tuple, done: Callable[[list], None]) -> None:
+        """Build `jobs` (as `cpu_decode.crop_rows` takes them) into `out`, with `crop` from
+        `cpu_decode.crop_params`; `done(errors)` runs once they are built, in the finishing
+        thread, with `crop_rows`' results. It must not raise."""
+        cpu_decode.jpeg_region.start_rows(self.queue, jobs, out, crop, done)
 
     def stop(self) -> None:
         """The threads end once the lists started are built and handed out."""

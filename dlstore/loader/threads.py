@@ -9,8 +9,8 @@ time a thread takes the GIL back it may wait for the loop's switch interval. So 
 the rows (`builds_rows_natively`), `RowWorkers` threads that never take the GIL do it.
 
 How: each batch is cut into `threads` chunks of consecutive samples. A pool thread reads a
-chunk's samples from the node cache and draws their crops (`SamplePath.row_jobs`). The row
-workers decode, resize and flip each JPEG straight into its row of the batch's buffer. A
+chunk's samples from the node cache (`SamplePath.row_jobs`). The row workers draw each JPEG's
+crop, decode, resize and flip it straight into its row of the batch's buffer. A
 finishing thread marks them and takes what C turned down (`SamplePath.images_done`). Without
 the C part a pool thread does it all (`SamplePath.images`). Every thread builds the first batch
 at once; later batches queue behind it. The loop takes batch `j` when its chunks are done; by
@@ -40,7 +40,7 @@ from dlstore.loader.config import LoaderConfig
 from dlstore.loader.row_workers import RowWorkers
 from dlstore.loader.slots import BatchSlots, HandedBuffers
 from dlstore.sample_path import BatchRequest
-from dlstore.transforms import builds_rows_natively, row_calls
+from dlstore.transforms import builds_rows_natively, crop_params
 
 __all__ = ["ThreadEngine"]
 
@@ -232,7 +232,7 @@ class ThreadEngine:
 
     def _start_chunk(self, chunk: futures.Future, request: BatchRequest, lo: int, hi: int, images, rows) -> None:
         """`_chunk` with its C part handed to `rows`, the `RowWorkers`; `chunk` gets the result.
-        This thread reads and draws the crops, the finishing thread marks and takes what C
+        This thread reads the samples, the finishing thread marks and takes what C
         turned down. Neither waits for the GIL while the rows are built."""
         if not chunk.set_running_or_notify_cancel():
             return
@@ -257,7 +257,7 @@ class ThreadEngine:
 
         try:
             native = self.path.row_jobs(samples, ids.tolist(), request.epoch, out)
-            rows.start(row_calls(native.jobs, self.path.cfg.transform), out, self.path.cfg.transform.image_size, built)
+            rows.start(native.jobs, out, crop_params(self.path.cfg.transform), built)
         except BaseException as exc:
             release_views(samples)
             chunk.set_exception(exc)

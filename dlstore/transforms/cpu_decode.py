@@ -124,34 +124,28 @@ def builds_rows_natively(cfg: TransformConfig) -> bool:
     return jpeg_region is not None and hasattr(jpeg_region, "crop_rows") and cfg.preset != "none"
 
 
-def jpeg_size(data: bytes) -> tuple[int, int] | None:
-    """A JPEG's (height, width) from its header, read with the GIL held: no wait to take it back.
-    None for bytes `crop_rows` does not take; the per-image path then decides."""
-    if data[:2] != JPEG_MAGIC:
-        return None
-    try:
-        return jpeg_region.jpeg_size(data)
-    except ValueError:
-        return None
+def is_jpeg(data) -> bool:
+    """Whether `data` starts as a JPEG: `crop_rows` takes it, else the per-image path decodes it."""
+    return data[:2] == JPEG_MAGIC
 
 
 def crop_rows(jobs: list[tuple], cfg: TransformConfig, out: np.ndarray) -> list[str | None]:
     """Decode, crop, resize and flip each JPEG of `jobs` into its row of `out`, in one C call.
 
-    A job is `(data, box, flip, row, check_all)`: the box and flip from `crop_plan`, the row of
-    `out` (uint8, rows x size x size x 3, C-contiguous), and whether to read the whole stream.
-    Each JPEG decodes at `decode_for_crop`'s scale. The pixels are within rounding of
-    `transform_image`'s. The result is None per row written, else libjpeg's complaint; the
-    caller then takes the per-image path, which raises `CorruptSample` where it should."""
-    return jpeg_region.crop_rows(row_calls(jobs, cfg), out, cfg.image_size)
+    A job is `(data, seed, epoch, sample_id, check_all, row)`: C reads the JPEG's size and draws
+    the box and flip that `crop_plan` draws with `sample_rng(seed, epoch, sample_id)`, the same
+    numbers, so no Python runs per sample. Or `(data, left, top, right, bottom, flip, check_all,
+    row)`, for a box of the caller's. `row` is a row of `out` (uint8, rows x size x size x 3,
+    C-contiguous); `check_all`, whether to read the whole stream. Each JPEG decodes at
+    `decode_for_crop`'s scale. The pixels are within rounding of `transform_image`'s. The result
+    is None per row written, else libjpeg's complaint; the caller then takes the per-image path,
+    which raises `CorruptSample` where it should."""
+    return jpeg_region.crop_rows(jobs, out, crop_params(cfg))
 
 
-def row_calls(jobs: list[tuple], cfg: TransformConfig) -> list[tuple]:
-    """`crop_rows`' jobs as its C call takes them, as `jpeg_region.start_rows` does too."""
-    return [
-        (data, *(float(v) for v in box), flip, round(1 / _decode_scale(box, cfg)), check_all, row)
-        for data, box, flip, row, check_all in jobs
-    ]
+def crop_params(cfg: TransformConfig) -> tuple:
+    """`cfg`'s crop as `crop_rows`' C call takes it, as `jpeg_region.start_rows` does too."""
+    return (cfg.image_size, cfg.preset == "train", cfg.hflip, *cfg.scale, *cfg.ratio, cfg.crop_ratio)
 
 
 def check_kept_size(data: bytes, size: int) -> None:

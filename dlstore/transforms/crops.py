@@ -1,7 +1,8 @@
 """Crop planning: the random part of the presets, drawn from a per-sample generator.
 
 The generator is seeded by seed, epoch and sample id. A resumed run then crops and flips
-exactly as the uninterrupted one, whatever the worker count.
+exactly as the uninterrupted one, whatever the worker count. The row builder's C threads draw
+the same numbers (crop_draw.c): a change here must change that too, or its test fails.
 """
 
 from __future__ import annotations

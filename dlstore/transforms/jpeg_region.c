@@ -19,13 +19,12 @@
  * the image. Without check_all the rows below are never read: for a JPEG known to decode. The GIL is
  * released while libjpeg works.
  *
- *   jpeg_size(data) -> (height, width) or None
+ *   crop_rows(jobs, out, crop) -> [None or an error string, one per job]
  *
- * The header's size, read with the GIL held: a crop is drawn from it before the decode.
- *
- *   crop_rows(jobs, out, size) -> [None or an error string, one per job]
- *
- * A job is (data, left, top, right, bottom, flip, denom, check_all, row). Each is decoded as above,
+ * `crop` is a TransformConfig's crop (cpu_decode.crop_params: size, train, scale, ratio, hflip,
+ * crop_ratio). A job is (data, seed, epoch, sample_id, check_all, row), whose box and flip are drawn
+ * from the header's size as crops.py's `crop_plan` draws them (crop_draw.c), or (data, left, top,
+ * right, bottom, flip, check_all, row). Each is decoded as above at cpu_decode's `_decode_scale`,
  * resized to size x size with an antialiased triangle filter (resample.c), flipped when asked, and
  * written into row `row` of `out`, a C-contiguous uint8 buffer of rows of size x size x 3. The GIL is
  * released once for the whole list: beside a training loop's Python, each release costs a decode
@@ -46,6 +45,7 @@
 
 #include <jpeglib.h>
 
+#include "crop_draw.h"
 #include "resample.h"
 #include "row_workers.h"
 
@@ -98,12 +98,25 @@ typedef struct {
     int denom, check_all;
     int has_box;        /* the region is `box`, in the whole image's pixels, and a pixel more around */
     double box[4];      /* left, top, right, bottom */
+    const CropParams *crop; /* with has_box: the output size, and how to draw `box` */
+    int drawn, flip;    /* drawn: `box` and `flip` are drawn from `key` once the header is read */
+    uint64_t key[3];    /* seed, epoch, sample_id */
     int region[4];      /* else this: left, top, width, height, at the scale */
     size_t slack;       /* bytes malloc'd past the pixels */
     unsigned char *pixels; /* malloc'd: rows of out_width RGB pixels from column x0, row y0 */
     int x0, y0, out_width, rows;
     char message[JMSG_LENGTH_MAX];
 } Decode;
+
+/* cpu_decode's `_decode_scale`: the smallest of 1/8, 1/4 and 1/2 at which the box still covers
+ * the output size, else 1. */
+static int decode_denom(const double box[4], int size) {
+    double short_side = fmin(box[2] - box[0], box[3] - box[1]);
+    for (int denom = 8; denom > 1; denom /= 2)
+        if (short_side * (1.0 / denom) >= size)
+            return denom;
+    return 1;
+}
 
 /* Decode `job`'s region: 0, or -1 with `job->message` set (pixels then NULL). Takes no GIL. */
 static int decode_rows(Decode *job) {
@@ -126,10 +139,16 @@ static int decode_rows(Decode *job) {
         return -1;
     }
     jpeg_create_decompress(&cinfo);
-    if (job->denom != 1 && job->denom != 2 && job->denom != 4 && job->denom != 8)
-        fail(&err, "denom must be 1, 2, 4 or 8");
     jpeg_mem_src(&cinfo, job->data, (unsigned long)job->length);
     jpeg_read_header(&cinfo, TRUE);
+    if (job->has_box) {
+        if (job->drawn)
+            draw_crop(job->crop, (int)cinfo.image_width, (int)cinfo.image_height, job->key[0], job->key[1],
+                      job->key[2], job->box, &job->flip);
+        job->denom = decode_denom(job->box, job->crop->size);
+    }
+    if (job->denom != 1 && job->denom != 2 && job->denom != 4 && job->denom != 8)
+        fail(&err, "denom must be 1, 2, 4 or 8");
     cinfo.out_color_space = JCS_RGB;
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)job->denom;
@@ -215,45 +234,49 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     return out == NULL ? NULL : Py_BuildValue("(Nii)", out, job.x0, job.out_width);
 }
 
-static PyObject *jpeg_size(PyObject *self, PyObject *args) {
-    Py_buffer source;
-    if (!PyArg_ParseTuple(args, "y*", &source))
-        return NULL;
-    struct jpeg_decompress_struct cinfo;
-    ErrorManager err;
-    memset(&cinfo, 0, sizeof cinfo);
-    cinfo.err = jpeg_std_error(&err.pub);
-    err.pub.error_exit = raise_error;
-    err.pub.emit_message = on_message;
-    if (setjmp(err.jump)) {
-        jpeg_destroy_decompress(&cinfo);
-        PyBuffer_Release(&source);
-        PyErr_SetString(PyExc_ValueError, err.message);
-        return NULL;
-    }
-    /* The header only, with the GIL held: microseconds, and no wait to take it back. */
-    jpeg_create_decompress(&cinfo);
-    jpeg_mem_src(&cinfo, (const unsigned char *)source.buf, (unsigned long)source.len);
-    jpeg_read_header(&cinfo, TRUE);
-    PyObject *size = Py_BuildValue("(ii)", (int)cinfo.image_height, (int)cinfo.image_width);
-    jpeg_destroy_decompress(&cinfo);
-    PyBuffer_Release(&source);
-    return size;
-}
-
 /* One row of crop_rows: a region decode, then its resize into the batch. */
 typedef struct {
     Decode decode;
     Py_buffer source;
-    int flip, row, failed;
+    int row, failed;
 } Crop;
 
 struct Crops {
     Crop *crops;
     Py_ssize_t n, parsed;
     Py_buffer out;
+    CropParams params;
     int size, has_out;
 };
+
+/* A TransformConfig's crop from cpu_decode.crop_params' tuple: 0, or -1 with an exception set. */
+static int parse_crop(PyObject *crop, CropParams *p) {
+    if (!PyArg_ParseTuple(crop, "ippddddd;crop is (size, train, hflip, scale_lo, scale_hi, ratio_lo, ratio_hi, "
+                          "crop_ratio)", &p->size, &p->train, &p->hflip, &p->scale[0], &p->scale[1], &p->ratio[0],
+                          &p->ratio[1], &p->crop_ratio))
+        return -1;
+    if (p->size <= 0 || !(p->ratio[0] > 0 && p->ratio[1] > 0)) {
+        PyErr_SetString(PyExc_ValueError, "the crop's size and ratios must be positive");
+        return -1;
+    }
+    return 0;
+}
+
+/* One job of crop_rows' list into `crop`: 0, or -1 with an exception set and no buffer held. */
+static int parse_job(PyObject *job, Crop *crop) {
+    Decode *d = &crop->decode;
+    if (!PyTuple_Check(job) || (PyTuple_GET_SIZE(job) != 6 && PyTuple_GET_SIZE(job) != 8)) {
+        PyErr_SetString(PyExc_TypeError, "a job is (data, seed, epoch, sample_id, check_all, row) or (data, left, "
+                                         "top, right, bottom, flip, check_all, row)");
+        return -1;
+    }
+    d->drawn = PyTuple_GET_SIZE(job) == 6;
+    if (d->drawn) /* K: modulo 2 ** 64, as sample_rng's key */
+        return PyArg_ParseTuple(job, "y*KKKpi", &crop->source, &d->key[0], &d->key[1], &d->key[2], &d->check_all,
+                                &crop->row) ? 0 : -1;
+    return PyArg_ParseTuple(job, "y*ddddppi", &crop->source, &d->box[0], &d->box[1], &d->box[2], &d->box[3],
+                            &d->flip, &d->check_all, &crop->row) ? 0 : -1;
+}
 
 void crops_free(Crops *c) {
     if (c == NULL)
@@ -266,7 +289,7 @@ void crops_free(Crops *c) {
     free(c);
 }
 
-Crops *crops_parse(PyObject *jobs, PyObject *out, int size) {
+Crops *crops_parse(PyObject *jobs, PyObject *out, PyObject *crop_params) {
     Crops *c = calloc(1, sizeof(Crops));
     if (c == NULL)
         return (Crops *)PyErr_NoMemory();
@@ -274,25 +297,20 @@ Crops *crops_parse(PyObject *jobs, PyObject *out, int size) {
         PyErr_SetString(PyExc_TypeError, "jobs must be a list");
         goto fail;
     }
-    if (PyObject_GetBuffer(out, &c->out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+    if (parse_crop(crop_params, &c->params) < 0 ||
+        PyObject_GetBuffer(out, &c->out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
         goto fail;
-    c->has_out = 1, c->size = size, c->n = PyList_GET_SIZE(jobs);
+    c->has_out = 1, c->size = c->params.size, c->n = PyList_GET_SIZE(jobs);
     c->crops = calloc((size_t)(c->n > 0 ? c->n : 1), sizeof(Crop));
     if (c->crops == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
-    if (size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "size must be positive");
-        goto fail;
-    }
-    size_t image_bytes = (size_t)size * size * 3;
+    size_t image_bytes = (size_t)c->size * c->size * 3;
     for (; c->parsed < c->n; c->parsed++) {
         Crop *crop = &c->crops[c->parsed];
         Decode *d = &crop->decode;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(jobs, c->parsed), "y*ddddpipi;a job is (data, left, top, right, "
-                              "bottom, flip, denom, check_all, row)", &crop->source, &d->box[0], &d->box[1],
-                              &d->box[2], &d->box[3], &crop->flip, &d->denom, &d->check_all, &crop->row))
+        if (parse_job(PyList_GET_ITEM(jobs, c->parsed), crop) < 0)
             goto fail;
         if (crop->row < 0 || (size_t)(crop->row + 1) * image_bytes > (size_t)c->out.len) {
             PyBuffer_Release(&crop->source);
@@ -300,7 +318,7 @@ Crops *crops_parse(PyObject *jobs, PyObject *out, int size) {
             goto fail;
         }
         d->data = (const unsigned char *)crop->source.buf, d->length = (size_t)crop->source.len;
-        d->has_box = 1, d->slack = SOURCE_SLACK;
+        d->has_box = 1, d->slack = SOURCE_SLACK, d->crop = &c->params;
     }
     return c;
 fail:
@@ -327,7 +345,7 @@ void crops_run(Crops *c) {
         double *box = d->box;
         if (scratch == NULL ||
             resize_crop(d->pixels, (size_t)d->out_width * 3, box[0] - d->x0, box[1] - d->y0, box[2] - d->x0,
-                        box[3] - d->y0, c->size, crop->flip,
+                        box[3] - d->y0, c->size, d->flip,
                         (unsigned char *)c->out.buf + (size_t)crop->row * image_bytes, scratch) < 0) {
             snprintf(d->message, sizeof d->message, "out of memory");
             crop->failed = 1;
@@ -351,11 +369,10 @@ PyObject *crops_results(Crops *c) {
 }
 
 static PyObject *crop_rows(PyObject *self, PyObject *args) {
-    PyObject *jobs, *out;
-    int size;
-    if (!PyArg_ParseTuple(args, "O!Oi", &PyList_Type, &jobs, &out, &size))
+    PyObject *jobs, *out, *crop;
+    if (!PyArg_ParseTuple(args, "O!OO", &PyList_Type, &jobs, &out, &crop))
         return NULL;
-    Crops *c = crops_parse(jobs, out, size);
+    Crops *c = crops_parse(jobs, out, crop);
     if (c == NULL)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
@@ -364,6 +381,21 @@ static PyObject *crop_rows(PyObject *self, PyObject *args) {
     PyObject *results = crops_results(c);
     crops_free(c);
     return results;
+}
+
+static PyObject *draw_crop_py(PyObject *self, PyObject *args) {
+    PyObject *crop;
+    int width, height, flip;
+    unsigned long long seed, epoch, sample_id;
+    CropParams params;
+    double box[4];
+    if (!PyArg_ParseTuple(args, "OiiKKK", &crop, &width, &height, &seed, &epoch, &sample_id) ||
+        parse_crop(crop, &params) < 0)
+        return NULL;
+    if (width <= 0 || height <= 0)
+        return PyErr_Format(PyExc_ValueError, "an image of %d x %d pixels", width, height);
+    draw_crop(&params, width, height, seed, epoch, sample_id, box, &flip);
+    return Py_BuildValue("((dddd)O)", box[0], box[1], box[2], box[3], flip ? Py_True : Py_False);
 }
 
 static PyObject *resize(PyObject *self, PyObject *args) {
@@ -411,11 +443,11 @@ static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, left, top, width, height, denom, check_all=True) -> (bytearray, x0, out_width): the rows and "
      "columns of a JPEG that a region needs, scaled by 1/denom, RGB (see the module's source)."},
-    {"jpeg_size", jpeg_size, METH_VARARGS, "jpeg_size(data) -> (height, width), from the header, with the GIL held."},
     {"crop_rows", crop_rows, METH_VARARGS,
-     "crop_rows(jobs, out, size) -> [None or error]: each job (data, left, top, right, bottom, flip, denom, check_all, "
-     "row) decoded crop-only at 1/denom, resized to size x size and written into row `row` of `out`, with the GIL "
-     "released once for all (see the module's source)."},
+     "crop_rows(jobs, out, crop) -> [None or error]: each job's crop, drawn or given, decoded crop-only, resized and "
+     "written into its row of `out`, with the GIL released once for all (see the module's source)."},
+    {"draw_crop", draw_crop_py, METH_VARARGS,
+     "draw_crop(crop, width, height, seed, epoch, sample_id) -> (box, flip): the crop crop_rows draws for a job."},
     {"resize", resize, METH_VARARGS,
      "resize(src, height, width, left, top, right, bottom, size, flip, out): the box of an RGB image resized to size x "
      "size into out, as crop_rows does; src holds SOURCE_SLACK readable bytes past its pixels."},

@@ -6,7 +6,7 @@
  * nothing but work. Python threads prepare each list of jobs and start it; another takes the results.
  *
  *   queue = row_queue()
- *   start_rows(queue, jobs, out, size, token)   jobs as crop_rows takes them; the buffers are held
+ *   start_rows(queue, jobs, out, crop, token)   jobs as crop_rows takes them; the buffers are held
  *   serve_rows(queue)                           in a worker thread: runs lists, GIL released, till stopped
  *   next_done(queue) -> (token, results) | None the next list done, with crop_rows' results
  *   stop_rows(queue)                            workers end once the queue is empty; next_done once
@@ -98,9 +98,8 @@ PyObject *row_queue(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(args)) {
 }
 
 PyObject *start_rows(PyObject *Py_UNUSED(self), PyObject *args) {
-    PyObject *capsule, *jobs, *out, *token;
-    int size;
-    if (!PyArg_ParseTuple(args, "OO!OiO", &capsule, &PyList_Type, &jobs, &out, &size, &token))
+    PyObject *capsule, *jobs, *out, *crop, *token;
+    if (!PyArg_ParseTuple(args, "OO!OOO", &capsule, &PyList_Type, &jobs, &out, &crop, &token))
         return NULL;
     Queue *q = PyCapsule_GetPointer(capsule, CAPSULE);
     if (q == NULL)
@@ -108,7 +107,7 @@ PyObject *start_rows(PyObject *Py_UNUSED(self), PyObject *args) {
     Task *task = calloc(1, sizeof(Task));
     if (task == NULL)
         return PyErr_NoMemory();
-    task->crops = crops_parse(jobs, out, size);
+    task->crops = crops_parse(jobs, out, crop);
     if (task->crops == NULL) {
         free(task);
         return NULL;

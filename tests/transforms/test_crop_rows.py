@@ -16,9 +16,9 @@ from dlstore.config import TransformConfig
 from dlstore.transforms import (
     builds_rows_natively,
     cpu_decode,
+    crop_params,
     crop_plan,
     crop_rows,
-    jpeg_size,
     sample_rng,
     transform_image,
 )
@@ -40,13 +40,9 @@ def _photo(width: int, height: int, seed: int, subsampling: int = 2) -> bytes:
     return out.getvalue()
 
 
-def _jobs(datas: list[bytes], cfg: TransformConfig, epoch: int = 0) -> list[tuple]:
-    jobs = []
-    for row, data in enumerate(datas):
-        height, width = jpeg_size(data)
-        box, flip = crop_plan(width, height, cfg, sample_rng(7, epoch, row))
-        jobs.append((data, box, flip, row, True))
-    return jobs
+def _jobs(datas: list[bytes], epoch: int = 0) -> list[tuple]:
+    """Jobs whose crops C draws, seed 7, one sample id per row."""
+    return [(data, 7, epoch, row, True, row) for row, data in enumerate(datas)]
 
 
 @pytest.mark.parametrize("preset", ["train", "eval"])
@@ -57,7 +53,7 @@ def test_rows_match_the_per_image_transform_within_rounding(preset, subsampling)
     sizes = [(64, 50), (200, 150), (400, 330), (900, 700), (37, 120)]
     datas = [_photo(w, h, seed, subsampling) for seed, (w, h) in enumerate(sizes * 3)]
     out = np.zeros((len(datas), 48, 48, 3), np.uint8)
-    assert crop_rows(_jobs(datas, cfg), cfg, out) == [None] * len(datas)
+    assert crop_rows(_jobs(datas), cfg, out) == [None] * len(datas)
     expected = np.stack([transform_image(d, cfg, sample_rng(7, 0, row)) for row, d in enumerate(datas)])
     # Within rounding: a crop shifted by a pixel, or a resize without its filter, is off by
     # several levels on these noisy images; the issue's bound is 1/255 on the mean.
@@ -65,7 +61,7 @@ def test_rows_match_the_per_image_transform_within_rounding(preset, subsampling)
     assert per_image.mean() <= 0.1 and per_image.max() <= 0.5, per_image
     # A transform the test can see: another epoch's crops give other rows.
     other = np.zeros_like(out)
-    crop_rows(_jobs(datas, cfg, epoch=1), cfg, other)
+    crop_rows(_jobs(datas, epoch=1), cfg, other)
     if preset == "train":
         assert np.abs(other.astype(int) - out.astype(int)).mean() > 5
 
@@ -75,7 +71,7 @@ def test_a_flip_mirrors_the_row_exactly():
     data = _photo(300, 200, 3)
     out = np.zeros((2, 40, 40, 3), np.uint8)
     box = (10, 20, 250, 190)
-    assert crop_rows([(data, box, False, 0, True), (data, box, True, 1, True)], cfg, out) == [None, None]
+    assert crop_rows([(data, *box, False, True, 0), (data, *box, True, True, 1)], cfg, out) == [None, None]
     assert np.array_equal(out[1], out[0][:, ::-1])
 
 
@@ -84,20 +80,22 @@ def test_a_bad_jpeg_fails_its_row_alone():
     good = _photo(120, 90, 1)
     cut = good[: len(good) // 2]
     out = np.full((3, 32, 32, 3), 7, np.uint8)
-    results = crop_rows([(good, (0, 0, 120, 90), False, 0, True), (cut, (0, 0, 120, 90), False, 1, True),
-                         (good, (5, 5, 100, 80), False, 2, True)], cfg, out)  # fmt: skip
+    results = crop_rows([(good, 0, 0, 120, 90, False, True, 0), (cut, 7, 0, 1, True, 1),
+                         (good, 5, 5, 100, 80, False, True, 2)], cfg, out)  # fmt: skip
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], str) and results[1]
     assert (out[0] != 7).any() and (out[2] != 7).any()
     with pytest.raises(ValueError, match="outside"):
-        crop_rows([(good, (0, 0, 120, 90), False, 3, True)], cfg, out)  # no row 3
+        crop_rows([(good, 0, 0, 120, 90, False, True, 3)], cfg, out)  # no row 3
+    with pytest.raises(TypeError, match="a job is"):
+        crop_rows([(good, 0, 0, True, 0)], cfg, out)
 
 
 def test_the_call_lets_other_python_threads_run():
     """The GIL is released for the whole call: a Python thread counts on meanwhile."""
     cfg = TransformConfig("train", 224)
     datas = [_photo(800, 600, seed) for seed in range(4)]
-    jobs = _jobs(datas * 16, cfg)
+    jobs = _jobs(datas * 16)
     out = np.zeros((len(jobs), 224, 224, 3), np.uint8)
     counts, started, stop = [0], threading.Event(), threading.Event()
 
@@ -115,6 +113,35 @@ def test_the_call_lets_other_python_threads_run():
     stop.set()
     thread.join()
     assert during > 1000, during
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TransformConfig("train", 224),
+        TransformConfig("train", 32, scale=(0.5, 0.9), ratio=(0.2, 5.0), hflip=False),
+        TransformConfig("train", 64, scale=(0.9, 1.0), ratio=(1.9, 2.0)),  # often none of the 10 tries fits
+        TransformConfig("eval", 48, crop_ratio=0.5),
+    ],
+)
+def test_c_draws_the_crops_of_crop_plan_bit_for_bit(cfg):
+    """The C draw against `crop_plan` with `sample_rng`: numpy's Philox, `uniform`, `integers`
+    (with Lemire's rejections) and `random`, and the fallback. Tiny and vast images, and seeds
+    and ids that `sample_rng` takes modulo 2 ** 64."""
+    rng = np.random.default_rng(5)
+    params = crop_params(cfg)
+    for _ in range(1500):
+        # Sides near 2 ** 31 make Lemire's rejections common.
+        sides = [1, 2, 3, rng.integers(1, 6000), rng.integers(100, 600), rng.integers(2**30, 2**31 - 1)]
+        width, height = (int(rng.choice(sides)) for _ in "wh")
+        seed = int(rng.choice([0, 7, -1, 2**64 + 5, int(rng.integers(0, 2**62)) * 8 - 2**64]))
+        epoch, sample_id = (
+            int(rng.choice([0, 1, rng.integers(0, 2**30)])),
+            int(rng.choice([0, -3, rng.integers(0, 10**7)])),
+        )
+        box, flip = crop_plan(width, height, cfg, sample_rng(seed, epoch, sample_id))
+        drawn = cpu_decode.jpeg_region.draw_crop(params, width, height, seed, epoch, sample_id)
+        assert drawn == (tuple(float(v) for v in box), flip), (width, height, seed, epoch, sample_id)
 
 
 def _resize_paths() -> list[str]:
@@ -147,7 +174,7 @@ def test_every_resize_path_writes_the_same_bytes(resize_path):
     datas = [_photo(w, h, seed) for seed, (w, h) in enumerate(sizes * 2)]
     for size in (1, 5, 48, 224):
         cfg = TransformConfig("train", size)
-        jobs = _jobs(datas, cfg)
+        jobs = _jobs(datas)
         outs = []
         for name in paths:
             resize_path(name)
