@@ -572,7 +572,7 @@ class SamplePath:
 
     def batch_dict(self, index: int, images: torch.Tensor, labels: list, keys: list, padding: list) -> dict:
         """The batch as the loader hands it on: uint8 NHWC images, labels, padding marks, keys."""
-        # Made by numpy: `torch.tensor` lets go of the GIL, and each let-go costs a wait for it.
+        # Made by numpy: `torch.tensor` lets go of the GIL (see `dlstore.loader.threads`).
         batch: dict[str, Any] = {
             "images": images,
             "labels": torch.from_numpy(np.array(labels, dtype=np.int64)),

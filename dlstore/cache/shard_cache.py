@@ -229,8 +229,8 @@ class ShardCache:
     def _prefetch_shard(self, rt: Runtime, spec: ShardSpec, sooner: frozenset[str], priority: int) -> int | None:
         """The prefetch's fetch of `spec`, as `start_prefetch` asks. A shard in use (`priority`
         0) is also mapped here, in a process whose readers map: their first read then takes no
-        system call. Each call lets go of the GIL, and beside a training loop each let-go costs
-        a decode thread a wait of up to 5 ms. A shard mapped here already is done. The epoch
+        system call, which lets go of the GIL (why that costs: `dlstore.loader.threads`). A shard
+        mapped here already is done. The epoch
         is read when the shard is fetched."""
         if rt.mapped.holds(spec.name):
             return PREFETCH_DROPPED

@@ -114,7 +114,7 @@ class GpuPrefetcher:
 
     def _moved(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` on the device. One there already is passed as it is: even a no-op `to` lets
-        go of the GIL, and each let-go costs the loop a wait to take it back."""
+        go of the GIL (see `dlstore.loader.threads`)."""
         return tensor if tensor.device == self.device else tensor.to(self.device, non_blocking=True)
 
     def _drop_undecodable(self, batch: dict, bad: list[int]) -> dict:

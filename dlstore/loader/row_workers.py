@@ -1,8 +1,7 @@
 """C threads that build a batch's rows without ever taking the GIL, for the thread engine.
 
-Why: a decode thread that runs `crop_rows` takes the GIL back when the call returns. Beside a
-training loop's Python that wait lasts up to the switch interval (5 ms): a tenth of a thread's
-time at 64 images a chunk. Here `workers` threads serve `jpeg_region`'s row queue and wait only
+Why: a decode thread that runs `crop_rows` takes the GIL back when the call returns, a wait of
+up to 5 ms beside a training loop (`dlstore.loader.threads`). Here `workers` threads serve `jpeg_region`'s row queue and wait only
 for work. A chunk's Python, its reads and marks, runs in the engine's pool threads
 before, and in one finishing thread after.
 """

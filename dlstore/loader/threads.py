@@ -5,8 +5,10 @@ processes without their costs. Processes need a fork of a threaded process, whic
 a held lock. Each also needs a torch import, shared memory and a pickled hand-off per batch.
 
 Where threads lost: beside a GPU training loop, whose Python shares the GIL with them. Each
-time a thread takes the GIL back it may wait for the loop's switch interval. So where C builds
-the rows (`builds_rows_natively`), `RowWorkers` threads that never take the GIL do it.
+time a thread takes the GIL back it may wait for the loop's switch interval (5 ms). So on a
+warm batch's path nothing lets go of the GIL but the C that builds the rows: no numpy sort, no
+torch call, no system call. The modules that avoid one point here. Where C builds the rows
+(`builds_rows_natively`), `RowWorkers` threads that never take the GIL do it.
 
 How: each batch is cut into `threads` chunks of consecutive samples. A pool thread reads a
 chunk's samples from the node cache (`SamplePath.row_jobs`). The row workers draw each JPEG's

@@ -374,5 +374,5 @@ def node_ranges(shard_sizes: Sequence[int] | np.ndarray, cfg: PlanConfig, world:
 
 def _unique_in_order(values: np.ndarray) -> np.ndarray:
     """The distinct values in order of first appearance. By a dict, not `np.unique`: the loader
-    asks it per batch, and numpy's sort lets go of the GIL, a wait to take it back."""
+    asks it per batch, and numpy's sort lets go of the GIL (see `dlstore.loader.threads`)."""
     return np.array(list(dict.fromkeys(values.tolist())), dtype=values.dtype)

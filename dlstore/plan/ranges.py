@@ -73,8 +73,7 @@ def locate(ids: Sequence[int] | np.ndarray, shard_sizes: Sequence[int] | np.ndar
 def by_shard(ids: Sequence[int], shard_ends: Sequence[int]) -> dict[int, tuple[list[int], list[int]]]:
     """`ids` by shard, in shard order: each shard's positions in `ids` and its samples' indexes
     there. `shard_ends` is the cumulative sum of the shard sizes, as a list. `locate` in pure
-    Python, for the decode threads: numpy's sort lets go of the GIL, and beside a training loop's
-    Python each let-go costs a thread a wait of up to the switch interval.
+    Python, for the decode threads: numpy's sort lets go of the GIL (see `dlstore.loader.threads`).
 
     >>> by_shard([0, 3, 4], [3, 3, 5])
     {0: ([0], [0]), 2: ([1, 2], [0, 1])}

@@ -290,8 +290,7 @@ def _resize_with_torch(pixels: np.ndarray, box, flip: bool, size: int, out: np.n
     if not (crop.flags.c_contiguous and crop.flags.writeable):  # torch takes no read-only arrays
         crop = np.array(crop)
     target = out if out is not None else np.empty((size, size, 3), dtype=np.uint8)
-    # NCHW views made by numpy, one torch call each. Every torch call lets go of the GIL, and
-    # beside other decode threads each let-go can cost a wait to get it back.
+    # NCHW views made by numpy, one torch call each: every torch call lets go of the GIL.
     source = torch.from_numpy(crop.transpose(2, 0, 1)[np.newaxis])
     dest = torch.from_numpy(target.transpose(2, 0, 1)[np.newaxis])
     try:

@@ -57,12 +57,14 @@ static Task *pop(Task **head, Task **tail) {
 }
 
 static void free_queue(PyObject *capsule) {
-    /* Only once nothing refers to it: no worker, no list (each holds the capsule through its caller). */
+    /* Once nothing refers to it, with the GIL: the threads that serve it hold it through their
+     * arguments, so they have ended. Lists still queued or not handed out are dropped here. */
     Queue *q = PyCapsule_GetPointer(capsule, CAPSULE);
     if (q == NULL)
         return;
     Task *task;
-    while ((task = pop(&q->finished, &q->finished_tail)) != NULL) {
+    while ((task = pop(&q->queued, &q->queued_tail)) != NULL ||
+           (task = pop(&q->finished, &q->finished_tail)) != NULL) {
         crops_free(task->crops);
         Py_DECREF(task->token);
         free(task);
