@@ -70,7 +70,7 @@ peers_sizes=(--images 8000 --shards 32 --batch-size 256 --single-core-samples 30
 engines_sizes=(--images 4000)
 if [[ $DRY == 1 ]]; then
     device=cpu
-    gpu_sizes=(--images 512 --steps 30 --skip-steps 5 --demand-steps 4 --model resnet18 --batch-size 16 --decode worker)
+    gpu_sizes=(--images 512 --steps 20 --skip-steps 5 --demand-steps 4 --model resnet18 --batch-size 16 --decode worker)
     gil_sizes=(--images 200 --seconds 1)
     bench_sizes=(--quick)
     peers_sizes=(--images 400 --shards 4 --batch-size 32 --single-core-samples 40)

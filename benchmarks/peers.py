@@ -76,11 +76,12 @@ def rss_of_engine(data: Data, args) -> dict:
         pipelines.epoch_marks(candidate.batches, 0)
         with PeakRss() as peak:
             pipelines.epoch_marks(candidate.batches, 1)
-        pss = tree_pss()
+        pss, pss_private = tree_pss()
     finally:
         candidate.close()
     return {"engine": args.rss_child, "workers": args.rss_workers, "before_loader_mb": before / 1e6,
-            "peak_rss_mb": peak.peak / 1e6, "pss_after_epoch_mb": pss / 1e6}  # fmt: skip
+            "peak_rss_mb": peak.peak / 1e6, "pss_after_epoch_mb": pss / 1e6,
+            "pss_anon_shmem_mb": pss_private / 1e6}  # fmt: skip
 
 
 def rss_in_fresh_process(args, root: Path, engine: str, seconds: float) -> dict:
@@ -128,7 +129,7 @@ def print_report(results: dict) -> None:
     for rss in results["rss"].values():
         print(f"  {rss['engine']:<9} x{rss['workers']}: peak RSS {rss['peak_rss_mb']:7.0f} MB "
               f"(before the loader {rss['before_loader_mb']:.0f} MB); PSS after the epoch "
-              f"{rss['pss_after_epoch_mb']:.0f} MB")  # fmt: skip
+              f"{rss['pss_after_epoch_mb']:.0f} MB, {rss.get('pss_anon_shmem_mb', 0):.0f} MB without file pages")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -119,13 +119,19 @@ def tree_rss() -> int:
     return sum(rss for _, rss in tree_usage().values())
 
 
-def tree_pss() -> int:
-    """Proportional set size of the tree: pages shared by workers count once in all."""
-    total = 0
+def tree_pss() -> tuple[int, int]:
+    """Proportional set size of the tree, pages shared by workers counted once in all: the
+    whole, and its anonymous and shared memory alone, without file pages (libraries, and the
+    mapped shards: clean page cache the kernel may drop). The second is 0 where Linux's
+    smaps_rollup is missing."""
+    total = private = 0
     for proc in process_tree():
-        with contextlib.suppress(psutil.Error):
+        with contextlib.suppress(psutil.Error, OSError):
             total += proc.memory_full_info().pss
-    return total
+            with open(f"/proc/{proc.pid}/smaps_rollup") as rollup:
+                fields = dict(line.split()[:2] for line in rollup if line.startswith("Pss_"))
+            private += (int(fields.get("Pss_Anon:", 0)) + int(fields.get("Pss_Shmem:", 0))) * 1024
+    return total, private
 
 
 def own_cpu_s(children: bool = False) -> float:
